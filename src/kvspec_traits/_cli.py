@@ -1,0 +1,127 @@
+"""The ``kvspec-traits`` command: ``report`` (the main job) and ``audit``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+__all__ = ["main"]
+
+
+@dataclass
+class _Row:
+    spec_class: str
+    label: str
+    status: str  # "verified" | "refused as required" | error text
+    ok: bool
+    traits: dict[str, Any] = field(default_factory=dict)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Fraction):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "value") and hasattr(value, "name"):  # enums
+        return value.value
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: _jsonable(getattr(value, k)) for k in value.__dataclass_fields__}
+    return value
+
+
+def _collect() -> tuple[list[_Row], list[str], list[str], str]:
+    import vllm
+
+    from kvspec_traits import UnsupportedSpecError, traits_as_dict, traits_of
+    from kvspec_traits.catalog import refused_specs, representative_specs, spec_classes
+
+    rows: list[_Row] = []
+    covered: set[str] = set()
+    for entry in representative_specs():
+        name = type(entry.spec).__qualname__
+        try:
+            traits = traits_of(entry.spec)
+            rows.append(_Row(name, entry.label, "verified", True,
+                             {k: _jsonable(v) for k, v in traits_as_dict(traits).items()}))
+            covered.add(name)
+        except Exception as exc:  # the report shows every failure, then exits non-zero
+            rows.append(_Row(name, entry.label, f"{type(exc).__name__}: {exc}", False))
+    for entry in refused_specs():
+        name = type(entry.spec).__qualname__
+        try:
+            traits_of(entry.spec)
+        except UnsupportedSpecError:
+            rows.append(_Row(name, entry.label, "refused as required", True))
+            covered.add(name)
+        else:
+            rows.append(_Row(name, entry.label, "answered, but must be refused", False))
+    found = [c.__qualname__ for c in spec_classes()]
+    missing = [c for c in found if c not in covered]
+    return rows, found, missing, vllm.__version__
+
+
+_TP_SHORT = {"replicated": "repl", "head_sharded": "heads", "state_sharded": "state"}
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _report(args: argparse.Namespace) -> int:
+    rows, found, missing, version = _collect()
+    ok = all(r.ok for r in rows) and not missing
+    if args.json:
+        json.dump({"vllm_version": version, "ok": ok, "classes_found": found,
+                   "classes_not_covered": missing,
+                   "rows": [r.__dict__ for r in rows]}, sys.stdout, indent=2)
+        print()
+        return 0 if ok else 1
+    print(f"kvspec-traits report: vLLM {version}")
+    head = (f"{'spec class':<24} {'example':<30} {'mla':<3} {'tp':<6} {'scope':<17} "
+            f"{'page B':>8} {'B/tok':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        t = r.traits
+        if r.ok and t:
+            print(f"{r.spec_class[:24]:<24} {r.label[:30]:<30} {'yes' if t['is_mla'] else 'no':<3} "
+                  f"{_TP_SHORT[t['tp_layout']]:<6} {t['token_scope']:<17} "
+                  f"{t['page_size_bytes']:>8} {_fmt(t['per_token_bytes']):>6}")
+        else:
+            print(f"{r.spec_class[:24]:<24} {r.label[:30]:<30} {r.status[:44]}")
+    print("tp: repl = replicated on every TP rank, heads = split by KV heads, "
+          "state = split recurrent state")
+    print("-" * len(head))
+    failed = [r for r in rows if not r.ok]
+    for r in failed:
+        print(f"FAILED {r.spec_class} ({r.label}): {r.status}")
+    print(f"coverage: {len(found) - len(missing)}/{len(found)} spec classes of vLLM {version} "
+          f"covered; {sum(r.ok for r in rows)}/{len(rows)} examples verified")
+    if missing:
+        print("not covered: " + ", ".join(missing))
+    print("OK" if ok else "NOT OK")
+    return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvspec-traits", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    rep = sub.add_parser("report", help="traits of every vLLM KV spec class, verified")
+    rep.add_argument("--json", action="store_true", help="machine-readable output")
+    sub.add_parser("audit", help="find branches on KV spec classes in connector code",
+                   add_help=False)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["audit"]:
+        from kvspec_traits.audit import main as audit_main
+
+        return audit_main(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "report":
+        return _report(args)
+    parser.print_help()
+    return 2
