@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -117,8 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["audit"]:
-        from kvspec_traits.audit import main as audit_main
-
+        # Imported by name: the audit package loads only for this sub-command.
+        audit_main: Callable[[list[str]], int] = importlib.import_module(
+            "kvspec_traits.audit").main
         return audit_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "report":

@@ -204,8 +204,10 @@ class Registry:
         self._by_value.clear()
 
     def _ensure_loaded(self) -> None:
-        if self._loaded:
-            return
+        if not self._loaded:
+            self._load()
+
+    def _load(self) -> None:
         with self._lock:
             if self._loaded:
                 return
