@@ -1,0 +1,80 @@
+"""NIXL shim: plan KV cache regions from layout traits, register them, move blocks.
+
+The planner (:func:`plan_regions`), the descriptor builders and the handshake are pure
+and import neither NIXL nor vLLM; :class:`TraitsNixlAgent` imports ``nixl._api`` when
+it is constructed. See ``docs/nixl.md``.
+"""
+
+from kvspec_traits.nixl._descs import (
+    BlockIds,
+    Read,
+    TransferItems,
+    block_desc_ids,
+    build_block_descs,
+    build_state_descs,
+    merge_runs,
+    peer_regions,
+    tp_reads,
+    transfer_items,
+)
+from kvspec_traits.nixl._errors import (
+    HandshakeMismatchError,
+    MalformedMetadataError,
+    RegionConflictError,
+    TransferFailedError,
+    UnsupportedLayoutError,
+)
+from kvspec_traits.nixl._handshake import (
+    FINGERPRINT_VERSION,
+    WIRE_VERSION,
+    PeerMetadata,
+    PeerRegion,
+    PlanFingerprint,
+    check_handshake,
+    decode_metadata,
+    encode_metadata,
+)
+from kvspec_traits.nixl._plan import (
+    SHARED_REGION_GROUP_ID,
+    MemoryRange,
+    Region,
+    RegionPlan,
+    StateComponent,
+    plan_regions,
+    region_sort_key,
+    shard_count,
+)
+
+__all__ = [
+    "FINGERPRINT_VERSION",
+    "SHARED_REGION_GROUP_ID",
+    "WIRE_VERSION",
+    "HandshakeMismatchError",
+    "MalformedMetadataError",
+    "MemoryRange",
+    "PeerMetadata",
+    "PeerRegion",
+    "PlanFingerprint",
+    "Region",
+    "RegionConflictError",
+    "RegionPlan",
+    "StateComponent",
+    "TransferFailedError",
+    "TransferItems",
+    "UnsupportedLayoutError",
+    "BlockIds",
+    "Read",
+    "block_desc_ids",
+    "build_block_descs",
+    "build_state_descs",
+    "check_handshake",
+    "decode_metadata",
+    "encode_metadata",
+    "merge_runs",
+    "peer_regions",
+    "plan_regions",
+    "region_sort_key",
+    "shard_count",
+    "tp_reads",
+    "transfer_items",
+]

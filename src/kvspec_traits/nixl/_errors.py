@@ -1,0 +1,90 @@
+"""Named errors of the NIXL shim. Each carries the region or message it is about."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "HandshakeMismatchError",
+    "MalformedMetadataError",
+    "RegionConflictError",
+    "TransferFailedError",
+    "TraitDiff",
+    "UnsupportedLayoutError",
+]
+
+TraitDiff = tuple[str, object, object]
+"""``(trait, local value, remote value)``."""
+
+
+class RegionConflictError(ValueError):
+    """Layers that share one storage region disagree on a fact the region needs.
+
+    ``.region`` is the region name, ``.layers`` its member layers, ``.trait`` the fact
+    and ``.values`` each layer's value.
+    """
+
+    def __init__(self, region: str, layers: Sequence[str], trait: str,
+                 values: Mapping[str, object]) -> None:
+        self.region = region
+        self.layers = tuple(layers)
+        self.trait = trait
+        self.values = dict(values)
+        shown = ", ".join(f"{layer}={value!r}" for layer, value in self.values.items())
+        super().__init__(
+            f"region {region!r} (layers {list(self.layers)}) cannot be transferred as one "
+            f"region: its layers disagree on {trait} ({shown})"
+        )
+
+
+class UnsupportedLayoutError(ValueError):
+    """A cache tensor's shape or strides cannot be described as NIXL regions.
+
+    ``.layer`` names the layer.
+    """
+
+    def __init__(self, layer: str, reason: str) -> None:
+        self.layer = layer
+        super().__init__(f"layer {layer!r}: {reason}")
+
+
+class HandshakeMismatchError(ValueError):
+    """Producer and consumer disagree on a region: no transfer may start.
+
+    ``.region`` is the region index (``None`` when the region count or plan-wide facts
+    differ), ``.region_name`` and ``.layers`` name it, ``.diffs`` lists
+    ``(trait, local, remote)`` for every differing trait.
+    """
+
+    def __init__(self, region: int | None, region_name: str, layers: Sequence[str],
+                 diffs: Sequence[TraitDiff]) -> None:
+        self.region = region
+        self.region_name = region_name
+        self.layers = tuple(layers)
+        self.diffs = tuple(diffs)
+        where = (f"region {region} {region_name!r} (layers {list(self.layers)})"
+                 if region is not None else f"the plan ({region_name})")
+        what = "; ".join(f"{trait}: local={local!r} remote={remote!r}"
+                         for trait, local, remote in self.diffs)
+        super().__init__(
+            f"KV layout handshake refused: producer and consumer differ on {where}: {what}"
+        )
+
+
+class MalformedMetadataError(ValueError):
+    """Handshake metadata that cannot be decoded (truncated, wrong magic or version,
+    invalid JSON, missing fields). ``.reason`` says which."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"malformed kvspec-traits NIXL metadata: {reason}")
+
+
+class TransferFailedError(RuntimeError):
+    """A NIXL transfer ended in error or did not finish in time; its blocks were not
+    received. ``.state`` is the last NIXL state (``"ERR"``, ``"PROC"`` on timeout or an
+    error text)."""
+
+    def __init__(self, message: str, state: str) -> None:
+        self.state = state
+        super().__init__(message)

@@ -1,0 +1,529 @@
+"""Region planning: per-layer KV cache tensors -> NIXL regions, decided from traits alone.
+
+Pure: imports neither NIXL nor vLLM nor torch at import time. A tensor is read only for
+its address, shape, strides, element size and storage; a spec only through
+``Registry.traits_of`` (one call per layer, or one per group spec), so no decision here
+names a spec class.
+
+The records mirror vLLM's NIXL worker bookkeeping (``kv_caches_base_addr``,
+``block_len_per_layer``, ``block_stride_per_layer``, ``region_num_blocks``,
+``region_group_ids``, ``region_names``, ``_region_is_mla``, ``_ssm_region_indices``,
+``_scratch_region_indices``) so a connector can compare them field by field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from math import prod
+from typing import TYPE_CHECKING, Any, Final
+
+from kvspec_traits._group import GroupTraits
+from kvspec_traits._registry import Registry, default_registry
+from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
+from kvspec_traits.nixl._errors import RegionConflictError, UnsupportedLayoutError
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+
+    from kvspec_traits.nixl._handshake import PlanFingerprint
+
+__all__ = [
+    "SHARED_REGION_GROUP_ID",
+    "MemoryRange",
+    "Region",
+    "RegionPlan",
+    "StateComponent",
+    "plan_regions",
+    "region_sort_key",
+    "shard_count",
+]
+
+SHARED_REGION_GROUP_ID: Final = -1
+"""Group id of a region whose layers belong to several cache groups (vLLM's
+``_SHARED_REGION_GROUP_ID``)."""
+
+
+def region_sort_key(layer_name: str) -> tuple[tuple[int, int | str], ...]:
+    """Model-layer order (``layers.2`` before ``layers.10``), then cache name; the
+    same key as vLLM's ``_region_sort_key`` so region order matches upstream."""
+    return tuple(
+        (0, int(part)) if part.isdigit() else (1, part)
+        for part in re.split(r"(\d+)", layer_name)
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateComponent:
+    """One tensor of a recurrent-state page (a Mamba conv or SSM state): a NIXL
+    sub-region at ``offset`` bytes into each block, ``nbytes`` long."""
+
+    name: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryRange:
+    """One range to register with NIXL (a whole storage allocation)."""
+
+    base: int
+    length: int
+    device_id: int
+    mem_type: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Region:
+    """One NIXL region: ``num_blocks`` blocks of ``block_len`` bytes, ``block_stride``
+    apart from ``base_addr``, shared by ``layers``.
+
+    Every trait below is decided from all member layers: members that disagree on a
+    fact the transfer needs raise :class:`RegionConflictError` at planning time.
+    """
+
+    index: int
+    name: str
+    """The first member layer in model order (vLLM's ``region_names``)."""
+    layers: tuple[str, ...]
+    base_addr: int
+    block_len: int
+    """Bytes moved per block: the largest member page (a ring overlaying an MLA page
+    moves whichever is longer, never the first-registered one)."""
+    block_stride: int
+    num_blocks: int
+    mem_type: str
+    device_id: int
+    group_id: int
+    """The cache group of every member, or :data:`SHARED_REGION_GROUP_ID`."""
+    group_ids: tuple[int, ...]
+    tp_layout: TPLayout
+    """Of the paged members if any, else of the state members."""
+    tp_shards: int | None
+    replicated: bool
+    """Same bytes on every TP rank (vLLM's REPLICATE / ``_region_is_mla``)."""
+    paged: bool
+    """Has a paged (token-addressed) member."""
+    state: bool
+    """Has a recurrent-state member (its blocks hold :attr:`state_components`)."""
+    state_tp_layout: TPLayout | None
+    state_components: tuple[StateComponent, ...]
+    scratch: bool
+    """Has a ring-buffer member (vLLM's ``_scratch_region_indices``)."""
+    token_scopes: tuple[TokenScope, ...]
+    dtypes: tuple[str, ...]
+    kv_quant_modes: tuple[str, ...]
+    num_head_slots: int | None
+    """Head slots of a head-sharded region on this rank (``None`` if replicated)."""
+    head_major: bool
+    """A head slice of one block is one contiguous byte run (heads outermost in the
+    page), which is what splitting a block by heads across TP ranks needs."""
+    head_segment: tuple[int, int] | None = None
+    """``(head, heads)`` when the layout puts heads outside blocks and this region is
+    one head's segment of a layer."""
+    transferable: bool = True
+
+    def traits_record(self, tp_size: int) -> dict[str, Any]:
+        """The canonical, TP-independent facts of this region (for the fingerprint).
+
+        Sizes of a split region are scaled to the whole TP group, so producer and
+        consumer with different TP sizes compare equal when their layouts agree.
+        """
+        shards = _shard_count(self.tp_layout, self.tp_shards, tp_size)
+        state_shards = (_shard_count(self.state_tp_layout, None, tp_size)
+                        if self.state_tp_layout is not None else 1)
+        scale = 1 if self.replicated or not self.paged else shards
+        return {
+            "name": self.name,
+            "layers": list(self.layers),
+            "block_len": self.block_len * (scale if self.paged else state_shards),
+            "replicated": self.replicated,
+            "tp_layout": self.tp_layout.value,
+            "tp_shards": self.tp_shards,
+            "paged": self.paged,
+            "state": self.state,
+            "state_tp_layout": None if self.state_tp_layout is None
+            else self.state_tp_layout.value,
+            "state_components": [[c.name, c.nbytes * state_shards]
+                                 for c in self.state_components],
+            "scratch": self.scratch,
+            "scope": [s.value for s in self.token_scopes],
+            "dtype": list(self.dtypes),
+            "kv_quant_mode": list(self.kv_quant_modes),
+            "num_head_slots": None if self.num_head_slots is None
+            else self.num_head_slots * scale,
+            "head_segment": None if self.head_segment is None else list(self.head_segment),
+            "group_id": self.group_id,
+        }
+
+
+def _shard_count(layout: TPLayout, tp_shards: int | None, tp_size: int) -> int:
+    """Distinct shards of a cache across ``tp_size`` ranks."""
+    if layout is TPLayout.REPLICATED:
+        return 1
+    if tp_shards is None:
+        return tp_size
+    return min(tp_shards, tp_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegionPlan:
+    """The regions of one rank's KV cache, in transfer order, and what to register."""
+
+    regions: tuple[Region, ...]
+    registrations: tuple[MemoryRange, ...]
+    num_blocks: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    skipped_layers: Mapping[str, str] = field(default_factory=dict)
+    """Layers with no region, and why (not transferable, no spec)."""
+
+    # -- upstream-shaped views (vLLM NixlConnectorWorker field names) ---------------
+    @property
+    def base_addresses(self) -> list[int]:
+        return [r.base_addr for r in self.regions]
+
+    @property
+    def block_lens(self) -> list[int]:
+        return [r.block_len for r in self.regions]
+
+    @property
+    def block_strides(self) -> list[int]:
+        return [r.block_stride for r in self.regions]
+
+    @property
+    def region_num_blocks(self) -> list[int]:
+        return [r.num_blocks for r in self.regions]
+
+    @property
+    def region_group_ids(self) -> list[int]:
+        return [r.group_id for r in self.regions]
+
+    @property
+    def region_names(self) -> list[str]:
+        return [r.name for r in self.regions]
+
+    @property
+    def region_replicated(self) -> list[bool]:
+        """vLLM's ``_region_is_mla``: REPLICATE (True) or SPLIT (False) per region."""
+        return [r.replicated for r in self.regions]
+
+    @property
+    def state_region_indices(self) -> list[int]:
+        """Regions holding a TP-sharded recurrent state (vLLM's ``_ssm_region_indices``)."""
+        return [r.index for r in self.regions
+                if r.state and r.state_tp_layout is not TPLayout.REPLICATED]
+
+    @property
+    def replicated_state_region_indices(self) -> list[int]:
+        """Regions holding a replicated recurrent state (vLLM's ``_ple_region_index``)."""
+        return [r.index for r in self.regions
+                if r.state and r.state_tp_layout is TPLayout.REPLICATED]
+
+    @property
+    def scratch_region_indices(self) -> list[int]:
+        return [r.index for r in self.regions if r.scratch]
+
+    def region_of(self, layer: str) -> Region:
+        """The (first) region holding ``layer``; ``KeyError`` if it has none."""
+        for region in self.regions:
+            if layer in region.layers:
+                return region
+        raise KeyError(f"layer {layer!r} has no region (skipped: "
+                       f"{self.skipped_layers.get(layer, 'unknown layer')})")
+
+    def fingerprint(self) -> PlanFingerprint:
+        """The canonical, versioned per-region traits fingerprint for the handshake."""
+        from kvspec_traits.nixl._handshake import fingerprint_of
+
+        return fingerprint_of(self)
+
+
+# ---------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass(slots=True)
+class _Piece:
+    """One region candidate from one layer."""
+
+    layer: str
+    traits: KVLayoutTraits
+    group_id: int
+    base: int
+    block_len: int
+    block_stride: int
+    num_blocks: int
+    mem_type: str
+    device_id: int
+    head_major: bool
+    head_segment: tuple[int, int] | None
+
+
+def plan_regions(
+    kv_caches: Mapping[str, torch.Tensor],
+    kv_cache_config: KVCacheConfig | None = None,
+    *,
+    specs: Mapping[str, KVCacheSpec] | None = None,
+    group_ids: Mapping[str, int] | None = None,
+    num_blocks: int | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    registry: Registry | None = None,
+) -> RegionPlan:
+    """Plan the NIXL regions of one rank's KV cache.
+
+    Pass either ``kv_cache_config`` (group ids, per-layer specs and ``num_blocks`` are
+    read from it; only ``enable_kv_transfer`` groups take part, numbered as vLLM's
+    ``transfer_groups``) or ``specs`` with ``num_blocks`` (and optionally
+    ``group_ids``; default 0). ``kv_caches`` maps layer names to the tensors vLLM
+    allocated (``[B, H, N, C]`` views, or flat byte views).
+
+    Raises :class:`RegionConflictError` when layers sharing a region disagree on a
+    fact the transfer needs, :class:`UnsupportedLayoutError` for a tensor that is not
+    a whole number of strided blocks, ``ValueError`` for inconsistent arguments.
+    """
+    reg = registry if registry is not None else default_registry
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is not a rank of tp_size {tp_size}")
+    layer_traits, layer_groups, n_blocks, skipped = _layer_facts(
+        kv_caches, kv_cache_config, specs, group_ids, num_blocks, reg)
+
+    pieces: dict[tuple[int, str], list[_Piece]] = {}
+    registrations: dict[tuple[int, str], MemoryRange] = {}
+    for layer in sorted(kv_caches, key=region_sort_key):
+        traits = layer_traits.get(layer)
+        if traits is None:
+            skipped.setdefault(layer, "no KV cache spec for this layer")
+            continue
+        cache = kv_caches[layer]
+        for piece in _layer_pieces(layer, cache, traits, layer_groups[layer], n_blocks):
+            pieces.setdefault((piece.base, piece.mem_type), []).append(piece)
+        storage = cache.untyped_storage()
+        key = (storage.data_ptr(), _mem_type(cache))
+        if key not in registrations:
+            registrations[key] = MemoryRange(base=key[0], length=storage.nbytes(),
+                                             device_id=_device_id(cache), mem_type=key[1])
+
+    regions = tuple(_region(index, members) for index, members in enumerate(pieces.values()))
+    for region in regions:
+        _shard_count_checked(region, tp_size)
+    return RegionPlan(regions=regions, registrations=tuple(registrations.values()),
+                      num_blocks=n_blocks, tp_size=tp_size, tp_rank=tp_rank,
+                      skipped_layers=skipped)
+
+
+def _layer_facts(
+    kv_caches: Mapping[str, Any],
+    config: KVCacheConfig | None,
+    specs: Mapping[str, KVCacheSpec] | None,
+    group_ids: Mapping[str, int] | None,
+    num_blocks: int | None,
+    reg: Registry,
+) -> tuple[dict[str, KVLayoutTraits], dict[str, int], int, dict[str, str]]:
+    """Traits and transfer group of every layer: one traits lookup per layer (or per
+    group spec), never per request."""
+    traits: dict[str, KVLayoutTraits] = {}
+    groups: dict[str, int] = {}
+    skipped: dict[str, str] = {}
+    if config is not None:
+        if specs is not None:
+            raise ValueError("pass kv_cache_config or specs, not both")
+        n_blocks = config.num_blocks if num_blocks is None else num_blocks
+        transfer_index = 0
+        for group in config.kv_cache_groups:
+            group_traits = reg.traits_of(group.kv_cache_spec)
+            members = group_traits.members if isinstance(group_traits, GroupTraits) else None
+            if not group.enable_kv_transfer:
+                for layer in group.layer_names:
+                    skipped[layer] = "its cache group has enable_kv_transfer=False"
+                continue
+            for layer in group.layer_names:
+                layer_traits = members[layer] if members is not None else group_traits
+                if not layer_traits.transferable:
+                    skipped[layer] = (f"{layer_traits.spec_name} is not transferable "
+                                      f"(scope {layer_traits.token_scope.value})")
+                    continue
+                traits[layer] = layer_traits
+                groups[layer] = transfer_index
+            transfer_index += 1
+        return traits, groups, n_blocks, skipped
+    if specs is None or num_blocks is None:
+        raise ValueError("plan_regions needs kv_cache_config, or specs and num_blocks")
+    for layer, spec in specs.items():
+        layer_traits = reg.traits_of(spec)
+        if not layer_traits.transferable:
+            skipped[layer] = (f"{layer_traits.spec_name} is not transferable "
+                              f"(scope {layer_traits.token_scope.value})")
+            continue
+        traits[layer] = layer_traits
+        groups[layer] = 0 if group_ids is None else group_ids[layer]
+    del kv_caches
+    return traits, groups, num_blocks, skipped
+
+
+def _mem_type(cache: torch.Tensor) -> str:
+    return "DRAM" if cache.device.type == "cpu" else "VRAM"
+
+
+def _device_id(cache: torch.Tensor) -> int:
+    return 0 if cache.device.type == "cpu" else max(cache.get_device(), 0)
+
+
+def _dense(sizes: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Whether elements of these sizes/byte strides fill one gap-free byte run."""
+    dims = sorted(((st, sz) for sz, st in zip(sizes, strides, strict=True) if sz != 1),
+                  reverse=True)
+    expected = itemsize
+    for stride, size in reversed(dims):
+        if stride != expected:
+            return False
+        expected = stride * size
+    return True
+
+
+def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group_id: int,
+                  num_blocks: int) -> Iterable[_Piece]:
+    """The region(s) of one layer's cache view."""
+    mem_type, device_id = _mem_type(cache), _device_id(cache)
+    page = traits.page_size_bytes
+    is_state = traits.token_scope is TokenScope.RECURRENT_STATE
+
+    def piece(base: int, block_len: int, stride: int, blocks: int, head_major: bool,
+              segment: tuple[int, int] | None = None) -> _Piece:
+        return _Piece(layer=layer, traits=traits, group_id=group_id, base=base,
+                      block_len=block_len, block_stride=stride, num_blocks=blocks,
+                      mem_type=mem_type, device_id=device_id, head_major=head_major,
+                      head_segment=segment)
+
+    if cache.ndim <= 1:
+        # A flat byte view (a raw buffer shared between layer types) has no block
+        # dimension: blocks abut, one page apart.
+        return [piece(cache.data_ptr(), page, page, num_blocks, True)]
+    itemsize = cache.element_size()
+    rows = cache.shape[0]
+    stride0 = cache.stride(0) * itemsize
+    # Kernel block splitting views a manager block as `ratio` kernel blocks; a
+    # recurrent state is indivisible and never split.
+    ratio = 1 if is_state else rows // num_blocks
+    if ratio < 1 or (not is_state and rows != ratio * num_blocks) or rows < num_blocks:
+        raise UnsupportedLayoutError(
+            layer, f"{rows} rows cannot hold {num_blocks} blocks "
+                   f"(shape {tuple(cache.shape)}, {traits.spec_name})")
+    if page % ratio:
+        raise UnsupportedLayoutError(
+            layer, f"page of {page} bytes does not split into {ratio} kernel blocks")
+    block_len, blocks = page // ratio, num_blocks * ratio
+    sizes = tuple(cache.shape[1:])
+    strides = tuple(s * itemsize for s in cache.stride()[1:])
+    if _dense(sizes, strides, itemsize):
+        if blocks > 1 and block_len > stride0:
+            raise UnsupportedLayoutError(
+                layer, f"pages of {block_len} bytes overlap at block stride {stride0}")
+        head_major = sizes[0] == 1 or (
+            _dense(sizes[1:], strides[1:], itemsize)
+            and strides[0] == prod(sizes[1:]) * itemsize)
+        return [piece(cache.data_ptr(), block_len, stride0, blocks, head_major)]
+    heads = sizes[0]
+    if (heads > 1 and strides[0] >= blocks * stride0
+            and _dense(sizes[1:], strides[1:], itemsize) and block_len % heads == 0):
+        # Heads outside blocks (an H-before-B layout): each head is its own segment
+        # of `blocks` strided sub-pages.
+        return [piece(cache.data_ptr() + h * strides[0], block_len // heads, stride0,
+                      blocks, True, (h, heads)) for h in range(heads)]
+    raise UnsupportedLayoutError(
+        layer, f"shape {tuple(cache.shape)} with strides {tuple(cache.stride())} is neither "
+               f"a dense page per block nor one segment per head")
+
+
+def _agree(region: str, layers: Sequence[str], trait: str,
+           values: Mapping[str, object]) -> object:
+    distinct = set(values.values())
+    if len(distinct) > 1:
+        raise RegionConflictError(region, layers, trait, values)
+    return next(iter(distinct))
+
+
+def _region(index: int, members: list[_Piece]) -> Region:
+    first = members[0]
+    name = first.layer
+    layers = tuple(dict.fromkeys(m.layer for m in members))
+    _agree(name, layers, "block_stride", {m.layer: m.block_stride for m in members})
+    _agree(name, layers, "num_blocks", {m.layer: m.num_blocks for m in members})
+    _agree(name, layers, "head_segment", {m.layer: m.head_segment for m in members})
+    paged = [m for m in members if m.traits.token_scope is not TokenScope.RECURRENT_STATE]
+    states = [m for m in members if m.traits.token_scope is TokenScope.RECURRENT_STATE]
+
+    state_layout: TPLayout | None = None
+    components: tuple[StateComponent, ...] = ()
+    if states:
+        state_layout = _layout(_agree(name, layers, "tp_layout of the state layers",
+                                      {m.layer: m.traits.tp_layout for m in states}))
+        shapes = _agree(name, layers, "state components",
+                        {m.layer: tuple((c.name, c.nbytes) for c in m.traits.components)
+                         for m in states})
+        offset, parts = 0, []
+        for comp_name, nbytes in shapes:  # type: ignore[attr-defined]  # a tuple of pairs
+            parts.append(StateComponent(name=comp_name, offset=offset, nbytes=nbytes))
+            offset += nbytes
+        components = tuple(parts)
+
+    deciding = paged or states
+    layout = _layout(_agree(name, layers, "tp_layout",
+                            {m.layer: m.traits.tp_layout for m in deciding}))
+    shards = _agree(name, layers, "tp_shards", {m.layer: m.traits.tp_shards for m in deciding})
+    replicated = layout is TPLayout.REPLICATED
+    heads: int | None = None
+    if paged and not replicated:
+        heads = int(_agree(name, layers, "num_head_slots",  # type: ignore[call-overload]
+                           {m.layer: m.traits.num_head_slots for m in paged}))
+    group_ids = tuple(sorted({m.group_id for m in members}))
+    return Region(
+        index=index,
+        name=name,
+        layers=layers,
+        base_addr=first.base,
+        block_len=max(m.block_len for m in members),
+        block_stride=first.block_stride,
+        num_blocks=first.num_blocks,
+        mem_type=first.mem_type,
+        device_id=first.device_id,
+        group_id=group_ids[0] if len(group_ids) == 1 else SHARED_REGION_GROUP_ID,
+        group_ids=group_ids,
+        tp_layout=layout,
+        tp_shards=shards if isinstance(shards, int) else None,
+        replicated=replicated,
+        paged=bool(paged),
+        state=bool(states),
+        state_tp_layout=state_layout,
+        state_components=components,
+        scratch=any(m.traits.token_scope is TokenScope.RING for m in members),
+        token_scopes=tuple(sorted({m.traits.token_scope for m in members},
+                                  key=lambda s: s.value)),
+        dtypes=tuple(sorted({m.traits.dtype or "mixed" for m in members})),
+        kv_quant_modes=tuple(sorted({m.traits.kv_quant_mode for m in members})),
+        num_head_slots=heads,
+        head_major=all(m.head_major for m in paged),
+        head_segment=first.head_segment,
+    )
+
+
+def _layout(value: object) -> TPLayout:
+    if not isinstance(value, TPLayout):
+        raise TypeError(f"expected a TPLayout, got {value!r}")
+    return value
+
+
+def _shard_count_checked(region: Region, tp_size: int) -> int:
+    shards = _shard_count(region.tp_layout, region.tp_shards, tp_size)
+    if tp_size % shards:
+        raise ValueError(
+            f"region {region.name!r}: {shards} shards do not divide TP size {tp_size}")
+    return shards
+
+
+def shard_count(region: Region, tp_size: int) -> int:
+    """Distinct shards of ``region`` across ``tp_size`` ranks (1 if replicated)."""
+    return _shard_count_checked(region, tp_size)
