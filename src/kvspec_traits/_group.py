@@ -36,7 +36,8 @@ class GroupTraits(KVLayoutTraits):
 
     __slots__ = ("_members", "_spec_name", "_values")
 
-    def __init__(self, spec_name: str, members: Mapping[str, KVLayoutTraits]) -> None:
+    def __init__(self, spec_name: str, members: Mapping[str, KVLayoutTraits], *,
+                 block_size: int | None = None) -> None:
         if not members:
             raise ValueError(f"{spec_name}: a group spec with no member layers has no layout")
         self._spec_name = spec_name
@@ -47,6 +48,9 @@ class GroupTraits(KVLayoutTraits):
                 continue
             per_layer = {layer: getattr(t, name) for layer, t in self._members.items()}
             values[name] = _aggregate(name, per_layer)
+        if block_size is not None:
+            # The group's own block size: the one its block table is indexed by.
+            values["block_size"] = block_size
         self._values = values
 
     @property

@@ -271,4 +271,4 @@ def _group(spec: UniformTypeKVCacheSpecs) -> GroupTraits:
     members: dict[str, Any] = {
         layer: registry.traits_of(member) for layer, member in spec.kv_cache_specs.items()
     }
-    return GroupTraits(type(spec).__qualname__, members)
+    return GroupTraits(type(spec).__qualname__, members, block_size=spec.block_size)

@@ -31,9 +31,10 @@ class CatalogEntry:
     spec: KVCacheSpec
 
 
-def spec_classes() -> list[type[KVCacheSpec]]:
-    """Every ``KVCacheSpec`` subclass reachable in the installed vLLM (``KVCacheSpec``
-    itself included), in definition order of ``vllm.v1.kv_cache_interface`` first."""
+def spec_classes(*, vllm_only: bool = True) -> list[type[KVCacheSpec]]:
+    """Every ``KVCacheSpec`` subclass defined by the installed vLLM (``KVCacheSpec`` itself
+    included), in definition order of ``vllm.v1.kv_cache_interface`` first; with
+    ``vllm_only=False`` also the subclasses other packages imported so far define."""
     seen: dict[type[KVCacheSpec], None] = {}
     for _, obj in inspect.getmembers(kvi, inspect.isclass):
         if issubclass(obj, KVCacheSpec):
@@ -44,7 +45,8 @@ def spec_classes() -> list[type[KVCacheSpec]]:
             if sub not in seen:
                 seen[sub] = None
                 stack.append(sub)
-    return sorted(seen, key=lambda c: (c.__module__ != kvi.__name__, _line(c), c.__qualname__))
+    found = [c for c in seen if not vllm_only or c.__module__.split(".")[0] == "vllm"]
+    return sorted(found, key=lambda c: (c.__module__ != kvi.__name__, _line(c), c.__qualname__))
 
 
 def _line(cls: type[Any]) -> int:
