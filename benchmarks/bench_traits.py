@@ -1,0 +1,75 @@
+"""Warm ``traits_of`` against the checks it replaces, measured in one run.
+
+Prints ns per call and ratios against ``isinstance(spec, (MLAAttentionSpec,
+SlidingWindowMLASpec))`` (the line connectors write today) and vLLM's own
+``spec.page_size_bytes``. Target: warm ``traits_of(spec).is_mla`` at most 1.5x the isinstance
+check. Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_traits.py``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import timeit
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+)
+
+import kvspec_traits
+from kvspec_traits.catalog import representative_specs
+
+TARGET = 1.5
+
+
+def _ns(stmt: str, env: dict[str, object], number: int, repeat: int = 15) -> float:
+    # min, not median: other processes on a shared 2-core machine only ever add time
+    times = timeit.repeat(stmt, globals=env, number=number, repeat=repeat)
+    return min(times) / number * 1e9
+
+
+def main() -> int:
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
+                            dtype=torch.bfloat16)
+    gqa = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    traits_of = kvspec_traits.traits_of
+    env: dict[str, object] = {
+        "spec": spec, "gqa": gqa, "traits_of": traits_of,
+        "MLAS": MLAAttentionSpec, "SWMLA": SlidingWindowMLASpec,
+    }
+    traits_of(spec)
+    traits_of(gqa)
+    n = 200_000
+    base = _ns("isinstance(spec, (MLAS, SWMLA))", env, n)
+    warm = _ns("traits_of(spec)", env, n)
+    warm_attr = _ns("traits_of(spec).is_mla", env, n)
+    vllm_page = _ns("spec.page_size_bytes", env, n // 10)
+    cold_each = []
+    for entry in representative_specs():
+        registry = kvspec_traits.Registry().copy()
+        registry.traits_of(entry.spec)  # class lookups warm, spec cache empty below
+        fresh = kvspec_traits.Registry().copy()
+        fresh.adapters()
+        cold_each.append(_ns("fresh.traits_of(s)", {"fresh": fresh, "s": entry.spec}, 1, 1))
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}")
+    print(f"{'operation':<48} {'ns/call':>9} {'x isinstance':>13}")
+    rows = [
+        ("isinstance(spec, (MLAAttentionSpec, SWMLASpec))", base),
+        ("traits_of(spec)   (warm)", warm),
+        ("traits_of(spec).is_mla   (warm)", warm_attr),
+        ("spec.page_size_bytes   (vLLM's own)", vllm_page),
+        ("traits_of(spec)   (first call, median of classes)", statistics.median(cold_each)),
+    ]
+    for name, ns in rows:
+        print(f"{name:<48} {ns:>9.1f} {ns / base:>12.2f}x")
+    ratio = warm_attr / base
+    verdict = "met" if ratio <= TARGET else "NOT met"
+    print(f"target: warm traits_of(spec).is_mla <= {TARGET}x isinstance: {ratio:.2f}x ({verdict})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
