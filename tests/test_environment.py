@@ -34,7 +34,8 @@ def test_vllm_is_imported_when_a_spec_is_first_resolved() -> None:
         "before = 'vllm' in sys.modules\n"
         "import torch\n"
         "from vllm.v1.kv_cache_interface import FullAttentionSpec\n"
-        "spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)\n"
+        "spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8,\n"
+        "                         dtype=torch.float32)\n"
         "print(before, kvspec_traits.traits_of(spec).page_size_bytes)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

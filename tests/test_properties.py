@@ -40,7 +40,7 @@ ATTENTION_CLASSES: dict[type[kvi.AttentionSpec], st.SearchStrategy[dict[str, Any
     kvi.EncoderOnlyAttentionSpec: st.just({}),
     kvi.CrossAttentionSpec: st.just({}),
 }
-TOKENS_PER_STATE = [1, 2, 4, 128, Fraction(1, 2), Fraction(1, 4)]
+TOKENS_PER_STATE: list[int | Fraction] = [1, 2, 4, 128, Fraction(1, 2), Fraction(1, 4)]
 
 
 @st.composite

@@ -81,7 +81,7 @@ def test_an_empty_registry_knows_nothing() -> None:
 def test_register_refuses_a_non_class_and_a_non_callable() -> None:
     registry = Registry(builtins=False, entry_points=False)
     with pytest.raises(TypeError, match="takes a class"):
-        registry.register(_full(), lambda s: traits_of(s))  # type: ignore[arg-type, misc]
+        registry.register(_full(), lambda s: traits_of(s))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be callable"):
         registry.register(kvi.FullAttentionSpec, "adapter")  # type: ignore[arg-type]
     assert dict(registry.adapters()) == {}

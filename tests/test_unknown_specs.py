@@ -76,7 +76,8 @@ def test_mla_page_under_a_non_mla_parent_is_refused() -> None:
     # Its own page: 64 * 512 * 2 = 65536; the SlidingWindowSpec adapter would say
     # 64 * (512 + 512) * 2 = 131072 and call it head-sharded.
     assert spec.page_size_bytes == 65536
-    with pytest.raises(UnsupportedSpecError, match=r"NewCompressedMLASpec.*SlidingWindowSpec") as info:
+    with pytest.raises(UnsupportedSpecError,
+                       match=r"NewCompressedMLASpec.*SlidingWindowSpec") as info:
         traits_of(spec)
     err = info.value
     assert err.spec_type is NewCompressedMLASpec

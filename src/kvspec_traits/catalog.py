@@ -177,5 +177,6 @@ def representative_specs() -> list[CatalogEntry]:
 def refused_specs() -> list[CatalogEntry]:
     """Specs that must resolve to :class:`~kvspec_traits.UnsupportedSpecError`: the abstract
     base, which has no layout fields."""
-    return [CatalogEntry(label="abstract KVCacheSpec", model="-", source="vllm/v1/kv_cache_interface.py",
+    return [CatalogEntry(label="abstract KVCacheSpec", model="-",
+                         source="vllm/v1/kv_cache_interface.py",
                          spec=KVCacheSpec(block_size=16))]
