@@ -5,6 +5,7 @@ and import neither NIXL nor vLLM; :class:`TraitsNixlAgent` imports ``nixl._api``
 it is constructed. See ``docs/nixl.md``.
 """
 
+from kvspec_traits.nixl._agent import DescMode, RemotePeer, TraitsNixlAgent, TransferResult
 from kvspec_traits.nixl._descs import (
     BlockIds,
     Read,
@@ -58,11 +59,15 @@ __all__ = [
     "Region",
     "RegionConflictError",
     "RegionPlan",
+    "RemotePeer",
     "StateComponent",
+    "TraitsNixlAgent",
     "TransferFailedError",
     "TransferItems",
+    "TransferResult",
     "UnsupportedLayoutError",
     "BlockIds",
+    "DescMode",
     "Read",
     "block_desc_ids",
     "build_block_descs",

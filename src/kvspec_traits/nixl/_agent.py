@@ -1,0 +1,361 @@
+"""A NIXL agent that registers a :class:`RegionPlan` and reads a request's blocks.
+
+The only module of the shim that touches NIXL. NIXL's Python API is untyped, so it is
+held as ``Any`` here and nowhere else; ``nixl._api`` is imported when an agent is built.
+
+Protocol (consumer pulls, as vLLM's NIXL connector does)::
+
+    producer = TraitsNixlAgent(); producer.register_plan(plan_p); send(producer.metadata())
+    consumer = TraitsNixlAgent(); consumer.register_plan(plan_d)
+    peer = consumer.connect(received)        # decode + check_handshake, then add the agent
+    consumer.read_blocks(peer, block_ids)    # bounded wait; raises, never half-marks
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvspec_traits.nixl._descs import (
+    BlockIds,
+    TransferItems,
+    block_desc_ids,
+    build_block_descs,
+    merge_runs,
+    transfer_items,
+)
+from kvspec_traits.nixl._errors import MalformedMetadataError, TransferFailedError
+from kvspec_traits.nixl._handshake import (
+    PeerMetadata,
+    check_handshake,
+    decode_metadata,
+    encode_metadata,
+)
+from kvspec_traits.nixl._plan import RegionPlan
+
+__all__ = ["DescMode", "RemotePeer", "TraitsNixlAgent", "TransferResult"]
+
+DescMode = Literal["prepped", "per_block", "merged"]
+"""How a request's blocks become descriptors:
+
+- ``"prepped"``: vLLM's way: the strided ``Nx5`` lists prepared once per peer, a
+  request selects one descriptor per block per region (same TP size only);
+- ``"per_block"``: ``Nx3`` rows built per request, one per block per region and read;
+- ``"merged"``: as ``per_block``, with rows contiguous on both sides merged.
+"""
+
+
+@dataclass(slots=True)
+class RemotePeer:
+    """A connected peer rank: its decoded metadata and, for equal TP sizes, the
+    prepared strided descriptor list of its regions."""
+
+    meta: PeerMetadata
+    prepped: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.meta.agent_name
+
+    @property
+    def tp_rank(self) -> int:
+        return self.meta.tp_rank
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """A finished read: every byte of the requested blocks arrived."""
+
+    descriptors: int
+    """Descriptors posted to NIXL."""
+    per_block_descriptors: int
+    """What one descriptor per block (per region, per TP read) would have been."""
+    nbytes: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class _Posted:
+    handle: Any
+    peer: str
+    extra: list[Any] = field(default_factory=list)
+
+
+class TraitsNixlAgent:
+    """One NIXL agent with one registered plan.
+
+    ``progress_thread=False`` (the default) saves the core NIXL's progress thread would
+    spin; this agent then progresses in :meth:`read_blocks` and :meth:`poll_notifs`.
+    Names default to a fresh uuid (NIXL refuses a reused name for a new agent).
+    """
+
+    def __init__(self, name: str | None = None, *, backends: Sequence[str] = ("UCX",),
+                 progress_thread: bool = False) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name if name is not None else f"kvspec-{uuid.uuid4().hex}"
+        self._backends = list(backends)
+        config = nixl_agent_config(enable_prog_thread=progress_thread,
+                                   backends=list(backends))
+        self._agent: Any = nixl_agent(self.name, config)
+        self._plan: RegionPlan | None = None
+        self._reg_descs: list[Any] = []
+        self._local_prepped: Any = None
+        self._published = False
+        self._peers: dict[str, RemotePeer] = {}
+        self._notifs: dict[str, list[bytes]] = {}
+
+    # -- registration ------------------------------------------------------------------
+
+    @property
+    def plan(self) -> RegionPlan:
+        if self._plan is None:
+            raise RuntimeError(f"agent {self.name}: call register_plan() first")
+        return self._plan
+
+    def register_plan(self, plan: RegionPlan) -> None:
+        """Register every storage range of ``plan`` and prepare its strided descriptor
+        list. Must precede :meth:`metadata`: memory registered after the metadata was
+        taken is invisible to peers."""
+        if self._published:
+            raise RuntimeError(
+                f"agent {self.name}: register_plan() after metadata() would register "
+                f"memory its peers cannot see; build a new agent")
+        if self._plan is not None:
+            raise RuntimeError(f"agent {self.name}: a plan is already registered")
+        mem_types = {r.mem_type for r in plan.registrations}
+        for mem_type in sorted(mem_types):
+            rows = [(r.base, r.length, r.device_id, "") for r in plan.registrations
+                    if r.mem_type == mem_type]
+            descs = self._agent.get_reg_descs(rows, mem_type)
+            self._agent.register_memory(descs, backends=self._backends)
+            self._reg_descs.append(descs)
+        self._plan = plan
+        self._local_prepped = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", build_block_descs(plan), mem_type=self._mem_type(plan))
+
+    @staticmethod
+    def _mem_type(plan: RegionPlan) -> str:
+        kinds = {r.mem_type for r in plan.regions}
+        if len(kinds) != 1:
+            raise ValueError(f"regions span memory types {sorted(kinds)}; one per agent")
+        return kinds.pop()
+
+    def metadata(self) -> bytes:
+        """The handshake message for peers (NIXL agent metadata + fingerprint +
+        region geometry). Freezes registration."""
+        plan = self.plan
+        self._published = True
+        return encode_metadata(plan, self.name, bytes(self._agent.get_agent_metadata()))
+
+    # -- peers -------------------------------------------------------------------------
+
+    def connect(self, peer_metadata: bytes) -> RemotePeer:
+        """Decode a producer's metadata, check its layout against ours, and only then
+        add it as a NIXL peer.
+
+        Raises :class:`MalformedMetadataError` (bad bytes) or
+        :class:`HandshakeMismatchError` (a region differs) before NIXL learns of the
+        peer, so nothing can be transferred from it.
+        """
+        meta = decode_metadata(peer_metadata)
+        check_handshake(self.plan, meta.fingerprint)
+        try:
+            added = self._agent.add_remote_agent(meta.agent_metadata)
+        except Exception as exc:  # NIXL raises its own exception types for bad blobs
+            raise MalformedMetadataError(f"NIXL refused the agent metadata: {exc}") from exc
+        added_name = added.decode() if isinstance(added, bytes) else str(added)
+        if added_name != meta.agent_name:
+            self._agent.remove_remote_agent(added_name)
+            raise MalformedMetadataError(
+                f"header names agent {meta.agent_name!r}, NIXL metadata is {added_name!r}")
+        peer = RemotePeer(meta)
+        if meta.tp_size == self.plan.tp_size:
+            peer.prepped = self._agent.prep_xfer_dlist(
+                meta.agent_name, build_block_descs(meta.regions),
+                mem_type=self._mem_type(self.plan))
+        self._peers[meta.agent_name] = peer
+        return peer
+
+    # -- transfers ---------------------------------------------------------------------
+
+    def read_blocks(self, peers: RemotePeer | Mapping[int, RemotePeer], block_ids: BlockIds,
+                    remote_block_ids: BlockIds | None = None, *, mode: DescMode = "merged",
+                    timeout: float = 30.0, notify: bytes = b"",
+                    progress: Callable[[], object] | None = None) -> TransferResult:
+        """Read the blocks of one request into ours and wait (at most ``timeout`` s).
+
+        ``peers`` is one peer of the same TP size, or the remote ranks by TP rank
+        (heterogeneous TP: replicated regions come from one rank, head-sharded ones are
+        split or gathered by heads). ``block_ids`` are local ids (one list, or one per
+        cache group); ``remote_block_ids`` the peer's (default: the same).
+
+        Without progress threads a peer in this process must be progressed too: pass
+        ``progress=producer.progress``; a peer in another process progresses itself
+        (:meth:`serve`).
+
+        Returns only when every descriptor is DONE; raises
+        :class:`TransferFailedError` on a NIXL error, a lost peer or the timeout.
+        """
+        by_rank = {peers.tp_rank: peers} if isinstance(peers, RemotePeer) else dict(peers)
+        if not by_rank:
+            raise ValueError("read_blocks needs at least one peer")
+        remote_tp = next(iter(by_rank.values())).meta.tp_size
+        plan = self.plan
+        start = time.perf_counter()
+        posted: list[_Posted] = []
+        descriptors = 0
+        per_block = 0
+        nbytes = 0
+        try:
+            if mode == "prepped":
+                if len(by_rank) != 1 or remote_tp != plan.tp_size:
+                    raise ValueError("mode='prepped' needs one peer of the same TP size")
+                peer = next(iter(by_rank.values()))
+                local_ids = block_desc_ids(plan, block_ids)
+                remote_ids = block_desc_ids(
+                    plan, block_ids if remote_block_ids is None else remote_block_ids)
+                handle = self._make_prepped(peer, local_ids, remote_ids, notify)
+                posted.append(_Posted(handle, peer.name))
+                descriptors = per_block = int(local_ids.size)
+                nbytes = self._prepped_nbytes(plan, block_ids)
+            else:
+                remotes = {rank: p.meta.regions for rank, p in by_rank.items()}
+                for items in transfer_items(plan, remotes, remote_tp, block_ids,
+                                            remote_block_ids):
+                    per_block += items.count
+                    nbytes += items.nbytes
+                    if mode == "merged":
+                        items = merge_runs(items)
+                    descriptors += items.count
+                    posted.append(self._post_items(by_rank[items.remote_rank], items, notify))
+            for p in posted:
+                state = self._checked(self._agent.transfer, p.handle)
+                if state == "ERR":
+                    raise TransferFailedError(f"posting a read from {p.peer} failed", "ERR")
+            self._wait(posted, start + timeout, progress)
+        except BaseException:
+            self._release(posted)
+            raise
+        self._release(posted)
+        return TransferResult(descriptors=descriptors, per_block_descriptors=per_block,
+                              nbytes=nbytes, seconds=time.perf_counter() - start)
+
+    def _prepped_nbytes(self, plan: RegionPlan, block_ids: BlockIds) -> int:
+        counts = np.bincount(
+            np.searchsorted(np.cumsum(plan.region_num_blocks),
+                            block_desc_ids(plan, block_ids), side="right"),
+            minlength=len(plan.regions))
+        return int(sum(int(c) * r.block_len for c, r in zip(counts, plan.regions,
+                                                            strict=True)))
+
+    def _make_prepped(self, peer: RemotePeer, local_ids: npt.NDArray[np.int64],
+                      remote_ids: npt.NDArray[np.int64], notify: bytes) -> Any:
+        if peer.prepped is None:
+            raise ValueError(f"peer {peer.name} has no prepared descriptor list")
+        return self._checked(self._agent.make_prepped_xfer, "READ", self._local_prepped,
+                             local_ids.astype(np.int32), peer.prepped,
+                             remote_ids.astype(np.int32), notify)
+
+    def _post_items(self, peer: RemotePeer, items: TransferItems, notify: bytes) -> _Posted:
+        mem_type = self._mem_type(self.plan)
+        local = self._agent.get_xfer_descs(np.ascontiguousarray(items.local), mem_type)
+        remote = self._agent.get_xfer_descs(np.ascontiguousarray(items.remote), mem_type)
+        handle = self._checked(self._agent.initialize_xfer, "READ", local, remote, peer.name,
+                               notify)
+        return _Posted(handle, peer.name)
+
+    def _checked(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except TransferFailedError:
+            raise
+        except Exception as exc:
+            raise TransferFailedError(f"NIXL {getattr(fn, '__name__', fn)} failed: {exc}",
+                                      str(exc)) from exc
+
+    def _wait(self, posted: list[_Posted], deadline: float,
+              progress: Callable[[], object] | None) -> None:
+        pending = list(posted)
+        while pending:
+            if progress is not None:
+                progress()
+            still = []
+            for p in pending:
+                state = self._checked(self._agent.check_xfer_state, p.handle)
+                if state == "ERR":
+                    raise TransferFailedError(f"read from {p.peer} failed", "ERR")
+                if state != "DONE":
+                    still.append(p)
+            pending = still
+            if pending and time.perf_counter() > deadline:
+                raise TransferFailedError(
+                    f"read from {[p.peer for p in pending]} not done by the deadline", "PROC")
+
+    def _release(self, posted: list[_Posted]) -> None:
+        for p in posted:
+            # An in-flight handle NIXL cannot cancel is freed with the agent.
+            with contextlib.suppress(Exception):
+                self._agent.release_xfer_handle(p.handle)
+
+    # -- notifications, teardown -------------------------------------------------------
+
+    def progress(self) -> None:
+        """Progress this agent once (a producer without a progress thread must be
+        progressed for its peers' reads to complete); notifications are kept for
+        :meth:`poll_notifs`."""
+        for sender, messages in self._agent.get_new_notifs().items():
+            key = sender.decode() if isinstance(sender, bytes) else str(sender)
+            self._notifs.setdefault(key, []).extend(messages)
+
+    def poll_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications received so far, by sender, and forget them."""
+        self.progress()
+        out, self._notifs = self._notifs, {}
+        return out
+
+    def serve(self, until: Callable[[dict[str, list[bytes]]], bool], timeout: float
+              ) -> dict[str, list[bytes]]:
+        """Progress until ``until(notifications so far)`` is true; ``TimeoutError``
+        after ``timeout`` seconds. What a producer process runs while peers read."""
+        deadline = time.monotonic() + timeout
+        seen: dict[str, list[bytes]] = {}
+        while True:
+            for sender, messages in self.poll_notifs().items():
+                seen.setdefault(sender, []).extend(messages)
+            if until(seen):
+                return seen
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agent {self.name}: not done after {timeout} s")
+            time.sleep(0.0002)
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        self._agent.send_notif(peer, message)
+
+    def close(self) -> None:
+        """Release descriptor lists, forget peers and deregister memory."""
+        for peer in self._peers.values():
+            if peer.prepped is not None:
+                self._agent.release_dlist_handle(peer.prepped)
+            with contextlib.suppress(Exception):  # a peer that is already gone
+                self._agent.remove_remote_agent(peer.name)
+        self._peers.clear()
+        if self._local_prepped is not None:
+            self._agent.release_dlist_handle(self._local_prepped)
+            self._local_prepped = None
+        for descs in self._reg_descs:
+            self._agent.deregister_memory(descs, backends=self._backends)
+        self._reg_descs.clear()
+
+    def __enter__(self) -> TraitsNixlAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

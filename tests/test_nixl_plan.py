@@ -1,0 +1,354 @@
+"""Region planning from traits, without NIXL: real vLLM specs, tensors laid out by vLLM's
+own ``compute_layout_strides``/``create_kv_cache_views`` (see nixl_helpers/layouts.py).
+
+Expected values are hand-computed from vLLM's formulas and say so: a page is
+``num_heads * num_states * state_content_size_bytes`` (AttentionSpec), padded by
+``_apply_alignment_padding`` to a multiple of ``alignment``; layer-outer layouts place
+layer ``l`` at ``offset + l * num_blocks * page``; groups alias from byte 0.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import vllm.v1.kv_cache_interface as kvi
+from nixl_helpers import layouts
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvspec_traits import TokenScope, TPLayout
+from kvspec_traits.nixl import (
+    SHARED_REGION_GROUP_ID,
+    Read,
+    RegionConflictError,
+    RegionPlan,
+    block_desc_ids,
+    build_block_descs,
+    build_state_descs,
+    merge_runs,
+    peer_regions,
+    plan_regions,
+    tp_reads,
+    transfer_items,
+)
+
+NB = 8
+
+
+def _plan(family: str, num_blocks: int = NB, tp: int = 1, rank: int = 0
+          ) -> tuple[RegionPlan, int]:
+    config, caches = layouts.build(family, num_blocks, tp=tp)
+    plan = plan_regions(caches, config, tp_size=tp, tp_rank=rank)
+    return plan, plan.registrations[0].base
+
+
+def _offsets(plan: RegionPlan, base: int) -> list[int]:
+    return [a - base for a in plan.base_addresses]
+
+
+# -- layout families ---------------------------------------------------------------------
+
+
+def test_llama_gqa_one_head_sharded_region_per_layer() -> None:
+    plan, base = _plan("llama_gqa")
+    page = 16 * 8 * (128 + 128) * 2  # block 16, 8 KV heads, K+V of 128, bf16
+    assert plan.block_lens == [page] * 4
+    assert plan.block_strides == [page] * 4
+    assert _offsets(plan, base) == [i * NB * page for i in range(4)]  # layer-outer
+    assert plan.region_replicated == [False] * 4
+    assert plan.region_group_ids == [0] * 4
+    assert plan.region_num_blocks == [NB] * 4
+    assert all(r.tp_layout is TPLayout.HEAD_SHARDED and r.head_major for r in plan.regions)
+    assert plan.registrations[0].length == 4 * NB * page
+
+
+def test_llama_gqa_tp2_halves_the_block() -> None:
+    plan, _ = _plan("llama_gqa", tp=2, rank=1)
+    assert plan.block_lens == [16 * 4 * 256 * 2] * 4
+    assert all(r.num_head_slots == 4 for r in plan.regions)
+
+
+def test_llama_nhd_layout_is_not_head_major() -> None:
+    # LBNHC puts heads inside each token: a head slice of a block is not one run.
+    groups = layouts.llama_gqa(1)
+    config = layouts.kv_cache_config(groups, NB, KVCacheLayout.LBNHC)
+    plan = plan_regions(layouts.allocate(config, KVCacheLayout.LBNHC), config)
+    assert plan.block_lens == [65536] * 4
+    assert not any(r.head_major for r in plan.regions)
+    with pytest.raises(ValueError, match="head slices are not contiguous"):
+        tp_reads(plan.regions[0], local_tp=1, local_rank=0, remote_tp=2)
+
+
+@pytest.mark.parametrize(("family", "page"), [
+    ("deepseek_v3", 64 * 576 * 2),  # bf16 latent of 512 + 64 rope
+    ("deepseek_v3_fp8", 64 * 656),  # fp8_ds_mla: 656 opaque bytes per token
+])
+def test_deepseek_v3_mla_is_replicated(family: str, page: int) -> None:
+    plan, base = _plan(family)
+    assert plan.block_lens == [page] * 3
+    assert _offsets(plan, base) == [i * NB * page for i in range(3)]
+    assert plan.region_replicated == [True] * 3
+    assert all(r.num_head_slots is None for r in plan.regions)
+    if family == "deepseek_v3_fp8":
+        assert plan.regions[0].dtypes == ("uint8",)
+        assert plan.regions[0].kv_quant_modes != ("NONE",)
+
+
+def test_deepseek_v32_mla_plus_indexer() -> None:
+    plan, base = _plan("deepseek_v32")
+    mla, idx = 64 * 656, 64 * 132  # fp8_ds_mla latent; indexer 128 + 4 scale bytes
+    assert plan.region_names == [
+        f"model.layers.{i}.self_attn.{c}" for i in range(3) for c in ("attn", "indexer.k_cache")]
+    assert plan.block_lens == [mla, idx] * 3
+    # One UniformType group, one KVCacheTensor per spec: MLA layers, then indexers.
+    assert _offsets(plan, base) == [v for i in range(3)
+                                    for v in (i * NB * mla, 3 * NB * mla + i * NB * idx)]
+    assert plan.region_replicated == [True] * 6
+
+
+def test_deepseek_v4_shared_row_takes_longest_page() -> None:
+    """BLHNC: each block row holds every group's pages; groups alias from byte 0, so the
+    four layer-0 caches share one base. Pages: MLA 16 states x 584 B -> 9344 padded to
+    576 -> 9792; SWA 64 x 1024 B -> 65664; ring 8 x 4096 B = 32768; indexer 16 x 132 ->
+    2304. The row is the widest group: 2 x 65664."""
+    plan, base = _plan("deepseek_v4")
+    row = 2 * 65664
+    r0 = plan.regions[0]
+    assert set(r0.layers) == {f"model.layers.0.attn.{c}" for c in
+                              ("compressor.ring", "compressor.swa", "indexer.k_cache", "mla")}
+    assert r0.base_addr == base and r0.block_stride == row
+    # vLLM 0.32 keeps the block length of the last MLA-typed member (9792 here) and
+    # would drop most of the SWA page; every member's page must fit.
+    assert r0.block_len == 65664
+    assert r0.group_id == SHARED_REGION_GROUP_ID and r0.group_ids == (0, 1, 2, 3)
+    assert r0.replicated and r0.scratch
+    assert set(r0.token_scopes) == {TokenScope.FULL, TokenScope.SLIDING_WINDOW, TokenScope.RING}
+    rest = {r.name.rsplit(".", 1)[-1]: (r.base_addr - base, r.block_len) for r in plan.regions[1:]}
+    assert rest == {"ring": (32768, 32768), "swa": (65664, 65664), "k_cache": (2304, 2304),
+                    "mla": (9792, 9792)}
+    assert plan.scratch_region_indices == [0, 1]
+    assert set(plan.block_strides) == {row}
+
+
+def _alias_groups(first: tuple[str, object], second: tuple[str, object],
+                  layout: KVCacheLayout = KVCacheLayout.BLHNC
+                  ) -> tuple[kvi.KVCacheConfig, dict[str, torch.Tensor]]:
+    groups = [KVCacheGroupSpec([first[0]], first[1]),  # type: ignore[arg-type]
+              KVCacheGroupSpec([second[0]], second[1])]  # type: ignore[arg-type]
+    config = layouts.kv_cache_config(groups, NB, layout)
+    return config, layouts.allocate(config, layout)
+
+
+def test_ring_sharing_base_with_swa_mla_keeps_the_longer_block() -> None:
+    """vLLM bug class: the ring registers first (name order) at the SWA-MLA cache's
+    base; the region must move the SWA page, whichever layer came first."""
+    specs = layouts.deepseek_v4_specs(1)
+    ring, swa = specs["ring"][0], specs["swa"][0]
+    for first, second in ((ring, swa), (swa, ring)):
+        config, caches = _alias_groups(first, second)
+        plan = plan_regions(caches, config)
+        assert len(plan.regions) == 1
+        region = plan.regions[0]
+        assert region.name == ring[0]  # model order, not insertion order
+        assert region.block_len == 65664  # SWA page, not the ring's 32768
+        assert region.scratch and region.replicated
+        assert region.group_id == SHARED_REGION_GROUP_ID
+
+
+def test_mamba_registered_first_does_not_make_an_mla_region_head_sharded() -> None:
+    """vLLM bug class: a Mamba-style layer (DeepSeek-V4's replicated PLE conv state)
+    registered first decided the region's replication. Both members are REPLICATED by
+    their traits, so the region is, in either order."""
+    ple = MambaSpec(block_size=64, shapes=((4, 1024),), dtypes=(torch.bfloat16,),
+                    tp_replicated=True)
+    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
+                           dtype=torch.bfloat16)
+    for order in (0, 1):
+        pair = [("model.layers.0.a_ple", ple), ("model.layers.0.attn", mla)]
+        config, caches = _alias_groups(*pair[::1 if order == 0 else -1])
+        plan = plan_regions(caches, config)
+        (region,) = plan.regions
+        assert region.name == "model.layers.0.a_ple"
+        assert region.replicated and region.tp_layout is TPLayout.REPLICATED
+        assert region.state and region.state_tp_layout is TPLayout.REPLICATED
+        assert region.block_len == 64 * 576 * 2  # the MLA page is the longer
+        assert plan.replicated_state_region_indices == [0]
+        assert plan.state_region_indices == []
+
+
+def test_members_disagreeing_on_replication_are_refused() -> None:
+    gqa = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=288, dtype=torch.bfloat16)
+    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
+                           dtype=torch.bfloat16)
+    config, caches = _alias_groups(("model.layers.0.attn", mla), ("model.layers.0.gqa", gqa),
+                                   KVCacheLayout.LBHNC)
+    with pytest.raises(RegionConflictError, match="tp_layout") as info:
+        plan_regions(caches, config)
+    assert info.value.region == "model.layers.0.attn"
+    assert info.value.values == {"model.layers.0.attn": TPLayout.REPLICATED,
+                                 "model.layers.0.gqa": TPLayout.HEAD_SHARDED}
+
+
+def test_gpt_oss_full_and_sliding_layers_share_regions() -> None:
+    plan, base = _plan("gpt_oss")
+    page = 16 * 8 * 128 * 2
+    assert [r.layers for r in plan.regions] == [
+        ("model.layers.0.attn", "model.layers.1.attn"),
+        ("model.layers.2.attn", "model.layers.3.attn")]
+    assert _offsets(plan, base) == [0, NB * page]
+    assert plan.region_group_ids == [SHARED_REGION_GROUP_ID] * 2
+    assert plan.regions[0].token_scopes == (TokenScope.FULL, TokenScope.SLIDING_WINDOW)
+    assert plan.region_replicated == [False, False]
+
+
+def test_llama4_chunked_local() -> None:
+    plan, _ = _plan("llama4")
+    assert [r.layers for r in plan.regions] == [
+        ("model.layers.0.attn", "model.layers.3.attn"), ("model.layers.1.attn",),
+        ("model.layers.2.attn",)]
+    assert plan.region_group_ids == [SHARED_REGION_GROUP_ID, 0, 0]
+    assert plan.regions[1].token_scopes == (TokenScope.CHUNKED,)
+    assert plan.block_lens == [65536] * 3
+
+
+@pytest.mark.parametrize(("family", "conv", "ssm"), [
+    ("qwen35", 6144 * 3 * 2, 16 * 128 * 128 * 2),  # GDN conv (3*2048, 3), ssm, bf16
+    ("jamba", 512 * 3 * 4, 512 * 16 * 4),  # Mamba1 conv (512, 3), ssm (512, 16), fp32
+])
+def test_attention_plus_recurrent_state(family: str, conv: int, ssm: int) -> None:
+    plan, _ = _plan(family)
+    assert plan.state_region_indices == [0, 1, 2]
+    for region in plan.regions:
+        assert [(c.offset, c.nbytes) for c in region.state_components] == [(0, conv),
+                                                                            (conv, ssm)]
+        assert region.block_len == region.block_stride  # Mamba page padded to attention's
+    shared = plan.regions[0]  # the attention layer aliases the first Mamba layer
+    assert shared.paged and shared.state and shared.tp_layout is TPLayout.HEAD_SHARDED
+    assert shared.state_tp_layout is TPLayout.STATE_SHARDED
+    assert not plan.regions[1].paged and plan.regions[1].tp_layout is TPLayout.STATE_SHARDED
+    states = build_state_descs(plan)
+    assert states.shape == (6, 5)
+    assert states[1, 0] - states[0, 0] == conv and states[1, 1] == ssm
+
+
+def test_plan_is_independent_of_dict_order() -> None:
+    config, caches = layouts.build("deepseek_v4", NB)
+    shuffled = dict(reversed(list(caches.items())))
+    assert plan_regions(caches, config) == plan_regions(shuffled, config)
+
+
+def test_untransferable_group_is_skipped() -> None:
+    config, caches = layouts.build("gpt_oss", NB)
+    config.kv_cache_groups[1].enable_kv_transfer = False
+    plan = plan_regions(caches, config)
+    assert plan.skipped_layers == {
+        "model.layers.1.attn": "its cache group has enable_kv_transfer=False",
+        "model.layers.3.attn": "its cache group has enable_kv_transfer=False"}
+    assert plan.region_group_ids == [0, 0]
+
+
+def test_specs_mapping_form_matches_config_form() -> None:
+    config, caches = layouts.build("llama_gqa", NB)
+    spec = config.kv_cache_groups[0].kv_cache_spec
+    assert plan_regions(caches, specs=dict.fromkeys(caches, spec), num_blocks=NB) == \
+        plan_regions(caches, config)
+
+
+# -- descriptors -------------------------------------------------------------------------
+
+
+def test_strided_descs_match_vllm_033_form() -> None:
+    plan, _ = _plan("deepseek_v4")
+    descs = build_block_descs(plan)
+    # vLLM 0.33 _block_strided_descs, ratio 1: [[base, block_len, dev, stride, count]].
+    expected = [[r.base_addr, r.block_len, 0, r.block_stride, NB] for r in plan.regions]
+    assert descs.dtype == np.uint64 and descs.tolist() == expected
+    ids = block_desc_ids(plan, [[1], [2], [3], [4]])
+    # Shared region 0 takes every group's block; the others their own group's.
+    assert ids.tolist() == [1, 2, 3, 4, NB + 3, 2 * NB + 2, 3 * NB + 4, 4 * NB + 1]
+
+
+def test_merge_runs_only_where_both_sides_are_contiguous() -> None:
+    dense, _ = _plan("llama_gqa")
+    items = transfer_items(dense, {0: peer_regions(dense)}, 1, [1, 2, 3, 5])
+    (merged,) = [merge_runs(i) for i in items]
+    assert items[0].count == 16 and merged.count == 8  # runs 1-3 and 5, per layer
+    assert merged.nbytes == items[0].nbytes
+    packed, _ = _plan("deepseek_v4")  # block_len < block_stride: nothing merges
+    ids = [[1, 2, 3]] * 4
+    (raw,) = transfer_items(packed, {0: peer_regions(packed)}, 1, ids)
+    assert merge_runs(raw).count == raw.count
+
+
+def test_tp_reads_split_and_gather_by_heads() -> None:
+    one, _ = _plan("llama_gqa", tp=1)
+    two, _ = _plan("llama_gqa", tp=2, rank=1)
+    half = 32768
+    # TP1 consumer gathers both halves; TP2 rank 1 reads the second half of the block.
+    assert tp_reads(one.regions[0], local_tp=1, local_rank=0, remote_tp=2) == (
+        Read(0, 0, 0, half), Read(1, half, 0, half))
+    assert tp_reads(two.regions[0], local_tp=2, local_rank=1, remote_tp=1) == (
+        Read(0, 0, half, half),)
+    mla, _ = _plan("deepseek_v3", tp=2, rank=1)
+    assert tp_reads(mla.regions[0], local_tp=2, local_rank=1, remote_tp=4) == (
+        Read(1, 0, 0, 73728),)
+
+
+def test_state_regions_refuse_a_tp_change() -> None:
+    plan, _ = _plan("qwen35")
+    with pytest.raises(ValueError, match="recurrent state"):
+        tp_reads(plan.regions[1], local_tp=1, local_rank=0, remote_tp=2)
+
+
+# -- the shim never names a spec class ---------------------------------------------------
+
+SHIM = pathlib.Path(inspect.getfile(plan_regions)).parent
+
+
+def test_no_shim_module_branches_on_a_spec_class() -> None:
+    spec_classes = {name for name, obj in vars(kvi).items()
+                    if isinstance(obj, type) and issubclass(obj, kvi.KVCacheSpec)}
+    assert {"MambaSpec", "MLAAttentionSpec", "CircularBufferSpec"} <= spec_classes
+    for path in sorted(SHIM.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        named = {a.name.rsplit(".", 1)[-1] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names}
+        # The abstract base may annotate a parameter; no concrete class may appear.
+        assert not (names | named) & (spec_classes - {"KVCacheSpec"}), path.name
+        for call in ast.walk(tree):
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                    and call.func.id in {"isinstance", "issubclass", "type"}):
+                assert not {n.id for n in ast.walk(call) if isinstance(n, ast.Name)
+                            } & spec_classes, f"{path.name}: {ast.unparse(call)}"
+        imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        runtime_vllm = [m for m in imports if m and m.startswith("vllm")]
+        # vLLM appears only under TYPE_CHECKING (for annotations).
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.ImportFrom) and sub.module in runtime_vllm:
+                        runtime_vllm.remove(sub.module)
+        assert runtime_vllm == [], path.name
+
+
+def test_importing_the_shim_imports_neither_nixl_nor_vllm_nor_torch() -> None:
+    code = ("import sys, kvspec_traits.nixl; "
+            "print(sorted(m for m in ('nixl', 'nixl._api', 'vllm', 'torch') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
