@@ -1,0 +1,173 @@
+"""``kvspec-traits audit``: argument parsing, output and the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final, TextIO
+
+from kvspec_traits.audit._audit import audit_paths
+from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES
+from kvspec_traits.audit._questions import QUESTIONS
+from kvspec_traits.audit._report import render_json, render_sarif, render_table
+from kvspec_traits.audit._universe import (
+    ClassSetsUnavailableError,
+    Universe,
+    installed_vllm_dir,
+    load_universe,
+)
+
+__all__ = ["EXIT_FILE_ERRORS", "EXIT_MISSES", "EXIT_USAGE", "main"]
+
+EXIT_MISSES: Final = 1
+"""Set when ``--fail-on-miss`` is given and a site misses a class."""
+EXIT_USAGE: Final = 2
+"""Bad arguments, or no class sets (vLLM not importable): nothing was scanned."""
+EXIT_FILE_ERRORS: Final = 4
+"""Set when a file could not be read or parsed (the others were scanned)."""
+
+
+class SubpackageNotFoundError(ValueError):
+    """``--installed-vllm NAME`` names no sub-package (or more than one) of vLLM."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvspec-traits audit",
+        description="Find code that branches on vLLM KV cache spec classes, the trait each "
+                    "branch asks for, and the spec classes it leaves out (docs/audit.md).")
+    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                   help="files or folders to scan (folders: every *.py below)")
+    p.add_argument("--installed-vllm", nargs="?", const="", default=None, metavar="SUBPACKAGE",
+                   help="scan the installed vLLM's own code, or one sub-package of it "
+                        "(dotted, e.g. distributed.kv_transfer, or a unique folder name, "
+                        "e.g. kv_transfer)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="JSON instead of the table")
+    fmt.add_argument("--sarif", action="store_true",
+                     help="SARIF 2.1.0 (for code-scanning annotations)")
+    p.add_argument("-o", "--output", type=Path, help="write the report here, not stdout")
+    p.add_argument("--fail-on-miss", action="store_true",
+                   help=f"exit with status {EXIT_MISSES} (or-ed in) when any site misses a "
+                        f"class")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip files and folders whose name or path matches (repeatable)")
+    p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES, metavar="N",
+                   help="report and skip files larger than this (default %(default)s)")
+    p.add_argument("--classes", type=Path, metavar="FILE",
+                   help="read the class sets from FILE (written by --save-classes) instead "
+                        "of the installed vLLM")
+    p.add_argument("--save-classes", type=Path, metavar="FILE",
+                   help="write the class sets used to FILE")
+    p.add_argument("--refresh-classes", action="store_true",
+                   help="recompute the class sets from vLLM even if the cache is fresh")
+    p.add_argument("--show-classes", action="store_true",
+                   help="print, for every trait value, the spec classes that have it, and exit")
+    return p
+
+
+def _vllm_target(sub: str) -> tuple[Path, Path]:
+    """(folder to scan, folder paths are shown relative to) for --installed-vllm."""
+    root = installed_vllm_dir()
+    if root is None:
+        raise SubpackageNotFoundError(
+            "--installed-vllm: no vLLM package on sys.path; install vLLM or scan a PATH")
+    if not sub:
+        return root, root.parent
+    direct = root.joinpath(*sub.removeprefix("vllm.").split("."))
+    if direct.is_dir():
+        return direct, root.parent
+    found = sorted(p for p in root.rglob(sub) if p.is_dir() and (p / "__init__.py").exists())
+    if len(found) == 1:
+        return found[0], root.parent
+    if not found:
+        raise SubpackageNotFoundError(
+            f"--installed-vllm {sub}: vLLM at {root} has no sub-package {sub!r}; give a "
+            f"dotted path below vllm (e.g. distributed.kv_transfer) or a folder name")
+    names = ", ".join(".".join(p.relative_to(root.parent).parts) for p in found)
+    raise SubpackageNotFoundError(
+        f"--installed-vllm {sub}: {len(found)} sub-packages are named {sub!r} ({names}); "
+        f"give the dotted path of one")
+
+
+def _show_classes(u: Universe, out: TextIO) -> None:
+    out.write(f"spec classes of vLLM {u.vllm_version} by trait value "
+              f"(from kvspec_traits.catalog; ~ = varies between representatives)\n")
+    for q in QUESTIONS:
+        per = u.answers.get(q.name, {})
+        labels = sorted({v for vals in per.values() for v in vals})
+        out.write(f"\n{q.name}\n")
+        for label in labels:
+            names = sorted(n for n in u.concrete if per.get(n) == frozenset({label}))
+            varies = sorted(n for n in u.concrete if label in per.get(n, ()) and
+                            len(per.get(n, ())) > 1)
+            row = ", ".join([*names, *(f"~{n}" for n in varies)])
+            out.write(f"  {label:<28} {row}\n")
+    if u.group_names:
+        out.write(f"\ngroup wrappers: {', '.join(sorted(u.group_names))} "
+                  f"(members in: {', '.join(sorted(u.member_fields))})\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the audit; returns the exit status (see ``EXIT_*``; 0: clean)."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    err = sys.stderr
+    if not args.paths and args.installed_vllm is None and not args.show_classes:
+        err.write("kvspec-traits audit: nothing to scan: give PATH ... or --installed-vllm\n")
+        return EXIT_USAGE
+    try:
+        if args.classes is not None:
+            universe = Universe.from_json(json.loads(args.classes.read_text(encoding="utf-8")))
+        else:
+            universe = load_universe(refresh=args.refresh_classes)
+    except (ClassSetsUnavailableError, OSError, ValueError, KeyError) as exc:
+        err.write(f"kvspec-traits audit: no class sets: {exc}\n")
+        return EXIT_USAGE
+    if args.save_classes is not None:
+        args.save_classes.write_text(json.dumps(universe.to_json(), indent=1), encoding="utf-8")
+    out: TextIO = sys.stdout
+    if args.show_classes:
+        _show_classes(universe, out)
+        return 0
+    targets: list[Path] = list(args.paths)
+    display_root: Path | None = None
+    if args.installed_vllm is not None:
+        try:
+            folder, display_root = _vllm_target(args.installed_vllm)
+        except SubpackageNotFoundError as exc:
+            err.write(f"kvspec-traits audit: {exc}\n")
+            return EXIT_USAGE
+        targets.append(folder)
+    result = audit_paths(targets, universe, exclude=args.exclude,
+                         max_file_bytes=args.max_file_bytes, display_root=display_root)
+    try:
+        handle = args.output.open("w", encoding="utf-8") if args.output else None
+    except OSError as exc:
+        err.write(f"kvspec-traits audit: cannot write {args.output}: {exc.strerror}\n")
+        return EXIT_USAGE
+    try:
+        sink = handle if handle is not None else out
+        if args.json or args.sarif:
+            doc = render_sarif(result) if args.sarif else render_json(result)
+            json.dump(doc, sink, indent=2)
+            sink.write("\n")
+        else:
+            render_table(result, sink)
+        sink.flush()
+    except BrokenPipeError:
+        # `kvspec-traits audit ... | head`: the reader left; the status still counts.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        if handle is not None:
+            handle.close()
+    status = 0
+    if args.fail_on_miss and result.misses:
+        status |= EXIT_MISSES
+    if result.errors:
+        status |= EXIT_FILE_ERRORS
+    return status

@@ -1,0 +1,187 @@
+"""Finding, reading and parsing the files to scan, without ever stopping on a bad one.
+
+Folders are walked without recursion (deep trees cannot exhaust the stack), symlinked
+folders are followed once (a symlink loop is visited once), and a file that cannot be
+read or parsed becomes a :class:`FileError` while the scan goes on.
+"""
+
+from __future__ import annotations
+
+import ast
+import errno
+import fnmatch
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+__all__ = [
+    "DEFAULT_MAX_FILE_BYTES",
+    "SKIPPED_DIRS",
+    "FileError",
+    "iter_source_files",
+    "module_name",
+    "parse_source",
+    "read_source",
+]
+
+DEFAULT_MAX_FILE_BYTES: Final = 8 * 1024 * 1024
+SKIPPED_DIRS: Final = frozenset({
+    ".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "node_modules", ".tox", ".nox",
+    ".mypy_cache", ".ruff_cache", ".pytest_cache", ".eggs",
+})
+"""Folder names never descended into below a target (a target itself is always read)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FileError:
+    """A target the audit could not read or parse, and why."""
+
+    path: str
+    error: str
+
+
+def _excluded(path: Path, patterns: Sequence[str]) -> bool:
+    text = path.as_posix()
+    return any(fnmatch.fnmatch(path.name, p) or fnmatch.fnmatch(text, p) for p in patterns)
+
+
+def iter_source_files(targets: Sequence[Path], *, exclude: Sequence[str],
+                      errors: list[FileError]) -> Iterator[Path]:
+    """Every file to scan: each target file itself, and the ``*.py`` files below each
+    target folder (skipping :data:`SKIPPED_DIRS` and names or paths matching
+    ``exclude``). Problems go to ``errors``; nothing raises."""
+    seen_dirs: set[tuple[int, int]] = set()
+    seen_files: set[tuple[int, int]] = set()
+    for target in targets:
+        try:
+            st = target.stat()
+        except OSError as exc:
+            errors.append(FileError(path=str(target), error=_os_error(exc, target)))
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            if (st.st_dev, st.st_ino) not in seen_files:
+                seen_files.add((st.st_dev, st.st_ino))
+                yield target
+            continue
+        stack = [target]
+        while stack:
+            folder = stack.pop()
+            try:
+                fst = folder.stat()
+            except OSError as exc:
+                errors.append(FileError(path=str(folder), error=_os_error(exc, folder)))
+                continue
+            key = (fst.st_dev, fst.st_ino)
+            if key in seen_dirs:
+                continue  # a symlink loop, or a folder reached twice
+            seen_dirs.add(key)
+            try:
+                with os.scandir(folder) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except OSError as exc:
+                errors.append(FileError(path=str(folder), error=_os_error(exc, folder)))
+                continue
+            subdirs: list[Path] = []
+            for entry in entries:
+                path = Path(entry.path)
+                if _excluded(path, exclude):
+                    continue
+                try:
+                    is_dir = entry.is_dir()  # follows symlinks
+                    is_file = entry.is_file()
+                except OSError as exc:
+                    errors.append(FileError(path=str(path), error=_os_error(exc, path)))
+                    continue
+                if is_dir:
+                    if entry.name not in SKIPPED_DIRS:
+                        subdirs.append(path)
+                elif is_file:
+                    if entry.name.endswith(".py"):
+                        try:
+                            fst2 = entry.stat()
+                        except OSError as exc:
+                            errors.append(FileError(path=str(path), error=_os_error(exc, path)))
+                            continue
+                        if (fst2.st_dev, fst2.st_ino) not in seen_files:
+                            seen_files.add((fst2.st_dev, fst2.st_ino))
+                            yield path
+                elif entry.is_symlink() and entry.name.endswith(".py"):
+                    errors.append(FileError(path=str(path),
+                                            error="broken symlink (its target does not exist)"))
+            stack.extend(reversed(subdirs))
+
+
+def _os_error(exc: OSError, path: Path) -> str:
+    del path  # the caller reports it
+    if isinstance(exc, FileNotFoundError):
+        return "no such file or folder"
+    if isinstance(exc, PermissionError):
+        return "permission denied"
+    if exc.errno == errno.ELOOP:
+        return "symlink loop"
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
+
+
+def read_source(path: Path, *, max_bytes: int) -> bytes | FileError:
+    """The file's bytes, or why they are not Python source to scan."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            return FileError(path=str(path),
+                             error=f"{size} bytes, over the {max_bytes}-byte limit "
+                                   f"(raise it with --max-file-bytes)")
+        data = path.read_bytes()
+    except OSError as exc:
+        return FileError(path=str(path), error=_os_error(exc, path))
+    if b"\0" in data:
+        return FileError(path=str(path), error="binary file (contains NUL bytes), not "
+                                               "Python source")
+    return data
+
+
+def parse_source(data: bytes, path: Path) -> ast.Module | FileError:
+    """The syntax tree, or the parse error with its line."""
+    try:
+        return ast.parse(data, filename=str(path))
+    except SyntaxError as exc:
+        where = f"line {exc.lineno}: " if exc.lineno else ""
+        return FileError(path=str(path), error=f"cannot parse: {where}{exc.msg}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        return FileError(path=str(path), error=f"cannot decode: {exc}")
+    except (RecursionError, MemoryError):
+        return FileError(path=str(path), error="cannot parse: nested too deeply")
+
+
+def module_name(path: Path, cache: dict[Path, str] | None = None) -> tuple[str, bool]:
+    """The dotted module name of a source file, from the ``__init__.py`` files above it,
+    and whether it is a package's ``__init__``."""
+    folder = path.parent
+    package = _package_of(folder, {} if cache is None else cache)
+    stem = path.name.rsplit(".", 1)[0]
+    if stem == "__init__":
+        return package or stem, True
+    return (f"{package}.{stem}" if package else stem), False
+
+
+def _package_of(folder: Path, cache: dict[Path, str]) -> str:
+    chain: list[Path] = []
+    current = folder
+    result = ""
+    while True:
+        if current in cache:
+            result = cache[current]
+            break
+        if not (current / "__init__.py").is_file() or current.parent == current:
+            break
+        chain.append(current)
+        current = current.parent
+    # `result` is the package of `current` ("" when it is not a package).
+    for part in reversed(chain):
+        result = f"{result}.{part.name}" if result else part.name
+        cache[part] = result
+    if not chain:
+        cache.setdefault(folder, result)
+    return result

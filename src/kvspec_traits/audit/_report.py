@@ -1,0 +1,195 @@
+"""The three renderings of an audit: a table for people, JSON, and SARIF 2.1.0."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Final, TextIO
+
+from kvspec_traits.audit._audit import AuditResult
+from kvspec_traits.audit._files import FileError
+from kvspec_traits.audit._infer import Site
+
+__all__ = ["RULES", "render_json", "render_sarif", "render_table", "site_json", "summary"]
+
+TOOL_NAME: Final = "kvspec-traits audit"
+
+RULES: Final = (
+    ("KVT001", "spec-class-check",
+     "A branch on a KV cache spec class: ask the spec's traits instead."),
+    ("KVT002", "missed-spec-class",
+     "A branch on spec classes leaves out classes with the trait value it most likely "
+     "asks for."),
+    ("KVT003", "exact-type-check",
+     "An exact type check on a spec class skips that class's subclasses."),
+    ("KVT004", "group-wrapper-not-unwrapped",
+     "A check on the group wrapper spec whose branch never reads the group's members."),
+)
+_RULE_INDEX: Final = {rule_id: i for i, (rule_id, _, _) in enumerate(RULES)}
+
+
+def _rule_of(site: Site) -> tuple[str, str]:
+    if site.has_miss:
+        return "KVT002", "warning"
+    if site.wrapper_not_unwrapped:
+        return "KVT004", "warning"
+    if site.skipped_subclasses:
+        return "KVT003", "warning"
+    return "KVT001", "note"
+
+
+def _answer_text(site: Site) -> str:
+    a = site.answer
+    if a is None:
+        if site.raw.unwraps is not None and not site.branch_classes:
+            return "a group wrapper check (traits_of() answers for a group: GroupTraits)"
+        return "no single trait (a class-identity question)"
+    how = {"exact": "exactly", "near": "nearly", "closest": "at best"}[a.match]
+    text = f"{a.trait} = {a.value} ({how}, similarity {a.similarity:.2f}) -> {a.expression}"
+    if a.other_value_classes:
+        text += f"; but also accepts {', '.join(a.other_value_classes)} (another value)"
+    return text
+
+
+def _message(site: Site) -> str:
+    parts = [f"`{site.raw.text}` branches on spec classes; asks {_answer_text(site)}."]
+    if site.missing:
+        parts.append(f"Misses {', '.join(site.missing)}.")
+    if site.skipped_subclasses:
+        parts.append(f"Exact type check: skips subclasses {', '.join(site.skipped_subclasses)}.")
+    if site.wrapper_not_unwrapped:
+        parts.append("Tests the group wrapper but never reads its members.")
+    return " ".join(parts)
+
+
+def summary(result: AuditResult) -> dict[str, int]:
+    """Counts for the summary line and the JSON ``summary`` object."""
+    sites = result.sites
+    return {
+        "sites": len(sites),
+        "files_with_sites": len({s.path for s in sites}),
+        "sites_with_misses": sum(s.has_miss for s in sites),
+        "exact_type_checks_skipping_subclasses": sum(bool(s.skipped_subclasses) for s in sites),
+        "group_wrappers_not_unwrapped": sum(s.wrapper_not_unwrapped for s in sites),
+        "files_seen": result.files_seen,
+        "files_parsed": result.files_parsed,
+        "files_with_errors": len(result.errors),
+    }
+
+
+def render_table(result: AuditResult, out: TextIO) -> None:
+    """Sites grouped by file: files with misses first, misses first within a file."""
+    u = result.universe
+    out.write(f"{TOOL_NAME}: class sets of vLLM {u.vllm_version}\n")
+    by_file: dict[str, list[Site]] = {}
+    for site in result.sites:
+        by_file.setdefault(site.path, []).append(site)
+    order = sorted(by_file, key=lambda p: (-sum(s.has_miss for s in by_file[p]), p))
+    for path in order:
+        sites = sorted(by_file[path], key=lambda s: (not s.has_miss, s.raw.line, s.raw.col))
+        misses = sum(s.has_miss for s in sites)
+        tail = f", {misses} with misses" if misses else ""
+        out.write(f"\n{path}  ({len(sites)} site{'s' if len(sites) != 1 else ''}{tail})\n")
+        for site in sites:
+            out.write(f"  {site.raw.line:>5}  {site.raw.function}: {site.raw.text}\n")
+            pad = " " * 9
+            if site.missing:
+                out.write(f"{pad}MISSES {', '.join(site.missing)}\n")
+            if site.skipped_subclasses:
+                out.write(f"{pad}EXACT TYPE: skips subclasses "
+                          f"{', '.join(site.skipped_subclasses)}\n")
+            if site.wrapper_not_unwrapped:
+                out.write(f"{pad}GROUP WRAPPER: the branch never reads the group's members "
+                          f"({', '.join(sorted(u.member_fields)) or 'members'})\n")
+            out.write(f"{pad}asks {_answer_text(site)}\n")
+    if result.errors:
+        out.write(f"\ncould not scan {len(result.errors)} file(s):\n")
+        for err in result.errors:
+            out.write(f"  {err.path}: {err.error}\n")
+    n = summary(result)
+    out.write(
+        f"\n{n['sites']} sites in {n['files_with_sites']} files; {n['sites_with_misses']} with "
+        f"misses, {n['exact_type_checks_skipping_subclasses']} exact type checks skipping "
+        f"subclasses, {n['group_wrappers_not_unwrapped']} group wrappers not unwrapped; "
+        f"{n['files_seen']} files seen, {n['files_parsed']} parsed, "
+        f"{n['files_with_errors']} could not be scanned\n")
+
+
+def site_json(site: Site) -> dict[str, Any]:
+    """One site as a JSON object (the ``sites`` items of ``--json``)."""
+    r, a = site.raw, site.answer
+    return {
+        "path": site.path, "line": r.line, "column": r.col + 1, "end_line": r.end_line,
+        "function": r.function, "form": r.form, "check": r.text, "subject": r.subject,
+        "classes": list(r.classes), "negated": r.negated, "exact": r.exact,
+        "branch_classes": list(site.branch_classes),
+        "answer": None if a is None else {
+            "trait": a.trait, "value": a.value, "match": a.match,
+            "similarity": a.similarity, "expression": a.expression,
+            "value_classes": list(a.value_classes),
+            "other_value_classes": list(a.other_value_classes), "varies": list(a.varies),
+        },
+        "missing": list(site.missing),
+        "skipped_subclasses": list(site.skipped_subclasses),
+        "wrapper_not_unwrapped": site.wrapper_not_unwrapped,
+        "no_representative": list(site.no_representative),
+        "rule": _rule_of(site)[0],
+    }
+
+
+def _errors_json(errors: Iterable[FileError]) -> list[dict[str, str]]:
+    return [{"path": e.path, "error": e.error} for e in errors]
+
+
+def render_json(result: AuditResult) -> dict[str, Any]:
+    """The whole audit as one JSON object."""
+    from kvspec_traits import __version__
+
+    u = result.universe
+    return {
+        "tool": TOOL_NAME, "version": __version__,
+        "vllm": {"version": u.vllm_version, "path": u.vllm_path},
+        "summary": summary(result),
+        "sites": [site_json(s) for s in result.sites],
+        "errors": _errors_json(result.errors),
+    }
+
+
+def render_sarif(result: AuditResult) -> dict[str, Any]:
+    """SARIF 2.1.0 for code-scanning annotations: one result per site, under its most
+    severe rule; unreadable files as tool execution notifications."""
+    from kvspec_traits import __version__
+
+    results = []
+    for site in result.sites:
+        rule_id, level = _rule_of(site)
+        results.append({
+            "ruleId": rule_id, "ruleIndex": _RULE_INDEX[rule_id], "level": level,
+            "message": {"text": _message(site)},
+            "locations": [{"physicalLocation": {
+                "artifactLocation": {"uri": site.path, "uriBaseId": "%SRCROOT%"},
+                "region": {"startLine": site.raw.line, "startColumn": site.raw.col + 1,
+                           "endLine": site.raw.end_line},
+            }, "logicalLocations": [{"fullyQualifiedName": site.raw.function}]}],
+            "properties": {"missing": list(site.missing),
+                           "trait": None if site.answer is None else site.answer.trait},
+        })
+    notifications = [{
+        "level": "error", "message": {"text": f"could not scan: {e.error}"},
+        "locations": [{"physicalLocation": {"artifactLocation": {"uri": e.path}}}],
+    } for e in result.errors]
+    return {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {
+                "name": TOOL_NAME, "version": __version__,
+                "rules": [{"id": rule_id, "name": name,
+                           "shortDescription": {"text": text},
+                           "help": {"text": "See docs/audit.md of kvspec-traits."}}
+                          for rule_id, name, text in RULES],
+            }},
+            "invocations": [{"executionSuccessful": not result.errors,
+                             "toolExecutionNotifications": notifications}],
+            "results": results,
+        }],
+    }

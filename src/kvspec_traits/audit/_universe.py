@@ -1,0 +1,304 @@
+"""The spec classes of the installed vLLM and each class's answer to every trait question.
+
+This is the only part of the audit that imports vLLM, and only through
+:mod:`kvspec_traits.catalog` on a cache miss: the answers come from the adapters applied to
+the catalog's representative real specs. The result is plain data (class names, MRO names,
+value labels) cached as JSON, so scanning never imports vLLM and never compares classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.util
+import inspect
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from kvspec_traits.audit._questions import QUESTIONS
+
+__all__ = [
+    "ClassInfo",
+    "ClassSetsUnavailableError",
+    "Universe",
+    "build_universe",
+    "default_cache_dir",
+    "installed_vllm_dir",
+    "load_universe",
+]
+
+_FORMAT: Final = 1
+_CACHE_ENV: Final = "KVSPEC_TRAITS_CACHE_DIR"
+
+
+class ClassSetsUnavailableError(RuntimeError):
+    """The class sets could not be computed: vLLM (or the catalog) failed to import."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClassInfo:
+    """One spec class: its module, its MRO as names (itself first, ``object`` left out),
+    how many catalog representatives it has (0: abstract or not in the catalog) and
+    whether its traits are a group's (a wrapper of member specs)."""
+
+    name: str
+    module: str
+    mro: tuple[str, ...]
+    representatives: int
+    group: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Universe:
+    """Class names and per-question answers, keyed ``answers[question][class]`` to the
+    set of value labels its representatives gave (more than one: the class *varies*).
+
+    ``member_fields`` are the attribute names through which a group spec holds its
+    members (reading one of them is what unwrapping a group means).
+    """
+
+    vllm_version: str
+    vllm_path: str
+    classes: Mapping[str, ClassInfo]
+    answers: Mapping[str, Mapping[str, frozenset[str]]]
+    member_fields: frozenset[str] = frozenset()
+    sources: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every spec class name."""
+        return frozenset(self.classes)
+
+    @property
+    def group_names(self) -> frozenset[str]:
+        """Classes whose traits are a group's (vLLM's wrapper of same-type layers)."""
+        return frozenset(n for n, c in self.classes.items() if c.group)
+
+    @property
+    def concrete(self) -> frozenset[str]:
+        """Classes with representatives that are not groups: the ones trait sets hold."""
+        return frozenset(n for n, c in self.classes.items()
+                         if c.representatives and not c.group)
+
+    def subclasses(self, names: Iterable[str]) -> frozenset[str]:
+        """Concrete classes that ``isinstance`` against any of ``names`` accepts."""
+        wanted = set(names)
+        return frozenset(n for n in self.concrete if wanted.intersection(self.classes[n].mro))
+
+    def values(self, question: str, name: str) -> frozenset[str]:
+        """The labels ``name``'s representatives give for ``question`` (empty: none)."""
+        return self.answers.get(question, {}).get(name, frozenset())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "vllm_version": self.vllm_version,
+            "vllm_path": self.vllm_path,
+            "classes": {n: {"module": c.module, "mro": list(c.mro),
+                            "representatives": c.representatives, "group": c.group}
+                        for n, c in self.classes.items()},
+            "answers": {q: {n: sorted(v) for n, v in per.items()}
+                        for q, per in self.answers.items()},
+            "member_fields": sorted(self.member_fields),
+            "sources": {p: list(s) for p, s in self.sources.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Universe:
+        """Inverse of :meth:`to_json`; ``ValueError`` if the data is of another format."""
+        if data.get("format") != _FORMAT:
+            raise ValueError(f"class-set data has format {data.get('format')!r}, "
+                             f"expected {_FORMAT}; rebuild it with --refresh-classes")
+        return cls(
+            vllm_version=str(data["vllm_version"]),
+            vllm_path=str(data["vllm_path"]),
+            classes={n: ClassInfo(name=n, module=str(c["module"]), mro=tuple(c["mro"]),
+                                  representatives=int(c["representatives"]),
+                                  group=bool(c["group"]))
+                     for n, c in data["classes"].items()},
+            answers={q: {n: frozenset(v) for n, v in per.items()}
+                     for q, per in data["answers"].items()},
+            member_fields=frozenset(data.get("member_fields", ())),
+            sources={p: (int(s[0]), int(s[1])) for p, s in data.get("sources", {}).items()},
+        )
+
+
+def installed_vllm_dir() -> Path | None:
+    """The directory of the ``vllm`` package Python would import (``PYTHONPATH`` first),
+    found without importing it; ``None`` when there is none."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def build_universe() -> Universe:
+    """Import vLLM through the catalog and compute every class's answers.
+
+    Raises :class:`ClassSetsUnavailableError` if vLLM or the catalog cannot be imported.
+    """
+    try:
+        import vllm
+
+        from kvspec_traits import catalog
+    except Exception as exc:  # any import failure of vLLM means: no class sets
+        raise ClassSetsUnavailableError(
+            f"cannot import vLLM to compute the spec class sets ({type(exc).__name__}: "
+            f"{exc}); run the audit in the environment where vLLM is installed, or pass "
+            f"--classes FILE saved there with --save-classes FILE") from exc
+    from kvspec_traits import GroupTraits, traits_of
+    from kvspec_traits._traits import KVLayoutTraits
+
+    spec_classes = catalog.spec_classes()
+    by_type = {cls: cls.__qualname__ for cls in spec_classes}
+    reps: dict[str, int] = {}
+    groups: set[str] = set()
+    member_fields: set[str] = set()
+    answers: dict[str, dict[str, set[str]]] = {q.name: {} for q in QUESTIONS}
+    for entry in catalog.representative_specs():
+        spec = entry.spec
+        name = type(spec).__qualname__
+        reps[name] = reps.get(name, 0) + 1
+        traits: KVLayoutTraits = traits_of(spec)
+        if isinstance(traits, GroupTraits):
+            groups.add(name)
+            member_fields.update(_member_fields(spec, by_type))
+            continue
+        for q in QUESTIONS:
+            answers[q.name].setdefault(name, set()).add(q.read(traits))
+    sources: dict[str, tuple[int, int]] = {}
+    for cls in spec_classes:
+        src = inspect.getsourcefile(cls)
+        st = _stat(src) if src else None
+        if src and st:
+            sources[src] = st
+    for mod in (catalog,):
+        src = inspect.getsourcefile(mod)
+        st = _stat(src) if src else None
+        if src and st:
+            sources[src] = st
+    classes = {
+        name: ClassInfo(name=name, module=cls.__module__,
+                        mro=tuple(k.__qualname__ for k in cls.__mro__ if k is not object),
+                        representatives=reps.get(name, 0), group=name in groups)
+        for cls, name in by_type.items()
+    }
+    vdir = installed_vllm_dir()
+    return Universe(
+        vllm_version=str(vllm.__version__),
+        vllm_path=str(vdir) if vdir else "",
+        classes=classes,
+        answers={q: {n: frozenset(v) for n, v in per.items()} for q, per in answers.items()},
+        member_fields=frozenset(member_fields),
+        sources=sources,
+    )
+
+
+def _member_fields(spec: object, by_type: Mapping[type[Any], str]) -> set[str]:
+    # The fields of a group spec that hold member specs (a mapping or sequence of them).
+    found: set[str] = set()
+    if not dataclasses.is_dataclass(spec):
+        return found
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name, None)
+        items: Iterable[object] = ()
+        if isinstance(value, Mapping):
+            items = value.values()
+        elif isinstance(value, list | tuple):
+            items = value
+        if any(type(item) in by_type for item in items):
+            found.add(f.name)
+    return found
+
+
+def default_cache_dir() -> Path:
+    """``$KVSPEC_TRAITS_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvspec-traits``, else
+    ``~/.cache/kvspec-traits``."""
+    env = os.environ.get(_CACHE_ENV)
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvspec-traits"
+
+
+_ANSWERING_MODULES: Final = ("_vllm_adapters.py", "_traits.py", "_group.py", "_registry.py",
+                              "catalog.py", "audit/_questions.py", "audit/_universe.py")
+
+
+def _library_stamp() -> str:
+    # The adapters, the catalog and the questions decide the answers: a change to any of
+    # them invalidates the cache (other modules of the library do not).
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for name in _ANSWERING_MODULES:
+        h.update(f"{name}:{_stat(str(root / name))}".encode())
+    return h.hexdigest()[:16]
+
+
+def _cache_file(cache_dir: Path, vdir: Path | None) -> Path:
+    key = hashlib.sha256(f"{vdir}|{_library_stamp()}".encode()).hexdigest()[:16]
+    return cache_dir / f"audit-classes-{key}.json"
+
+
+def load_universe(*, cache_dir: Path | None = None, refresh: bool = False) -> Universe:
+    """The class sets of the vLLM Python would import, from the cache when it is fresh.
+
+    The cache is keyed by the vLLM directory and the kvspec-traits sources, and is stale
+    when any file defining a spec class changed (size or mtime). ``refresh`` rebuilds.
+    Raises :class:`ClassSetsUnavailableError` when it must be built and vLLM is missing.
+    """
+    vdir = installed_vllm_dir()
+    if vdir is None:
+        raise ClassSetsUnavailableError(
+            "no vLLM package found on sys.path: the audit computes which classes each trait "
+            "covers from the installed vLLM; install it, or pass --classes FILE")
+    path = _cache_file(cache_dir or default_cache_dir(), vdir)
+    if not refresh:
+        cached = _read_cache(path)
+        if cached is not None and cached.vllm_path == str(vdir) and all(
+            _stat(p) == s for p, s in cached.sources.items()
+        ):
+            return cached
+    universe = build_universe()
+    _write_cache(path, universe)
+    return universe
+
+
+def _read_cache(path: Path) -> Universe | None:
+    try:
+        return Universe.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a missing or damaged cache is rebuilt
+
+
+def _write_cache(path: Path, universe: Universe) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".audit-classes-")
+    except OSError:
+        return  # an unwritable cache only costs the next run the vLLM import
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(universe.to_json(), fh)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
