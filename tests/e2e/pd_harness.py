@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -62,11 +63,32 @@ class ServerFailedError(RuntimeError):
     """A server died or did not become ready; the message carries its log tail."""
 
 
+_TAKEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's
+    ephemeral range: vLLM picks its own internal ports there (``get_open_port``), and a
+    port chosen from that range can be taken again between our choice and the bind."""
+    low, high = 20000, 32000
+    try:
+        eph_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        high = min(high, eph_low)
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        if port in _TAKEN:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _TAKEN.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in [{low}, {high}) on 127.0.0.1")
 
 
 @dataclass

@@ -1,0 +1,495 @@
+"""The connector and its worker, built on vLLM's pull-mode NIXL connector.
+
+What this module owns, and decides from traits and the region planner only (no spec
+class is named here):
+
+- the worker's layout facts (``block_size`` of the transfer groups, hybrid detection,
+  recurrent state present, ring buffer present, the replicated-state group), set before
+  vLLM's kernel block-size sync;
+- ``register_kv_caches``: every region (base, block length, stride, block count, group
+  id, name), the REPLICATE/SPLIT flag of each region, the state and scratch region
+  indices, and the memory to register, from :func:`kvspec_traits.nixl.plan_regions`;
+- the per-region traits fingerprint, sent inside the NIXL agent metadata, and checked
+  against the peer's before vLLM's own handshake, so a layout mismatch is refused with
+  the named diff.
+
+Everything else (transfers, descriptor ids, TP mapping, heartbeats, the scheduler) is
+upstream's, unchanged. docs/vllm.md lists the spec-class branches left in that code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+import zmq
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    GET_META_MSG,
+    NixlAgentMetadata,
+    NixlConnectorMetadata,
+    NixlHandshakePayload,
+    compute_nixl_compatibility_hash,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
+    _is_attention_spec,
+    _is_ssm_spec,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
+from vllm.logger import init_logger
+from vllm.utils.network_utils import make_zmq_path
+
+from kvspec_traits._group import GroupTraits
+from kvspec_traits._registry import Registry, default_registry
+from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
+from kvspec_traits.nixl import (
+    HandshakeMismatchError,
+    PlanFingerprint,
+    RegionPlan,
+    check_handshake,
+    plan_regions,
+)
+from kvspec_traits.vllm_connector import CONNECTOR_NAME, check_vllm_version
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = [
+    "LayoutFacts",
+    "PeerWithoutTraitsError",
+    "TraitsNixlAgentMetadata",
+    "TraitsNixlConnector",
+    "TraitsNixlConnectorWorker",
+    "UpstreamDisagreesError",
+    "layout_facts",
+]
+
+# Under "vllm." so vLLM's log configuration (handler, level, VLLM_LOGGING_*) applies.
+logger = init_logger("vllm.kvspec_traits.connector")
+
+# Scopes whose pages are not addressed by token position: a recurrent state (one page
+# per request) and a ring (one page rewritten in place). vLLM leaves them out of the
+# transfer block size.
+_NOT_TOKEN_PAGED = frozenset({TokenScope.RECURRENT_STATE, TokenScope.RING})
+
+
+@dataclasses.dataclass
+class TraitsNixlAgentMetadata(NixlAgentMetadata):
+    """vLLM's agent metadata plus the canonical per-region traits fingerprint.
+
+    Upstream decoders ignore the extra field, so the wire stays readable by vLLM.
+    """
+
+    kvspec_traits_fingerprint: bytes | None = None
+
+
+class PeerWithoutTraitsError(RuntimeError):
+    """The NIXL peer sent no kvspec-traits fingerprint (it runs upstream's connector or
+    an older kvspec-traits). ``.peer`` is ``host:port``."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        super().__init__(
+            f"KV layout handshake refused: the NIXL peer at {peer} sent no kvspec-traits "
+            f"layout fingerprint. Run both prefill and decode with "
+            f"kv_connector \"{CONNECTOR_NAME}\" (or both with upstream \"NixlConnector\")."
+        )
+
+
+class UpstreamDisagreesError(RuntimeError):
+    """A decision that upstream code still takes from spec classes contradicts the
+    traits, so the transfer would be wrong. ``.what`` names the decision."""
+
+    def __init__(self, what: str, upstream: object, traits: object) -> None:
+        self.what = what
+        self.upstream = upstream
+        self.traits = traits
+        super().__init__(
+            f"{CONNECTOR_NAME}: vLLM's NIXL worker decides {what} from spec classes as "
+            f"{upstream!r}, but the layout traits say {traits!r}; refusing to run with "
+            f"a descriptor layout that would not match the registered regions. Report "
+            f"the spec class, or register an adapter that describes it."
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayoutFacts:
+    """The worker-wide layout facts vLLM's NIXL worker derives from spec classes,
+    here from traits. Group indices are positions in ``transfer_groups`` unless named
+    ``kv_cache_group``."""
+
+    layer_traits: Mapping[str, KVLayoutTraits]
+    group_is_state: tuple[bool, ...]
+    """Per transfer group: holds recurrent states (vLLM: an SSM group)."""
+    transfer_block_size: int | None
+    """LCM of the token-paged transfer groups' block sizes (None if there are none)."""
+    hybrid: bool
+    """Some layer does not keep every token (vLLM: the hybrid allocator is needed)."""
+    has_state: bool
+    has_ring: bool
+    replicated_state_kv_cache_group: int | None
+    """The cache group whose layers are all TP-replicated states next to a ring (vLLM:
+    the CSA-linear PLE group)."""
+
+
+def _members(traits: KVLayoutTraits, layers: list[str]) -> dict[str, KVLayoutTraits]:
+    if isinstance(traits, GroupTraits):
+        return {layer: traits.members[layer] for layer in layers}
+    return dict.fromkeys(layers, traits)
+
+
+def _first(traits: KVLayoutTraits) -> KVLayoutTraits:
+    # vLLM's get_representative_spec_type: a group's kind is its first member's.
+    if isinstance(traits, GroupTraits):
+        return next(iter(traits.members.values()))
+    return traits
+
+
+def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = None
+                 ) -> LayoutFacts:
+    """Answer the worker's layout questions from the traits of ``kv_cache_config``."""
+    reg = registry if registry is not None else default_registry
+    layer_traits: dict[str, KVLayoutTraits] = {}
+    group_is_state: list[bool] = []
+    block_sizes: list[int] = []
+    for group in kv_cache_config.transfer_groups:
+        traits = reg.traits_of(group.kv_cache_spec)
+        layer_traits.update(_members(traits, list(group.layer_names)))
+        kind = _first(traits)
+        group_is_state.append(kind.token_scope is TokenScope.RECURRENT_STATE)
+        if kind.token_scope not in _NOT_TOKEN_PAGED:
+            block_sizes.append(kind.block_size)
+    all_groups = [reg.traits_of(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
+    has_ring = any(_first(t).token_scope is TokenScope.RING for t in all_groups)
+    replicated_state: list[int] = []
+    if has_ring:
+        for index, (group, traits) in enumerate(
+                zip(kv_cache_config.kv_cache_groups, all_groups, strict=True)):
+            members = _members(traits, list(group.layer_names)).values()
+            if members and all(t.token_scope is TokenScope.RECURRENT_STATE
+                               and t.tp_layout is TPLayout.REPLICATED for t in members):
+                replicated_state.append(index)
+        if len(replicated_state) > 1 or any(
+                len(kv_cache_config.kv_cache_groups[i].layer_names) != 1
+                for i in replicated_state):
+            raise ValueError(
+                f"{CONNECTOR_NAME}: a ring-buffer model may have at most one replicated "
+                f"recurrent-state layer (found groups {replicated_state})")
+    return LayoutFacts(
+        layer_traits=layer_traits,
+        group_is_state=tuple(group_is_state),
+        transfer_block_size=math.lcm(*block_sizes) if block_sizes else None,
+        hybrid=any(t.token_scope is not TokenScope.FULL for t in layer_traits.values()),
+        has_state=any(t.token_scope is TokenScope.RECURRENT_STATE
+                      for t in layer_traits.values()),
+        has_ring=has_ring,
+        replicated_state_kv_cache_group=replicated_state[0] if replicated_state else None,
+    )
+
+
+class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
+    """vLLM's pull-mode NIXL worker with its layout decisions taken from traits."""
+
+    region_plan: RegionPlan | None
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str,
+                 kv_cache_config: KVCacheConfig, *, registry: Registry | None = None
+                 ) -> None:
+        self._traits_registry = registry if registry is not None else default_registry
+        # Before super().__init__: its block-size sync hook (below) needs them.
+        self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
+        self.region_plan = None
+        self.traits_fingerprint: PlanFingerprint | None = None
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._check_upstream_group_kinds()
+
+    # -- decisions vLLM takes in __init__ ---------------------------------------------
+
+    def _sync_block_size_with_kernel(self) -> None:
+        # Called by vLLM's __init__ right after its own class-based answers; replace
+        # them before anything uses them for the kernel sync or the transfer.
+        facts = self.layout_facts
+        if facts.transfer_block_size is not None:
+            self.block_size = facts.transfer_block_size
+        else:
+            self.block_size = int(self.vllm_config.cache_config.block_size)
+        self._is_hma_required = (
+            not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+            and facts.hybrid)
+        self._has_mamba = facts.has_state
+        self._is_csa_linear = facts.has_ring
+        self._ple_group_index = facts.replicated_state_kv_cache_group
+        if facts.has_state and self._conv_decomp is None:
+            self._conv_decomp = self._state_conv_split()
+            self._mamba_ssm_size = self._conv_decomp.ssm_sizes
+        super()._sync_block_size_with_kernel()
+
+    def _state_conv_split(self) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import (
+            derive_mamba_conv_split,
+        )
+
+        for layer, traits in self.layout_facts.layer_traits.items():
+            if (traits.token_scope is TokenScope.RECURRENT_STATE
+                    and (not self.layout_facts.has_ring
+                         or traits.tp_layout is not TPLayout.REPLICATED)):
+                return derive_mamba_conv_split(
+                    self._layer_specs[layer],  # type: ignore[arg-type]  # a state spec
+                    self.vllm_config.parallel_config.tensor_parallel_size)
+        raise ValueError(f"{CONNECTOR_NAME}: no TP-sharded recurrent state layer to "
+                         f"derive the conv/SSM split from")
+
+    def _check_upstream_group_kinds(self) -> None:
+        """Upstream's descriptor-id math classifies groups by class (attention vs SSM);
+        it must agree with the traits or the descriptors would not match our regions."""
+        for index, (spec_type, is_state) in enumerate(
+                zip(self._group_spec_types, self.layout_facts.group_is_state, strict=True)):
+            upstream = ("state" if _is_ssm_spec(spec_type)
+                        else "paged" if _is_attention_spec(spec_type) else "unknown")
+            ours = "state" if is_state else "paged"
+            if upstream != ours:
+                raise UpstreamDisagreesError(
+                    f"the kind of transfer group {index} ({spec_type.__qualname__})",
+                    upstream, ours)
+
+    # -- register_kv_caches -------------------------------------------------------------
+
+    def plan(self, kv_caches: Mapping[str, torch.Tensor]) -> RegionPlan:
+        """The region plan of ``kv_caches`` for this rank (no NIXL calls)."""
+        for group in self.kv_cache_config.transfer_groups:
+            if group.host_resident:
+                raise NotImplementedError(
+                    f"{CONNECTOR_NAME} does not transfer host-resident (HiSparse) cache "
+                    f"groups; use upstream's NixlConnector for this model")
+        return plan_regions(kv_caches, self.kv_cache_config,
+                            tp_size=self.transfer_tp_size, tp_rank=self.transfer_tp_rank,
+                            registry=self._traits_registry)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register the KV caches with NIXL, regions planned from traits."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+
+        if self.use_host_buffer:
+            raise NotImplementedError(
+                f"{CONNECTOR_NAME} registers device/CPU caches directly; host staging "
+                f"buffers (kv_buffer_device cpu on an accelerator) are upstream-only")
+        self.transfer_topo = TransferTopology(
+            tp_rank=self.transfer_tp_rank,
+            tp_size=self.transfer_tp_size,
+            block_size=self.block_size,
+            engine_id=self.engine_id,
+            is_mla=self.use_mla,
+            total_num_kv_heads=1 if self.use_mla
+            else self.model_config.get_total_num_kv_heads(),
+            attn_backends=self.attn_backends,
+            dcp_size=self.dcp_size,
+            tensor_shape=None if self._has_mamba else next(iter(kv_caches.values())).shape,
+            is_mamba=self._has_mamba,
+        )
+        self.compat_hash = compute_nixl_compatibility_hash(
+            self.vllm_config, self.backend_name, transfer_mode=self._TRANSFER_MODE)
+
+        plan = self.plan(kv_caches)
+        self.region_plan = plan
+        self._apply_plan(plan)
+
+        for mem_type in sorted({r.mem_type for r in plan.registrations}):
+            if mem_type == "DRAM" and self._skip_dram_xfer:
+                continue
+            ranges = [(r.base, r.length, r.device_id, "") for r in plan.registrations
+                      if r.mem_type == mem_type]
+            descs = self.nixl_wrapper.get_reg_descs(ranges, mem_type)
+            self.nixl_wrapper.register_memory(descs, backends=self.nixl_backends)
+            self._registered_descs.append(descs)
+
+        self.device_kv_caches = kv_caches
+        self.dst_num_blocks[self.engine_id] = self.num_blocks
+        self.dst_region_num_blocks[self.engine_id] = self._xfer_region_num_blocks()
+        self.dst_region_group_ids[self.engine_id] = self.region_group_ids
+        self.dst_uses_region_group_mapping[self.engine_id] = self._uses_region_group_mapping
+        self.dst_region_mem_types[self.engine_id] = self.region_mem_types
+
+        self.src_xfer_handles_by_block_size[self.block_size], self.src_blocks_data = (
+            self.register_local_xfer_handler(self.block_size))
+
+        self.traits_fingerprint = plan.fingerprint()
+        logger.info("%s: registered %d NIXL regions planned from layout traits "
+                    "(fingerprint %s, replicated %s)", CONNECTOR_NAME, len(plan.regions),
+                    self.traits_fingerprint.digest[:16], plan.region_replicated)
+        packed: dict[str, tuple[int, int]] = getattr(self, "_packed_member_layouts", {})
+        agent_metadata = TraitsNixlAgentMetadata(
+            engine_id=self.engine_id,
+            agent_metadata=self.nixl_wrapper.get_agent_metadata(),
+            device_id=self.device_id,
+            kv_caches_base_addr=self.kv_caches_base_addr[self.engine_id][self.tp_rank],
+            num_blocks=self.num_blocks,
+            block_lens=self.block_len_per_layer,
+            block_strides=self.block_stride_per_layer,
+            kv_cache_layout=self.kv_cache_layout,
+            block_size=self.block_size,
+            ssm_sizes=self._mamba_ssm_size,
+            ple_block_len=self._ple_block_len,
+            attn_backend_name=self.backend_name,
+            physical_blocks_per_logical_kv_block=self._physical_blocks_per_logical_kv_block,
+            region_num_blocks=self.region_num_blocks,
+            region_group_ids=self.region_group_ids,
+            region_names=self.region_names,
+            region_mem_types=self.region_mem_types,
+            dcp_size=self.dcp_size,
+            pcp_size=self.pcp_size,
+            region_members=self.region_members,
+            packed_member_layouts=packed,
+            kvspec_traits_fingerprint=self.traits_fingerprint.canonical(),
+        )
+        if self.compat_hash is None:
+            raise RuntimeError("compatibility hash was not computed")
+        self.xfer_handshake_metadata = NixlHandshakePayload(
+            compatibility_hash=self.compat_hash,
+            agent_metadata_bytes=msgspec.msgpack.Encoder().encode(agent_metadata),
+        )
+
+    def _xfer_region_num_blocks(self) -> list[int]:
+        if self._transfer_layer_region_indices:
+            return [self.region_num_blocks[i] for i in self._transfer_layer_region_indices]
+        return list(self.region_num_blocks)
+
+    def _apply_plan(self, plan: RegionPlan) -> None:
+        """Fill vLLM's per-region bookkeeping from the plan."""
+        regions = plan.regions
+        self.kv_caches_base_addr[self.engine_id][self.tp_rank] = plan.base_addresses
+        self.block_len_per_layer = plan.block_lens
+        self.block_stride_per_layer = plan.block_strides
+        self.region_group_ids = plan.region_group_ids
+        self.region_names = plan.region_names
+        self.region_num_blocks = plan.region_num_blocks
+        self._region_is_mla = plan.region_replicated
+        self.region_mem_types = [r.mem_type for r in regions]
+        self._ssm_region_indices = plan.state_region_indices
+        self._scratch_region_indices = plan.scratch_region_indices
+        replicated_states = plan.replicated_state_region_indices
+        if len(replicated_states) > 1:
+            raise ValueError(f"{CONNECTOR_NAME}: at most one replicated recurrent-state "
+                             f"region is supported, got {replicated_states}")
+        self._ple_region_index = replicated_states[0] if replicated_states else None
+        self._ple_block_len = None
+        if self._ple_region_index is not None:
+            region = regions[self._ple_region_index]
+            state_pages = [self.layout_facts.layer_traits[layer].page_size_bytes
+                           for layer in region.layers
+                           if self.layout_facts.layer_traits[layer].token_scope
+                           is TokenScope.RECURRENT_STATE]
+            self._ple_block_len = max(state_pages)
+        devices = {r.device_id for r in regions if r.mem_type != "DRAM"}
+        if devices:
+            self.device_id = max(devices)
+        self.num_regions = len(regions)
+        self._uses_region_group_mapping = len(set(self.region_group_ids)) > 1
+        self._mixed_mem_types = len(set(self.region_mem_types)) > 1
+        if self._has_mamba:
+            # vLLM counts state descriptors per logical block in every region.
+            self.region_num_blocks = [self.num_blocks] * self.num_regions
+        region_layers = ([list(r.layers) for r in regions]
+                         if self._tracks_region_layers() else [])
+        self._set_region_layers(region_layers)
+        if self.pp_size > 1 and not self._requires_layer_name_routing():
+            start, end = self.model_config.get_layers_start_end_indices(
+                self.vllm_config.parallel_config)
+            if end <= start or self.num_regions % (end - start):
+                raise ValueError(f"{CONNECTOR_NAME}: {self.num_regions} regions do not "
+                                 f"split over {end - start} local layers")
+            self._remote_region_offset = self.num_regions // (end - start) * start
+        self.num_descs = sum(self._xfer_region_num_blocks())
+        self._skip_dram_xfer = self._leaves_dram_xfer_to_rank0()
+        if self._mixed_mem_types and (not self.use_mla or self._has_mamba):
+            raise ValueError(f"{CONNECTOR_NAME}: mixed-device KV registration is only "
+                             f"supported for MLA models without recurrent state")
+        # vLLM 0.33 derives these from the regions at the same point.
+        if hasattr(self, "_get_head_sharded_draft_regions"):
+            self._head_sharded_draft_regions = self._get_head_sharded_draft_regions()
+        if hasattr(self, "_packed_member_layouts"):
+            self._packed_member_layouts: dict[str, tuple[int, int]] = {}
+
+    # -- handshake ----------------------------------------------------------------------
+
+    def _nixl_handshake(self, host: str, port: int, remote_tp_size: int,
+                        *args: Any, **kwargs: Any) -> Any:
+        remote_dcp_size = int(kwargs.get("remote_dcp_size", args[1] if len(args) > 1 else 1))
+        self.check_remote_layout(host, port, remote_tp_size, remote_dcp_size)
+        return super()._nixl_handshake(host, port, remote_tp_size, *args, **kwargs)
+
+    def check_remote_layout(self, host: str, port: int, remote_tp_size: int,
+                            remote_dcp_size: int = 1) -> None:
+        """Fetch the peer's handshake metadata and compare layout fingerprints.
+
+        Runs before vLLM's compatibility hash, so a layout mismatch is reported as
+        :class:`~kvspec_traits.nixl.HandshakeMismatchError` naming the region and every
+        differing trait; a peer without a fingerprint raises
+        :class:`PeerWithoutTraitsError`.
+        """
+        if self.transfer_topo is None or self.traits_fingerprint is None:
+            raise RuntimeError("check_remote_layout before register_kv_caches")
+        ranks = self.transfer_topo.handshake_target_ranks(remote_tp_size, remote_dcp_size)
+        peer = f"{host}:{port}"
+        with zmq_ctx(zmq.REQ, make_zmq_path("tcp", host, port)) as sock:
+            sock.setsockopt(zmq.RCVTIMEO, 30_000)
+            for rank in ranks:
+                sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, rank)))
+                reply = sock.recv_multipart()
+                payload = msgspec.msgpack.decode(reply[0], type=NixlHandshakePayload)
+                meta = msgspec.msgpack.decode(payload.agent_metadata_bytes,
+                                              type=TraitsNixlAgentMetadata)
+                if meta.kvspec_traits_fingerprint is None:
+                    raise PeerWithoutTraitsError(peer)
+                remote = PlanFingerprint.from_payload(
+                    json.loads(meta.kvspec_traits_fingerprint))
+                try:
+                    check_handshake(self.traits_fingerprint, remote)
+                except HandshakeMismatchError as err:
+                    logger.error("%s: refusing NIXL peer %s (engine %s, TP rank %s): %s",
+                                 CONNECTOR_NAME, peer, meta.engine_id, rank, err)
+                    raise
+        logger.info("%s: peer %s has the same KV layout (fingerprint %s)", CONNECTOR_NAME,
+                    peer, self.traits_fingerprint.digest[:16])
+
+
+class TraitsNixlConnector(NixlBaseConnector):
+    """vLLM's pull-mode ``NixlConnector`` whose worker plans regions from traits.
+
+    Refuses at construction on a vLLM outside :data:`SUPPORTED_VLLM_SERIES`.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPullConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = TraitsNixlConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config)
+        else:
+            raise ValueError(f"{CONNECTOR_NAME}: unknown connector role {role!r}")
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        worker = self.connector_worker
+        if not isinstance(worker, NixlPullConnectorWorker):
+            raise RuntimeError(f"{CONNECTOR_NAME}.start_load_kv called without a worker")
+        metadata = self._connector_metadata
+        if not isinstance(metadata, NixlConnectorMetadata):
+            raise RuntimeError(f"{CONNECTOR_NAME}: expected NIXL connector metadata, got "
+                               f"{type(metadata).__qualname__}")
+        worker.start_load_kv(metadata)
