@@ -90,108 +90,199 @@ class KVLayoutTraits(Protocol):
 
     @property
     def spec_name(self) -> str:
-        """Qualified name of the spec class these traits describe (for messages only:
-        never branch on it)."""
+        """Name of the spec class these traits describe.
+
+        Source: ``type(spec).__qualname__``. For messages and reports only: branching on it
+        would bring back the class lists this library exists to remove.
+        """
         ...
 
     @property
     def is_mla(self) -> bool:
-        """One latent vector per token state and no separate V (``head_size_v == 0``)."""
+        """Whether a state is one latent vector with no separate V.
+
+        Source: ``head_size_v == 0`` on attention specs (MLAAttentionSpec and its
+        subclasses default it to 0; SlidingWindowMLASpec too; vLLM's ring buffer sets it).
+        A Mamba state is never MLA; HiSparse pages are copies of MLA pages (class identity:
+        they carry no layout fields). Connectors use it to size a cache (no ``2 *`` for V).
+        """
         ...
 
     @property
     def tp_layout(self) -> TPLayout:
-        """How the cache splits across TP ranks (from ``max_tp_shards``,
-        ``MambaSpec.tp_replicated``, and ``is_mla``)."""
+        """How the cache splits across tensor-parallel ranks.
+
+        Source: attention specs are REPLICATED when ``max_tp_shards == 1`` or when
+        ``is_mla`` (a single latent has no heads to split), else HEAD_SHARDED. Mamba specs
+        are REPLICATED when ``tp_replicated``, else STATE_SHARDED. This is the question
+        NIXL's ``_region_is_mla`` really asks: may a region be read from one remote rank?
+        """
         ...
 
     @property
     def tp_shards(self) -> int | None:
-        """Distinct shards across TP: 1 when replicated, ``max_tp_shards`` when the spec
-        bounds it, ``None`` when it shards up to the TP size."""
+        """How many distinct shards the cache has across TP ranks.
+
+        Source: 1 when REPLICATED; ``max_tp_shards`` for a head-sharded spec that bounds
+        it (ranks beyond hold replicas); None when it shards up to the TP size (the spec's
+        ``num_kv_heads`` is already the per-rank count, so the total is not knowable from it).
+        """
         ...
 
     @property
     def token_scope(self) -> TokenScope:
-        """Which tokens a page keeps (see :class:`TokenScope`)."""
+        """Which tokens a page keeps, and so which blocks a transfer must move.
+
+        Source: the class's meaning (FullAttentionSpec: FULL even with a kernel
+        ``sliding_window``, since the manager keeps every block; SlidingWindowSpec and
+        SlidingWindowMLASpec: SLIDING_WINDOW; ChunkedLocalAttentionSpec: CHUNKED; RSWASpec:
+        PROMPT_AND_WINDOW; CircularBufferSpec: RING; MambaSpec: RECURRENT_STATE;
+        CrossAttentionSpec: ENCODER; EncoderOnlyAttentionSpec: NONE; HiSparse: SPARSE_*).
+        """
         ...
 
     @property
     def window_tokens(self) -> int | None:
-        """The window, chunk or ring size in tokens for windowed scopes, else ``None``."""
+        """Size in tokens of a windowed scope; None for unwindowed scopes.
+
+        Source: ``sliding_window``, ``attention_chunk_size``, ``rswa_window``, or the ring
+        capacity ``block_size`` of a CircularBufferSpec.
+        """
         ...
 
     @property
     def block_size(self) -> int:
-        """Tokens per block (``spec.block_size``)."""
+        """Tokens per block.
+
+        Source: ``spec.block_size`` (for a group, the group spec's own).
+        """
         ...
 
     @property
     def num_head_slots(self) -> int:
-        """H of the logical ``[B, H, N, C]`` page (``spec.num_heads``)."""
+        """H of the logical ``[B, H, N, C]`` page.
+
+        Source: ``num_head_slots`` when a backend packs heads, else ``num_kv_heads``
+        (vLLM's ``spec.num_heads``); ``MambaSpec.num_heads``; 1 for opaque pages.
+        """
         ...
 
     @property
     def tokens_per_state(self) -> int | Fraction | None:
-        """Tokens one stored state covers; ``None`` for a recurrent state."""
+        """Tokens one stored state covers.
+
+        Source: ``spec.tokens_per_state``: 1 normally, > 1 for compressed states
+        (DeepSeek-V4: 4 or 128), a Fraction < 1 when several states per token are stored
+        (pooled cross-attention). None for a recurrent state (vLLM's -1). An opaque
+        HiSparse page counts as one state of ``block_size`` tokens.
+        """
         ...
 
     @property
     def states_per_block(self) -> int:
-        """N of the page: stored states per block (``spec.num_states``)."""
+        """N of the page: stored states per block.
+
+        Source: ``block_size // tokens_per_state`` (vLLM's ``spec.num_states``); 1 for a
+        recurrent state.
+        """
         ...
 
     @property
     def state_bytes(self) -> int:
-        """C of the page in bytes: one (head slot, state) cell
-        (``spec.state_content_size_bytes``)."""
+        """C of the page: bytes of one (head slot, state) cell.
+
+        Source: ``state_content_bytes`` when packed (fp8_ds_mla: 656 B per token for
+        DeepSeek-V3, 584 B for V4), else ``(head_size + head_size_v) * itemsize``; for a
+        Mamba state the sum of ``prod(shape) * itemsize`` over its tensors.
+        """
         ...
 
     @property
     def unpadded_page_size_bytes(self) -> int:
-        """Bytes of content in one page, before alignment padding."""
+        """Bytes of content in one page, before alignment padding.
+
+        Source: ``num_head_slots * states_per_block * state_bytes``; for Mamba the state
+        size (vLLM's ``real_page_size_bytes``). Checked against vLLM's own value.
+        """
         ...
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes one block occupies, padding included (``spec.page_size_bytes``)."""
+        """Bytes one block occupies in memory, padding included.
+
+        Source: ``page_size_padded`` when set (DeepSeek alignment to 512 or 576 B, Mamba
+        page padding), else the unpadded page. Checked against ``spec.page_size_bytes``.
+        """
         ...
 
     @property
     def per_token_bytes(self) -> int | Fraction | None:
-        """Content bytes per token (exact; a ``Fraction`` when a state covers several
-        tokens); ``None`` when the size does not grow with tokens."""
+        """Content bytes per token, exact.
+
+        Source: ``num_head_slots * state_bytes / tokens_per_state``: an int, or a Fraction
+        when a state covers several tokens (DeepSeek-V4 ratio 128: 584/128 = 73/16 B).
+        Padding is excluded. None for a recurrent state, whose size does not grow with
+        tokens. MLA is counted once (the Mooncake store sized it as K plus V).
+        """
         ...
 
     @property
     def dtype(self) -> str | None:
-        """Element dtype name of the cache (``"bfloat16"``, ``"uint8"``), ``None`` if
-        the page is opaque bytes or holds several dtypes."""
+        """Element dtype of the cache, by name.
+
+        Source: ``str(spec.dtype)`` without ``torch.`` (``"bfloat16"``, ``"uint8"`` for
+        packed fp8 layouts); the Mamba states' common dtype, None when they differ; None
+        for opaque HiSparse pages.
+        """
         ...
 
     @property
     def kv_quant_mode(self) -> str:
-        """vLLM's ``KVQuantMode`` member name (``"NONE"``, ``"FP8_PER_TENSOR"``, ...)."""
+        """Quantisation of the cache, as vLLM's ``KVQuantMode`` member name.
+
+        Source: ``spec.kv_quant_mode.name`` (``"NONE"``, ``"FP8_PER_TENSOR"``, ...);
+        ``"NONE"`` for specs without the field.
+        """
         ...
 
     @property
     def components(self) -> tuple[PageComponent, ...]:
-        """The tensors of one page (K and V, one latent, or the state tensors)."""
+        """The tensors inside one page, with per-block shapes, dtypes and sizes.
+
+        Source: ``k`` and ``v`` of ``(heads, states, head_size[_v])``; one ``latent`` for
+        MLA; one ``packed`` uint8 cell for ``state_content_bytes`` layouts; ``state0``,
+        ``state1``, ... from ``MambaSpec.shapes``/``dtypes``; one ``opaque`` page for
+        HiSparse. Their sizes add up to ``unpadded_page_size_bytes``.
+        """
         ...
 
     @property
     def prefix_cacheable(self) -> bool:
-        """Whether the group takes part in prefix caching (``spec.prefix_cacheable``)."""
+        """Whether the cache takes part in prefix caching.
+
+        Source: ``spec.prefix_cacheable`` (False for rings, HiSparse pages and
+        bounded-replay SWA-MLA); a group only if every member.
+        """
         ...
 
     @property
     def uses_slot_mapping(self) -> bool:
-        """Whether the worker writes it through a per-token slot mapping."""
+        """Whether the worker writes the cache through a per-token slot mapping.
+
+        Source: ``spec.uses_slot_mapping`` (False for rings and HiSparse hot pages, which
+        address their pages themselves).
+        """
         ...
 
     @property
     def transferable(self) -> bool:
-        """Whether a prefill/decode connector moves this cache between engines."""
+        """Whether a prefill/decode connector moves this cache between engines.
+
+        Source: False for encoder-only layers (nothing kept), cross-attention (the decode
+        engine runs its own encoder; vLLM's Mooncake store refuses it) and HiSparse pages
+        (device copies of a host pool; vLLM gives their groups ``enable_kv_transfer=False``);
+        True otherwise, rings included (NIXL moves them as scratch regions).
+        """
         ...
 
 
