@@ -136,12 +136,14 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     tested = [c for c in raw.classes if c not in groups]
     expanded = u.subclasses(tested)
     as_written = frozenset(c for c in tested if c in u.concrete) if raw.exact else expanded
-    no_rep = tuple(c for c in tested if c in u.classes and not u.subclasses([c]))
+    no_rep = tuple(c for c in tested if c in u.classes
+                   and (c not in u.concrete if raw.exact else not u.subclasses([c])))
     skipped = tuple(sorted(expanded - as_written)) if raw.exact else ()
     wrapper = raw.unwraps is False
 
     best: tuple[int, _Candidate] | None = None
-    if expanded:
+    # A dict keyed by classes holds one branch per key, not one question for all keys.
+    if expanded and raw.form != "class-dict":
         for priority, cand in _candidates(u, expanded):
             if best is None or cand.rank(priority) > best[1].rank(best[0]):
                 best = priority, cand
@@ -151,6 +153,8 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         cand = best[1]
         match: Match = "exact" if cand.exact else "near" if cand.near else "closest"
         subject = raw.subject or "spec"
+        if raw.form == "issubclass":
+            subject = f"<a {subject} instance>"  # traits describe instances, not classes
         answer = Answer(
             trait=cand.question.name, value=cand.value, match=match,
             similarity=round(cand.similarity, 3),

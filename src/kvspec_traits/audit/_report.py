@@ -42,6 +42,8 @@ def _answer_text(site: Site) -> str:
     if a is None:
         if site.raw.unwraps is not None and not site.branch_classes:
             return "a group wrapper check (traits_of() answers for a group: GroupTraits)"
+        if site.raw.form == "class-dict":
+            return "a table keyed by spec class (key it by a trait value instead)"
         return "no single trait (a class-identity question)"
     how = {"exact": "exactly", "near": "nearly", "closest": "at best"}[a.match]
     text = f"{a.trait} = {a.value} ({how}, similarity {a.similarity:.2f}) -> {a.expression}"

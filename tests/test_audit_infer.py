@@ -1,0 +1,146 @@
+"""The matching rule on a small hand-built class universe (no vLLM needed).
+
+The universe mirrors the shapes that matter in vLLM: an MLA-like family split across two
+branches of the hierarchy, a ring and a HiSparse-like page of other page kinds with the
+same ``is_mla`` value, a state class whose ``tp_layout`` varies, and a group wrapper.
+"""
+
+from __future__ import annotations
+
+from kvspec_traits.audit import ClassInfo, RawSite, Universe, infer
+from kvspec_traits.audit._questions import QUESTIONS
+
+T, F = "True", "False"
+# class: (mro, {question: value or set of values}); kind = (transferable, uses_slot_mapping)
+_TABLE: dict[str, tuple[tuple[str, ...], dict[str, str | set[str]]]] = {
+    "Attn": (("Attn", "Base"), dict(is_mla=F, token_scope="TokenScope.FULL",
+                                    tp_layout="TPLayout.HEAD_SHARDED", windowed=F)),
+    "Full": (("Full", "Attn", "Base"), dict(is_mla=F, token_scope="TokenScope.FULL",
+                                            tp_layout="TPLayout.HEAD_SHARDED", windowed=F)),
+    "Latent": (("Latent", "Full", "Attn", "Base"),
+               dict(is_mla=T, token_scope="TokenScope.FULL", tp_layout="TPLayout.REPLICATED",
+                    windowed=F)),
+    "LatentChild": (("LatentChild", "Latent", "Full", "Attn", "Base"),
+                    dict(is_mla=T, token_scope="TokenScope.FULL",
+                         tp_layout="TPLayout.REPLICATED", windowed=F)),
+    "Win": (("Win", "Attn", "Base"), dict(is_mla=F, token_scope="TokenScope.SLIDING_WINDOW",
+                                          tp_layout="TPLayout.HEAD_SHARDED", windowed=T)),
+    "WinLatent": (("WinLatent", "Win", "Attn", "Base"),
+                  dict(is_mla=T, token_scope="TokenScope.SLIDING_WINDOW",
+                       tp_layout="TPLayout.REPLICATED", windowed=T)),
+    "Sink": (("Sink", "Full", "Attn", "Base"), dict(is_mla=F, token_scope="TokenScope.FULL",
+                                                    tp_layout="TPLayout.HEAD_SHARDED",
+                                                    windowed=F)),
+    "Chunk": (("Chunk", "Attn", "Base"), dict(is_mla=F, token_scope="TokenScope.CHUNKED",
+                                              tp_layout="TPLayout.HEAD_SHARDED", windowed=T)),
+    "Ring": (("Ring", "Attn", "Base"),
+             dict(is_mla=T, token_scope="TokenScope.RING", tp_layout="TPLayout.REPLICATED",
+                  windowed=T, uses_slot_mapping=F, prefix_cacheable=F)),
+    "Hot": (("Hot", "Base"), dict(is_mla=T, token_scope="TokenScope.SPARSE_HOT",
+                                  tp_layout="TPLayout.REPLICATED", windowed=F, transferable=F,
+                                  uses_slot_mapping=F, prefix_cacheable=F)),
+    "State": (("State", "Base"),
+              dict(is_mla=F, token_scope="TokenScope.RECURRENT_STATE",
+                   tp_layout={"TPLayout.REPLICATED", "TPLayout.STATE_SHARDED"}, windowed=F)),
+}
+_DEFAULTS = dict(transferable=T, uses_slot_mapping=T, prefix_cacheable=T)
+
+
+def _universe() -> Universe:
+    classes = {name: ClassInfo(name=name, module="fake", mro=mro, representatives=1)
+               for name, (mro, _) in _TABLE.items()}
+    classes["Base"] = ClassInfo(name="Base", module="fake", mro=("Base",), representatives=0)
+    classes["Group"] = ClassInfo(name="Group", module="fake", mro=("Group", "Base"),
+                                 representatives=1, group=True)
+    answers: dict[str, dict[str, frozenset[str]]] = {q.name: {} for q in QUESTIONS}
+    for name, (_, values) in _TABLE.items():
+        for q in QUESTIONS:
+            value = values.get(q.name, _DEFAULTS.get(q.name))
+            assert value is not None, (name, q.name)
+            answers[q.name][name] = frozenset({value} if isinstance(value, str) else value)
+    return Universe(vllm_version="test", vllm_path="", classes=classes, answers=answers,
+                    member_fields=frozenset({"members"}))
+
+
+U = _universe()
+
+
+def _site(*classes: str, form: str = "isinstance", negated: bool = False,
+          exact: bool = False, unwraps: bool | None = None) -> RawSite:
+    return RawSite(line=1, col=0, end_line=1, function="f", form=form, subject="spec",
+                   text="...", written="...", classes=classes, negated=negated, exact=exact,
+                   unwraps=unwraps)
+
+
+def test_isinstance_takes_subclasses_and_misses_same_kind_classes_only() -> None:
+    site = infer(_site("Latent"), U)
+    assert site.branch_classes == ("Latent", "LatentChild")
+    assert site.answer is not None
+    assert (site.answer.trait, site.answer.value, site.answer.match) == ("is_mla", T, "near")
+    # Ring (no slot mapping) and Hot (never transferred) are MLA too, but of another
+    # page kind: not reported as missed.
+    assert site.answer.value_classes == ("Latent", "LatentChild", "WinLatent")
+    assert site.missing == ("WinLatent",)
+
+
+def test_the_whole_same_kind_value_set_is_an_exact_match() -> None:
+    site = infer(_site("Latent", "WinLatent"), U)
+    assert site.answer is not None
+    assert (site.answer.trait, site.answer.match, site.missing) == ("is_mla", "exact", ())
+
+
+def test_covering_half_or_less_is_no_near_match_and_reports_no_miss() -> None:
+    # WinLatent alone covers 1 of the 3 MLA classes of its kind, 1 of the 3 windowed ones
+    # and 1 of the 2 sliding-window ones: none is more than half, none similar enough.
+    site = infer(_site("WinLatent"), U)
+    assert (site.answer, site.missing) == (None, ())
+
+
+def test_a_class_whose_representatives_disagree_is_left_out_of_that_trait() -> None:
+    site = infer(_site("State"), U)
+    assert site.answer is not None
+    assert (site.answer.trait, site.answer.value, site.answer.match) == (
+        "token_scope", "TokenScope.RECURRENT_STATE", "exact")
+    mla = infer(_site("Latent", "WinLatent"), U).answer
+    assert mla is not None
+    # tp_layout REPLICATED fits as exactly as is_mla once State is left out, but State
+    # varies on it: the trait every class answers the same way wins.
+    assert (mla.trait, mla.varies) == ("is_mla", ())
+
+
+def test_a_value_most_classes_have_is_never_the_answer() -> None:
+    # Every Attn subclass is transferable with a slot mapping, like most classes: that is
+    # the common case, not a question.
+    # Without the rule, `transferable = True` would be a near match missing State.
+    site = infer(_site("Attn"), U)
+    assert (site.answer, site.missing) == (None, ())
+
+
+def test_exact_type_checks_skip_subclasses_and_count_them_as_missed() -> None:
+    site = infer(_site("Latent", form="type-compare", exact=True), U)
+    assert site.branch_classes == ("Latent",)
+    assert site.skipped_subclasses == ("LatentChild",)
+    assert site.missing == ("LatentChild", "WinLatent")
+
+
+def test_group_wrapper_checks_have_no_trait_and_report_not_unwrapping() -> None:
+    kept = infer(_site("Group", unwraps=True), U)
+    dropped = infer(_site("Group", unwraps=False), U)
+    assert (kept.answer, kept.wrapper_not_unwrapped) == (None, False)
+    assert (dropped.answer, dropped.wrapper_not_unwrapped) == (None, True)
+
+
+def test_a_class_without_representatives_is_reported_as_such() -> None:
+    site = infer(_site("Base", form="type-compare", exact=True), U)
+    assert site.no_representative == ("Base",)
+    assert site.branch_classes == ()
+
+
+def test_negated_site_renders_the_negated_expression() -> None:
+    site = infer(_site("Latent", "WinLatent", negated=True), U)
+    assert site.answer is not None
+    assert site.answer.expression == "not traits_of(spec).is_mla"
+
+
+def test_universe_round_trips_through_json() -> None:
+    assert Universe.from_json(U.to_json()) == U
