@@ -1,0 +1,86 @@
+"""The audit on the installed vLLM's own connectors (0.32, and 0.33 in the second pass).
+
+The site counts were checked by hand: a line grep for ``isinstance``/``issubclass``/
+``type(...) is``/``get_representative_spec_type(...)``/``case X()`` with a spec class name
+finds a subset of the audit's sites with nothing the audit lacks; the audit's extra sites
+(7 in 0.32, 8 in 0.33) were each read in the source and are checks split over several lines
+(``isinstance(\\n spec,\\n MambaSpec)``) or wrapped in an unwrap call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import vllm
+
+from kvspec_traits.audit import AuditResult, Universe, audit_paths, load_universe
+from kvspec_traits.audit._universe import installed_vllm_dir
+
+VERSION = ".".join(vllm.__version__.split(".")[:2])
+
+# Sites under vllm/distributed/kv_transfer, per vLLM version.
+SITES = {"0.32": 92, "0.33": 104}
+FILES_WITH_SITES = {"0.32": 19, "0.33": 21}
+_OFFLOAD = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/"
+MISSES = {
+    "0.32": {
+        (_OFFLOAD + "canonical_mapping.py", 282, ("SlidingWindowMLASpec",)),
+        (_OFFLOAD + "config.py", 183, ("SlidingWindowMLASpec",)),
+        (_OFFLOAD + "config.py", 203, ("HiddenStateCacheSpec", "SlidingWindowMLASpec")),
+        (_OFFLOAD + "config.py", 235, ("HiddenStateCacheSpec", "SlidingWindowMLASpec")),
+    },
+    "0.33": {
+        (_OFFLOAD + "canonical_mapping.py", 282, ("SlidingWindowMLASpec",)),
+        (_OFFLOAD + "config.py", 221, ("SlidingWindowMLASpec",)),
+        (_OFFLOAD + "config.py", 241, ("HiddenStateCacheSpec", "SlidingWindowMLASpec")),
+        (_OFFLOAD + "config.py", 273, ("HiddenStateCacheSpec", "SlidingWindowMLASpec")),
+    },
+}
+NIXL_WORKER = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py"
+FIXED_LINE = "isinstance(layer_spec, (MLAAttentionSpec, SlidingWindowMLASpec))"
+
+
+@pytest.fixture(scope="module")
+def universe(tmp_path_factory: pytest.TempPathFactory) -> Universe:
+    return load_universe(cache_dir=tmp_path_factory.mktemp("audit-cache"))
+
+
+@pytest.fixture(scope="module")
+def kv_transfer(universe: Universe) -> AuditResult:
+    root = installed_vllm_dir()
+    assert root is not None
+    return audit_paths([root / "distributed" / "kv_transfer"], universe,
+                       display_root=root.parent)
+
+
+def test_class_sets_come_from_the_vllm_under_test(universe: Universe) -> None:
+    assert universe.vllm_version == vllm.__version__
+    assert universe.vllm_path == str(Path(vllm.__file__).resolve().parent)
+
+
+def test_site_count_under_kv_transfer_is_pinned(kv_transfer: AuditResult) -> None:
+    assert kv_transfer.errors == ()
+    assert len(kv_transfer.sites) == SITES[VERSION]
+    assert len({s.path for s in kv_transfer.sites}) == FILES_WITH_SITES[VERSION]
+
+
+def test_misses_under_kv_transfer_are_pinned(kv_transfer: AuditResult) -> None:
+    found = {(s.path, s.raw.line, s.missing) for s in kv_transfer.misses}
+    assert found == MISSES[VERSION]
+
+
+def test_fixed_nixl_mla_line_is_not_a_miss(kv_transfer: AuditResult) -> None:
+    (site,) = [s for s in kv_transfer.sites
+               if s.path == NIXL_WORKER and s.raw.text == FIXED_LINE]
+    assert site.raw.function == "NixlBaseConnectorWorker.register_kv_caches"
+    assert site.answer is not None
+    assert (site.answer.trait, site.answer.match) == ("is_mla", "exact")
+    assert site.missing == ()
+
+
+def test_offloading_group_bytes_wrapper_check_is_reported(kv_transfer: AuditResult) -> None:
+    (site,) = [s for s in kv_transfer.sites if s.wrapper_not_unwrapped]
+    assert (site.path, site.raw.function, site.raw.text) == (
+        _OFFLOAD + "config.py", "_group_kv_bytes_per_block",
+        "isinstance(spec, UniformTypeKVCacheSpecs)")
