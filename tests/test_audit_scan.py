@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 
 
 def _sites(source: str, *, module: str = "",
-           exports: dict[str, dict[str, tuple[str, ...]]] | None = None,
+           exports: Mapping[str, Mapping[str, tuple[str, ...]]] | None = None,
            ) -> list[tuple[int, str, str, tuple[str, ...], bool]]:
     found = scan_module(ast.parse(source), module=module, known=KNOWN, exports=exports,
                         source=source.encode())
