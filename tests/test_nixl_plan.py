@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 import vllm.v1.kv_cache_interface as kvi
-from nixl_helpers import layouts
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheGroupSpec,
@@ -43,6 +42,7 @@ from kvspec_traits.nixl import (
     tp_reads,
     transfer_items,
 )
+from tests.nixl_helpers import layouts
 
 NB = 8
 
@@ -175,9 +175,9 @@ def test_mamba_registered_first_does_not_make_an_mla_region_head_sharded() -> No
                     tp_replicated=True)
     mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
                            dtype=torch.bfloat16)
-    for order in (0, 1):
-        pair = [("model.layers.0.a_ple", ple), ("model.layers.0.attn", mla)]
-        config, caches = _alias_groups(*pair[::1 if order == 0 else -1])
+    a, b = ("model.layers.0.a_ple", ple), ("model.layers.0.attn", mla)
+    for first, second in ((a, b), (b, a)):
+        config, caches = _alias_groups(first, second)
         plan = plan_regions(caches, config)
         (region,) = plan.regions
         assert region.name == "model.layers.0.a_ple"

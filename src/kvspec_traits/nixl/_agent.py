@@ -184,6 +184,10 @@ class TraitsNixlAgent:
         self._peers[meta.agent_name] = peer
         return peer
 
+    def knows(self, agent_name: str) -> bool:
+        """Whether NIXL holds metadata of ``agent_name`` (i.e. could transfer with it)."""
+        return bool(self._agent.check_remote_metadata(agent_name))
+
     # -- transfers ---------------------------------------------------------------------
 
     def read_blocks(self, peers: RemotePeer | Mapping[int, RemotePeer], block_ids: BlockIds,

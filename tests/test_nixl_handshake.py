@@ -1,0 +1,150 @@
+"""The traits fingerprint and the metadata wire format (pure: no NIXL agent)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import struct
+
+import pytest
+
+from kvspec_traits.nixl import (
+    FINGERPRINT_VERSION,
+    HandshakeMismatchError,
+    MalformedMetadataError,
+    RegionPlan,
+    check_handshake,
+    decode_metadata,
+    encode_metadata,
+    plan_regions,
+)
+from tests.nixl_helpers import layouts
+
+
+def _plan(family: str, num_blocks: int = 8, tp: int = 1, rank: int = 0,
+          layers: int | None = None) -> RegionPlan:
+    fam = layouts.FAMILIES[family]
+    groups = fam.groups(tp) if layers is None else getattr(layouts, family)(tp, layers)
+    config = layouts.kv_cache_config(groups, num_blocks, fam.layout)
+    return plan_regions(layouts.allocate(config, fam.layout), config, tp_size=tp,
+                        tp_rank=rank)
+
+
+def test_fingerprint_ignores_addresses_and_block_counts() -> None:
+    a, b = _plan("deepseek_v4", 8), _plan("deepseek_v4", 24)
+    assert a.base_addresses != b.base_addresses
+    assert a.fingerprint() == b.fingerprint()
+    assert a.fingerprint().canonical() == b.fingerprint().canonical()
+    payload = json.loads(a.fingerprint().canonical())
+    assert payload["v"] == FINGERPRINT_VERSION and len(payload["regions"]) == 5
+    assert len(a.fingerprint().digest) == 64
+
+
+def test_fingerprint_is_normalised_across_tp_sizes() -> None:
+    one, two = _plan("llama_gqa", tp=1), _plan("llama_gqa", tp=2, rank=1)
+    assert one.block_lens != two.block_lens
+    check_handshake(one, two.fingerprint())
+    assert one.fingerprint().regions == two.fingerprint().regions
+
+
+def test_mismatch_names_region_layers_and_each_trait() -> None:
+    bf16, fp8 = _plan("deepseek_v3"), _plan("deepseek_v3_fp8")
+    with pytest.raises(HandshakeMismatchError) as info:
+        check_handshake(bf16, fp8.fingerprint())
+    err = info.value
+    assert err.region == 0 and err.region_name == "model.layers.0.self_attn.attn"
+    assert err.layers == ("model.layers.0.self_attn.attn",)
+    diffs = {trait: (mine, theirs) for trait, mine, theirs in err.diffs}
+    # bf16 latent 64 x 576 x 2 against fp8_ds_mla 64 x 656.
+    assert diffs["block_len"] == (73728, 41984)
+    assert diffs["dtype"] == (["bfloat16"], ["uint8"])
+    assert "kv_quant_mode" in diffs
+    assert "block_len: local=73728 remote=41984" in str(err)
+
+
+def test_replication_difference_is_refused() -> None:
+    mla = _plan("deepseek_v3")
+    record = dict(mla.fingerprint().regions[1])
+    record["replicated"] = False
+    theirs = mla.fingerprint()
+    forged = type(theirs)(theirs.version, theirs.tp_size,
+                          (theirs.regions[0], record, theirs.regions[2]))
+    with pytest.raises(HandshakeMismatchError, match="replicated: local=True remote=False"):
+        check_handshake(mla, forged)
+
+
+def test_region_count_and_version_mismatch() -> None:
+    four, three = _plan("llama_gqa"), _plan("llama_gqa", layers=3)
+    with pytest.raises(HandshakeMismatchError) as info:
+        check_handshake(four, three.fingerprint())
+    assert info.value.region is None
+    assert ("region count", 4, 3) in info.value.diffs
+    assert ("regions only local", ["model.layers.3.self_attn.attn"], None) in info.value.diffs
+    fp = four.fingerprint()
+    with pytest.raises(HandshakeMismatchError, match="version"):
+        check_handshake(four, type(fp)(fp.version + 1, fp.tp_size, fp.regions))
+
+
+# -- wire format -------------------------------------------------------------------------
+
+AGENT_MD = b"nixl-agent-metadata\x00\x01\x02"
+
+
+def _wire(plan: RegionPlan | None = None) -> bytes:
+    return encode_metadata(plan or _plan("llama_gqa"), "producer-1", AGENT_MD)
+
+
+def test_round_trip() -> None:
+    plan = _plan("deepseek_v4")
+    meta = decode_metadata(_wire(plan))
+    assert meta.agent_name == "producer-1" and meta.agent_metadata == AGENT_MD
+    assert meta.fingerprint == plan.fingerprint()
+    assert [r.base_addr for r in meta.regions] == plan.base_addresses
+    assert [r.block_stride for r in meta.regions] == plan.block_strides
+    assert meta.num_blocks == 8
+
+
+def test_every_truncation_is_a_named_error() -> None:
+    data = _wire()
+    for cut in range(len(data)):
+        with pytest.raises(MalformedMetadataError):
+            decode_metadata(data[:cut])
+
+
+def test_random_corruption_never_escapes_as_another_error() -> None:
+    data = bytearray(_wire())
+    rng = random.Random(0)
+    for _ in range(2000):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        with contextlib.suppress(MalformedMetadataError):
+            decode_metadata(bytes(mutated))
+
+
+def _with_header(header: object, md: bytes = AGENT_MD) -> bytes:
+    body = json.dumps(header).encode()
+    return struct.pack("<8sHII", b"KVSTNIXL", 1, len(body), len(md)) + body + md
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    (b"XXXXXXXX" + _wire()[8:], "bad magic"),
+    (_wire()[:8] + struct.pack("<H", 99) + _wire()[10:], "wire version 99"),
+    (_wire() + b"\x00", "trailing bytes"),
+    (struct.pack("<8sHII", b"KVSTNIXL", 1, 3, 1) + b"{x}" + b"m", "not JSON"),
+    (_with_header([1, 2]), "not a JSON object"),
+    (_with_header({"agent": ""}), "'agent'"),
+    (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 1}), "tp_rank 1 >= tp_size 1"),
+    (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 0, "regions": [[1, 2]]}),
+     "region 0"),
+    (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 0, "regions": [],
+                   "fingerprint": {"v": 1, "tp_size": 1, "regions": {}}}), "fingerprint"),
+    (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 0, "regions": [],
+                   "num_blocks": 1, "fingerprint": {"v": 1, "tp_size": 1, "regions": []}},
+                  b""), "no NIXL agent metadata"),
+    (struct.pack("<8sHII", b"KVSTNIXL", 1, 1 << 30, 0), "implausible"),
+])
+def test_malformed_metadata_is_named(data: bytes, reason: str) -> None:
+    with pytest.raises(MalformedMetadataError, match=reason):
+        decode_metadata(data)

@@ -1,0 +1,172 @@
+"""Registration and transfer through real NIXL agents (UCX on DRAM), in one process.
+
+Agents run without progress threads (each would spin a core); the consumer progresses
+the producers while it waits. Every byte is compared against vLLM's own per-layer
+views (nixl_helpers/checks.py), and pages of blocks not requested must stay zero.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+from collections.abc import Iterator  # NIXL reads its log level at import
+
+import pytest
+import torch
+
+from kvspec_traits.nixl import (
+    HandshakeMismatchError,
+    MalformedMetadataError,
+    TraitsNixlAgent,
+    plan_regions,
+)
+from tests.nixl_helpers import checks, layouts
+
+NB = 16
+
+
+@pytest.fixture
+def agents() -> Iterator[list[TraitsNixlAgent]]:
+    made: list[TraitsNixlAgent] = []
+    yield made
+    for agent in made:
+        agent.close()
+
+
+def _agent(pool: list[TraitsNixlAgent]) -> TraitsNixlAgent:
+    agent = TraitsNixlAgent()
+    pool.append(agent)
+    return agent
+
+
+@pytest.mark.parametrize("family", sorted(layouts.FAMILIES))
+def test_request_blocks_arrive_byte_exact(family: str, agents: list[TraitsNixlAgent]) -> None:
+    config_p, caches_p = layouts.build(family, NB)
+    config_d, caches_d = layouts.build(family, NB)
+    layouts.fill_pattern(caches_p, seed=11)
+    plan_p = plan_regions(caches_p, config_p)
+    plan_d = plan_regions(caches_d, config_d)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_p)
+    consumer.register_plan(plan_d)
+    peer = consumer.connect(producer.metadata())
+    block_ids = checks.request_blocks(config_d)
+    per_block = sum(len(ids) for ids in block_ids)
+    for mode in ("prepped", "per_block", "merged"):
+        layouts.backing(caches_d).zero_()
+        result = consumer.read_blocks(peer, block_ids, mode=mode, timeout=20,
+                                      progress=producer.progress)
+        assert checks.assert_transferred(caches_p, caches_d, config_d, block_ids) > 0
+        # One descriptor per block per region, whichever group(s) the region serves.
+        expected = sum(
+            per_block if r.group_id < 0 else len(block_ids[r.group_id])
+            for r in plan_d.regions)
+        assert result.per_block_descriptors == expected
+        if mode == "merged":
+            dense = all(r.block_len == r.block_stride for r in plan_d.regions)
+            # Runs of 3 consecutive ids merge where a region's blocks abut.
+            assert (result.descriptors < expected) == dense
+        else:
+            assert result.descriptors == expected
+
+
+def test_mismatched_layout_is_refused_before_anything_is_written(
+        agents: list[TraitsNixlAgent]) -> None:
+    config_p, caches_p = layouts.build("deepseek_v3_fp8", NB)
+    config_d, caches_d = layouts.build("deepseek_v3", NB)
+    layouts.fill_pattern(caches_p, seed=3)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_regions(caches_p, config_p))
+    consumer.register_plan(plan_regions(caches_d, config_d))
+    with pytest.raises(HandshakeMismatchError) as info:
+        consumer.connect(producer.metadata())
+    assert info.value.region_name == "model.layers.0.self_attn.attn"
+    assert {d[0] for d in info.value.diffs} >= {"block_len", "dtype", "kv_quant_mode"}
+    # NIXL never learnt of the producer, so no descriptor could name it ...
+    assert not consumer.knows(producer.name)
+    # ... and the consumer's memory is untouched.
+    assert not bool(layouts.backing(caches_d).any())
+
+
+def test_corrupt_nixl_blob_is_a_named_error(agents: list[TraitsNixlAgent]) -> None:
+    config, caches = layouts.build("llama_gqa", 4)
+    plan = plan_regions(caches, config)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan)
+    config_d, caches_d = layouts.build("llama_gqa", 4)
+    consumer.register_plan(plan_regions(caches_d, config_d))
+    good = producer.metadata()
+    header_end = len(good) - len(producer._agent.get_agent_metadata())
+    bad = good[:header_end] + bytes(len(good) - header_end)
+    with pytest.raises(MalformedMetadataError, match="NIXL refused"):
+        consumer.connect(bad)
+    with pytest.raises(RuntimeError, match="after metadata"):
+        producer.register_plan(plan)
+
+
+def _slice_heads(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], rank: int,
+                 tp: int) -> None:
+    """Give ``dst`` (a TP ``tp`` rank's caches) rank ``rank``'s heads of ``src``."""
+    for layer, cache in dst.items():
+        heads = cache.shape[1]
+        full = src[layer].view(torch.uint8)
+        if heads == full.shape[1]:  # replicated: the same bytes on every rank
+            cache.view(torch.uint8).copy_(full)
+        else:
+            cache.view(torch.uint8).copy_(full[:, rank * heads:(rank + 1) * heads])
+    del tp
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "deepseek_v3"])
+def test_producer_tp2_to_consumer_tp1(family: str, agents: list[TraitsNixlAgent]) -> None:
+    """Head-sharded regions are gathered from both ranks; replicated ones read from one
+    rank (rank 1 holds different bytes, which must not appear)."""
+    truth_config, truth = layouts.build(family, NB)
+    layouts.fill_pattern(truth, seed=5)
+    producers, peers = [], {}
+    config_d, caches_d = layouts.build(family, NB)
+    consumer = _agent(agents)
+    consumer.register_plan(plan_regions(caches_d, config_d))
+    keep = []
+    for rank in range(2):
+        config_p, caches_p = layouts.build(family, NB, tp=2)
+        _slice_heads(truth, caches_p, rank, 2)
+        plan_p = plan_regions(caches_p, config_p, tp_size=2, tp_rank=rank)
+        if rank == 1 and plan_p.regions[0].replicated:
+            layouts.fill_pattern(caches_p, seed=99)
+        producer = _agent(agents)
+        producer.register_plan(plan_p)
+        producers.append(producer)
+        peers[rank] = consumer.connect(producer.metadata())
+        keep.append(caches_p)
+    block_ids = [[2, 3, 9]]
+
+    def progress() -> None:
+        for producer in producers:
+            producer.progress()
+
+    consumer.read_blocks(peers, block_ids, timeout=20, progress=progress)
+    checks.assert_transferred(truth, caches_d, truth_config, block_ids)
+
+
+def test_producer_tp1_to_consumer_tp2(agents: list[TraitsNixlAgent]) -> None:
+    """Each TP-2 rank reads its half of the heads of the TP-1 producer's blocks."""
+    config_p, caches_p = layouts.build("llama_gqa", NB)
+    layouts.fill_pattern(caches_p, seed=8)
+    producer = _agent(agents)
+    producer.register_plan(plan_regions(caches_p, config_p))
+    metadata = producer.metadata()
+    block_ids = [[0, 5, 6, 7]]
+    for rank in range(2):
+        config_d, caches_d = layouts.build("llama_gqa", NB, tp=2)
+        consumer = _agent(agents)
+        consumer.register_plan(plan_regions(caches_d, config_d, tp_size=2, tp_rank=rank))
+        peer = consumer.connect(metadata)
+        result = consumer.read_blocks({0: peer}, block_ids, timeout=20,
+                                      progress=producer.progress)
+        assert result.nbytes == 4 * 4 * 32768  # 4 layers x 4 blocks x half a page
+        expected_config, expected = layouts.build("llama_gqa", NB, tp=2)
+        _slice_heads(caches_p, expected, rank, 2)
+        checks.assert_transferred(expected, caches_d, expected_config, block_ids)
