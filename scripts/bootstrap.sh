@@ -33,9 +33,14 @@ if ! step vllm; then
   done_step vllm
 fi
 if ! step vllm033; then
-  mkdir -p .cache/wheels
+  # The wheel (330 MB) is kept outside the checkout too, so a fresh clone (CI) reuses it.
+  WHEELS=${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/wheels
+  mkdir -p "$WHEELS" .cache/wheels
   if ! ls .cache/wheels/vllm-0.33.0-*.whl >/dev/null 2>&1; then
-    $PIP download -q --no-deps 'vllm==0.33.0' -d .cache/wheels
+    if ! ls "$WHEELS"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
+      $PIP download -q --no-deps 'vllm==0.33.0' -d "$WHEELS.tmp" && mv "$WHEELS.tmp"/vllm-0.33.0-*.whl "$WHEELS"/
+    fi
+    cp "$WHEELS"/vllm-0.33.0-*.whl .cache/wheels/
   fi
   rm -rf "$VLLM033_DIR.tmp"
   mkdir -p "$VLLM033_DIR.tmp"
