@@ -35,17 +35,15 @@ fi
 if ! step vllm033; then
   # The wheel (330 MB) is kept outside the checkout too, so a fresh clone (CI) reuses it.
   WHEELS=${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/wheels
-  mkdir -p "$WHEELS" .cache/wheels
-  if ! ls .cache/wheels/vllm-0.33.0-*.whl >/dev/null 2>&1; then
-    if ! ls "$WHEELS"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
-      $PIP download -q --no-deps 'vllm==0.33.0' -d "$WHEELS.tmp" && mv "$WHEELS.tmp"/vllm-0.33.0-*.whl "$WHEELS"/
-    fi
-    cp "$WHEELS"/vllm-0.33.0-*.whl .cache/wheels/
+  mkdir -p "$WHEELS"
+  if ! ls "$WHEELS"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
+    $PIP download -q --no-deps 'vllm==0.33.0' -d "$WHEELS.tmp"
+    mv "$WHEELS.tmp"/vllm-0.33.0-*.whl "$WHEELS"/
   fi
   rm -rf "$VLLM033_DIR.tmp"
   mkdir -p "$VLLM033_DIR.tmp"
   # Only the pure-Python modules: the compiled parts are CUDA builds and stay out.
-  "$VENV/bin/python" - "$VLLM033_DIR.tmp" .cache/wheels/vllm-0.33.0-*.whl <<'PYEOF'
+  "$VENV/bin/python" - "$VLLM033_DIR.tmp" "$WHEELS"/vllm-0.33.0-*.whl <<'PYEOF'
 import sys, zipfile
 dest, wheel = sys.argv[1], sys.argv[2]
 with zipfile.ZipFile(wheel) as zf:
