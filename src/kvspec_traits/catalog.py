@@ -35,15 +35,14 @@ def spec_classes(*, vllm_only: bool = True) -> list[type[KVCacheSpec]]:
     """Every ``KVCacheSpec`` subclass defined by the installed vLLM (``KVCacheSpec`` itself
     included), in definition order of ``vllm.v1.kv_cache_interface`` first; with
     ``vllm_only=False`` also the subclasses other packages imported so far define."""
-    seen: dict[type[KVCacheSpec], None] = {}
-    for _, obj in inspect.getmembers(kvi, inspect.isclass):
-        if issubclass(obj, KVCacheSpec):
-            seen[obj] = None
-    stack = list(seen)
+    # Walk the subclass tree from the base: every spec class, no class test needed.
+    root: type[KVCacheSpec] = KVCacheSpec
+    seen: list[type[KVCacheSpec]] = [root]
+    stack = [root]
     while stack:
         for sub in stack.pop().__subclasses__():
             if sub not in seen:
-                seen[sub] = None
+                seen.append(sub)
                 stack.append(sub)
     found = [c for c in seen if not vllm_only or c.__module__.split(".")[0] == "vllm"]
     return sorted(found, key=lambda c: (c.__module__ != kvi.__name__, _line(c), c.__qualname__))

@@ -1,0 +1,31 @@
+"""The library's own rule, checked with its own audit: outside the adapters, no module of
+kvspec-traits branches on a vLLM spec class (isinstance, type(...) is, class-keyed dicts,
+match patterns, through aliases and class tuples)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvspec_traits.audit import audit_paths, load_universe
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "kvspec_traits"
+ADAPTERS = "_vllm_adapters.py"  # the one module allowed to name spec classes
+
+
+def test_only_the_adapters_branch_on_spec_classes() -> None:
+    universe = load_universe()
+    result = audit_paths([SRC], universe, exclude=[ADAPTERS], display_root=SRC)
+    assert result.errors == ()
+    assert result.files_seen > 20  # the whole package was walked, not an empty folder
+    assert [f"{s.path}:{s.raw.line}" for s in result.sites] == []
+
+
+def test_the_same_audit_finds_the_branches_in_vllms_nixl_worker() -> None:
+    # The control: the call above, on the code this library replaces, finds branches; if it
+    # found none there either, the test above would prove nothing.
+    import vllm
+
+    nixl = Path(vllm.__file__).parent / "distributed" / "kv_transfer" / "kv_connector" / "v1"
+    result = audit_paths([nixl / "nixl" / "base_worker.py"], load_universe())
+    lines = {s.raw.line for s in result.sites}
+    assert len(lines) >= 5
