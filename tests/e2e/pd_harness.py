@@ -16,10 +16,12 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -105,6 +107,7 @@ class VllmServer:
     port: int = 0
     side_channel_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    _rpc_dir: Path | None = None
 
     @property
     def log_path(self) -> Path:
@@ -127,8 +130,10 @@ class VllmServer:
         return cmd
 
     def environment(self) -> dict[str, str]:
-        rpc_dir = self.workdir / f"rpc-{self.name}"
-        rpc_dir.mkdir(parents=True, exist_ok=True)
+        # ZMQ IPC paths must fit in 107 bytes, so not under pytest's long tmp paths;
+        # killed servers leave socket files here, removed in stop().
+        rpc_dir = Path(tempfile.mkdtemp(prefix=f"vllm-rpc-{self.name}-"))
+        self._rpc_dir = rpc_dir
         env = dict(os.environ)
         env.update({
             "HF_HUB_OFFLINE": "1",
@@ -201,6 +206,14 @@ class VllmServer:
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        try:
+            self._kill(proc)
+        finally:
+            if self._rpc_dir is not None:
+                shutil.rmtree(self._rpc_dir, ignore_errors=True)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
         _LIVE.pop(proc.pid, None)
         for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
             try:

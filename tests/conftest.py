@@ -1,0 +1,37 @@
+"""Shared fixtures. ``tiny_models``: the tiny offline models of the connector and
+server tests, built once per session into ``.cache/models`` (recipes in
+scripts/make_tiny_models.py; seconds the first time, then a stamp check)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Test helpers are imported as tests.<package> (the names mypy gives them).
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Path:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    name = "make_tiny_models"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(
+            name, REPO / "scripts" / "make_tiny_models.py")
+        if spec is None or spec.loader is None:
+            raise RuntimeError("scripts/make_tiny_models.py is missing")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while defining
+        spec.loader.exec_module(module)
+    out = REPO / ".cache" / "models"
+    for recipe in module.MODELS.values():
+        module.build_model(recipe, out)
+    return out

