@@ -15,7 +15,7 @@ from kvspec_traits.audit._files import (
     read_source,
 )
 from kvspec_traits.audit._infer import Site, infer
-from kvspec_traits.audit._scan import ModuleScan
+from kvspec_traits.audit._scan import ModuleScan, RawSite
 from kvspec_traits.audit._universe import Universe
 
 __all__ = ["AuditResult", "audit_paths"]
@@ -92,48 +92,52 @@ def audit_paths(targets: Sequence[Path], universe: Universe, *,
     errors: list[FileError] = []
     known = universe.names
     needles = _needles(known)
-    parsed: list[tuple[Path, ModuleScan]] = []
+    # Each module is scanned as soon as it is parsed and its tree dropped (trees of a
+    # whole vLLM held at once make the cyclic GC crawl). A module that imports from a
+    # module defining class tuples is scanned again once all tuples are known.
+    scanned: dict[Path, tuple[list[RawSite], frozenset[str]]] = {}
+    exports: dict[str, dict[str, tuple[str, ...]]] = {}
     unmatched: list[Path] = []
     seen = 0
     packages: dict[Path, str] = {}
+    groups, fields = universe.group_names, universe.member_fields
+
+    def scan(path: Path, data: bytes, with_exports: bool) -> None:
+        module_scan = _module_scan(path, data, known, packages, errors)
+        if module_scan is None:
+            return
+        try:
+            raw = module_scan.sites(groups=groups, member_fields=fields,
+                                    exports=exports if with_exports else None)
+        except RecursionError:
+            errors.append(FileError(path=str(path), error="cannot scan: nested too deeply"))
+            return
+        if module_scan.class_sets and not with_exports:
+            exports[module_scan.resolver.module] = module_scan.class_sets
+        scanned[path] = raw, module_scan.imported_modules()
+
     for path in iter_source_files(targets, exclude=exclude, errors=errors):
         seen += 1
         data = read_source(path, max_bytes=max_file_bytes)
         if isinstance(data, FileError):
             errors.append(data)
-            continue
-        if not _mentions(data, needles):
+        elif _mentions(data, needles):
+            scan(path, data, with_exports=False)
+        else:
             unmatched.append(path)
-            continue
-        scan = _module_scan(path, data, known, packages, errors)
-        if scan is not None:
-            parsed.append((path, scan))
-    # Class tuples a module defines at top level may be imported by another one.
-    exports: dict[str, dict[str, tuple[str, ...]]] = {}
-    for _, scan in parsed:
-        if scan.class_sets:
-            exports[scan.resolver.module] = scan.class_sets
-    exported = tuple(n.encode() for sets in exports.values() for n in sets)
-    if exported:
-        for path in unmatched:
+    if exports:
+        exported = tuple(n.encode() for sets in exports.values() for n in sets)
+        again = [p for p, (_, imported) in scanned.items() if imported & exports.keys()]
+        for path in again + unmatched:
             data = read_source(path, max_bytes=max_file_bytes)
-            if isinstance(data, FileError) or not _mentions(data, exported):
+            if isinstance(data, FileError) or not (path in scanned
+                                                   or _mentions(data, exported)):
                 continue
-            scan = _module_scan(path, data, known, packages, errors)
-            if scan is not None:
-                parsed.append((path, scan))
-    sites: list[Site] = []
-    for path, scan in parsed:
-        shown = _display(path, display_root)
-        try:
-            raw_sites = scan.sites(groups=universe.group_names,
-                                   member_fields=universe.member_fields, exports=exports)
-        except RecursionError:
-            errors.append(FileError(path=str(path), error="cannot scan: nested too deeply"))
-            continue
-        sites.extend(infer(raw, universe, path=shown) for raw in raw_sites)
+            scan(path, data, with_exports=True)
+    sites = [infer(raw, universe, path=_display(path, display_root))
+             for path, (raws, _) in scanned.items() for raw in raws]
     sites.sort(key=lambda s: (s.path, s.raw.line, s.raw.col))
     errors = sorted((FileError(path=_display(Path(e.path), display_root), error=e.error)
                      for e in errors), key=lambda e: e.path)
     return AuditResult(sites=tuple(sites), errors=tuple(errors), files_seen=seen,
-                       files_parsed=len(parsed), universe=universe)
+                       files_parsed=len(scanned), universe=universe)

@@ -100,7 +100,8 @@ class _Resolver:
                         continue
                     ref = f"{base}.{alias.name}" if base else alias.name
                     self.bindings[alias.asname or alias.name] = ref
-        self._imports = dict(self.bindings)
+        self._imports: dict[str, str] = {k: v for k, v in self.bindings.items()
+                                          if isinstance(v, str)}
         self._tree = tree
         self._bind_module_level()
 
@@ -108,10 +109,15 @@ class _Resolver:
         for stmt in _module_level(self._tree.body):
             self._bind_assignment(stmt)
 
+    def import_refs(self) -> list[str]:
+        """The dotted references this module's imports bind."""
+        return list(self._imports.values())
+
     def use_exports(self, exports: Mapping[str, Mapping[str, tuple[str, ...]]]) -> None:
         """Resolve imported names against other modules' class sets from now on."""
         self.exports = exports
-        self.bindings = dict(self._imports)
+        self.bindings = {}
+        self.bindings.update(self._imports)
         self.class_sets = {}
         self._bind_module_level()
 
@@ -282,6 +288,15 @@ class ModuleScan:
         self.source = source
         self.resolver = _Resolver(tree, module=module, is_package=is_package, known=known,
                                   exports={})
+
+    def imported_modules(self) -> frozenset[str]:
+        """Modules this one imports from or imports (candidates for defining class sets
+        it uses)."""
+        found: set[str] = set()
+        for ref in self.resolver.import_refs():
+            found.add(ref)
+            found.add(ref.rpartition(".")[0])
+        return frozenset(found)
 
     @property
     def class_sets(self) -> dict[str, tuple[str, ...]]:
