@@ -352,3 +352,23 @@ def test_importing_the_shim_imports_neither_nixl_nor_vllm_nor_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_packed_rows_make_one_region_per_block_outermost_storage() -> None:
+    """vLLM 0.32 registers padded DeepSeek-V4 rows whole (base = storage, block_len =
+    block_stride = row); packed_rows=True plans that form: one descriptor per block."""
+    config, caches = layouts.build("deepseek_v4", NB)
+    pages = plan_regions(caches, config)
+    rows = plan_regions(caches, config, packed_rows=True)
+    row = 2 * 65664
+    (region,) = rows.regions
+    assert region.base_addr == rows.registrations[0].base
+    assert (region.block_len, region.block_stride, region.num_blocks) == (row, row, NB)
+    assert set(region.layers) == set(caches)
+    assert region.replicated and region.scratch and not region.head_major
+    assert region.group_id == SHARED_REGION_GROUP_ID
+    assert rows.num_descs == NB and pages.num_descs == 5 * NB
+    assert rows.region_members == [list(region.layers)]
+    # Layer-outer storages are not rows: nothing changes.
+    config, caches = layouts.build("llama_gqa", NB)
+    assert plan_regions(caches, config, packed_rows=True) == plan_regions(caches, config)

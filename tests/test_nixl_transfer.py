@@ -170,3 +170,19 @@ def test_producer_tp1_to_consumer_tp2(agents: list[TraitsNixlAgent]) -> None:
         expected_config, expected = layouts.build("llama_gqa", NB, tp=2)
         _slice_heads(caches_p, expected, rank, 2)
         checks.assert_transferred(expected, caches_d, expected_config, block_ids)
+
+
+def test_packed_rows_move_whole_rows(agents: list[TraitsNixlAgent]) -> None:
+    """DeepSeek-V4 rows as one region: one descriptor per block (runs merge), and every
+    requested page still arrives while unrequested blocks stay zero."""
+    config_p, caches_p = layouts.build("deepseek_v4", NB)
+    config_d, caches_d = layouts.build("deepseek_v4", NB)
+    layouts.fill_pattern(caches_p, seed=12)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_regions(caches_p, config_p, packed_rows=True))
+    consumer.register_plan(plan_regions(caches_d, config_d, packed_rows=True))
+    peer = consumer.connect(producer.metadata())
+    block_ids = checks.request_blocks(config_d)  # four runs of three
+    result = consumer.read_blocks(peer, block_ids, timeout=20, progress=producer.progress)
+    assert (result.per_block_descriptors, result.descriptors) == (12, 1)
+    checks.assert_transferred(caches_p, caches_d, config_d, block_ids)

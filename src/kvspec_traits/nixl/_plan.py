@@ -206,6 +206,16 @@ class RegionPlan:
         return [r.name for r in self.regions]
 
     @property
+    def region_members(self) -> list[list[str]]:
+        """Member layers of each region (vLLM's ``region_members``)."""
+        return [list(r.layers) for r in self.regions]
+
+    @property
+    def num_descs(self) -> int:
+        """Descriptors of :func:`build_block_descs` expanded (vLLM's ``num_descs``)."""
+        return sum(r.num_blocks for r in self.regions)
+
+    @property
     def region_replicated(self) -> list[bool]:
         """vLLM's ``_region_is_mla``: REPLICATE (True) or SPLIT (False) per region."""
         return [r.replicated for r in self.regions]
@@ -272,6 +282,7 @@ def plan_regions(
     tp_size: int = 1,
     tp_rank: int = 0,
     registry: Registry | None = None,
+    packed_rows: bool = False,
 ) -> RegionPlan:
     """Plan the NIXL regions of one rank's KV cache.
 
@@ -280,6 +291,13 @@ def plan_regions(
     ``transfer_groups``) or ``specs`` with ``num_blocks`` (and optionally
     ``group_ids``; default 0). ``kv_caches`` maps layer names to the tensors vLLM
     allocated (``[B, H, N, C]`` views, or flat byte views).
+
+    ``packed_rows=True`` makes each block-outermost storage (every view advancing by
+    one row of several pages, the storage exactly ``num_blocks`` rows) one region whose
+    block is the whole row, as vLLM 0.32 registers padded DeepSeek-V4 rows: one
+    descriptor per block instead of one per page, at the cost of moving every page of
+    the row. Storages with a recurrent-state member keep one region per page. A row
+    region is never split by heads (:attr:`Region.head_major` is False).
 
     Raises :class:`RegionConflictError` when layers sharing a region disagree on a
     fact the transfer needs, :class:`UnsupportedLayoutError` for a tensor that is not
@@ -291,7 +309,7 @@ def plan_regions(
     layer_traits, layer_groups, n_blocks, skipped = _layer_facts(
         kv_caches, kv_cache_config, specs, group_ids, num_blocks, reg)
 
-    pieces: dict[tuple[int, str], list[_Piece]] = {}
+    by_storage: dict[tuple[int, str], list[_Piece]] = {}
     registrations: dict[tuple[int, str], MemoryRange] = {}
     for layer in sorted(kv_caches, key=region_sort_key):
         traits = layer_traits.get(layer)
@@ -299,13 +317,20 @@ def plan_regions(
             skipped.setdefault(layer, "no KV cache spec for this layer")
             continue
         cache = kv_caches[layer]
-        for piece in _layer_pieces(layer, cache, traits, layer_groups[layer], n_blocks):
-            pieces.setdefault((piece.base, piece.mem_type), []).append(piece)
         storage = cache.untyped_storage()
         key = (storage.data_ptr(), _mem_type(cache))
         if key not in registrations:
             registrations[key] = MemoryRange(base=key[0], length=storage.nbytes(),
                                              device_id=_device_id(cache), mem_type=key[1])
+        by_storage.setdefault(key, []).extend(
+            _layer_pieces(layer, cache, traits, layer_groups[layer], n_blocks))
+
+    pieces: dict[tuple[int, str], list[_Piece]] = {}
+    for key, storage_pieces in by_storage.items():
+        if packed_rows:
+            storage_pieces = _as_rows(storage_pieces, registrations[key])
+        for piece in storage_pieces:
+            pieces.setdefault((piece.base, piece.mem_type), []).append(piece)
 
     regions = tuple(_region(index, members) for index, members in enumerate(pieces.values()))
     for region in regions:
@@ -436,6 +461,26 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
     raise UnsupportedLayoutError(
         layer, f"shape {tuple(cache.shape)} with strides {tuple(cache.stride())} is neither "
                f"a dense page per block nor one segment per head")
+
+
+def _as_rows(pieces: list[_Piece], storage: MemoryRange) -> list[_Piece]:
+    """The pieces of one storage as whole-row pieces, if it is block-outermost."""
+    strides = {p.block_stride for p in pieces}
+    counts = {p.num_blocks for p in pieces}
+    if len(strides) != 1 or len(counts) != 1:
+        return pieces
+    stride, count = strides.pop(), counts.pop()
+    block_major = 0 <= storage.length - count * stride < stride
+    inside = all(storage.base <= p.base and p.base - storage.base + p.block_len <= stride
+                 for p in pieces)
+    has_state = any(p.traits.token_scope is TokenScope.RECURRENT_STATE for p in pieces)
+    if not block_major or not inside or has_state or stride <= max(p.block_len
+                                                                   for p in pieces):
+        return pieces
+    return [_Piece(layer=p.layer, traits=p.traits, group_id=p.group_id, base=storage.base,
+                   block_len=stride, block_stride=stride, num_blocks=count,
+                   mem_type=p.mem_type, device_id=p.device_id, head_major=False,
+                   head_segment=None) for p in pieces]
 
 
 def _agree(region: str, layers: Sequence[str], trait: str,
