@@ -216,3 +216,12 @@ def test_class_sets_are_cached_between_runs(capsys: pytest.CaptureFixture[str]) 
     (cached,) = cache.glob("audit-classes-*.json")
     doc = json.loads(cached.read_text())
     assert doc["answers"]["is_mla"]["SlidingWindowMLASpec"] == ["True"]
+
+
+def test_the_report_example_in_the_docs_is_current(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = (Path(__file__).parents[1] / "docs" / "audit.md").read_text()
+    example = docs.split("## Reading the report\n\n```text\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(FIXTURES)
+    _, out, _ = _run(capsys, "seed_before.py", "seed_after.py", "wrapper.py")
+    assert out.replace("vLLM 0.33.0", "vLLM 0.32.0") == example
