@@ -54,7 +54,7 @@ def test_table_lists_files_with_misses_first(capsys: pytest.CaptureFixture[str])
     assert [Path(h).name for h in headers] == ["seed_before.py", "seed_after.py", "wrapper.py"]
     assert out.rstrip().endswith(
         "4 sites in 3 files; 1 with misses, 0 exact type checks skipping subclasses, "
-        "1 group wrappers not unwrapped; 3 files seen, 3 parsed, 0 could not be scanned")
+        "1 group wrapper not unwrapped; 3 files seen, 3 parsed, 0 could not be scanned")
 
 
 def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:

@@ -41,19 +41,19 @@ def _answer_text(site: Site) -> str:
     a = site.answer
     if a is None:
         if site.raw.unwraps is not None and not site.branch_classes:
-            return "a group wrapper check (traits_of() answers for a group: GroupTraits)"
+            return "none (a group wrapper check; traits_of() answers for a group: GroupTraits)"
         if site.raw.form == "class-dict":
-            return "a table keyed by spec class (key it by a trait value instead)"
-        return "no single trait (a class-identity question)"
-    how = {"exact": "exactly", "near": "nearly", "closest": "at best"}[a.match]
-    text = f"{a.trait} = {a.value} ({how}, similarity {a.similarity:.2f}) -> {a.expression}"
+            return "none (a table keyed by spec class: key it by a trait value instead)"
+        return "none fits (a class-identity question)"
+    text = f"{a.trait} = {a.value} ({a.match} match, similarity {a.similarity:.2f}) -> " \
+           f"{a.expression}"
     if a.other_value_classes:
-        text += f"; but also accepts {', '.join(a.other_value_classes)} (another value)"
+        text += f"; also accepts {', '.join(a.other_value_classes)} (another value)"
     return text
 
 
 def _message(site: Site) -> str:
-    parts = [f"`{site.raw.text}` branches on spec classes; asks {_answer_text(site)}."]
+    parts = [f"`{site.raw.text}` branches on spec classes; trait: {_answer_text(site)}."]
     if site.missing:
         parts.append(f"Misses {', '.join(site.missing)}.")
     if site.skipped_subclasses:
@@ -90,7 +90,7 @@ def render_table(result: AuditResult, out: TextIO) -> None:
         sites = sorted(by_file[path], key=lambda s: (not s.has_miss, s.raw.line, s.raw.col))
         misses = sum(s.has_miss for s in sites)
         tail = f", {misses} with misses" if misses else ""
-        out.write(f"\n{path}  ({len(sites)} site{'s' if len(sites) != 1 else ''}{tail})\n")
+        out.write(f"\n{path}  ({_count(len(sites), 'site')}{tail})\n")
         for site in sites:
             out.write(f"  {site.raw.line:>5}  {site.raw.function}: {site.raw.text}\n")
             pad = " " * 9
@@ -102,18 +102,23 @@ def render_table(result: AuditResult, out: TextIO) -> None:
             if site.wrapper_not_unwrapped:
                 out.write(f"{pad}GROUP WRAPPER: the branch never reads the group's members "
                           f"({', '.join(sorted(u.member_fields)) or 'members'})\n")
-            out.write(f"{pad}asks {_answer_text(site)}\n")
+            out.write(f"{pad}trait: {_answer_text(site)}\n")
     if result.errors:
         out.write(f"\ncould not scan {len(result.errors)} file(s):\n")
         for err in result.errors:
             out.write(f"  {err.path}: {err.error}\n")
     n = summary(result)
     out.write(
-        f"\n{n['sites']} sites in {n['files_with_sites']} files; {n['sites_with_misses']} with "
-        f"misses, {n['exact_type_checks_skipping_subclasses']} exact type checks skipping "
-        f"subclasses, {n['group_wrappers_not_unwrapped']} group wrappers not unwrapped; "
-        f"{n['files_seen']} files seen, {n['files_parsed']} parsed, "
+        f"\n{_count(n['sites'], 'site')} in {_count(n['files_with_sites'], 'file')}; "
+        f"{n['sites_with_misses']} with misses, "
+        f"{_count(n['exact_type_checks_skipping_subclasses'], 'exact type check')} skipping "
+        f"subclasses, {_count(n['group_wrappers_not_unwrapped'], 'group wrapper')} not "
+        f"unwrapped; {_count(n['files_seen'], 'file')} seen, {n['files_parsed']} parsed, "
         f"{n['files_with_errors']} could not be scanned\n")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def site_json(site: Site) -> dict[str, Any]:
