@@ -212,6 +212,11 @@ class TraitsNixlAgent:
         if not by_rank:
             raise ValueError("read_blocks needs at least one peer")
         remote_tp = next(iter(by_rank.values())).meta.tp_size
+        for rank, peer in by_rank.items():
+            if peer.meta.tp_rank != rank or peer.meta.tp_size != remote_tp:
+                raise ValueError(
+                    f"peer {peer.name} is TP rank {peer.meta.tp_rank} of "
+                    f"{peer.meta.tp_size}, passed as rank {rank} of {remote_tp}")
         plan = self.plan
         start = time.perf_counter()
         posted: list[_Posted] = []
@@ -288,9 +293,13 @@ class TraitsNixlAgent:
     def _wait(self, posted: list[_Posted], deadline: float,
               progress: Callable[[], object] | None) -> None:
         pending = list(posted)
+        polls = 0
         while pending:
             if progress is not None:
                 progress()
+            polls += 1
+            if polls > 1000:  # past the first ~ms, stop spinning a shared core
+                time.sleep(50e-6)
             still = []
             for p in pending:
                 state = self._checked(self._agent.check_xfer_state, p.handle)
