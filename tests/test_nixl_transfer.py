@@ -20,6 +20,7 @@ from kvspec_traits.nixl import (
     HandshakeMismatchError,
     MalformedMetadataError,
     TraitsNixlAgent,
+    TransferFailedError,
     plan_regions,
 )
 from tests.nixl_helpers import checks, layouts
@@ -119,7 +120,7 @@ def _slice_heads(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], ran
     del tp
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama_gqa", "deepseek_v3", "gpt_oss"])
 def test_producer_tp2_to_consumer_tp1(family: str, agents: list[TraitsNixlAgent]) -> None:
     """Head-sharded regions are gathered from both ranks; replicated ones read from one
     rank (rank 1 holds different bytes, which must not appear)."""
@@ -141,7 +142,7 @@ def test_producer_tp2_to_consumer_tp1(family: str, agents: list[TraitsNixlAgent]
         producers.append(producer)
         peers[rank] = consumer.connect(producer.metadata())
         keep.append(caches_p)
-    block_ids = [[2, 3, 9]]
+    block_ids = [[2, 3, 9], [4, 5]][:len(truth_config.transfer_groups)]
 
     def progress() -> None:
         for producer in producers:
@@ -151,23 +152,29 @@ def test_producer_tp2_to_consumer_tp1(family: str, agents: list[TraitsNixlAgent]
     checks.assert_transferred(truth, caches_d, truth_config, block_ids)
 
 
-def test_producer_tp1_to_consumer_tp2(agents: list[TraitsNixlAgent]) -> None:
-    """Each TP-2 rank reads its half of the heads of the TP-1 producer's blocks."""
-    config_p, caches_p = layouts.build("llama_gqa", NB)
+@pytest.mark.parametrize(("family", "nbytes"), [
+    ("llama_gqa", 4 * 4 * 32768),  # 4 layers x 4 blocks x half a 64 KiB page
+    ("deepseek_v3", 3 * 4 * 73728),  # 3 layers x 4 blocks x the whole replicated page
+])
+def test_producer_tp1_to_consumer_tp2(family: str, nbytes: int,
+                                      agents: list[TraitsNixlAgent]) -> None:
+    """Each TP-2 rank reads its half of the heads of the TP-1 producer's blocks (or the
+    whole block of a replicated region)."""
+    config_p, caches_p = layouts.build(family, NB)
     layouts.fill_pattern(caches_p, seed=8)
     producer = _agent(agents)
     producer.register_plan(plan_regions(caches_p, config_p))
     metadata = producer.metadata()
     block_ids = [[0, 5, 6, 7]]
     for rank in range(2):
-        config_d, caches_d = layouts.build("llama_gqa", NB, tp=2)
+        config_d, caches_d = layouts.build(family, NB, tp=2)
         consumer = _agent(agents)
         consumer.register_plan(plan_regions(caches_d, config_d, tp_size=2, tp_rank=rank))
         peer = consumer.connect(metadata)
         result = consumer.read_blocks({0: peer}, block_ids, timeout=20,
                                       progress=producer.progress)
-        assert result.nbytes == 4 * 4 * 32768  # 4 layers x 4 blocks x half a page
-        expected_config, expected = layouts.build("llama_gqa", NB, tp=2)
+        assert result.nbytes == nbytes
+        expected_config, expected = layouts.build(family, NB, tp=2)
         _slice_heads(caches_p, expected, rank, 2)
         checks.assert_transferred(expected, caches_d, expected_config, block_ids)
 
@@ -186,3 +193,19 @@ def test_packed_rows_move_whole_rows(agents: list[TraitsNixlAgent]) -> None:
     result = consumer.read_blocks(peer, block_ids, timeout=20, progress=producer.progress)
     assert (result.per_block_descriptors, result.descriptors) == (12, 1)
     checks.assert_transferred(caches_p, caches_d, config_d, block_ids)
+
+
+def test_unprogressed_producer_times_out_without_marking(
+        agents: list[TraitsNixlAgent]) -> None:
+    """Nobody progresses the producer (no thread, no ``progress=``): the read cannot
+    finish, and the bounded wait reports it instead of hanging."""
+    config, caches_p = layouts.build("llama_gqa", 4)
+    _, caches_d = layouts.build("llama_gqa", 4)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_regions(caches_p, config))
+    consumer.register_plan(plan_regions(caches_d, config))
+    peer = consumer.connect(producer.metadata())
+    received = []
+    with pytest.raises(TransferFailedError, match="deadline") as info:
+        received.append(consumer.read_blocks(peer, [1, 2], timeout=0.5))
+    assert info.value.state == "PROC" and received == []
