@@ -84,3 +84,29 @@ def test_offloading_group_bytes_wrapper_check_is_reported(kv_transfer: AuditResu
     assert (site.path, site.raw.function, site.raw.text) == (
         _OFFLOAD + "config.py", "_group_kv_bytes_per_block",
         "isinstance(spec, UniformTypeKVCacheSpecs)")
+
+
+def test_the_audit_package_names_no_spec_class_and_imports_no_vllm() -> None:
+    # The audit works on class names and the catalog's answers; it must not branch on vLLM
+    # spec classes itself, nor import vLLM outside the class-set build (which goes
+    # through kvspec_traits.catalog).
+    import ast
+
+    from kvspec_traits.catalog import spec_classes
+
+    names = {cls.__qualname__ for cls in spec_classes()}
+    package = Path(__file__).parents[1] / "src" / "kvspec_traits" / "audit"
+    offenders = []
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name | ast.Attribute):
+                name = node.id if isinstance(node, ast.Name) else node.attr
+                if name in names:
+                    offenders.append(f"{path.name}:{node.lineno} {name}")
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) \
+                    else [node.module or ""]
+                offenders += [f"{path.name}:{node.lineno} import {m}" for m in modules
+                              if m.split(".")[0] == "vllm"]
+    assert offenders == []

@@ -81,6 +81,8 @@ def _vllm_target(sub: str) -> tuple[Path, Path]:
     direct = root.joinpath(*sub.removeprefix("vllm.").split("."))
     if direct.is_dir():
         return direct, root.parent
+    if direct.with_suffix(".py").is_file():  # a module: `v1.kv_cache_interface`
+        return direct.with_suffix(".py"), root.parent
     found = sorted(p for p in root.rglob(sub) if p.is_dir() and (p / "__init__.py").exists())
     if len(found) == 1:
         return found[0], root.parent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Final, TextIO
 
 from kvspec_traits.audit._audit import AuditResult
@@ -161,6 +162,13 @@ def render_json(result: AuditResult) -> dict[str, Any]:
     }
 
 
+def _artifact(path: str) -> dict[str, str]:
+    # Relative paths resolve against the checkout (%SRCROOT%); others become file URIs.
+    if Path(path).is_absolute():
+        return {"uri": Path(path).as_uri()}
+    return {"uri": path, "uriBaseId": "%SRCROOT%"}
+
+
 def render_sarif(result: AuditResult) -> dict[str, Any]:
     """SARIF 2.1.0 for code-scanning annotations: one result per site, under its most
     severe rule; unreadable files as tool execution notifications."""
@@ -173,7 +181,7 @@ def render_sarif(result: AuditResult) -> dict[str, Any]:
             "ruleId": rule_id, "ruleIndex": _RULE_INDEX[rule_id], "level": level,
             "message": {"text": _message(site)},
             "locations": [{"physicalLocation": {
-                "artifactLocation": {"uri": site.path, "uriBaseId": "%SRCROOT%"},
+                "artifactLocation": _artifact(site.path),
                 "region": {"startLine": site.raw.line, "startColumn": site.raw.col + 1,
                            "endLine": site.raw.end_line},
             }, "logicalLocations": [{"fullyQualifiedName": site.raw.function}]}],
@@ -182,7 +190,7 @@ def render_sarif(result: AuditResult) -> dict[str, Any]:
         })
     notifications = [{
         "level": "error", "message": {"text": f"could not scan: {e.error}"},
-        "locations": [{"physicalLocation": {"artifactLocation": {"uri": e.path}}}],
+        "locations": [{"physicalLocation": {"artifactLocation": _artifact(e.path)}}],
     } for e in result.errors]
     return {
         "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
