@@ -56,6 +56,10 @@ def test_relative_imports_resolve_against_the_package() -> None:
                "pkg.sub.sets": {"STATE": ("MambaSpec",)}}
     found = _sites(src, module="pkg.sub.user", exports=exports)
     assert found == [(4, "isinstance", "s", ("MLAAttentionSpec", "MambaSpec"), False)]
+    # Through a module alias alone, on a line naming no spec class or imported set.
+    src = "from . import sets as local\ndef f(s):\n    return isinstance(s, local.STATE)\n"
+    found = _sites(src, module="pkg.sub.user", exports=exports)
+    assert found == [(3, "isinstance", "s", ("MambaSpec",), False)]
 
 
 def test_double_negation_and_or_chains_on_different_subjects() -> None:

@@ -124,6 +124,8 @@ class _Resolver:
     def tokens(self) -> set[bytes]:
         """Names whose occurrence in the source can start a check on spec classes."""
         names = set(self.known) | set(self.class_sets)
+        for sets in self.exports.values():
+            names.update(sets)  # `mod.LATENT` through a module alias
         for name, bound in self.bindings.items():
             if isinstance(bound, str) and self._ref_classes(bound):
                 names.add(name)
