@@ -10,6 +10,7 @@ layer ``l`` at ``offset + l * num_blocks * page``; groups alias from byte 0.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import pathlib
 import subprocess
@@ -27,7 +28,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvspec_traits import TokenScope, TPLayout
+from kvspec_traits import LayoutTraits, TokenScope, TPLayout, default_registry
 from kvspec_traits.nixl import (
     SHARED_REGION_GROUP_ID,
     Read,
@@ -372,3 +373,34 @@ def test_packed_rows_make_one_region_per_block_outermost_storage() -> None:
     # Layer-outer storages are not rows: nothing changes.
     config, caches = layouts.build("llama_gqa", NB)
     assert plan_regions(caches, config, packed_rows=True) == plan_regions(caches, config)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _PluginLatentSpec(FullAttentionSpec):
+    """A plugin's spec class that neither vLLM nor the shim has seen."""
+
+
+def test_every_decision_follows_the_registry() -> None:
+    """A third-party adapter says the plugin's cache is one replicated ring: the plan
+    follows it (replicated, scratch), with no class list anywhere in the shim."""
+    registry = default_registry.copy(name="plugin")
+    fields = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+
+    @registry.adapter(_PluginLatentSpec)
+    def _adapt(spec: _PluginLatentSpec) -> LayoutTraits:
+        base = registry.traits_of(FullAttentionSpec(**fields))  # type: ignore[arg-type]
+        if not isinstance(base, LayoutTraits):
+            raise TypeError(base)
+        return dataclasses.replace(base, spec_name="_PluginLatentSpec",
+                                   tp_layout=TPLayout.REPLICATED, tp_shards=1,
+                                   token_scope=TokenScope.RING, window_tokens=16)
+
+    spec = _PluginLatentSpec(**fields)  # type: ignore[arg-type]
+    groups = [KVCacheGroupSpec(["model.layers.0.plugin"], spec)]
+    config = layouts.kv_cache_config(groups, NB, KVCacheLayout.LBHNC)
+    caches = layouts.allocate(config, KVCacheLayout.LBHNC)
+    (region,) = plan_regions(caches, config, registry=registry).regions
+    assert region.replicated and region.scratch
+    assert region.token_scopes == (TokenScope.RING,)
+    (plain,) = plan_regions(caches, config).regions  # the default registry: its parent
+    assert not plain.replicated and not plain.scratch

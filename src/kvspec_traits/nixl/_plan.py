@@ -306,7 +306,7 @@ def plan_regions(
     reg = registry if registry is not None else default_registry
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} is not a rank of tp_size {tp_size}")
-    layer_traits, layer_groups, n_blocks, skipped = _layer_facts(
+    layer_traits, layer_groups, layer_blocks, n_blocks, skipped = _layer_facts(
         kv_caches, kv_cache_config, specs, group_ids, num_blocks, reg)
 
     by_storage: dict[tuple[int, str], list[_Piece]] = {}
@@ -323,7 +323,8 @@ def plan_regions(
             registrations[key] = MemoryRange(base=key[0], length=storage.nbytes(),
                                              device_id=_device_id(cache), mem_type=key[1])
         by_storage.setdefault(key, []).extend(
-            _layer_pieces(layer, cache, traits, layer_groups[layer], n_blocks))
+            _layer_pieces(layer, cache, traits, layer_groups[layer],
+                          layer_blocks.get(layer, n_blocks)))
 
     pieces: dict[tuple[int, str], list[_Piece]] = {}
     for key, storage_pieces in by_storage.items():
@@ -347,11 +348,13 @@ def _layer_facts(
     group_ids: Mapping[str, int] | None,
     num_blocks: int | None,
     reg: Registry,
-) -> tuple[dict[str, KVLayoutTraits], dict[str, int], int, dict[str, str]]:
-    """Traits and transfer group of every layer: one traits lookup per layer (or per
-    group spec), never per request."""
+) -> tuple[dict[str, KVLayoutTraits], dict[str, int], dict[str, int], int,
+           dict[str, str]]:
+    """Traits, transfer group and (where it differs from the pool's) block count of
+    every layer: one traits lookup per layer (or per group spec), never per request."""
     traits: dict[str, KVLayoutTraits] = {}
     groups: dict[str, int] = {}
+    blocks: dict[str, int] = {}
     skipped: dict[str, str] = {}
     if config is not None:
         if specs is not None:
@@ -365,7 +368,12 @@ def _layer_facts(
                 for layer in group.layer_names:
                     skipped[layer] = "its cache group has enable_kv_transfer=False"
                 continue
+            host_blocks = getattr(config, "hisparse_host_num_blocks", None)
             for layer in group.layer_names:
+                if getattr(group, "host_resident", False) and host_blocks is not None:
+                    # A host-resident group lives in the HiSparse host pool, which has
+                    # its own block count (vLLM's KVCacheConfig.num_blocks_of).
+                    blocks[layer] = host_blocks
                 layer_traits = members[layer] if members is not None else group_traits
                 if not layer_traits.transferable:
                     skipped[layer] = (f"{layer_traits.spec_name} is not transferable "
@@ -374,7 +382,7 @@ def _layer_facts(
                 traits[layer] = layer_traits
                 groups[layer] = transfer_index
             transfer_index += 1
-        return traits, groups, n_blocks, skipped
+        return traits, groups, blocks, n_blocks, skipped
     if specs is None or num_blocks is None:
         raise ValueError("plan_regions needs kv_cache_config, or specs and num_blocks")
     for layer, spec in specs.items():
@@ -386,7 +394,7 @@ def _layer_facts(
         traits[layer] = layer_traits
         groups[layer] = 0 if group_ids is None else group_ids[layer]
     del kv_caches
-    return traits, groups, num_blocks, skipped
+    return traits, groups, blocks, num_blocks, skipped
 
 
 def _mem_type(cache: torch.Tensor) -> str:
