@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvspec_traits.nixl import (
+    DescMode,
     HandshakeMismatchError,
     MalformedMetadataError,
     TraitsNixlAgent,
@@ -209,3 +210,32 @@ def test_unprogressed_producer_times_out_without_marking(
     with pytest.raises(TransferFailedError, match="deadline") as info:
         received.append(consumer.read_blocks(peer, [1, 2], timeout=0.5))
     assert info.value.state == "PROC" and received == []
+
+
+@pytest.mark.parametrize("mode", ["prepped", "merged"])
+def test_remote_block_ids_and_block_counts_may_differ(
+        mode: DescMode, agents: list[TraitsNixlAgent]) -> None:
+    """The producer has 16 blocks, the consumer 12; consumer blocks 1, 2, 3 are filled
+    from producer blocks 10, 11, 15 (descriptor ids use each side's block counts)."""
+    config_p, caches_p = layouts.build("gpt_oss", NB)
+    config_d, caches_d = layouts.build("gpt_oss", 12)
+    layouts.fill_pattern(caches_p, seed=4)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_regions(caches_p, config_p))
+    consumer.register_plan(plan_regions(caches_d, config_d))
+    peer = consumer.connect(producer.metadata())
+    local, remote = [[1, 2], [3]], [[10, 11], [15]]
+    consumer.read_blocks(peer, local, remote, mode=mode, timeout=20,
+                         progress=producer.progress)
+    src, dst = layouts.backing(caches_p), layouts.backing(caches_d)
+    for gid, group in enumerate(config_d.transfer_groups):
+        for layer in group.layer_names:
+            for lb, rb in zip(local[gid], remote[gid], strict=True):
+                d, s = caches_d[layer][lb], caches_p[layer][rb]
+                d_off = d.data_ptr() - dst.data_ptr()
+                s_off = s.data_ptr() - src.data_ptr()
+                assert torch.equal(dst[d_off:d_off + d.nbytes], src[s_off:s_off + s.nbytes])
+    untouched = [b for b in range(12) if b not in (1, 2, 3)]
+    for layer, cache in caches_d.items():
+        for b in untouched:
+            assert not bool(cache[b].view(torch.uint8).any()), (layer, b)

@@ -230,7 +230,8 @@ class TraitsNixlAgent:
                 peer = next(iter(by_rank.values()))
                 local_ids = block_desc_ids(plan, block_ids)
                 remote_ids = block_desc_ids(
-                    plan, block_ids if remote_block_ids is None else remote_block_ids)
+                    plan, block_ids if remote_block_ids is None else remote_block_ids,
+                    region_num_blocks=[r.num_blocks for r in peer.meta.regions])
                 handle = self._make_prepped(peer, local_ids, remote_ids, notify)
                 posted.append(_Posted(handle, peer.name))
                 descriptors = per_block = int(local_ids.size)

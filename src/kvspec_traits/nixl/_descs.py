@@ -77,16 +77,25 @@ def _region_blocks(region_group_ids: Sequence[int], block_ids: BlockIds,
     return np.asarray(groups[wanted], dtype=np.int64)
 
 
-def block_desc_ids(plan: RegionPlan, block_ids: BlockIds) -> npt.NDArray[np.int64]:
-    """Flat ids into :func:`build_block_descs` of ``plan`` for a request's blocks,
-    region-major (the order vLLM's ``_compute_desc_ids`` uses)."""
-    counts = np.array([r.num_blocks for r in plan.regions], dtype=np.int64)
+def block_desc_ids(plan: RegionPlan, block_ids: BlockIds, *,
+                   region_num_blocks: Sequence[int] | None = None) -> npt.NDArray[np.int64]:
+    """Flat ids into :func:`build_block_descs` for a request's blocks, region-major
+    (the order vLLM's ``_compute_desc_ids`` uses).
+
+    For a peer's list pass its ``region_num_blocks`` (its block counts may differ from
+    ours); group membership is ours (the handshake made the region lists equal).
+    """
+    counts_list = (plan.region_num_blocks if region_num_blocks is None
+                   else list(region_num_blocks))
+    if len(counts_list) != len(plan.regions):
+        raise ValueError(f"{len(counts_list)} block counts for {len(plan.regions)} regions")
+    counts = np.array(counts_list, dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
     parts = []
     for i, region in enumerate(plan.regions):
         blocks = _region_blocks(plan.region_group_ids, block_ids, i)
-        if blocks.size and (blocks.min() < 0 or blocks.max() >= region.num_blocks):
-            raise IndexError(f"region {region.name!r} has {region.num_blocks} blocks; "
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= counts[i]):
+            raise IndexError(f"region {region.name!r} has {counts[i]} blocks; "
                              f"request asks for {blocks.tolist()}")
         parts.append(offsets[i] + blocks)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
