@@ -101,32 +101,43 @@ def _bad_tree(root: Path) -> None:
                                     "def f(:\n")
     (root / "binary.py").write_bytes(b"MambaSpec\x00\x01\x02")
     (root / "big.py").write_text("from vllm.v1.kv_cache_interface import MambaSpec\n"
-                                 + "x = 1\n" * 2000)
+                                 + "x = 1\n" * 50_000)
     (root / "dangling.py").symlink_to(root / "no-such-file.py")
     loop = root / "pkg"
     loop.mkdir()
     (loop / "again").symlink_to(root, target_is_directory=True)
     (root / "notes.txt").write_bytes(b"\xff\xfe not python, not scanned")
+    imp = b"from vllm.v1.kv_cache_interface import MambaSpec\n"
+    (root / "badutf.py").write_bytes(imp + b's = "\xff"\n')
+    (root / "nested.py").write_bytes(imp + b"x = " + b"-" * 100_000 + b"1\n")
+    # Scanned fine: a declared encoding, and old Mac line ends (no line pruning then).
+    (root / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\n" + imp
+                                    + b's = "\xe9"\nok = isinstance(s, MambaSpec)\n')
+    (root / "cr.py").write_bytes(imp.replace(b"\n", b"\r") + b"ok = isinstance(s, MambaSpec)\r")
 
 
 def test_unreadable_files_are_reported_and_the_scan_goes_on(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     _bad_tree(tmp_path)
-    status, out, err = _run(capsys, tmp_path, "--json", "--max-file-bytes", "4096",
+    status, out, err = _run(capsys, tmp_path, "--json", "--max-file-bytes", "200000",
                             "--fail-on-miss")
     assert status == EXIT_FILE_ERRORS | EXIT_MISSES
     assert "Traceback" not in err
     doc = json.loads(out)
     errors = {Path(e["path"]).name: e["error"] for e in doc["errors"]}
     assert errors == {
-        "big.py": "12049 bytes, over the 4096-byte limit (raise it with --max-file-bytes)",
+        "badutf.py": "cannot parse: line 2: (unicode error) 'utf-8' codec can't decode byte "
+                     "0xff in position 0: invalid start byte",
+        "big.py": "300049 bytes, over the 200000-byte limit (raise it with --max-file-bytes)",
         "binary.py": "binary file (contains NUL bytes), not Python source",
         "dangling.py": "broken symlink (its target does not exist)",
+        "nested.py": "cannot parse: nested too deeply",
         "syntax.py": "cannot parse: line 2: invalid syntax",
     }
-    assert [Path(s["path"]).name for s in doc["sites"]] == ["good.py"]
-    # The loop pkg/again -> .. is followed once: good.py is seen once.
-    assert doc["summary"]["files_seen"] == 4
+    assert [(Path(s["path"]).name, s["line"]) for s in doc["sites"]] == [
+        ("cr.py", 2), ("good.py", 7), ("latin.py", 4)]
+    # The loop pkg/again -> .. is followed once: each file is seen once.
+    assert doc["summary"]["files_seen"] == 8
 
 
 def test_a_missing_target_is_a_file_error(capsys: pytest.CaptureFixture[str],
