@@ -236,3 +236,12 @@ def test_the_report_example_in_the_docs_is_current(capsys: pytest.CaptureFixture
     monkeypatch.chdir(FIXTURES)
     _, out, _ = _run(capsys, "seed_before.py", "seed_after.py", "wrapper.py")
     assert out.replace("vLLM 0.33.0", "vLLM 0.32.0") == example
+
+
+def test_table_names_classes_hidden_behind_aliases(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = _run(capsys, FIXTURES / "aliases.py")
+    lines = out.splitlines()
+    i = lines.index("     28  module_tuple: isinstance(spec, _LATENT_SPECS)")
+    assert lines[i + 1] == "         classes: MLAAttentionSpec, SlidingWindowMLASpec"
+    j = lines.index("     20  module_attribute: isinstance(spec, kv_cache_interface.MambaSpec)")
+    assert lines[j + 1].lstrip().startswith("trait: token_scope")

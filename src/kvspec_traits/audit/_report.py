@@ -95,6 +95,9 @@ def render_table(result: AuditResult, out: TextIO) -> None:
         for site in sites:
             out.write(f"  {site.raw.line:>5}  {site.raw.function}: {site.raw.text}\n")
             pad = " " * 9
+            if any(c not in site.raw.text for c in site.raw.classes):
+                # an alias or a class tuple hides what is tested
+                out.write(f"{pad}classes: {', '.join(site.raw.classes)}\n")
             if site.missing:
                 out.write(f"{pad}MISSES {', '.join(site.missing)}\n")
             if site.skipped_subclasses:
