@@ -404,3 +404,16 @@ def test_every_decision_follows_the_registry() -> None:
     assert region.token_scopes == (TokenScope.RING,)
     (plain,) = plan_regions(caches, config).regions  # the default registry: its parent
     assert not plain.replicated and not plain.scratch
+
+
+def test_vllm_field_view() -> None:
+    plan, _ = _plan("qwen35")
+    fields = plan.as_vllm_fields()
+    assert fields["block_len_per_layer"] == plan.block_lens
+    assert fields["_region_is_mla"] == [False] * 3
+    assert fields["_ssm_region_indices"] == [0, 1, 2]
+    assert fields["_ple_region_index"] is None
+    assert fields["num_regions"] == 3 and fields["num_descs"] == 3 * NB
+    assert fields["region_mem_types"] == ["DRAM"] * 3
+    v4, _ = _plan("deepseek_v4")
+    assert v4.as_vllm_fields()["_scratch_region_indices"] == [0, 1]
