@@ -114,8 +114,32 @@ def test_wrapper_check_unwraps_when_the_branch_reads_a_member_field() -> None:
         "    return inner\n"
     )
     found = scan_module(ast.parse(src), known=KNOWN, groups=frozenset({"UniformTypeKVCacheSpecs"}),
-                        member_fields=frozenset({"kv_cache_specs"}))
+                        group_attributes=frozenset({"kv_cache_specs", "first_spec"}))
     assert [(s.line, s.unwraps) for s in found] == [(3, True), (4, False)]
+
+
+def test_code_after_a_negated_early_exit_wrapper_check_is_guarded_by_it() -> None:
+    src = (
+        "from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs as U\n"
+        "def members(s):\n"
+        "    if not isinstance(s, U):\n"
+        "        raise ValueError(s)\n"
+        "    return s.kv_cache_specs\n"
+        "def first(s):\n"
+        "    for g in s:\n"
+        "        if not isinstance(g, U):\n"
+        "            continue\n"
+        "        g = g.first_spec\n"
+        "def positive(s):\n"
+        "    if isinstance(s, U):\n"
+        "        return s.page_size_bytes\n"
+        "    return s.kv_cache_specs\n"
+    )
+    found = scan_module(ast.parse(src), known=KNOWN, groups=frozenset({"UniformTypeKVCacheSpecs"}),
+                        group_attributes=frozenset({"kv_cache_specs", "first_spec"}))
+    # After `if isinstance(s, U): return`, the rest runs for non-groups only: not counted.
+    assert [(s.function, s.unwraps) for s in found] == [
+        ("members", True), ("first", True), ("positive", False)]
 
 
 def test_relevant_lines_finds_every_token_occurrence() -> None:

@@ -100,14 +100,14 @@ def audit_paths(targets: Sequence[Path], universe: Universe, *,
     unmatched: list[Path] = []
     seen = 0
     packages: dict[Path, str] = {}
-    groups, fields = universe.group_names, universe.member_fields
+    groups, fields = universe.group_names, universe.group_attributes
 
     def scan(path: Path, data: bytes, with_exports: bool) -> None:
         module_scan = _module_scan(path, data, known, packages, errors)
         if module_scan is None:
             return
         try:
-            raw = module_scan.sites(groups=groups, member_fields=fields,
+            raw = module_scan.sites(groups=groups, group_attributes=fields,
                                     exports=exports if with_exports else None)
         except RecursionError:
             errors.append(FileError(path=str(path), error="cannot scan: nested too deeply"))

@@ -111,7 +111,7 @@ def _show_classes(u: Universe, out: TextIO) -> None:
             out.write(f"  {label:<28} {row}\n")
     if u.group_names:
         out.write(f"\ngroup wrappers: {', '.join(sorted(u.group_names))} "
-                  f"(members in: {', '.join(sorted(u.member_fields))})\n")
+                  f"(group-only attributes: {', '.join(sorted(u.group_attributes))})\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

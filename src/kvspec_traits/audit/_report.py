@@ -23,7 +23,7 @@ RULES: Final = (
     ("KVT003", "exact-type-check",
      "An exact type check on a spec class skips that class's subclasses."),
     ("KVT004", "group-wrapper-not-unwrapped",
-     "A check on the group wrapper spec whose branch never reads the group's members."),
+     "A check on the group wrapper spec whose guarded code uses nothing only the group has."),
 )
 _RULE_INDEX: Final = {rule_id: i for i, (rule_id, _, _) in enumerate(RULES)}
 
@@ -60,7 +60,8 @@ def _message(site: Site) -> str:
     if site.skipped_subclasses:
         parts.append(f"Exact type check: skips subclasses {', '.join(site.skipped_subclasses)}.")
     if site.wrapper_not_unwrapped:
-        parts.append("Tests the group wrapper but never reads its members.")
+        parts.append("Tests the group wrapper, but the guarded code uses nothing only the group "
+                     "has (its members): it treats a group of layers as one layer.")
     return " ".join(parts)
 
 
@@ -104,8 +105,8 @@ def render_table(result: AuditResult, out: TextIO) -> None:
                 out.write(f"{pad}EXACT TYPE: skips subclasses "
                           f"{', '.join(site.skipped_subclasses)}\n")
             if site.wrapper_not_unwrapped:
-                out.write(f"{pad}GROUP WRAPPER: the branch never reads the group's members "
-                          f"({', '.join(sorted(u.member_fields)) or 'members'})\n")
+                out.write(f"{pad}GROUP WRAPPER: the guarded code uses nothing only the group "
+                          f"has ({', '.join(sorted(u.group_attributes)) or 'its members'})\n")
             out.write(f"{pad}trait: {_answer_text(site)}\n")
     if result.errors:
         out.write(f"\ncould not scan {len(result.errors)} file(s):\n")

@@ -33,6 +33,7 @@ _UNION: Final = frozenset({"Union"})
 _WRAPPING_CALLS: Final = frozenset({"tuple", "frozenset", "set", "list"})
 _EXACT_OPS: Final = (ast.Is, ast.IsNot, ast.Eq, ast.NotEq, ast.In, ast.NotIn)
 _NEGATIVE_OPS: Final = (ast.IsNot, ast.NotEq, ast.NotIn)
+_EXITS: Final = (ast.Return, ast.Raise, ast.Continue, ast.Break)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -262,6 +263,23 @@ def relevant_lines(source: bytes, tokens: Iterable[bytes]) -> list[int] | None:
     return lines
 
 
+def _blocks(node: ast.AST) -> Iterator[list[ast.stmt]]:
+    # Every statement list below `node` (bodies, else branches, handlers, cases).
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        lists: list[list[ast.stmt]] = []
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(current, name, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                lists.append(block)
+        lists += [h.body for h in getattr(current, "handlers", ())]
+        lists += [c.body for c in getattr(current, "cases", ())]
+        for block in lists:
+            yield block
+            stack.extend(block)
+
+
 def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
     # Module-level statements, including those under `if TYPE_CHECKING:` and `try:`.
     for stmt in body:
@@ -307,7 +325,7 @@ class ModuleScan:
         return dict(self.resolver.class_sets)
 
     def sites(self, *, groups: frozenset[str] = frozenset(),
-              member_fields: frozenset[str] = frozenset(),
+              group_attributes: frozenset[str] = frozenset(),
               exports: Mapping[str, Mapping[str, tuple[str, ...]]] | None = None,
               ) -> list[RawSite]:
         """Every class check against spec classes, in line order."""
@@ -316,7 +334,7 @@ class ModuleScan:
         lines = None
         if self.source is not None:
             lines = relevant_lines(self.source, self.resolver.tokens())
-        finder = _Finder(self.resolver, groups=groups, member_fields=member_fields)
+        finder = _Finder(self.resolver, groups=groups, group_attributes=group_attributes)
         return finder.run(self.tree, lines)
 
 
@@ -340,12 +358,13 @@ class _Check:
 
 class _Finder:
     def __init__(self, resolver: _Resolver, *, groups: frozenset[str],
-                 member_fields: frozenset[str]) -> None:
+                 group_attributes: frozenset[str]) -> None:
         self.r = resolver
         self.groups = groups
-        self.member_fields = member_fields
+        self.group_attributes = group_attributes
         self.sites: list[RawSite] = []
         self.consumed: set[int] = set()
+        self.scope: ast.AST | None = None  # the function, class or module being walked
 
     # -- recognising one check ------------------------------------------------------------
 
@@ -408,17 +427,19 @@ class _Finder:
 
     def run(self, tree: ast.Module, lines: Sequence[int] | None = None) -> list[RawSite]:
         """Visit the tree; with ``lines``, only the nodes that span one of those lines."""
-        stack: list[tuple[ast.AST, str, ast.AST]] = [(tree, "<module>", tree)]
+        stack: list[tuple[ast.AST, str, ast.AST, ast.AST]] = [(tree, "<module>", tree, tree)]
         while stack:
-            node, func, region = stack.pop()
+            node, func, region, scope = stack.pop()
             if lines is not None and isinstance(node, ast.stmt | ast.expr):
                 i = bisect_left(lines, node.lineno)
                 if i == len(lines) or lines[i] > (node.end_lineno or node.lineno):
                     continue  # no name that could make a check appears in this node
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 func = node.name if func == "<module>" else f"{func}.{node.name}"
+                scope = node
             if isinstance(node, ast.stmt | ast.IfExp):
                 region = node
+            self.scope = scope
             self._visit(node, func, region)
             children = list(ast.iter_child_nodes(node))
             if isinstance(node, ast.Match):
@@ -426,7 +447,7 @@ class _Finder:
                 for case in node.cases:
                     if case.guard is not None:
                         children.append(case.guard)
-            stack.extend((child, func, region) for child in reversed(children))
+            stack.extend((child, func, region, scope) for child in reversed(children))
         self.sites.sort(key=lambda s: (s.line, s.col))
         return self.sites
 
@@ -507,12 +528,26 @@ class _Finder:
         elif isinstance(pattern, ast.MatchAs) and pattern.pattern is not None:
             yield from self._pattern_classes(pattern.pattern)
 
+    def _guarded(self, region: ast.AST, negated: bool) -> list[ast.AST]:
+        # The code a check guards: its statement (an `if` with both branches); after
+        # `if not isinstance(x, Wrapper): return/raise/continue`, also the rest of the block.
+        nodes = [region]
+        if not (negated and isinstance(region, ast.If) and region.body
+                and isinstance(region.body[-1], _EXITS) and self.scope is not None):
+            return nodes
+        for block in _blocks(self.scope):
+            for i, stmt in enumerate(block):
+                if stmt is region:
+                    return nodes + list(block[i + 1:])
+        return nodes
+
     def _emit(self, check: _Check, func: str, region: ast.AST, *,
               end: ast.AST | None = None) -> None:
         unwraps: bool | None = None
         if self.groups.intersection(check.classes):
-            unwraps = any(isinstance(n, ast.Attribute) and n.attr in self.member_fields
-                          for n in ast.walk(region))
+            unwraps = any(isinstance(n, ast.Attribute) and n.attr in self.group_attributes
+                          for guarded in self._guarded(region, check.negated)
+                          for n in ast.walk(guarded))
         node = check.node
         last = end if end is not None else node
         line: int = getattr(node, "lineno", 0)
@@ -529,16 +564,16 @@ class _Finder:
 
 def scan_module(tree: ast.Module, *, module: str = "", is_package: bool = False,
                 known: frozenset[str], groups: frozenset[str] = frozenset(),
-                member_fields: frozenset[str] = frozenset(),
+                group_attributes: frozenset[str] = frozenset(),
                 exports: Mapping[str, Mapping[str, tuple[str, ...]]] | None = None,
                 source: bytes | None = None) -> list[RawSite]:
     """Every class check against spec classes in ``tree``, in line order.
 
     ``module`` is the module's dotted name (for relative imports and ``exports``, the
     class sets other modules define); ``groups`` are group wrapper classes and
-    ``member_fields`` the attributes that unwrap them; ``source`` enables skipping lines
+    ``group_attributes`` the attributes that unwrap them; ``source`` enables skipping lines
     that cannot hold a check.
     """
     return ModuleScan(tree, module=module, is_package=is_package, known=known,
-                      source=source).sites(groups=groups, member_fields=member_fields,
+                      source=source).sites(groups=groups, group_attributes=group_attributes,
                                            exports=exports)

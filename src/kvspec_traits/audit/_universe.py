@@ -34,7 +34,7 @@ __all__ = [
     "load_universe",
 ]
 
-_FORMAT: Final = 1
+_FORMAT: Final = 2
 _CACHE_ENV: Final = "KVSPEC_TRAITS_CACHE_DIR"
 
 
@@ -60,15 +60,15 @@ class Universe:
     """Class names and per-question answers, keyed ``answers[question][class]`` to the
     set of value labels its representatives gave (more than one: the class *varies*).
 
-    ``member_fields`` are the attribute names through which a group spec holds its
-    members (reading one of them is what unwrapping a group means).
+    ``group_attributes`` are the attributes only a group class has (its members,
+    ``first_spec``, group-only methods): using one is what handling a group means.
     """
 
     vllm_version: str
     vllm_path: str
     classes: Mapping[str, ClassInfo]
     answers: Mapping[str, Mapping[str, frozenset[str]]]
-    member_fields: frozenset[str] = frozenset()
+    group_attributes: frozenset[str] = frozenset()
     sources: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
@@ -106,7 +106,7 @@ class Universe:
                         for n, c in self.classes.items()},
             "answers": {q: {n: sorted(v) for n, v in per.items()}
                         for q, per in self.answers.items()},
-            "member_fields": sorted(self.member_fields),
+            "group_attributes": sorted(self.group_attributes),
             "sources": {p: list(s) for p, s in self.sources.items()},
         }
 
@@ -125,7 +125,7 @@ class Universe:
                      for n, c in data["classes"].items()},
             answers={q: {n: frozenset(v) for n, v in per.items()}
                      for q, per in data["answers"].items()},
-            member_fields=frozenset(data.get("member_fields", ())),
+            group_attributes=frozenset(data.get("group_attributes", ())),
             sources={p: (int(s[0]), int(s[1])) for p, s in data.get("sources", {}).items()},
         )
 
@@ -169,7 +169,7 @@ def build_universe() -> Universe:
     by_type = {cls: cls.__qualname__ for cls in spec_classes}
     reps: dict[str, int] = {}
     groups: set[str] = set()
-    member_fields: set[str] = set()
+    group_attributes: set[str] = set()
     answers: dict[str, dict[str, set[str]]] = {q.name: {} for q in QUESTIONS}
     for entry in catalog.representative_specs():
         spec = entry.spec
@@ -178,7 +178,7 @@ def build_universe() -> Universe:
         traits: KVLayoutTraits = traits_of(spec)
         if isinstance(traits, GroupTraits):
             groups.add(name)
-            member_fields.update(_member_fields(spec, by_type))
+            group_attributes.update(_group_attributes(type(spec)))
             continue
         for q in QUESTIONS:
             answers[q.name].setdefault(name, set()).add(q.read(traits))
@@ -205,26 +205,24 @@ def build_universe() -> Universe:
         vllm_path=str(vdir) if vdir else "",
         classes=classes,
         answers={q: {n: frozenset(v) for n, v in per.items()} for q, per in answers.items()},
-        member_fields=frozenset(member_fields),
+        group_attributes=frozenset(group_attributes),
         sources=sources,
     )
 
 
-def _member_fields(spec: object, by_type: Mapping[type[Any], str]) -> set[str]:
-    # The fields of a group spec that hold member specs (a mapping or sequence of them).
-    found: set[str] = set()
-    if not dataclasses.is_dataclass(spec):
-        return found
-    for f in dataclasses.fields(spec):
-        value = getattr(spec, f.name, None)
-        items: Iterable[object] = ()
-        if isinstance(value, Mapping):
-            items = value.values()
-        elif isinstance(value, list | tuple):
-            items = value
-        if any(type(item) in by_type for item in items):
-            found.add(f.name)
-    return found
+def _group_attributes(cls: type[Any]) -> set[str]:
+    # What only the group class has (its members' field, `first_spec`, group-only
+    # methods): a branch that touches none of them treats the group as one layer.
+    def attributes(klass: type[Any]) -> set[str]:
+        names = set(dir(klass))
+        if dataclasses.is_dataclass(klass):
+            names.update(f.name for f in dataclasses.fields(klass))
+        return names
+
+    own = attributes(cls)
+    for base in cls.__bases__:
+        own -= attributes(base)
+    return {name for name in own if not name.startswith("__")}
 
 
 def default_cache_dir() -> Path:
