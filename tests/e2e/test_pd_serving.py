@@ -59,6 +59,9 @@ class ModelCase:
     layers: int
     # Bytes of one token of one layer's cache, as the model's KV spec lays it out.
     token_bytes_per_layer: int
+    # Sliding-window layers and their window (tokens), if any.
+    windowed_layers: int = 0
+    window: int | None = None
 
 
 CASES = {
@@ -66,6 +69,9 @@ CASES = {
     "llama": ModelCase("llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4),
     # MLA: one latent of kv_lora_rank 512 + rope 64, float32.
     "deepseek-v2": ModelCase("deepseek-v2", layers=2, token_bytes_per_layer=(512 + 64) * 4),
+    # Hybrid: one full layer, one 64-token sliding-window layer (two cache groups).
+    "llama-swa": ModelCase("llama-swa", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4,
+                           windowed_layers=1, window=64),
 }
 
 
@@ -152,9 +158,18 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     # Nothing recomputed: every prompt token came from the local cache or through NIXL.
     assert local_hits + external_hits == prompt_tokens
     assert external_hits > 0
-    # Exactly the missing blocks moved, each a whole page of every layer.
-    assert bytes_moved == pulled_blocks * page_bytes
-    if prompt_name == "prefix hit":
+    if case.window is None:
+        # Exactly the missing blocks moved, each a whole page of every layer.
+        assert bytes_moved == pulled_blocks * page_bytes
+    else:
+        # The full layers' missing blocks, and of the windowed layers only the blocks
+        # the window still needs: blocks wholly behind the window are not moved.
+        layer_page = block_size * case.token_bytes_per_layer
+        full_part = pulled_blocks * layer_page * (case.layers - case.windowed_layers)
+        assert full_part < bytes_moved <= pulled_blocks * page_bytes
+        if local_hits == 0 and prompt_tokens - case.window > block_size:
+            assert bytes_moved < pulled_blocks * page_bytes
+    if prompt_name == "prefix hit" and case.window is None:
         if prefix_caching:
             # The consumer holds the shared prefix from "many blocks" and pulled only
             # the blocks after it (checked by the byte count above).
@@ -166,3 +181,17 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
             # so here the consumer pulls every block again.
             assert case.name == "deepseek-v2", "prefix caching is off on this server"
             assert local_hits == 0
+
+
+def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair]) -> None:
+    """The worker that served the requests above is TraitsNixlConnectorWorker: both
+    registered regions planned from traits, and the consumer checked the producer's
+    fingerprint before pulling."""
+    _, servers = pair
+    for server in servers.servers():
+        log = server.log_tail(5000)
+        assert "TraitsNixlConnector: registered" in log, server.log_path
+        assert "planned from layout traits" in log
+    decode_log = servers.decode.log_tail(5000)
+    assert "has the same KV layout (fingerprint" in decode_log
+    assert "KV layout handshake refused" not in decode_log
