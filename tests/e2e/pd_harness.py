@@ -61,6 +61,15 @@ SERVER_ARGS: tuple[str, ...] = (
 )
 
 
+def _die_with_parent() -> list[str]:
+    """A command prefix that SIGKILLs the server if the test process dies without
+    cleaning up (vLLM's engine processes watch their parent in turn). util-linux's
+    setpriv execs in place, so the server keeps the pid we kill by; no preexec_fn,
+    which is unsafe once vLLM has started threads in this process."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL"] if setpriv else []
+
+
 class ServerFailedError(RuntimeError):
     """A server died or did not become ready; the message carries its log tail."""
 
@@ -119,6 +128,7 @@ class VllmServer:
 
     def command(self) -> list[str]:
         cmd = [
+            *_die_with_parent(),
             str(PYTHON), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model),
             "--served-model-name", self.served_model_name,
