@@ -417,3 +417,20 @@ def test_vllm_field_view() -> None:
     assert fields["region_mem_types"] == ["DRAM"] * 3
     v4, _ = _plan("deepseek_v4")
     assert v4.as_vllm_fields()["_scratch_region_indices"] == [0, 1]
+
+
+@pytest.mark.parametrize(("family", "kernel"), [("llama_gqa", 8), ("qwen35", 16)])
+def test_kernel_block_splitting_plans_manager_blocks(family: str, kernel: int) -> None:
+    """Kernel-block views (vLLM's create_kv_cache_views with kernel_block_size) give
+    the same regions in manager blocks, so an attention layer can share a region with
+    an unsplit Mamba state (Qwen3.5's attention blocks of 1024 tokens run kernels of 16)."""
+    config, caches = layouts.build(family, NB)
+    whole = plan_regions(caches, config)
+    config, split = layouts.build(family, NB, kernel_block_size=kernel)
+    attn = next(c for n, c in split.items() if "attn" in n and "linear" not in n)
+    assert attn.shape[0] > NB  # rows are kernel blocks
+    plan = plan_regions(split, config)
+    assert plan.block_lens == whole.block_lens
+    assert plan.block_strides == whole.block_strides
+    assert plan.region_num_blocks == [NB] * len(plan.regions)
+    assert [r.layers for r in plan.regions] == [r.layers for r in whole.regions]

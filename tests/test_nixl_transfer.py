@@ -239,3 +239,18 @@ def test_remote_block_ids_and_block_counts_may_differ(
     for layer, cache in caches_d.items():
         for b in untouched:
             assert not bool(cache[b].view(torch.uint8).any()), (layer, b)
+
+
+def test_kernel_split_hybrid_transfers_manager_blocks(agents: list[TraitsNixlAgent]) -> None:
+    """Qwen3.5 with attention kernel blocks of 16 tokens inside 1024-token blocks: the
+    shared attention/GDN region moves whole manager blocks."""
+    config_p, caches_p = layouts.build("qwen35", 6, kernel_block_size=16)
+    config_d, caches_d = layouts.build("qwen35", 6, kernel_block_size=16)
+    layouts.fill_pattern(caches_p, seed=2)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_regions(caches_p, config_p))
+    consumer.register_plan(plan_regions(caches_d, config_d))
+    peer = consumer.connect(producer.metadata())
+    block_ids = [[1], [3, 4]]  # GDN group, attention group
+    consumer.read_blocks(peer, block_ids, timeout=20, progress=producer.progress)
+    checks.assert_transferred(caches_p, caches_d, config_d, block_ids)

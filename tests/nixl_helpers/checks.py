@@ -18,8 +18,10 @@ def request_blocks(config: KVCacheConfig, per_group: int = 3, start: int = 1
             for g in range(len(config.transfer_groups))]
 
 
-def _page(cache: torch.Tensor, block: int, base: int) -> tuple[int, int]:
-    page = cache[block]
+def _page(cache: torch.Tensor, block: int, base: int, num_blocks: int) -> tuple[int, int]:
+    # Kernel-block rows: a manager block is `ratio` consecutive rows (vLLM's
+    # group_kernel_blocks).
+    page = cache.unflatten(0, (num_blocks, -1))[block]
     return page.data_ptr() - base, page.nbytes
 
 
@@ -35,8 +37,8 @@ def assert_transferred(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor
     for gid, group in enumerate(config.transfer_groups):
         for layer in group.layer_names:
             for block in range(config.num_blocks):
-                s_off, length = _page(src[layer], block, src_base)
-                d_off, d_len = _page(dst[layer], block, dst_base)
+                s_off, length = _page(src[layer], block, src_base, config.num_blocks)
+                d_off, d_len = _page(dst[layer], block, dst_base, config.num_blocks)
                 assert (s_off, length) == (d_off, d_len), layer
                 got = dst_raw[d_off:d_off + length]
                 if block in block_ids[gid]:

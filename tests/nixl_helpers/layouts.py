@@ -94,15 +94,20 @@ def kv_cache_config(groups: list[KVCacheGroupSpec], num_blocks: int,
                          kv_cache_groups=groups, kv_cache_layout=layout.name)
 
 
-def allocate(config: KVCacheConfig, layout: KVCacheLayout) -> dict[str, torch.Tensor]:
-    """vLLM's allocate_kv_cache (CPU): one int8 buffer, per-layer [B, H, N, C] views."""
+def allocate(config: KVCacheConfig, layout: KVCacheLayout,
+             kernel_block_sizes: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """vLLM's allocate_kv_cache (CPU): one int8 buffer, per-layer [B, H, N, C] views
+    (kernel-block rows where ``kernel_block_sizes[group]`` splits a block)."""
     size = config.kv_cache_tensors[0].size
     buf = torch.zeros(size, dtype=torch.int8)
     caches: dict[str, torch.Tensor] = {}
     for tensor in config.kv_cache_tensors:
-        group = next(g for g in config.kv_cache_groups if tensor.layers[0] in g.layer_names)
+        gid, group = next((i, g) for i, g in enumerate(config.kv_cache_groups)
+                          if tensor.layers[0] in g.layer_names)
         spec = _layer_spec(group, tensor.layers[0])
-        views = create_kv_cache_views(buf, spec, config.num_blocks, layout, tensor)
+        kernel = None if kernel_block_sizes is None else kernel_block_sizes[gid]
+        views = create_kv_cache_views(buf, spec, config.num_blocks, layout, tensor,
+                                      kernel_block_size=kernel)
         caches.update(zip(tensor.layers, views, strict=True))
     return caches
 
@@ -285,8 +290,14 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def build(family: str, num_blocks: int, tp: int = 1
+def build(family: str, num_blocks: int, tp: int = 1, kernel_block_size: int | None = None
           ) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+    """A family's config and caches; ``kernel_block_size`` splits the attention groups'
+    blocks into kernel blocks of that many tokens (Mamba groups are never split)."""
     fam = FAMILIES[family]
     config = kv_cache_config(fam.groups(tp), num_blocks, fam.layout)
-    return config, allocate(config, fam.layout)
+    kernels = None
+    if kernel_block_size is not None:
+        kernels = [spec.block_size if isinstance(spec, MambaSpec) else kernel_block_size
+                   for spec in (g.kv_cache_spec for g in config.kv_cache_groups)]
+    return config, allocate(config, fam.layout, kernels)

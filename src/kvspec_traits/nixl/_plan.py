@@ -466,12 +466,21 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
         raise UnsupportedLayoutError(
             layer, f"{rows} rows cannot hold {num_blocks} blocks "
                    f"(shape {tuple(cache.shape)}, {traits.spec_name})")
-    if page % ratio:
-        raise UnsupportedLayoutError(
-            layer, f"page of {page} bytes does not split into {ratio} kernel blocks")
-    block_len, blocks = page // ratio, num_blocks * ratio
     sizes = tuple(cache.shape[1:])
     strides = tuple(s * itemsize for s in cache.stride()[1:])
+    if ratio > 1:
+        # vLLM splits a manager block into kernel blocks only when the block is one
+        # dense page (create_kv_cache_views), so `ratio` abutting kernel pages are the
+        # manager page: plan in manager blocks, the ids requests use (vLLM's worker
+        # registers kernel blocks: block_len / ratio, num_blocks x ratio).
+        kernel_page = prod(sizes) * itemsize
+        if not (_dense(sizes, strides, itemsize) and kernel_page == stride0
+                and kernel_page * ratio == page):
+            raise UnsupportedLayoutError(
+                layer, f"{ratio} kernel blocks of {kernel_page} bytes at stride {stride0} "
+                       f"do not tile its {page}-byte page")
+        return [piece(cache.data_ptr(), page, page, num_blocks, sizes[0] == 1)]
+    block_len, blocks = page, num_blocks
     if _dense(sizes, strides, itemsize):
         if blocks > 1 and block_len > stride0:
             raise UnsupportedLayoutError(
