@@ -63,6 +63,10 @@ EXPECTED: list[Row] = [
     ("forms.py", 79, "match_class", "match-class", ("MambaSpec",), False, RECURRENT, (), (),
      False),
     ("forms.py", 81, "match_class", "match-class", (MLA, SWMLA), False, IS_MLA, (), (), False),
+    ("forms.py", 93, "full_but_not_mla", "isinstance", ("FullAttentionSpec",), False, None,
+     (), (), False),
+    ("forms.py", 97, "skip_unless_full_gqa", "isinstance", ("FullAttentionSpec",), True, None,
+     (), (), False),
     ("pkg/user.py", 7, "is_latent", "isinstance", (MLA,), False, NEAR_MLA, (SWMLA,), (), False),
     ("seed_after.py", 7, "register_kv_caches", "isinstance", (MLA, SWMLA), False, IS_MLA, (), (),
      False),
@@ -144,3 +148,15 @@ def test_closest_answers_name_the_classes_with_another_value(result: AuditResult
     answer = by_function["type_is"].answer
     assert answer is not None
     assert (answer.other_value_classes, answer.similarity) == (("RSWASpec",), 0.667)
+
+
+def test_and_or_chains_take_negated_classes_out(result: AuditResult) -> None:
+    # `A and not B` accepts A's subclasses without B's; `not A or B` is its negation.
+    chains = [s for s in result.sites if s.raw.excluded]
+    assert [(s.raw.function, s.raw.negated, s.raw.excluded, s.branch_classes)
+            for s in chains] == [
+        ("full_but_not_mla", False, ("MLAAttentionSpec",),
+         ("FullAttentionSpec", "RSWASpec", "SinkFullAttentionSpec")),
+        ("skip_unless_full_gqa", True, ("MLAAttentionSpec",),
+         ("FullAttentionSpec", "RSWASpec", "SinkFullAttentionSpec")),
+    ]

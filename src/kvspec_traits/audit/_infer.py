@@ -134,7 +134,7 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     """The verdict on one class check against the class sets ``u``."""
     groups = u.group_names
     tested = [c for c in raw.classes if c not in groups]
-    expanded = u.subclasses(tested)
+    expanded = u.subclasses(tested) - u.subclasses(raw.excluded)
     as_written = frozenset(c for c in tested if c in u.concrete) if raw.exact else expanded
     no_rep = tuple(c for c in tested if c in u.classes
                    and (c not in u.concrete if raw.exact else not u.subclasses([c])))

@@ -132,7 +132,8 @@ def site_json(site: Site) -> dict[str, Any]:
     return {
         "path": site.path, "line": r.line, "column": r.col + 1, "end_line": r.end_line,
         "function": r.function, "form": r.form, "check": r.text, "subject": r.subject,
-        "classes": list(r.classes), "negated": r.negated, "exact": r.exact,
+        "classes": list(r.classes), "excluded": list(r.excluded), "negated": r.negated,
+        "exact": r.exact,
         "branch_classes": list(site.branch_classes),
         "answer": None if a is None else {
             "trait": a.trait, "value": a.value, "match": a.match,

@@ -42,8 +42,10 @@ class RawSite:
 
     ``text`` is the check as written (normalised by ``ast.unparse``), ``written`` its
     class operand; ``classes`` are spec class names in source order; ``exact`` is true
-    when the check matches the class itself and not its subclasses; ``unwraps`` says whether the
-    guarded code reads a group's member field (``None`` when no group class is tested).
+    when the check matches the class itself and not its subclasses; ``excluded`` are
+    classes an ``and not isinstance(...)`` on the same subject takes out again;
+    ``unwraps`` says whether the guarded code uses anything only a group class has
+    (``None`` when no group class is tested).
     """
 
     line: int
@@ -58,6 +60,7 @@ class RawSite:
     negated: bool
     exact: bool
     unwraps: bool | None
+    excluded: tuple[str, ...] = ()
 
 
 # A name's binding: a dotted reference ("vllm.v1.kv_cache_interface.MambaSpec"), a set
@@ -354,6 +357,7 @@ class _Check:
     classes: tuple[str, ...]
     negated: bool
     exact: bool
+    excluded: tuple[str, ...] = ()
 
 
 class _Finder:
@@ -476,22 +480,38 @@ class _Finder:
                 self.consumed.add(id(sub))
 
     def _visit_boolop(self, node: ast.BoolOp, func: str, region: ast.AST) -> None:
-        # `isinstance(s, A) or isinstance(s, B)` asks one question about `s`: one site.
-        # So does `not isinstance(s, A) and not isinstance(s, B)`.
-        want_negated = isinstance(node.op, ast.And)
-        groups: dict[tuple[str, str, bool], list[_Check]] = {}
+        # Checks on one subject joined by `and`/`or` ask one question: one site.
+        # `a or b` is `not (not a and not b)`, so both reduce to an `and` of checks with a
+        # polarity each: no positive check -> the union of the negated ones, negated;
+        # one positive `isinstance` -> its classes minus the negated ones'.
+        is_or = isinstance(node.op, ast.Or)
+        groups: dict[tuple[str, str, bool], list[tuple[_Check, bool]]] = {}
         for value in node.values:
             check = self.check_of(value)
-            if check is None or check.negated != want_negated:
+            if check is None:
                 continue
-            groups.setdefault((check.form, check.subject, check.exact), []).append(check)
-        for (form, subject, exact), checks in groups.items():
-            if len(checks) < 2:
+            positive = check.negated == is_or  # its polarity inside the `and` form
+            key = (check.form, check.subject, check.exact)
+            groups.setdefault(key, []).append((check, positive))
+        for (form, subject, exact), members in groups.items():
+            if len(members) < 2:
                 continue
-            joiner = " and " if want_negated else " or "
+            positives = [c for c, positive in members if positive]
+            negatives = [c for c, positive in members if not positive]
+            excluded: tuple[str, ...] = ()
+            if not positives:
+                classes, negated = _dedup(n for c in negatives for n in c.classes), True
+            elif len(positives) == 1 and form in ("isinstance", "issubclass"):
+                classes = positives[0].classes
+                excluded = _dedup(n for c in negatives for n in c.classes)
+                negated = False
+            else:
+                continue
+            checks = [c for c, _ in members]
+            joiner = " or " if is_or else " and "
             merged = _Check(checks[0].node, form, subject, joiner.join(c.text for c in checks),
-                            joiner.join(c.written for c in checks),
-                            _dedup(n for c in checks for n in c.classes), want_negated, exact)
+                            joiner.join(c.written for c in checks), classes,
+                            negated != is_or, exact, excluded)
             self._emit(merged, func, region, end=checks[-1].node)
             for value in node.values:
                 check = self.check_of(value)
@@ -558,7 +578,7 @@ class _Finder:
             written=check.written,
             classes=check.classes,
             negated=check.negated,
-            exact=check.exact, unwraps=unwraps))
+            exact=check.exact, unwraps=unwraps, excluded=check.excluded))
         self._consume(node)
 
 
