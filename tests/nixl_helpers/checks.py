@@ -19,10 +19,11 @@ def request_blocks(config: KVCacheConfig, per_group: int = 3, start: int = 1
 
 
 def _page(cache: torch.Tensor, block: int, base: int, num_blocks: int) -> tuple[int, int]:
-    # Kernel-block rows: a manager block is `ratio` consecutive rows (vLLM's
-    # group_kernel_blocks).
-    page = cache.unflatten(0, (num_blocks, -1))[block]
-    return page.data_ptr() - base, page.nbytes
+    # Kernel-block rows: a manager block is `ratio` consecutive, abutting rows (vLLM's
+    # group_kernel_blocks; create_kv_cache_views splits only dense pages).
+    ratio = cache.shape[0] // num_blocks
+    first = cache[block * ratio]
+    return first.data_ptr() - base, first.nbytes * ratio
 
 
 def assert_transferred(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
