@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -70,7 +71,7 @@ def _region_blocks(region_group_ids: Sequence[int], block_ids: BlockIds,
                    index: int) -> npt.NDArray[np.int64]:
     if not block_ids or not isinstance(block_ids[0], Sequence):
         return np.asarray(block_ids, dtype=np.int64)
-    groups: Sequence[Sequence[int]] = block_ids  # type: ignore[assignment]  # checked above
+    groups = cast(Sequence[Sequence[int]], block_ids)  # one list per group: checked above
     wanted = region_group_ids[index]
     if wanted < 0:  # shared by several groups: every group's blocks live here
         return np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])

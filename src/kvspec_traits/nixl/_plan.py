@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from kvspec_traits._group import GroupTraits
 from kvspec_traits._registry import Registry, default_registry
@@ -40,6 +40,8 @@ __all__ = [
     "region_sort_key",
     "shard_count",
 ]
+
+_T = TypeVar("_T")
 
 SHARED_REGION_GROUP_ID: Final = -1
 """Group id of a region whose layers belong to several cache groups (vLLM's
@@ -521,8 +523,8 @@ def _as_rows(pieces: list[_Piece], storage: MemoryRange) -> list[_Piece]:
                    head_segment=None) for p in pieces]
 
 
-def _agree(region: str, layers: Sequence[str], trait: str,
-           values: Mapping[str, object]) -> object:
+def _agree(region: str, layers: Sequence[str], trait: str, values: Mapping[str, _T]) -> _T:
+    """The members' common value of ``trait``; RegionConflictError if they differ."""
     distinct = set(values.values())
     if len(distinct) > 1:
         raise RegionConflictError(region, layers, trait, values)
@@ -542,26 +544,25 @@ def _region(index: int, members: list[_Piece]) -> Region:
     state_layout: TPLayout | None = None
     components: tuple[StateComponent, ...] = ()
     if states:
-        state_layout = _layout(_agree(name, layers, "tp_layout of the state layers",
-                                      {m.layer: m.traits.tp_layout for m in states}))
+        state_layout = _agree(name, layers, "tp_layout of the state layers",
+                              {m.layer: m.traits.tp_layout for m in states})
         shapes = _agree(name, layers, "state components",
                         {m.layer: tuple((c.name, c.nbytes) for c in m.traits.components)
                          for m in states})
         offset, parts = 0, []
-        for comp_name, nbytes in shapes:  # type: ignore[attr-defined]  # a tuple of pairs
+        for comp_name, nbytes in shapes:
             parts.append(StateComponent(name=comp_name, offset=offset, nbytes=nbytes))
             offset += nbytes
         components = tuple(parts)
 
     deciding = paged or states
-    layout = _layout(_agree(name, layers, "tp_layout",
-                            {m.layer: m.traits.tp_layout for m in deciding}))
+    layout = _agree(name, layers, "tp_layout", {m.layer: m.traits.tp_layout for m in deciding})
     shards = _agree(name, layers, "tp_shards", {m.layer: m.traits.tp_shards for m in deciding})
     replicated = layout is TPLayout.REPLICATED
     heads: int | None = None
     if paged and not replicated:
-        heads = int(_agree(name, layers, "num_head_slots",  # type: ignore[call-overload]
-                           {m.layer: m.traits.num_head_slots for m in paged}))
+        heads = _agree(name, layers, "num_head_slots",
+                       {m.layer: m.traits.num_head_slots for m in paged})
     group_ids = tuple(sorted({m.group_id for m in members}))
     return Region(
         index=index,
@@ -576,7 +577,7 @@ def _region(index: int, members: list[_Piece]) -> Region:
         group_id=group_ids[0] if len(group_ids) == 1 else SHARED_REGION_GROUP_ID,
         group_ids=group_ids,
         tp_layout=layout,
-        tp_shards=shards if isinstance(shards, int) else None,
+        tp_shards=shards,
         replicated=replicated,
         paged=bool(paged),
         state=bool(states),
@@ -591,12 +592,6 @@ def _region(index: int, members: list[_Piece]) -> Region:
         head_major=all(m.head_major for m in paged),
         head_segment=first.head_segment,
     )
-
-
-def _layout(value: object) -> TPLayout:
-    if not isinstance(value, TPLayout):
-        raise TypeError(f"expected a TPLayout, got {value!r}")
-    return value
 
 
 def _shard_count_checked(region: Region, tp_size: int) -> int:
