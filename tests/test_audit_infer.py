@@ -59,7 +59,7 @@ def _universe() -> Universe:
             assert value is not None, (name, q.name)
             answers[q.name][name] = frozenset({value} if isinstance(value, str) else value)
     return Universe(vllm_version="test", vllm_path="", classes=classes, answers=answers,
-                    member_fields=frozenset({"members"}))
+                    group_attributes=frozenset({"members"}))
 
 
 U = _universe()
