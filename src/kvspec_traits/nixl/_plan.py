@@ -126,6 +126,10 @@ class Region:
     """``(head, heads)`` when the layout puts heads outside blocks and this region is
     one head's segment of a layer."""
     transferable: bool = True
+    """Every member's ``transferable`` trait (and its group's ``enable_kv_transfer``):
+    always True in :attr:`RegionPlan.regions`, because layers that are not transferable
+    get no region (they are listed in :attr:`RegionPlan.skipped_layers`, so region
+    indices match vLLM's, which never registers them)."""
 
     def traits_record(self, tp_size: int) -> dict[str, Any]:
         """The canonical, TP-independent facts of this region (for the fingerprint).
