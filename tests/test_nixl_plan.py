@@ -21,6 +21,7 @@ import pytest
 import torch
 import vllm.v1.kv_cache_interface as kvi
 from vllm.v1.kv_cache_interface import (
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheGroupSpec,
     MambaSpec,
@@ -434,3 +435,21 @@ def test_kernel_block_splitting_plans_manager_blocks(family: str, kernel: int) -
     assert plan.block_strides == whole.block_strides
     assert plan.region_num_blocks == [NB] * len(plan.regions)
     assert [r.layers for r in plan.regions] == [r.layers for r in whole.regions]
+
+
+def test_untransferable_specs_get_no_region() -> None:
+    """Cross-attention caches (encoder outputs) are not transferable by their traits:
+    the layer is skipped with the reason, and region indices stay vLLM's."""
+    full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
+                             dtype=torch.bfloat16)
+    cross = CrossAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
+                               dtype=torch.bfloat16)
+    groups = [KVCacheGroupSpec(["model.decoder.layers.0.self_attn"], full),
+              KVCacheGroupSpec(["model.decoder.layers.0.encoder_attn"], cross)]
+    config = layouts.kv_cache_config(groups, NB, KVCacheLayout.LBHNC)
+    plan = plan_regions(layouts.allocate(config, KVCacheLayout.LBHNC), config)
+    assert plan.region_names == ["model.decoder.layers.0.self_attn"]
+    assert all(r.transferable for r in plan.regions)
+    assert plan.skipped_layers == {
+        "model.decoder.layers.0.encoder_attn":
+            "CrossAttentionSpec is not transferable (scope encoder)"}
