@@ -389,12 +389,12 @@ def _layer_facts(
         n_blocks = config.num_blocks if num_blocks is None else num_blocks
         transfer_index = 0
         for group in config.kv_cache_groups:
-            group_traits = reg.traits_of(group.kv_cache_spec)
-            members = group_traits.members if isinstance(group_traits, GroupTraits) else None
             if not group.enable_kv_transfer:
                 for layer in group.layer_names:
                     skipped[layer] = "its cache group has enable_kv_transfer=False"
                 continue
+            group_traits = reg.traits_of(group.kv_cache_spec)
+            members = group_traits.members if isinstance(group_traits, GroupTraits) else None
             host_blocks = getattr(config, "hisparse_host_num_blocks", None)
             for layer in group.layer_names:
                 if getattr(group, "host_resident", False) and host_blocks is not None:
