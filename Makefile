@@ -27,6 +27,11 @@ lint: setup  ## ruff
 
 bench: setup  ## benchmarks: ratios against a baseline measured in the same run
 	$(PY) benchmarks/bench_traits.py
+	$(PY) benchmarks/bench_audit.py
+	$(PY) benchmarks/bench_nixl.py
+
+audit: setup  ## audit vLLM's own connectors for branches on spec classes
+	$(PY) -m kvspec_traits audit --installed-vllm kv_transfer
 
 clean:  ## remove the virtual environment and caches
 	rm -rf .venv .cache .mypy_cache .ruff_cache .pytest_cache .hypothesis
