@@ -32,8 +32,10 @@ def _plan(family: str, num_blocks: int = 8, tp: int = 1, rank: int = 0,
 
 
 def test_fingerprint_ignores_addresses_and_block_counts() -> None:
-    a, b = _plan("deepseek_v4", 8), _plan("deepseek_v4", 24)
-    assert a.base_addresses != b.base_addresses
+    (config_a, caches_a), (config_b, caches_b) = (layouts.build("deepseek_v4", 8),
+                                                  layouts.build("deepseek_v4", 24))
+    a, b = plan_regions(caches_a, config_a), plan_regions(caches_b, config_b)
+    assert a.base_addresses != b.base_addresses  # both allocations alive
     assert a.fingerprint() == b.fingerprint()
     assert a.fingerprint().canonical() == b.fingerprint().canonical()
     payload = json.loads(a.fingerprint().canonical())

@@ -167,8 +167,10 @@ def test_producer_tp1_to_consumer_tp2(family: str, nbytes: int,
     producer.register_plan(plan_regions(caches_p, config_p))
     metadata = producer.metadata()
     block_ids = [[0, 5, 6, 7]]
+    alive = []  # registered memory stays allocated while its agent may use it
     for rank in range(2):
         config_d, caches_d = layouts.build(family, NB, tp=2)
+        alive.append(caches_d)
         consumer = _agent(agents)
         consumer.register_plan(plan_regions(caches_d, config_d, tp_size=2, tp_rank=rank))
         peer = consumer.connect(metadata)
