@@ -435,6 +435,15 @@ def test_kernel_block_splitting_plans_manager_blocks(family: str, kernel: int) -
     assert plan.block_strides == whole.block_strides
     assert plan.region_num_blocks == [NB] * len(plan.regions)
     assert [r.layers for r in plan.regions] == [r.layers for r in whole.regions]
+    if family == "llama_gqa":
+        # vLLM's worker granularity: kernel blocks of half a page, twice as many.
+        kernel_plan = plan_regions(split, config, kernel_blocks=True)
+        assert kernel_plan.block_lens == [b // 2 for b in whole.block_lens]
+        assert kernel_plan.block_strides == [b // 2 for b in whole.block_strides]
+        assert kernel_plan.region_num_blocks == [2 * NB] * 4
+    else:
+        with pytest.raises(RegionConflictError, match="block_stride"):
+            plan_regions(split, config, kernel_blocks=True)
 
 
 def test_untransferable_specs_get_no_region() -> None:

@@ -310,6 +310,7 @@ def plan_regions(
     tp_rank: int = 0,
     registry: Registry | None = None,
     packed_rows: bool = False,
+    kernel_blocks: bool = False,
 ) -> RegionPlan:
     """Plan the NIXL regions of one rank's KV cache.
 
@@ -325,6 +326,13 @@ def plan_regions(
     descriptor per block instead of one per page, at the cost of moving every page of
     the row. Storages with a recurrent-state member keep one region per page. A row
     region is never split by heads (:attr:`Region.head_major` is False).
+
+    Views whose rows are kernel blocks (vLLM's kernel block splitting: ``num_blocks *
+    ratio`` rows) are planned in manager blocks, the ids requests carry.
+    ``kernel_blocks=True`` keeps vLLM's worker granularity instead (``block_len /
+    ratio``, ``num_blocks * ratio``), for code that feeds the plan to vLLM's own
+    descriptor machinery; a region shared with an unsplit recurrent state then raises
+    :class:`RegionConflictError`.
 
     Raises :class:`RegionConflictError` when layers sharing a region disagree on a
     fact the transfer needs, :class:`UnsupportedLayoutError` for a tensor that is not
@@ -351,7 +359,7 @@ def plan_regions(
                                              device_id=_device_id(cache), mem_type=key[1])
         by_storage.setdefault(key, []).extend(
             _layer_pieces(layer, cache, traits, layer_groups[layer],
-                          layer_blocks.get(layer, n_blocks)))
+                          layer_blocks.get(layer, n_blocks), kernel_blocks))
 
     pieces: dict[tuple[int, str], list[_Piece]] = {}
     for key, storage_pieces in by_storage.items():
@@ -445,7 +453,7 @@ def _dense(sizes: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
 
 
 def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group_id: int,
-                  num_blocks: int) -> Iterable[_Piece]:
+                  num_blocks: int, kernel_blocks: bool = False) -> Iterable[_Piece]:
     """The region(s) of one layer's cache view."""
     mem_type, device_id = _mem_type(cache), _device_id(cache)
     page = traits.page_size_bytes
@@ -474,7 +482,7 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
                    f"(shape {tuple(cache.shape)}, {traits.spec_name})")
     sizes = tuple(cache.shape[1:])
     strides = tuple(s * itemsize for s in cache.stride()[1:])
-    if ratio > 1:
+    if ratio > 1 and not kernel_blocks:
         # vLLM splits a manager block into kernel blocks only when the block is one
         # dense page (create_kv_cache_views), so `ratio` abutting kernel pages are the
         # manager page: plan in manager blocks, the ids requests use (vLLM's worker
@@ -486,7 +494,10 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
                 layer, f"{ratio} kernel blocks of {kernel_page} bytes at stride {stride0} "
                        f"do not tile its {page}-byte page")
         return [piece(cache.data_ptr(), page, page, num_blocks, sizes[0] == 1)]
-    block_len, blocks = page, num_blocks
+    if page % ratio:
+        raise UnsupportedLayoutError(
+            layer, f"page of {page} bytes does not split into {ratio} kernel blocks")
+    block_len, blocks = page // ratio, num_blocks * ratio
     if _dense(sizes, strides, itemsize):
         if blocks > 1 and block_len > stride0:
             raise UnsupportedLayoutError(
