@@ -424,6 +424,10 @@ def test_ring_and_swa_mla_sharing_a_region(build: Callable[..., Built]) -> None:
     assert ring_page > swa_page
     assert built.upstream.block_len_per_layer == [swa_page]
     assert built.traits.block_len_per_layer == [ring_page]
+    # Every registered local descriptor (one per block) is that long: upstream's cover
+    # only the first 16704 bytes of a ring-owned block.
+    assert set(built.upstream.src_blocks_data[:, 1].tolist()) == {swa_page}
+    assert set(built.traits.src_blocks_data[:, 1].tolist()) == {ring_page}
     # Same region otherwise.
     up, ours = by_base(built.upstream), by_base(built.traits)
     assert {b: {k: v for k, v in r.items() if k != "block_len"} for b, r in up.items()} == {
