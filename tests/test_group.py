@@ -40,6 +40,9 @@ def test_members_that_disagree_raise_for_that_trait_only() -> None:
     with pytest.raises(MixedGroupTraitsError, match="tokens_per_state") as info:
         _ = t.tokens_per_state
     assert info.value.values == {"dense": 1, "compressed": 4}
+    with pytest.raises(MixedGroupTraitsError) as again:
+        _ = t.tokens_per_state
+    assert again.value is not info.value  # a fresh error each time, not a growing traceback
     # per-token bytes add up exactly: 1152 + 1152 / 4
     assert t.per_token_bytes == 1152 + 288
 

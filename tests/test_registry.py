@@ -10,6 +10,7 @@ from vllm.v1 import kv_cache_interface as kvi
 
 from kvspec_traits import (
     AdapterConflictError,
+    AdapterPluginError,
     KVLayoutTraits,
     LayoutTraits,
     Registry,
@@ -129,12 +130,48 @@ def test_registration_invalidates_cached_answers() -> None:
     assert registry.traits_of(spec).spec_name == "renamed"
 
 
-def test_a_bad_entry_point_hook_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+def _entry_points(monkeypatch: pytest.MonkeyPatch, *values: str) -> None:
+    # Real EntryPoint objects loading real objects; only the installed list is replaced.
     from importlib.metadata import EntryPoint
 
     import kvspec_traits._registry as reg
 
-    bad = EntryPoint(name="bad", value="kvspec_traits:__version__", group=reg.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(reg, "entry_points", lambda group: [bad])
-    with pytest.raises(TypeError, match=r"entry point 'bad'.*must name a function"):
+    eps = [EntryPoint(name=f"ep{i}", value=v, group=reg.ENTRY_POINT_GROUP)
+           for i, v in enumerate(values)]
+    monkeypatch.setattr(reg, "entry_points", lambda group: eps)
+
+
+def test_a_bad_entry_point_hook_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    _entry_points(monkeypatch, "kvspec_traits:__version__")
+    with pytest.raises(AdapterPluginError, match=r"entry point 'ep0'.*must name a function"):
         Registry(builtins=False).adapters()
+
+
+def fail_to_register(registry: Registry) -> None:
+    """An entry-point hook that registers one adapter, then fails."""
+    registry.register(kvi.MambaSpec, lambda spec: traits_of(spec))
+    raise RuntimeError("plugin bug")
+
+
+def test_a_failing_plugin_leaves_the_registry_as_it_was_and_fails_every_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _entry_points(monkeypatch, "kvspec_traits_example:register",
+                  f"{__name__}:fail_to_register")
+    registry = Registry(builtins=False)
+    for _ in range(2):  # not "loaded" after a failure: the second call fails the same way
+        with pytest.raises(AdapterPluginError, match=r"'ep1'.*plugin bug") as info:
+            registry.adapters()
+        assert info.value.entry_point == "ep1"
+    # nothing half-registered: neither the first plugin's adapter nor the failing one's
+    assert dict(registry._adapters) == {}
+
+
+def test_a_conflict_with_a_built_in_is_refused_before_first_use() -> None:
+    registry = Registry()  # nothing resolved yet: built-ins not loaded
+
+    def mine(spec: kvi.FullAttentionSpec) -> KVLayoutTraits:
+        raise NotImplementedError
+
+    with pytest.raises(AdapterConflictError, match="FullAttentionSpec"):
+        registry.register(kvi.FullAttentionSpec, mine)
+    assert registry.traits_of(_full()).spec_name == "FullAttentionSpec"

@@ -7,6 +7,7 @@ torch; the built-in adapters load the first time a spec is resolved.
 
 from kvspec_traits._errors import (
     AdapterConflictError,
+    AdapterPluginError,
     MixedGroupTraitsError,
     TraitsMismatchError,
     UnsupportedSpecError,
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ENTRY_POINT_GROUP",
     "AdapterConflictError",
+    "AdapterPluginError",
     "GroupTraits",
     "KVLayoutTraits",
     "LayoutTraits",

@@ -6,6 +6,7 @@ from typing import Any
 
 __all__ = [
     "AdapterConflictError",
+    "AdapterPluginError",
     "MixedGroupTraitsError",
     "TraitsMismatchError",
     "UnsupportedSpecError",
@@ -24,16 +25,19 @@ class UnsupportedSpecError(TypeError):
     for objects that are not KV cache specs. ``.spec_type`` is the class.
     """
 
-    def __init__(self, spec_type: type[Any], reason: str) -> None:
+    def __init__(self, spec_type: type[Any], reason: str, *, fixable: bool = True) -> None:
         self.spec_type = spec_type
         self.reason = reason
         bases = ", ".join(_qualname(b) for b in spec_type.__bases__)
-        super().__init__(
-            f"kvspec-traits has no adapter for {_qualname(spec_type)} (bases: {bases}): "
-            f"{reason}. Register one with "
+        fix = (
+            f" Register an adapter with "
             f"`@kvspec_traits.register_adapter({spec_type.__qualname__})` on a function "
             f"`def adapt(spec: {spec_type.__qualname__}) -> KVLayoutTraits`, or publish it "
             f"in the `kvspec_traits.adapters` entry-point group."
+        )
+        super().__init__(
+            f"kvspec-traits has no adapter for {_qualname(spec_type)} (bases: {bases}): "
+            f"{reason}.{fix if fixable else ''}"
         )
 
 
@@ -90,6 +94,15 @@ class AdapterConflictError(ValueError):
             f"{_describe(new)}. Use `Registry.copy()` for an isolated registry, or "
             f"`register_adapter(..., replace=True)` to replace it on purpose."
         )
+
+
+class AdapterPluginError(RuntimeError):
+    """A package in the ``kvspec_traits.adapters`` entry-point group failed to load or to
+    register. ``.entry_point`` is its name; the registry is left as it was before loading."""
+
+    def __init__(self, entry_point: str, message: str) -> None:
+        self.entry_point = entry_point
+        super().__init__(message)
 
 
 def _describe(adapter: object) -> str:

@@ -61,7 +61,8 @@ class GroupTraits(KVLayoutTraits):
     def _get(self, name: str) -> TraitValue:
         value = self._values[name]
         if isinstance(value, MixedGroupTraitsError):
-            raise value
+            # a fresh error each time: re-raising one object would grow its traceback
+            raise MixedGroupTraitsError(value.trait, value.values)
         return value
 
     def __repr__(self) -> str:

@@ -12,10 +12,10 @@ import importlib
 import os
 import threading
 from collections.abc import Callable, Mapping
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Final, TypeVar, overload
 
-from kvspec_traits._errors import AdapterConflictError, UnsupportedSpecError
+from kvspec_traits._errors import AdapterConflictError, AdapterPluginError, UnsupportedSpecError
 from kvspec_traits._traits import KVLayoutTraits
 from kvspec_traits._verify import first_mismatch, verify
 
@@ -75,6 +75,7 @@ class Registry:
         self._want_builtins = builtins
         self._want_entry_points = entry_points
         self._loaded = not (builtins or entry_points)
+        self._loading = False
         self._lock = threading.RLock()
         # type -> (owning class, adapter); filled on first resolution of a class.
         self._by_type: dict[type[Any], tuple[type[Any], Callable[[Any], KVLayoutTraits]]] = {}
@@ -109,6 +110,9 @@ class Registry:
         if not callable(adapter):
             raise TypeError(f"adapter for {spec_type.__qualname__} must be callable, "
                             f"got {adapter!r}")
+        # Built-ins and entry points first, so a clash with them is refused now, not
+        # silently overridden by whichever of the two comes first.
+        self._ensure_loaded()
         with self._lock:
             existing = self._adapters.get(spec_type)
             if existing is not None and existing is not adapter and not replace:
@@ -181,6 +185,7 @@ class Registry:
         if len(self._by_id) >= _MAX_CACHED_SPECS:
             self._by_id.clear()
             self._alive.clear()
+            self._by_value.clear()
         self._alive.append(spec)
         self._by_id[id(spec)] = cached
         return cached
@@ -198,7 +203,9 @@ class Registry:
                     return klass, adapter
         raise UnsupportedSpecError(
             spec_type,
-            "neither it nor any of its bases has an adapter (is it a vLLM KV cache spec?)",
+            "neither it nor any of its bases has an adapter (is it a vLLM KV cache spec? "
+            "traits_of takes a spec instance, such as a FullAttentionSpec)",
+            fixable=False,
         )
 
     def _invalidate(self) -> None:
@@ -208,30 +215,51 @@ class Registry:
         self._by_value.clear()
 
     def _ensure_loaded(self) -> None:
-        if not self._loaded:
+        if not self._loaded and not self._loading:
             self._load()
 
     def _load(self) -> None:
         with self._lock:
-            if self._loaded:
+            if self._loaded or self._loading:
                 return
-            # Mark first: entry points call back into register().
-            self._loaded = True
-            if self._want_builtins:
-                builtins = importlib.import_module(_BUILTIN_MODULE).BUILTINS
-                for spec_type, adapter in builtins._adapters.items():
-                    self._adapters.setdefault(spec_type, adapter)
-            if self._want_entry_points:
-                for ep in entry_points(group=ENTRY_POINT_GROUP):
-                    hook = ep.load()
-                    if not callable(hook):
-                        raise TypeError(
-                            f"entry point {ep.name!r} = {ep.value!r} in group "
-                            f"{ENTRY_POINT_GROUP!r} must name a function "
-                            f"`register(registry: kvspec_traits.Registry) -> None`"
-                        )
-                    hook(self)
-            self._invalidate()
+            # Entry points call back into register(), which must not load again.
+            self._loading = True
+            before = dict(self._adapters)
+            try:
+                if self._want_builtins:
+                    builtins = importlib.import_module(_BUILTIN_MODULE).BUILTINS
+                    for spec_type, adapter in builtins._adapters.items():
+                        self._adapters.setdefault(spec_type, adapter)
+                if self._want_entry_points:
+                    for ep in entry_points(group=ENTRY_POINT_GROUP):
+                        self._run_hook(ep)
+            except BaseException:
+                # All or nothing: a failing plugin leaves the registry as it was, and the
+                # next call tries again (and fails again, naming the plugin).
+                self._adapters.clear()
+                self._adapters.update(before)
+                raise
+            else:
+                self._loaded = True
+            finally:
+                self._loading = False
+                self._invalidate()
+
+    def _run_hook(self, ep: EntryPoint) -> None:
+        where = f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r}"
+        try:
+            hook = ep.load()
+        except Exception as exc:
+            raise AdapterPluginError(ep.name, f"{where} failed to import: {exc!r}") from exc
+        if not callable(hook):
+            raise AdapterPluginError(
+                ep.name, f"{where} must name a function "
+                "`register(registry: kvspec_traits.Registry) -> None`")
+        try:
+            hook(self)
+        except Exception as exc:
+            raise AdapterPluginError(ep.name, f"{where} raised {exc!r}; fix or uninstall "
+                                     "that package") from exc
 
 
 def _warm_path(by_id: dict[int, KVLayoutTraits],

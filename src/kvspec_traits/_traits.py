@@ -332,8 +332,12 @@ class LayoutTraits(KVLayoutTraits):
             raise ValueError(
                 f"{self.spec_name}: a REPLICATED layout has tp_shards 1, got {self.tp_shards}"
             )
-        if self.tp_shards is not None and self.tp_shards < 1:
-            raise ValueError(f"{self.spec_name}: tp_shards must be >= 1, got {self.tp_shards}")
+        if self.tp_layout is not TPLayout.REPLICATED and self.tp_shards is not None \
+                and self.tp_shards < 2:
+            raise ValueError(
+                f"{self.spec_name}: a {self.tp_layout.name} layout splits into 2 or more "
+                f"shards (or None: up to the TP size), got tp_shards={self.tp_shards}; "
+                "one shard is TPLayout.REPLICATED")
 
     def as_dict(self) -> dict[str, TraitValue]:
         """Every trait by name, in declaration order."""

@@ -95,7 +95,12 @@ warm_dealloc(WarmCache *self)
 static PyTypeObject WarmCacheType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvspec_traits._warm.WarmCache",
-    .tp_doc = "WarmCache(by_id, resolve)(spec): by_id[id(spec)] if present, else resolve(spec).",
+    .tp_doc = "traits_of(spec) -> KVLayoutTraits: the verified traits of a vLLM KV cache spec.\n\n"
+              "Raises UnsupportedSpecError when no adapter can answer for its class and\n"
+              "TraitsMismatchError when its adapter contradicts the spec's own byte math.\n"
+              "The first call per distinct spec resolves and verifies; later calls for the\n"
+              "same object are one dict lookup (this C object: by_id[id(spec)], else\n"
+              "resolve(spec)).",
     .tp_basicsize = sizeof(WarmCache),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_new = warm_new,
