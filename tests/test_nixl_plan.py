@@ -35,6 +35,7 @@ from kvspec_traits.nixl import (
     Read,
     RegionConflictError,
     RegionPlan,
+    UnsupportedLayoutError,
     block_desc_ids,
     build_block_descs,
     build_state_descs,
@@ -188,6 +189,28 @@ def test_mamba_registered_first_does_not_make_an_mla_region_head_sharded() -> No
         assert region.block_len == 64 * 576 * 2  # the MLA page is the longer
         assert plan.replicated_state_region_indices == [0]
         assert plan.state_region_indices == []
+
+
+def test_replicated_page_sharing_a_sharded_state_refuses_a_tp_change() -> None:
+    """An MLA page and a TP-sharded Mamba state on one base: the region is replicated
+    (its paged member decides), but each rank's blocks hold that rank's shard of the
+    state, so reading the whole block from one rank of another TP size would move half
+    the state. Equal TP sizes read the same rank's block."""
+    state = MambaSpec(block_size=64, shapes=((4, 1024),), dtypes=(torch.bfloat16,))
+    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
+                           dtype=torch.bfloat16)
+    config, caches = _alias_groups(("model.layers.0.attn", mla),
+                                   ("model.layers.0.mamba", state))
+    (region,) = plan_regions(caches, config, tp_size=2, tp_rank=1).regions
+    assert region.replicated and region.state
+    assert region.state_tp_layout is TPLayout.STATE_SHARDED
+    with pytest.raises(UnsupportedLayoutError, match="TP-sharded recurrent state") as info:
+        tp_reads(region, local_tp=1, local_rank=0, remote_tp=2)
+    assert info.value.layer == "model.layers.0.attn"
+    with pytest.raises(UnsupportedLayoutError, match="recurrent state"):
+        tp_reads(region, local_tp=2, local_rank=1, remote_tp=1)
+    assert tp_reads(region, local_tp=2, local_rank=1, remote_tp=2) == (
+        Read(1, 0, 0, region.block_len),)
 
 
 def test_members_disagreeing_on_replication_are_refused() -> None:

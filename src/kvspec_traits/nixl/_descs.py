@@ -117,8 +117,18 @@ def tp_reads(region: Region, *, local_tp: int, local_rank: int, remote_tp: int,
     """Where this rank's block of ``region`` comes from when the peer has ``remote_tp``
     ranks: a replicated region whole from one rank; a head-sharded region split or
     gathered by heads (its head slice must be contiguous, :attr:`Region.head_major`);
-    a TP-sharded recurrent state only between equal TP sizes.
+    a TP-sharded recurrent state only between equal TP sizes (also where it shares a
+    region with a replicated page: the block holds this rank's shard of the state).
+
+    Raises :class:`UnsupportedLayoutError` when the region cannot move between these
+    TP sizes.
     """
+    if (region.state and region.state_tp_layout is not TPLayout.REPLICATED
+            and local_tp != remote_tp):
+        raise UnsupportedLayoutError(
+            region.name, f"its blocks hold a TP-sharded recurrent state, which cannot "
+                         f"move between TP {remote_tp} and TP {local_tp}; run producer and "
+                         f"consumer with equal TP sizes")
     if region.replicated:
         return (Read(local_rank % remote_tp, 0, 0, region.block_len),)
     local_shards = shard_count(region, local_tp)
