@@ -8,6 +8,7 @@ import random
 import struct
 
 import pytest
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits.nixl import (
     FINGERPRINT_VERSION,
@@ -63,6 +64,19 @@ def test_mismatch_names_region_layers_and_each_trait() -> None:
     assert diffs["dtype"] == (["bfloat16"], ["uint8"])
     assert "kv_quant_mode" in diffs
     assert "block_len: local=73728 remote=41984" in str(err)
+
+
+def test_order_of_data_inside_a_page_is_refused() -> None:
+    """Llama GQA in LBHNC (heads outermost in a page) against LBNHC (heads inside each
+    token): equal sizes, every byte in another place."""
+    config = layouts.kv_cache_config(layouts.llama_gqa(1), 8, KVCacheLayout.LBNHC)
+    nhd = plan_regions(layouts.allocate(config, KVCacheLayout.LBNHC), config)
+    hnd = _plan("llama_gqa")
+    assert nhd.block_lens == hnd.block_lens
+    assert nhd.fingerprint().digest != hnd.fingerprint().digest
+    with pytest.raises(HandshakeMismatchError, match="head_major: local=True remote=False"):
+        check_handshake(hnd, nhd.fingerprint())
+    assert FINGERPRINT_VERSION == 2
 
 
 def test_replication_difference_is_refused() -> None:

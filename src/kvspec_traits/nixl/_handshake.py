@@ -47,7 +47,9 @@ __all__ = [
     "fingerprint_of",
 ]
 
-FINGERPRINT_VERSION: Final = 1
+FINGERPRINT_VERSION: Final = 2
+"""Version of :meth:`Region.traits_record`; 2 added ``head_major`` (the H/N/C order
+inside a page)."""
 WIRE_VERSION: Final = 1
 _MAGIC: Final = b"KVSTNIXL"
 _PREFIX: Final = struct.Struct("<8sHII")

@@ -161,6 +161,9 @@ class Region:
             "num_head_slots": None if self.num_head_slots is None
             else self.num_head_slots * scale,
             "head_segment": None if self.head_segment is None else list(self.head_segment),
+            # The order of data inside a page: equal sizes in another order (LBHNC
+            # against LBNHC) would move every byte to the wrong place.
+            "head_major": self.head_major,
             "group_id": self.group_id,
         }
 
