@@ -304,6 +304,39 @@ def running_pair(*, prefill_model: Path, decode_model: Path, served_model_name: 
         raise RuntimeError(
             f"servers {[s.name for s in _LIVE.values()]} (pids {sorted(_LIVE)}) still run; "
             f"stop them before starting another pair")
+    with _machine_wide_pair_lock():
+        yield from _run_pair(prefill_model=prefill_model, decode_model=decode_model,
+                             served_model_name=served_model_name, workdir=workdir,
+                             prefill_kv=prefill_kv, decode_kv=decode_kv, extra_env=extra_env)
+
+
+@contextmanager
+def _machine_wide_pair_lock(timeout_s: float = 1800.0) -> Iterator[None]:
+    """One server pair per machine, also across test processes (two suites run at once
+    on a 2-core machine would otherwise start two pairs): an exclusive ``flock``."""
+    import fcntl
+
+    path = Path(tempfile.gettempdir()) / "kvspec-traits-vllm-pair.lock"
+    with path.open("a") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another process held {path} for {timeout_s:.0f} s "
+                                       f"(a server pair of another test run)") from None
+                time.sleep(2.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _run_pair(*, prefill_model: Path, decode_model: Path, served_model_name: str,
+              workdir: Path, prefill_kv: Mapping[str, Any], decode_kv: Mapping[str, Any],
+              extra_env: Mapping[str, str] | None) -> Iterator[ServerPair]:
     env = dict(extra_env or {})
     pair = ServerPair(
         prefill=VllmServer(name="prefill", model=prefill_model,
