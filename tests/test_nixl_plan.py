@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvspec_traits import LayoutTraits, TokenScope, TPLayout, default_registry
 from kvspec_traits.nixl import (
     SHARED_REGION_GROUP_ID,
+    BlockIdError,
     Read,
     RegionConflictError,
     RegionPlan,
@@ -315,6 +316,23 @@ def test_merge_runs_only_where_both_sides_are_contiguous() -> None:
     ids = [[1, 2, 3]] * 4
     (raw,) = transfer_items(packed, {0: peer_regions(packed)}, 1, ids)
     assert merge_runs(raw).count == raw.count
+
+
+@pytest.mark.parametrize(("local", "remote", "bad", "side"), [
+    ([-1], None, -1, "local"), ([NB], None, NB, "local"),
+    ([1], [-1], -1, "remote"), ([1], [NB], NB, "remote")])
+def test_block_ids_outside_a_region_are_named(local: list[int], remote: list[int] | None,
+                                              bad: int, side: str) -> None:
+    """A negative id would wrap to an address before the region (uint64); both
+    descriptor paths check ids with one validator and name the region and the id."""
+    plan, _ = _plan("llama_gqa")
+    name = plan.region_names[0]
+    with pytest.raises(BlockIdError, match=f"{side} block id {bad} ") as info:
+        transfer_items(plan, {0: peer_regions(plan)}, 1, local, remote)
+    assert (info.value.region, info.value.block_id) == (name, bad)
+    counts = None if remote is None else plan.region_num_blocks
+    with pytest.raises(IndexError, match=f"region {name!r}: {side} block id {bad} "):
+        block_desc_ids(plan, local if remote is None else remote, region_num_blocks=counts)
 
 
 def test_tp_reads_split_and_gather_by_heads() -> None:

@@ -19,6 +19,7 @@ from kvspec_traits.nixl._descs import (
     transfer_items,
 )
 from kvspec_traits.nixl._errors import (
+    BlockIdError,
     HandshakeMismatchError,
     MalformedMetadataError,
     RegionConflictError,
@@ -50,6 +51,7 @@ __all__ = [
     "FINGERPRINT_VERSION",
     "SHARED_REGION_GROUP_ID",
     "WIRE_VERSION",
+    "BlockIdError",
     "HandshakeMismatchError",
     "MalformedMetadataError",
     "MemoryRange",

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvspec_traits._traits import TPLayout
-from kvspec_traits.nixl._errors import UnsupportedLayoutError
+from kvspec_traits.nixl._errors import BlockIdError, UnsupportedLayoutError
 from kvspec_traits.nixl._handshake import PeerRegion
 from kvspec_traits.nixl._plan import Region, RegionPlan, shard_count
 
@@ -78,6 +78,19 @@ def _region_blocks(region_group_ids: Sequence[int], block_ids: BlockIds,
     return np.asarray(groups[wanted], dtype=np.int64)
 
 
+def _check_block_ids(region: str, blocks: npt.NDArray[np.int64], num_blocks: int,
+                     side: str) -> None:
+    """Every id in ``blocks`` is a block of the region; :class:`BlockIdError` if not
+    (a negative id would otherwise wrap to an address before the region)."""
+    if not blocks.size:
+        return
+    low, high = int(blocks.min()), int(blocks.max())
+    if low < 0:
+        raise BlockIdError(region, low, num_blocks, side)
+    if high >= num_blocks:
+        raise BlockIdError(region, high, num_blocks, side)
+
+
 def block_desc_ids(plan: RegionPlan, block_ids: BlockIds, *,
                    region_num_blocks: Sequence[int] | None = None) -> npt.NDArray[np.int64]:
     """Flat ids into :func:`build_block_descs` for a request's blocks, region-major
@@ -95,9 +108,8 @@ def block_desc_ids(plan: RegionPlan, block_ids: BlockIds, *,
     parts = []
     for i, region in enumerate(plan.regions):
         blocks = _region_blocks(plan.region_group_ids, block_ids, i)
-        if blocks.size and (blocks.min() < 0 or blocks.max() >= counts[i]):
-            raise IndexError(f"region {region.name!r} has {counts[i]} blocks; "
-                             f"request asks for {blocks.tolist()}")
+        _check_block_ids(region.name, blocks, int(counts[i]),
+                         "local" if region_num_blocks is None else "remote")
         parts.append(offsets[i] + blocks)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
@@ -210,6 +222,7 @@ def transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]
                              f"{rblocks.size} remote blocks")
         if not lblocks.size:
             continue
+        _check_block_ids(region.name, lblocks, region.num_blocks, "local")
         any_remote = next(iter(remotes.values()))[i]
         for read in tp_reads(region, local_tp=local.tp_size, local_rank=local.tp_rank,
                              remote_tp=remote_tp, remote_block_len=any_remote.block_len):
@@ -217,8 +230,7 @@ def transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]
                 raise KeyError(f"region {region.name!r} needs remote rank {read.remote_rank}"
                                f", which is not connected")
             peer = remotes[read.remote_rank][i]
-            if rblocks.max() >= peer.num_blocks or lblocks.max() >= region.num_blocks:
-                raise IndexError(f"region {region.name!r}: block id out of range")
+            _check_block_ids(region.name, rblocks, peer.num_blocks, "remote")
             n = lblocks.size
             lrows = np.empty((n, 3), dtype=np.uint64)
             lrows[:, 0] = (region.base_addr + read.local_offset

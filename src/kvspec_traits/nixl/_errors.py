@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 __all__ = [
+    "BlockIdError",
     "HandshakeMismatchError",
     "MalformedMetadataError",
     "RegionConflictError",
@@ -46,6 +47,24 @@ class UnsupportedLayoutError(ValueError):
     def __init__(self, layer: str, reason: str) -> None:
         self.layer = layer
         super().__init__(f"layer {layer!r}: {reason}")
+
+
+class BlockIdError(IndexError):
+    """A request names a block a region does not have (negative, or past its end).
+
+    ``.region`` is the region name, ``.block_id`` the offending id, ``.num_blocks`` the
+    region's block count and ``.side`` ``"local"`` or ``"remote"``.
+    """
+
+    def __init__(self, region: str, block_id: int, num_blocks: int, side: str) -> None:
+        self.region = region
+        self.block_id = block_id
+        self.num_blocks = num_blocks
+        self.side = side
+        super().__init__(
+            f"region {region!r}: {side} block id {block_id} is not in 0..{num_blocks - 1}; "
+            f"pass ids of blocks this {side} cache holds ({side} ids are checked against "
+            f"the {side} region's num_blocks)")
 
 
 class HandshakeMismatchError(ValueError):
