@@ -33,6 +33,7 @@ from kvspec_traits import LayoutTraits, TokenScope, TPLayout, default_registry
 from kvspec_traits.nixl import (
     SHARED_REGION_GROUP_ID,
     BlockIdError,
+    MissingLayerError,
     Read,
     RegionConflictError,
     RegionPlan,
@@ -283,6 +284,24 @@ def test_untransferable_group_is_skipped() -> None:
         "model.layers.1.attn": "its cache group has enable_kv_transfer=False",
         "model.layers.3.attn": "its cache group has enable_kv_transfer=False"}
     assert plan.region_group_ids == [0, 0]
+
+
+def test_layer_with_a_spec_but_no_tensor_is_refused() -> None:
+    """A transferable layer whose tensor is missing would vanish from the plan (its
+    blocks never moved); the reverse, a tensor without a spec, is skipped as vLLM's
+    worker skips it."""
+    config, caches = layouts.build("llama_gqa", NB)
+    lost = "model.layers.2.self_attn.attn"
+    partial = {name: cache for name, cache in caches.items() if name != lost}
+    with pytest.raises(MissingLayerError, match="no entry in kv_caches") as info:
+        plan_regions(partial, config)
+    assert info.value.layers == (lost,) and info.value.missing_from == "kv_caches"
+    with pytest.raises(MissingLayerError):
+        plan_regions(partial, specs={lost: config.kv_cache_groups[0].kv_cache_spec},
+                     num_blocks=NB)
+    extra = {**caches, "model.layers.9.shared": caches[lost]}
+    plan = plan_regions(extra, config)
+    assert plan.skipped_layers["model.layers.9.shared"] == "no KV cache spec for this layer"
 
 
 def test_specs_mapping_form_matches_config_form() -> None:

@@ -8,6 +8,7 @@ __all__ = [
     "BlockIdError",
     "HandshakeMismatchError",
     "MalformedMetadataError",
+    "MissingLayerError",
     "RegionConflictError",
     "TransferFailedError",
     "TraitDiff",
@@ -36,6 +37,25 @@ class RegionConflictError(ValueError):
             f"region {region!r} (layers {list(self.layers)}) cannot be transferred as one "
             f"region: its layers disagree on {trait} ({shown})"
         )
+
+
+class MissingLayerError(KeyError):
+    """Layers with a transferable KV cache spec that lack another per-layer input of
+    :func:`plan_regions`: a tensor in ``kv_caches`` or an entry in ``group_ids``.
+
+    ``.layers`` names them, ``.missing_from`` the input (``"kv_caches"`` or
+    ``"group_ids"``).
+    """
+
+    def __init__(self, layers: Sequence[str], missing_from: str, fix: str) -> None:
+        self.layers = tuple(layers)
+        self.missing_from = missing_from
+        self.message = (f"layers {list(self.layers)} have a KV cache spec but no entry in "
+                        f"{missing_from}; {fix}")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:  # KeyError would show the message as a quoted repr
+        return self.message
 
 
 class UnsupportedLayoutError(ValueError):

@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 from kvspec_traits._group import GroupTraits
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
-from kvspec_traits.nixl._errors import RegionConflictError, UnsupportedLayoutError
+from kvspec_traits.nixl._errors import (
+    MissingLayerError,
+    RegionConflictError,
+    UnsupportedLayoutError,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -339,13 +343,24 @@ def plan_regions(
 
     Raises :class:`RegionConflictError` when layers sharing a region disagree on a
     fact the transfer needs, :class:`UnsupportedLayoutError` for a tensor that is not
-    a whole number of strided blocks, ``ValueError`` for inconsistent arguments.
+    a whole number of strided blocks, :class:`MissingLayerError` for a transferable
+    layer with no tensor in ``kv_caches`` (a tensor with no spec is skipped, as vLLM's
+    worker skips it), ``ValueError`` for inconsistent arguments.
     """
     reg = registry if registry is not None else default_registry
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} is not a rank of tp_size {tp_size}")
     layer_traits, layer_groups, layer_blocks, n_blocks, skipped = _layer_facts(
         kv_caches, kv_cache_config, specs, group_ids, num_blocks, reg)
+    # vLLM allocates a tensor for every layer of a transfer group (layers that share
+    # another layer's cache get that tensor too), so a transferable spec without one
+    # is a caller error; planning on would silently leave the layer's blocks behind.
+    without_tensor = layer_traits.keys() - kv_caches.keys()
+    if without_tensor:
+        raise MissingLayerError(
+            sorted(without_tensor, key=region_sort_key), "kv_caches",
+            "pass every layer's KV cache tensor (the kv_caches vLLM gives "
+            "register_kv_caches), or a config/specs without those layers")
 
     by_storage: dict[tuple[int, str], list[_Piece]] = {}
     registrations: dict[tuple[int, str], MemoryRange] = {}
