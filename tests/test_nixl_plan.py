@@ -34,6 +34,7 @@ from kvspec_traits.nixl import (
     SHARED_REGION_GROUP_ID,
     BlockIdError,
     MissingLayerError,
+    MissingPeerError,
     Read,
     RegionConflictError,
     RegionPlan,
@@ -302,6 +303,28 @@ def test_layer_with_a_spec_but_no_tensor_is_refused() -> None:
     extra = {**caches, "model.layers.9.shared": caches[lost]}
     plan = plan_regions(extra, config)
     assert plan.skipped_layers["model.layers.9.shared"] == "no KV cache spec for this layer"
+
+
+def test_missing_inputs_are_named_errors() -> None:
+    """No remote regions at all (was StopIteration), a remote rank that is needed but
+    not given (a bare KeyError), a layer without a group id (a bare KeyError)."""
+    one, _ = _plan("llama_gqa")
+    name = one.region_names[0]
+    with pytest.raises(MissingPeerError, match="needs remote TP rank 0") as info:
+        transfer_items(one, {}, 1, [1])
+    assert (info.value.region, info.value.remote_rank, info.value.given) == (name, 0, ())
+    assert transfer_items(one, {}, 1, []) == []  # nothing requested, nothing needed
+    two, _ = _plan("llama_gqa", tp=2, rank=1)
+    with pytest.raises(MissingPeerError, match=r"rank 1, which was not given .*\[0\]"):
+        transfer_items(two, {0: peer_regions(two)}, 2, [1])
+    with pytest.raises(KeyError, match="rank 1"):  # still a KeyError, as it was
+        transfer_items(one, {0: peer_regions(two)}, 2, [1])  # gathers from ranks 0, 1
+    config, caches = layouts.build("gpt_oss", NB)
+    specs = {layer: g.kv_cache_spec for g in config.kv_cache_groups for layer in g.layer_names}
+    with pytest.raises(MissingLayerError, match="no entry in group_ids") as missing:
+        plan_regions(caches, specs=specs, num_blocks=NB,
+                     group_ids={"model.layers.0.attn": 0, "model.layers.2.attn": 0})
+    assert missing.value.layers == ("model.layers.1.attn", "model.layers.3.attn")
 
 
 def test_specs_mapping_form_matches_config_form() -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvspec_traits._traits import TPLayout
-from kvspec_traits.nixl._errors import BlockIdError, UnsupportedLayoutError
+from kvspec_traits.nixl._errors import BlockIdError, MissingPeerError, UnsupportedLayoutError
 from kvspec_traits.nixl._handshake import PeerRegion
 from kvspec_traits.nixl._plan import Region, RegionPlan, shard_count
 
@@ -211,7 +211,18 @@ def transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]
     ``remotes`` maps each remote TP rank that may be read to its regions (in the same
     order as ours, which the handshake guarantees). Rows are region-major, then in
     block order, so :func:`merge_runs` can merge consecutive blocks.
+
+    Raises :class:`MissingPeerError` when a region needs a remote rank that is not in
+    ``remotes``, :class:`BlockIdError` for an id outside a region, ``ValueError`` when a
+    remote rank's region list does not match the plan's.
     """
+    for rank, regions in remotes.items():
+        if len(regions) != len(local.regions):
+            raise ValueError(
+                f"remote rank {rank} has {len(regions)} regions, the plan "
+                f"{len(local.regions)}; pass the regions of a peer whose handshake "
+                f"matched (check_handshake)")
+    any_remote = next(iter(remotes.values()), None)
     remote_ids = local_block_ids if remote_block_ids is None else remote_block_ids
     per_rank: dict[int, tuple[list[U64], list[U64]]] = {}
     for i, region in enumerate(local.regions):
@@ -223,12 +234,12 @@ def transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]
         if not lblocks.size:
             continue
         _check_block_ids(region.name, lblocks, region.num_blocks, "local")
-        any_remote = next(iter(remotes.values()))[i]
         for read in tp_reads(region, local_tp=local.tp_size, local_rank=local.tp_rank,
-                             remote_tp=remote_tp, remote_block_len=any_remote.block_len):
+                             remote_tp=remote_tp,
+                             remote_block_len=None if any_remote is None
+                             else any_remote[i].block_len):
             if read.remote_rank not in remotes:
-                raise KeyError(f"region {region.name!r} needs remote rank {read.remote_rank}"
-                               f", which is not connected")
+                raise MissingPeerError(region.name, read.remote_rank, sorted(remotes))
             peer = remotes[read.remote_rank][i]
             _check_block_ids(region.name, rblocks, peer.num_blocks, "remote")
             n = lblocks.size

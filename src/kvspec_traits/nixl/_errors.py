@@ -9,6 +9,7 @@ __all__ = [
     "HandshakeMismatchError",
     "MalformedMetadataError",
     "MissingLayerError",
+    "MissingPeerError",
     "RegionConflictError",
     "TransferFailedError",
     "TraitDiff",
@@ -52,6 +53,28 @@ class MissingLayerError(KeyError):
         self.missing_from = missing_from
         self.message = (f"layers {list(self.layers)} have a KV cache spec but no entry in "
                         f"{missing_from}; {fix}")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:  # KeyError would show the message as a quoted repr
+        return self.message
+
+
+class MissingPeerError(KeyError):
+    """A read needs a remote TP rank whose regions (or peer) were not given.
+
+    ``.region`` is the region that needs it, ``.remote_rank`` the rank, ``.given`` the
+    remote ranks that were passed.
+    """
+
+    def __init__(self, region: str, remote_rank: int, given: Sequence[int],
+                 detail: str = "") -> None:
+        self.region = region
+        self.remote_rank = remote_rank
+        self.given = tuple(given)
+        self.message = (
+            f"region {region!r} needs remote TP rank {remote_rank}, which was not given "
+            f"(remote ranks given: {list(self.given)}){detail}; connect() that producer "
+            f"rank and pass {{tp_rank: peer}} for every rank the read needs")
         super().__init__(self.message)
 
     def __str__(self) -> str:  # KeyError would show the message as a quoted repr

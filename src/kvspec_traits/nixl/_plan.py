@@ -438,6 +438,7 @@ def _layer_facts(
         return traits, groups, blocks, n_blocks, skipped
     if specs is None or num_blocks is None:
         raise ValueError("plan_regions needs kv_cache_config, or specs and num_blocks")
+    without_group = []
     for layer, spec in specs.items():
         layer_traits = reg.traits_of(spec)
         if not layer_traits.transferable:
@@ -445,7 +446,17 @@ def _layer_facts(
                               f"(scope {layer_traits.token_scope.value})")
             continue
         traits[layer] = layer_traits
-        groups[layer] = 0 if group_ids is None else group_ids[layer]
+        if group_ids is None:
+            groups[layer] = 0
+        elif layer in group_ids:
+            groups[layer] = group_ids[layer]
+        else:
+            without_group.append(layer)
+    if without_group:
+        raise MissingLayerError(
+            sorted(without_group, key=region_sort_key), "group_ids",
+            "give every transferable layer of specs its transfer group id (0, 1, ...), "
+            "or omit group_ids to put every layer in group 0")
     del kv_caches
     return traits, groups, blocks, num_blocks, skipped
 
