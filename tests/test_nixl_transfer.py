@@ -20,6 +20,7 @@ from kvspec_traits.nixl import (
     DescMode,
     HandshakeMismatchError,
     MalformedMetadataError,
+    MissingPeerError,
     TraitsNixlAgent,
     TransferFailedError,
     plan_regions,
@@ -180,6 +181,41 @@ def test_producer_tp1_to_consumer_tp2(family: str, nbytes: int,
         expected_config, expected = layouts.build(family, NB, tp=2)
         _slice_heads(caches_p, expected, rank, 2)
         checks.assert_transferred(expected, caches_d, expected_config, block_ids)
+
+
+@pytest.mark.parametrize("mode", ["prepped", "per_block", "merged"])
+def test_peer_of_another_tp_rank_is_refused(mode: DescMode,
+                                            agents: list[TraitsNixlAgent]) -> None:
+    """Consumer rank 1 of TP 2 given producer rank 0: rank 0 holds the other half of
+    the heads. ``prepped`` read them silently; the others raised a bare KeyError."""
+    config_p, caches_p = layouts.build("llama_gqa", NB, tp=2)
+    config_d, caches_d = layouts.build("llama_gqa", NB, tp=2)
+    layouts.fill_pattern(caches_p, seed=6)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_regions(caches_p, config_p, tp_size=2, tp_rank=0))
+    consumer.register_plan(plan_regions(caches_d, config_d, tp_size=2, tp_rank=1))
+    peer = consumer.connect(producer.metadata())
+    with pytest.raises(MissingPeerError, match="needs remote TP rank 1") as info:
+        consumer.read_blocks(peer, [1, 2], mode=mode, timeout=20,
+                             progress=producer.progress)
+    assert info.value.remote_rank == 1 and info.value.given == (0,)
+    assert not bool(layouts.backing(caches_d).any())
+
+
+def test_replicated_regions_may_come_from_any_rank_in_prepped_mode(
+        agents: list[TraitsNixlAgent]) -> None:
+    """MLA holds the same bytes on every rank: rank 1 may read rank 0's blocks."""
+    config_p, caches_p = layouts.build("deepseek_v3", NB, tp=2)
+    config_d, caches_d = layouts.build("deepseek_v3", NB, tp=2)
+    layouts.fill_pattern(caches_p, seed=7)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_regions(caches_p, config_p, tp_size=2, tp_rank=0))
+    consumer.register_plan(plan_regions(caches_d, config_d, tp_size=2, tp_rank=1))
+    peer = consumer.connect(producer.metadata())
+    block_ids = [[1, 2]]
+    consumer.read_blocks(peer, block_ids, mode="prepped", timeout=20,
+                         progress=producer.progress)
+    checks.assert_transferred(caches_p, caches_d, config_d, block_ids)
 
 
 def test_packed_rows_move_whole_rows(agents: list[TraitsNixlAgent]) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvspec_traits._traits import TPLayout
 from kvspec_traits.nixl._descs import (
     BlockIds,
     TransferItems,
@@ -31,7 +32,11 @@ from kvspec_traits.nixl._descs import (
     merge_runs,
     transfer_items,
 )
-from kvspec_traits.nixl._errors import MalformedMetadataError, TransferFailedError
+from kvspec_traits.nixl._errors import (
+    MalformedMetadataError,
+    MissingPeerError,
+    TransferFailedError,
+)
 from kvspec_traits.nixl._handshake import (
     PeerMetadata,
     check_handshake,
@@ -206,7 +211,10 @@ class TraitsNixlAgent:
         (:meth:`serve`).
 
         Returns only when every descriptor is DONE; raises
-        :class:`TransferFailedError` on a NIXL error, a lost peer or the timeout.
+        :class:`TransferFailedError` on a NIXL error, a lost peer or the timeout, and
+        :class:`MissingPeerError` before posting anything when a region needs a remote
+        rank that ``peers`` lacks (in ``"prepped"`` mode: a peer of another TP rank,
+        unless every region is replicated).
         """
         by_rank = {peers.tp_rank: peers} if isinstance(peers, RemotePeer) else dict(peers)
         if not by_rank:
@@ -228,6 +236,7 @@ class TraitsNixlAgent:
                 if len(by_rank) != 1 or remote_tp != plan.tp_size:
                     raise ValueError("mode='prepped' needs one peer of the same TP size")
                 peer = next(iter(by_rank.values()))
+                self._check_prepped_rank(plan, peer)
                 local_ids = block_desc_ids(plan, block_ids)
                 remote_ids = block_desc_ids(
                     plan, block_ids if remote_block_ids is None else remote_block_ids,
@@ -257,6 +266,21 @@ class TraitsNixlAgent:
         self._release(posted)
         return TransferResult(descriptors=descriptors, per_block_descriptors=per_block,
                               nbytes=nbytes, seconds=time.perf_counter() - start)
+
+    @staticmethod
+    def _check_prepped_rank(plan: RegionPlan, peer: RemotePeer) -> None:
+        """A prepared list reads every region whole from the one peer: that is this
+        rank's data only if the peer is the same TP rank, or every region holds the
+        same bytes on every rank."""
+        if peer.tp_rank == plan.tp_rank:
+            return
+        for region in plan.regions:
+            if not region.replicated or (
+                    region.state and region.state_tp_layout is not TPLayout.REPLICATED):
+                raise MissingPeerError(
+                    region.name, plan.tp_rank, [peer.tp_rank],
+                    f": mode='prepped' reads each block whole from peer {peer.name}, "
+                    f"whose rank {peer.tp_rank} holds other heads or state shards")
 
     def _prepped_nbytes(self, plan: RegionPlan, block_ids: BlockIds) -> int:
         counts = np.bincount(
