@@ -7,6 +7,7 @@ views (nixl_helpers/checks.py), and pages of blocks not requested must stay zero
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -20,6 +21,7 @@ from kvspec_traits.nixl import (
     DescMode,
     HandshakeMismatchError,
     MalformedMetadataError,
+    MemoryTypeMismatchError,
     MissingPeerError,
     TraitsNixlAgent,
     TransferFailedError,
@@ -107,6 +109,23 @@ def test_corrupt_nixl_blob_is_a_named_error(agents: list[TraitsNixlAgent]) -> No
         consumer.connect(bad)
     with pytest.raises(RuntimeError, match="after metadata"):
         producer.register_plan(plan)
+
+
+def test_refused_plan_leaves_the_agent_unchanged(agents: list[TraitsNixlAgent]) -> None:
+    """A plan whose regions span DRAM and VRAM is refused before any memory is
+    registered or the plan is kept, so the agent can still take a valid plan."""
+    config, caches = layouts.build("llama_gqa", 4)
+    plan = plan_regions(caches, config)
+    mixed = dataclasses.replace(plan, regions=(
+        dataclasses.replace(plan.regions[0], mem_type="VRAM"), *plan.regions[1:]))
+    agent = _agent(agents)
+    with pytest.raises(MemoryTypeMismatchError, match=r"\['DRAM', 'VRAM'\]") as info:
+        agent.register_plan(mixed)
+    assert info.value.region is None and info.value.mem_types == ("DRAM", "VRAM")
+    with pytest.raises(RuntimeError, match="register_plan"):
+        _ = agent.plan
+    agent.register_plan(plan)
+    assert agent.plan is plan
 
 
 def _slice_heads(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], rank: int,

@@ -34,6 +34,7 @@ from kvspec_traits.nixl._descs import (
 )
 from kvspec_traits.nixl._errors import (
     MalformedMetadataError,
+    MemoryTypeMismatchError,
     MissingPeerError,
     TransferFailedError,
 )
@@ -135,23 +136,39 @@ class TraitsNixlAgent:
                 f"memory its peers cannot see; build a new agent")
         if self._plan is not None:
             raise RuntimeError(f"agent {self.name}: a plan is already registered")
-        mem_types = {r.mem_type for r in plan.registrations}
-        for mem_type in sorted(mem_types):
-            rows = [(r.base, r.length, r.device_id, "") for r in plan.registrations
-                    if r.mem_type == mem_type]
-            descs = self._agent.get_reg_descs(rows, mem_type)
-            self._agent.register_memory(descs, backends=self._backends)
-            self._reg_descs.append(descs)
+        # Validate everything before NIXL or this agent changes: a refused plan leaves
+        # the agent as it was (no memory registered, no plan).
+        mem_type = self._mem_type(plan)
+        local_descs = build_block_descs(plan)
+        try:
+            for kind in sorted({r.mem_type for r in plan.registrations}):
+                rows = [(r.base, r.length, r.device_id, "") for r in plan.registrations
+                        if r.mem_type == kind]
+                descs = self._agent.get_reg_descs(rows, kind)
+                self._agent.register_memory(descs, backends=self._backends)
+                self._reg_descs.append(descs)
+            self._local_prepped = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", local_descs, mem_type=mem_type)
+        except BaseException:
+            for descs in self._reg_descs:
+                with contextlib.suppress(Exception):
+                    self._agent.deregister_memory(descs, backends=self._backends)
+            self._reg_descs.clear()
+            raise
         self._plan = plan
-        self._local_prepped = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", build_block_descs(plan), mem_type=self._mem_type(plan))
 
     @staticmethod
     def _mem_type(plan: RegionPlan) -> str:
-        kinds = {r.mem_type for r in plan.regions}
+        """The one memory type of ``plan``'s regions."""
+        kinds = sorted({r.mem_type for r in plan.regions})
+        if not kinds:
+            raise ValueError("the plan has no regions (every layer was skipped: see "
+                             "RegionPlan.skipped_layers); there is nothing to register")
         if len(kinds) != 1:
-            raise ValueError(f"regions span memory types {sorted(kinds)}; one per agent")
-        return kinds.pop()
+            raise MemoryTypeMismatchError(
+                None, kinds, "an agent registers one memory type: plan and register the "
+                             "caches of each memory type with their own agent")
+        return kinds[0]
 
     def metadata(self) -> bytes:
         """The handshake message for peers (NIXL agent metadata + fingerprint +

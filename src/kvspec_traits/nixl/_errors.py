@@ -8,6 +8,7 @@ __all__ = [
     "BlockIdError",
     "HandshakeMismatchError",
     "MalformedMetadataError",
+    "MemoryTypeMismatchError",
     "MissingLayerError",
     "MissingPeerError",
     "RegionConflictError",
@@ -38,6 +39,22 @@ class RegionConflictError(ValueError):
             f"region {region!r} (layers {list(self.layers)}) cannot be transferred as one "
             f"region: its layers disagree on {trait} ({shown})"
         )
+
+
+class MemoryTypeMismatchError(ValueError):
+    """Memory types one agent cannot pair: a plan whose regions span several memory
+    types (an agent registers and describes one), or a peer region on another memory
+    type than the local region it would fill.
+
+    ``.region`` is the region name (``None`` for a plan-wide mix), ``.mem_types`` the
+    types involved (local first for a peer).
+    """
+
+    def __init__(self, region: str | None, mem_types: Sequence[str], fix: str) -> None:
+        self.region = region
+        self.mem_types = tuple(mem_types)
+        where = "the plan's regions span" if region is None else f"region {region!r}:"
+        super().__init__(f"{where} memory types {list(self.mem_types)}; {fix}")
 
 
 class MissingLayerError(KeyError):
