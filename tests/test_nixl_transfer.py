@@ -25,6 +25,7 @@ from kvspec_traits.nixl import (
     MissingPeerError,
     TraitsNixlAgent,
     TransferFailedError,
+    encode_metadata,
     plan_regions,
 )
 from tests.nixl_helpers import checks, layouts
@@ -126,6 +127,29 @@ def test_refused_plan_leaves_the_agent_unchanged(agents: list[TraitsNixlAgent]) 
         _ = agent.plan
     agent.register_plan(plan)
     assert agent.plan is plan
+
+
+def test_peer_on_another_memory_type_is_refused(agents: list[TraitsNixlAgent]) -> None:
+    """A producer whose regions are VRAM (its metadata says so) against DRAM caches:
+    refused in connect, before NIXL learns of the peer; descriptors were tagged with
+    the local memory type for both sides."""
+    config, caches_p = layouts.build("llama_gqa", 4)
+    _, caches_d = layouts.build("llama_gqa", 4)
+    plan_p = plan_regions(caches_p, config)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_p)
+    consumer.register_plan(plan_regions(caches_d, config))
+    vram = dataclasses.replace(plan_p, regions=tuple(
+        dataclasses.replace(r, mem_type="VRAM") for r in plan_p.regions))
+    metadata = encode_metadata(vram, producer.name,
+                               bytes(producer._agent.get_agent_metadata()))
+    with pytest.raises(MemoryTypeMismatchError, match="holds it in VRAM") as info:
+        consumer.connect(metadata)
+    assert info.value.region == plan_p.region_names[0]
+    assert info.value.mem_types == ("DRAM", "VRAM")
+    assert not consumer.knows(producer.name)
+    peer = consumer.connect(producer.metadata())  # the true (DRAM) metadata connects
+    assert peer.mem_type == "DRAM"
 
 
 def _slice_heads(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], rank: int,

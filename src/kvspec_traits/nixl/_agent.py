@@ -65,6 +65,8 @@ class RemotePeer:
 
     meta: PeerMetadata
     prepped: Any = None
+    mem_type: str = "DRAM"
+    """Memory type of the peer's regions (the type its descriptors are tagged with)."""
 
     @property
     def name(self) -> str:
@@ -183,12 +185,14 @@ class TraitsNixlAgent:
         """Decode a producer's metadata, check its layout against ours, and only then
         add it as a NIXL peer.
 
-        Raises :class:`MalformedMetadataError` (bad bytes) or
-        :class:`HandshakeMismatchError` (a region differs) before NIXL learns of the
-        peer, so nothing can be transferred from it.
+        Raises :class:`MalformedMetadataError` (bad bytes),
+        :class:`HandshakeMismatchError` (a region differs) or
+        :class:`MemoryTypeMismatchError` (a peer region on another memory type than
+        ours) before NIXL learns of the peer, so nothing can be transferred from it.
         """
         meta = decode_metadata(peer_metadata)
         check_handshake(self.plan, meta.fingerprint)
+        mem_type = self._peer_mem_type(meta)
         try:
             added = self._agent.add_remote_agent(meta.agent_metadata)
         except Exception as exc:  # NIXL raises its own exception types for bad blobs
@@ -198,13 +202,23 @@ class TraitsNixlAgent:
             self._agent.remove_remote_agent(added_name)
             raise MalformedMetadataError(
                 f"header names agent {meta.agent_name!r}, NIXL metadata is {added_name!r}")
-        peer = RemotePeer(meta)
+        peer = RemotePeer(meta, mem_type=mem_type)
         if meta.tp_size == self.plan.tp_size:
             peer.prepped = self._agent.prep_xfer_dlist(
-                meta.agent_name, build_block_descs(meta.regions),
-                mem_type=self._mem_type(self.plan))
+                meta.agent_name, build_block_descs(meta.regions), mem_type=mem_type)
         self._peers[meta.agent_name] = peer
         return peer
+
+    def _peer_mem_type(self, meta: PeerMetadata) -> str:
+        """The peer's memory type, which must be ours region by region (only DRAM to
+        DRAM is tested; a pair of types is refused rather than guessed at)."""
+        for local, remote in zip(self.plan.regions, meta.regions, strict=True):
+            if local.mem_type != remote.mem_type:
+                raise MemoryTypeMismatchError(
+                    local.name, [local.mem_type, remote.mem_type],
+                    f"peer {meta.agent_name} holds it in {remote.mem_type}, this agent in "
+                    f"{local.mem_type}; place both caches on the same memory type")
+        return self._mem_type(self.plan)
 
     def knows(self, agent_name: str) -> bool:
         """Whether NIXL holds metadata of ``agent_name`` (i.e. could transfer with it)."""
@@ -316,9 +330,10 @@ class TraitsNixlAgent:
                              remote_ids.astype(np.int32), notify)
 
     def _post_items(self, peer: RemotePeer, items: TransferItems, notify: bytes) -> _Posted:
-        mem_type = self._mem_type(self.plan)
-        local = self._agent.get_xfer_descs(np.ascontiguousarray(items.local), mem_type)
-        remote = self._agent.get_xfer_descs(np.ascontiguousarray(items.remote), mem_type)
+        local = self._agent.get_xfer_descs(np.ascontiguousarray(items.local),
+                                           self._mem_type(self.plan))
+        remote = self._agent.get_xfer_descs(np.ascontiguousarray(items.remote),
+                                            peer.mem_type)
         handle = self._checked(self._agent.initialize_xfer, "READ", local, remote, peer.name,
                                notify)
         return _Posted(handle, peer.name)
