@@ -112,6 +112,18 @@ def test_corrupt_nixl_blob_is_a_named_error(agents: list[TraitsNixlAgent]) -> No
         producer.register_plan(plan)
 
 
+def test_unknown_mode_is_refused(agents: list[TraitsNixlAgent]) -> None:
+    config, caches_p = layouts.build("llama_gqa", 4)
+    _, caches_d = layouts.build("llama_gqa", 4)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_regions(caches_p, config))
+    consumer.register_plan(plan_regions(caches_d, config))
+    peer = consumer.connect(producer.metadata())
+    with pytest.raises(ValueError, match=r"'merge'.*'prepped', 'per_block', 'merged'"):
+        consumer.read_blocks(peer, [1], mode="merge",  # type: ignore[arg-type]
+                             timeout=5, progress=producer.progress)
+
+
 def test_refused_plan_leaves_the_agent_unchanged(agents: list[TraitsNixlAgent]) -> None:
     """A plan whose regions span DRAM and VRAM is refused before any memory is
     registered or the plan is kept, so the agent can still take a valid plan."""

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +56,7 @@ DescMode = Literal["prepped", "per_block", "merged"]
 - ``"per_block"``: ``Nx3`` rows built per request, one per block per region and read;
 - ``"merged"``: as ``per_block``, with rows contiguous on both sides merged.
 """
+_DESC_MODES: tuple[DescMode, ...] = get_args(DescMode)
 
 
 @dataclass(slots=True)
@@ -247,6 +248,9 @@ class TraitsNixlAgent:
         rank that ``peers`` lacks (in ``"prepped"`` mode: a peer of another TP rank,
         unless every region is replicated).
         """
+        if mode not in _DESC_MODES:
+            raise ValueError(f"unknown mode {mode!r}; valid modes: "
+                             f"{', '.join(repr(m) for m in _DESC_MODES)}")
         by_rank = {peers.tp_rank: peers} if isinstance(peers, RemotePeer) else dict(peers)
         if not by_rank:
             raise ValueError("read_blocks needs at least one peer")
