@@ -541,7 +541,18 @@ def test_untransferable_specs_get_no_region() -> None:
     config = layouts.kv_cache_config(groups, NB, KVCacheLayout.LBHNC)
     plan = plan_regions(layouts.allocate(config, KVCacheLayout.LBHNC), config)
     assert plan.region_names == ["model.decoder.layers.0.self_attn"]
-    assert all(r.transferable for r in plan.regions)
     assert plan.skipped_layers == {
         "model.decoder.layers.0.encoder_attn":
             "CrossAttentionSpec is not transferable (scope encoder)"}
+
+
+def test_skipped_layers_are_read_only() -> None:
+    """The plan is frozen; its skipped layers were a mutable dict inside it."""
+    config, caches = layouts.build("gpt_oss", NB)
+    config.kv_cache_groups[1].enable_kv_transfer = False
+    plan = plan_regions(caches, config)
+    with pytest.raises(TypeError):
+        plan.skipped_layers["model.layers.9.attn"] = "edited"  # type: ignore[index]
+    assert "model.layers.9.attn" not in plan.skipped_layers
+    assert plan == plan_regions(caches, config)
+    assert not hasattr(plan.regions[0], "transferable")  # always True: removed

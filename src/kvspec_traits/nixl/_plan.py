@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from kvspec_traits._group import GroupTraits
@@ -129,11 +130,6 @@ class Region:
     head_segment: tuple[int, int] | None = None
     """``(head, heads)`` when the layout puts heads outside blocks and this region is
     one head's segment of a layer."""
-    transferable: bool = True
-    """Every member's ``transferable`` trait (and its group's ``enable_kv_transfer``):
-    always True in :attr:`RegionPlan.regions`, because layers that are not transferable
-    get no region (they are listed in :attr:`RegionPlan.skipped_layers`, so region
-    indices match vLLM's, which never registers them)."""
 
     def traits_record(self, tp_size: int) -> dict[str, Any]:
         """The canonical, TP-independent facts of this region (for the fingerprint).
@@ -190,8 +186,16 @@ class RegionPlan:
     num_blocks: int
     tp_size: int = 1
     tp_rank: int = 0
-    skipped_layers: Mapping[str, str] = field(default_factory=dict)
-    """Layers with no region, and why (not transferable, no spec)."""
+    skipped_layers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Layers with no region, and why (not transferable, no spec), read-only. Layers
+    that are not transferable (by their traits or their group's
+    ``enable_kv_transfer``) get no region, so region indices match vLLM's, which never
+    registers them."""
+
+    def __post_init__(self) -> None:
+        # A copy behind a read-only view: the plan is frozen, so is what it says.
+        object.__setattr__(self, "skipped_layers",
+                           MappingProxyType(dict(self.skipped_layers)))
 
     # -- upstream-shaped views (vLLM NixlConnectorWorker field names) ---------------
     @property
