@@ -23,7 +23,6 @@ from typing import Any, Literal, get_args
 import numpy as np
 import numpy.typing as npt
 
-from kvspec_traits._traits import TPLayout
 from kvspec_traits.nixl._descs import (
     BlockIds,
     TransferItems,
@@ -310,8 +309,7 @@ class TraitsNixlAgent:
         if peer.tp_rank == plan.tp_rank:
             return
         for region in plan.regions:
-            if not region.replicated or (
-                    region.state and region.state_tp_layout is not TPLayout.REPLICATED):
+            if not region.replicated or region.sharded_state:
                 raise MissingPeerError(
                     region.name, plan.tp_rank, [peer.tp_rank],
                     f": mode='prepped' reads each block whole from peer {peer.name}, "

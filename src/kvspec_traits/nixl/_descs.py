@@ -135,8 +135,7 @@ def tp_reads(region: Region, *, local_tp: int, local_rank: int, remote_tp: int,
     Raises :class:`UnsupportedLayoutError` when the region cannot move between these
     TP sizes.
     """
-    if (region.state and region.state_tp_layout is not TPLayout.REPLICATED
-            and local_tp != remote_tp):
+    if region.sharded_state and local_tp != remote_tp:
         raise UnsupportedLayoutError(
             region.name, f"its blocks hold a TP-sharded recurrent state, which cannot "
                          f"move between TP {remote_tp} and TP {local_tp}; run producer and "

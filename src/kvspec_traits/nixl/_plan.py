@@ -131,6 +131,12 @@ class Region:
     """``(head, heads)`` when the layout puts heads outside blocks and this region is
     one head's segment of a layer."""
 
+    @property
+    def sharded_state(self) -> bool:
+        """Holds a recurrent state split across TP ranks: each rank's blocks hold its
+        own shard, whatever the paged members' replication."""
+        return self.state and self.state_tp_layout is not TPLayout.REPLICATED
+
     def traits_record(self, tp_size: int) -> dict[str, Any]:
         """The canonical, TP-independent facts of this region (for the fingerprint).
 
@@ -240,8 +246,7 @@ class RegionPlan:
     @property
     def state_region_indices(self) -> list[int]:
         """Regions holding a TP-sharded recurrent state (vLLM's ``_ssm_region_indices``)."""
-        return [r.index for r in self.regions
-                if r.state and r.state_tp_layout is not TPLayout.REPLICATED]
+        return [r.index for r in self.regions if r.sharded_state]
 
     @property
     def replicated_state_region_indices(self) -> list[int]:
@@ -398,6 +403,18 @@ def plan_regions(
                       skipped_layers=skipped)
 
 
+def _is_state(traits: KVLayoutTraits) -> bool:
+    """Whether a layer's cache is a recurrent state (one indivisible page per block,
+    never split into kernel blocks nor by heads), not token-addressed pages."""
+    return traits.token_scope is TokenScope.RECURRENT_STATE
+
+
+def _not_transferable(traits: KVLayoutTraits) -> str:
+    """The :attr:`RegionPlan.skipped_layers` reason of a layer whose traits say it is
+    not transferable."""
+    return f"{traits.spec_name} is not transferable (scope {traits.token_scope.value})"
+
+
 def _layer_facts(
     kv_caches: Mapping[str, Any],
     config: KVCacheConfig | None,
@@ -433,8 +450,7 @@ def _layer_facts(
                     blocks[layer] = host_blocks
                 layer_traits = members[layer] if members is not None else group_traits
                 if not layer_traits.transferable:
-                    skipped[layer] = (f"{layer_traits.spec_name} is not transferable "
-                                      f"(scope {layer_traits.token_scope.value})")
+                    skipped[layer] = _not_transferable(layer_traits)
                     continue
                 traits[layer] = layer_traits
                 groups[layer] = transfer_index
@@ -446,8 +462,7 @@ def _layer_facts(
     for layer, spec in specs.items():
         layer_traits = reg.traits_of(spec)
         if not layer_traits.transferable:
-            skipped[layer] = (f"{layer_traits.spec_name} is not transferable "
-                              f"(scope {layer_traits.token_scope.value})")
+            skipped[layer] = _not_transferable(layer_traits)
             continue
         traits[layer] = layer_traits
         if group_ids is None:
@@ -490,7 +505,7 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
     """The region(s) of one layer's cache view."""
     mem_type, device_id = _mem_type(cache), _device_id(cache)
     page = traits.page_size_bytes
-    is_state = traits.token_scope is TokenScope.RECURRENT_STATE
+    is_state = _is_state(traits)
 
     def piece(base: int, block_len: int, stride: int, blocks: int, head_major: bool,
               segment: tuple[int, int] | None = None) -> _Piece:
@@ -561,7 +576,7 @@ def _as_rows(pieces: list[_Piece], storage: MemoryRange) -> list[_Piece]:
     block_major = 0 <= storage.length - count * stride < stride
     inside = all(storage.base <= p.base and p.base - storage.base + p.block_len <= stride
                  for p in pieces)
-    has_state = any(p.traits.token_scope is TokenScope.RECURRENT_STATE for p in pieces)
+    has_state = any(_is_state(p.traits) for p in pieces)
     if not block_major or not inside or has_state or stride <= max(p.block_len
                                                                    for p in pieces):
         return pieces
@@ -586,8 +601,8 @@ def _region(index: int, members: list[_Piece]) -> Region:
     _agree(name, layers, "block_stride", {m.layer: m.block_stride for m in members})
     _agree(name, layers, "num_blocks", {m.layer: m.num_blocks for m in members})
     _agree(name, layers, "head_segment", {m.layer: m.head_segment for m in members})
-    paged = [m for m in members if m.traits.token_scope is not TokenScope.RECURRENT_STATE]
-    states = [m for m in members if m.traits.token_scope is TokenScope.RECURRENT_STATE]
+    paged = [m for m in members if not _is_state(m.traits)]
+    states = [m for m in members if _is_state(m.traits)]
 
     state_layout: TPLayout | None = None
     components: tuple[StateComponent, ...] = ()
