@@ -26,10 +26,12 @@ import numpy.typing as npt
 from kvspec_traits.nixl._descs import (
     BlockIds,
     TransferItems,
-    block_desc_ids,
+    _desc_ids,
+    _ReadCache,
+    _Request,
+    _transfer_items,
     build_block_descs,
     merge_runs,
-    transfer_items,
 )
 from kvspec_traits.nixl._errors import (
     MalformedMetadataError,
@@ -43,7 +45,7 @@ from kvspec_traits.nixl._handshake import (
     decode_metadata,
     encode_metadata,
 )
-from kvspec_traits.nixl._plan import RegionPlan
+from kvspec_traits.nixl._plan import RegionPlan, desc_offsets
 
 __all__ = ["DescMode", "RemotePeer", "TraitsNixlAgent", "TransferResult"]
 
@@ -67,6 +69,16 @@ class RemotePeer:
     prepped: Any = None
     mem_type: str = "DRAM"
     """Memory type of the peer's regions (the type its descriptors are tagged with)."""
+    region_num_blocks: tuple[int, ...] = field(init=False, repr=False)
+    """The peer's block count of each region (they may differ from ours)."""
+    desc_offsets: tuple[int, ...] = field(init=False, repr=False)
+    """Flat id of each region's block 0 in the peer's prepared list."""
+    reads: _ReadCache | None = field(default=None, repr=False)
+    """This agent's TP reads from this peer, kept across requests (set by connect)."""
+
+    def __post_init__(self) -> None:
+        self.region_num_blocks = tuple(r.num_blocks for r in self.meta.regions)
+        self.desc_offsets = desc_offsets(self.region_num_blocks)
 
     @property
     def name(self) -> str:
@@ -114,6 +126,7 @@ class TraitsNixlAgent:
                                    backends=list(backends))
         self._agent: Any = nixl_agent(self.name, config)
         self._plan: RegionPlan | None = None
+        self._local_mem_type = ""
         self._reg_descs: list[Any] = []
         self._local_prepped: Any = None
         self._published = False
@@ -158,6 +171,7 @@ class TraitsNixlAgent:
             self._reg_descs.clear()
             raise
         self._plan = plan
+        self._local_mem_type = mem_type
 
     @staticmethod
     def _mem_type(plan: RegionPlan) -> str:
@@ -202,7 +216,8 @@ class TraitsNixlAgent:
             self._agent.remove_remote_agent(added_name)
             raise MalformedMetadataError(
                 f"header names agent {meta.agent_name!r}, NIXL metadata is {added_name!r}")
-        peer = RemotePeer(meta, mem_type=mem_type)
+        peer = RemotePeer(meta, mem_type=mem_type,
+                          reads=_ReadCache(self.plan, meta.tp_size, meta.regions))
         if meta.tp_size == self.plan.tp_size:
             peer.prepped = self._agent.prep_xfer_dlist(
                 meta.agent_name, build_block_descs(meta.regions), mem_type=mem_type)
@@ -218,7 +233,7 @@ class TraitsNixlAgent:
                     local.name, [local.mem_type, remote.mem_type],
                     f"peer {meta.agent_name} holds it in {remote.mem_type}, this agent in "
                     f"{local.mem_type}; place both caches on the same memory type")
-        return self._mem_type(self.plan)
+        return self._local_mem_type
 
     def knows(self, agent_name: str) -> bool:
         """Whether NIXL holds metadata of ``agent_name`` (i.e. could transfer with it)."""
@@ -271,18 +286,24 @@ class TraitsNixlAgent:
                     raise ValueError("mode='prepped' needs one peer of the same TP size")
                 peer = next(iter(by_rank.values()))
                 self._check_prepped_rank(plan, peer)
-                local_ids = block_desc_ids(plan, block_ids)
-                remote_ids = block_desc_ids(
-                    plan, block_ids if remote_block_ids is None else remote_block_ids,
-                    region_num_blocks=[r.num_blocks for r in peer.meta.regions])
+                lreq = _Request(block_ids)
+                rreq = lreq if remote_block_ids is None else _Request(remote_block_ids)
+                local_ids = _desc_ids(plan, lreq, None, plan._desc_offsets, "local")
+                remote_ids = _desc_ids(
+                    plan, rreq, peer.region_num_blocks, peer.desc_offsets, "remote")
                 handle = self._make_prepped(peer, local_ids, remote_ids, notify)
                 posted.append(_Posted(handle, peer.name))
                 descriptors = per_block = int(local_ids.size)
-                nbytes = self._prepped_nbytes(plan, block_ids)
+                nbytes = sum(lreq.blocks(g).size * r.block_len
+                             for r, g in zip(plan.regions, plan._group_ids, strict=True))
             else:
+                first = next(iter(by_rank.values()))
+                if first.reads is None:
+                    first.reads = _ReadCache(plan, remote_tp, first.meta.regions)
                 remotes = {rank: p.meta.regions for rank, p in by_rank.items()}
-                for items in transfer_items(plan, remotes, remote_tp, block_ids,
-                                            remote_block_ids):
+                lreq = _Request(block_ids)
+                rreq = lreq if remote_block_ids is None else _Request(remote_block_ids)
+                for items in _transfer_items(plan, remotes, lreq, rreq, first.reads):
                     per_block += items.count
                     nbytes += items.nbytes
                     if mode == "merged":
@@ -315,14 +336,6 @@ class TraitsNixlAgent:
                     f": mode='prepped' reads each block whole from peer {peer.name}, "
                     f"whose rank {peer.tp_rank} holds other heads or state shards")
 
-    def _prepped_nbytes(self, plan: RegionPlan, block_ids: BlockIds) -> int:
-        counts = np.bincount(
-            np.searchsorted(np.cumsum(plan.region_num_blocks),
-                            block_desc_ids(plan, block_ids), side="right"),
-            minlength=len(plan.regions))
-        return int(sum(int(c) * r.block_len for c, r in zip(counts, plan.regions,
-                                                            strict=True)))
-
     def _make_prepped(self, peer: RemotePeer, local_ids: npt.NDArray[np.int64],
                       remote_ids: npt.NDArray[np.int64], notify: bytes) -> Any:
         if peer.prepped is None:
@@ -333,7 +346,7 @@ class TraitsNixlAgent:
 
     def _post_items(self, peer: RemotePeer, items: TransferItems, notify: bytes) -> _Posted:
         local = self._agent.get_xfer_descs(np.ascontiguousarray(items.local),
-                                           self._mem_type(self.plan))
+                                           self._local_mem_type)
         remote = self._agent.get_xfer_descs(np.ascontiguousarray(items.remote),
                                             peer.mem_type)
         handle = self._checked(self._agent.initialize_xfer, "READ", local, remote, peer.name,

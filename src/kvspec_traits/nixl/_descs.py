@@ -25,7 +25,7 @@ import numpy.typing as npt
 from kvspec_traits._traits import TPLayout
 from kvspec_traits.nixl._errors import BlockIdError, MissingPeerError, UnsupportedLayoutError
 from kvspec_traits.nixl._handshake import PeerRegion
-from kvspec_traits.nixl._plan import Region, RegionPlan, shard_count
+from kvspec_traits.nixl._plan import Region, RegionPlan, desc_offsets, shard_count
 
 __all__ = [
     "BlockIds",
@@ -67,28 +67,62 @@ def build_state_descs(plan: RegionPlan) -> U64:
     return np.array(rows, dtype=np.uint64).reshape(-1, 5)
 
 
-def _region_blocks(region_group_ids: Sequence[int], block_ids: BlockIds,
-                   index: int) -> npt.NDArray[np.int64]:
-    if not block_ids or not isinstance(block_ids[0], Sequence):
-        return np.asarray(block_ids, dtype=np.int64)
-    groups = cast(Sequence[Sequence[int]], block_ids)  # one list per group: checked above
-    wanted = region_group_ids[index]
-    if wanted < 0:  # shared by several groups: every group's blocks live here
-        return np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])
-    return np.asarray(groups[wanted], dtype=np.int64)
+class _Request:
+    """One request's block ids, converted once (not once per region): one array for
+    every region, or one per cache group, with each array's bounds."""
+
+    __slots__ = ("_all", "_bounds", "_flat", "_groups")
+
+    def __init__(self, block_ids: BlockIds) -> None:
+        self._flat: npt.NDArray[np.int64] | None = None
+        self._groups: list[npt.NDArray[np.int64]] = []
+        self._all: npt.NDArray[np.int64] | None = None
+        self._bounds: dict[int, tuple[int, int]] = {}
+        if not block_ids or not isinstance(block_ids[0], Sequence):
+            self._flat = np.asarray(block_ids, dtype=np.int64)
+        else:
+            groups = cast(Sequence[Sequence[int]], block_ids)  # one list per group
+            self._groups = [np.asarray(g, dtype=np.int64) for g in groups]
+
+    def blocks(self, group_id: int) -> npt.NDArray[np.int64]:
+        """The blocks of a region of ``group_id`` (a shared region, group id < 0,
+        takes every group's blocks)."""
+        if self._flat is not None:
+            return self._flat
+        if group_id >= 0:
+            return self._groups[group_id]
+        if self._all is None:
+            self._all = (np.concatenate(self._groups) if self._groups
+                         else np.zeros(0, dtype=np.int64))
+        return self._all
+
+    def check(self, region: str, group_id: int, num_blocks: int, side: str) -> None:
+        """Every id a region of ``group_id`` takes is one of its ``num_blocks``;
+        :class:`BlockIdError` if not (a negative id would otherwise wrap to an address
+        before the region). The one block-id check of both descriptor paths."""
+        key = -1 if self._flat is not None else group_id
+        bounds = self._bounds.get(key)
+        if bounds is None:
+            blocks = self.blocks(group_id)
+            if not blocks.size:
+                return
+            bounds = self._bounds[key] = (int(blocks.min()), int(blocks.max()))
+        if bounds[0] < 0:
+            raise BlockIdError(region, bounds[0], num_blocks, side)
+        if bounds[1] >= num_blocks:
+            raise BlockIdError(region, bounds[1], num_blocks, side)
 
 
-def _check_block_ids(region: str, blocks: npt.NDArray[np.int64], num_blocks: int,
-                     side: str) -> None:
-    """Every id in ``blocks`` is a block of the region; :class:`BlockIdError` if not
-    (a negative id would otherwise wrap to an address before the region)."""
-    if not blocks.size:
-        return
-    low, high = int(blocks.min()), int(blocks.max())
-    if low < 0:
-        raise BlockIdError(region, low, num_blocks, side)
-    if high >= num_blocks:
-        raise BlockIdError(region, high, num_blocks, side)
+def _desc_ids(plan: RegionPlan, request: _Request, counts: Sequence[int] | None,
+              offsets: Sequence[int], side: str) -> npt.NDArray[np.int64]:
+    """:func:`block_desc_ids` with the offsets precomputed (``counts=None``: the
+    plan's own block counts)."""
+    parts = []
+    for i, (region, group_id) in enumerate(zip(plan.regions, plan._group_ids, strict=True)):
+        request.check(region.name, group_id,
+                      region.num_blocks if counts is None else counts[i], side)
+        parts.append(request.blocks(group_id) + offsets[i])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def block_desc_ids(plan: RegionPlan, block_ids: BlockIds, *,
@@ -98,20 +132,15 @@ def block_desc_ids(plan: RegionPlan, block_ids: BlockIds, *,
 
     For a peer's list pass its ``region_num_blocks`` (its block counts may differ from
     ours); group membership is ours (the handshake made the region lists equal).
+    Raises :class:`BlockIdError` for an id outside a region.
     """
-    counts_list = (plan.region_num_blocks if region_num_blocks is None
-                   else list(region_num_blocks))
-    if len(counts_list) != len(plan.regions):
-        raise ValueError(f"{len(counts_list)} block counts for {len(plan.regions)} regions")
-    counts = np.array(counts_list, dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    parts = []
-    for i, region in enumerate(plan.regions):
-        blocks = _region_blocks(plan.region_group_ids, block_ids, i)
-        _check_block_ids(region.name, blocks, int(counts[i]),
-                         "local" if region_num_blocks is None else "remote")
-        parts.append(offsets[i] + blocks)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if region_num_blocks is None:
+        return _desc_ids(plan, _Request(block_ids), None, plan._desc_offsets, "local")
+    if len(region_num_blocks) != len(plan.regions):
+        raise ValueError(f"{len(region_num_blocks)} block counts for "
+                         f"{len(plan.regions)} regions")
+    return _desc_ids(plan, _Request(block_ids), region_num_blocks,
+                     desc_offsets(region_num_blocks), "remote")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +230,41 @@ def peer_regions(plan: RegionPlan) -> tuple[PeerRegion, ...]:
                  for r in plan.regions)
 
 
+class _ReadCache:
+    """:func:`tp_reads` of each region of a plan against one peer's TP size and block
+    lengths, computed on a region's first use and kept (one per connected peer, not
+    one per region per request). A region that cannot move raises on every use."""
+
+    __slots__ = ("_block_lens", "_plan", "_reads", "_remote_tp")
+
+    def __init__(self, plan: RegionPlan, remote_tp: int,
+                 remote_regions: Sequence[PeerRegion] | None) -> None:
+        self._plan = plan
+        self._remote_tp = remote_tp
+        self._block_lens: tuple[int | None, ...] = (
+            (None,) * len(plan.regions) if remote_regions is None
+            else tuple(r.block_len for r in remote_regions))
+        self._reads: list[tuple[Read, ...] | None] = [None] * len(plan.regions)
+
+    def __call__(self, index: int) -> tuple[Read, ...]:
+        reads = self._reads[index]
+        if reads is None:
+            plan = self._plan
+            reads = self._reads[index] = tp_reads(
+                plan.regions[index], local_tp=plan.tp_size, local_rank=plan.tp_rank,
+                remote_tp=self._remote_tp, remote_block_len=self._block_lens[index])
+        return reads
+
+
+def _check_remotes(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]]) -> None:
+    for rank, regions in remotes.items():
+        if len(regions) != len(local.regions):
+            raise ValueError(
+                f"remote rank {rank} has {len(regions)} regions, the plan "
+                f"{len(local.regions)}; pass the regions of a peer whose handshake "
+                f"matched (check_handshake)")
+
+
 def transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]],
                    remote_tp: int, local_block_ids: BlockIds,
                    remote_block_ids: BlockIds | None = None) -> list[TransferItems]:
@@ -215,40 +279,44 @@ def transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]
     ``remotes``, :class:`BlockIdError` for an id outside a region, ``ValueError`` when a
     remote rank's region list does not match the plan's.
     """
-    for rank, regions in remotes.items():
-        if len(regions) != len(local.regions):
-            raise ValueError(
-                f"remote rank {rank} has {len(regions)} regions, the plan "
-                f"{len(local.regions)}; pass the regions of a peer whose handshake "
-                f"matched (check_handshake)")
-    any_remote = next(iter(remotes.values()), None)
-    remote_ids = local_block_ids if remote_block_ids is None else remote_block_ids
+    _check_remotes(local, remotes)
+    request = _Request(local_block_ids)
+    return _transfer_items(
+        local, remotes, request,
+        request if remote_block_ids is None else _Request(remote_block_ids),
+        _ReadCache(local, remote_tp, next(iter(remotes.values()), None)))
+
+
+def _transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]],
+                    lreq: _Request, rreq: _Request, reads: _ReadCache
+                    ) -> list[TransferItems]:
+    """:func:`transfer_items` with the request's ids converted and the TP reads of
+    the peer kept across requests."""
     per_rank: dict[int, tuple[list[U64], list[U64]]] = {}
-    for i, region in enumerate(local.regions):
-        lblocks = _region_blocks(local.region_group_ids, local_block_ids, i)
-        rblocks = _region_blocks(local.region_group_ids, remote_ids, i)
+    for i, (region, group_id) in enumerate(zip(local.regions, local._group_ids,
+                                               strict=True)):
+        lblocks = lreq.blocks(group_id)
+        rblocks = rreq.blocks(group_id)
         if lblocks.shape != rblocks.shape:
             raise ValueError(f"region {region.name!r}: {lblocks.size} local blocks but "
                              f"{rblocks.size} remote blocks")
         if not lblocks.size:
             continue
-        _check_block_ids(region.name, lblocks, region.num_blocks, "local")
-        for read in tp_reads(region, local_tp=local.tp_size, local_rank=local.tp_rank,
-                             remote_tp=remote_tp,
-                             remote_block_len=None if any_remote is None
-                             else any_remote[i].block_len):
+        lreq.check(region.name, group_id, region.num_blocks, "local")
+        local_addrs = lblocks.astype(np.uint64) * np.uint64(region.block_stride)
+        local_addrs += np.uint64(region.base_addr)
+        for read in reads(i):
             if read.remote_rank not in remotes:
                 raise MissingPeerError(region.name, read.remote_rank, sorted(remotes))
             peer = remotes[read.remote_rank][i]
-            _check_block_ids(region.name, rblocks, peer.num_blocks, "remote")
+            rreq.check(region.name, group_id, peer.num_blocks, "remote")
             n = lblocks.size
             lrows = np.empty((n, 3), dtype=np.uint64)
-            lrows[:, 0] = (region.base_addr + read.local_offset
-                           + lblocks.astype(np.uint64) * np.uint64(region.block_stride))
+            lrows[:, 0] = local_addrs + np.uint64(read.local_offset)
             lrows[:, 1] = read.length
             lrows[:, 2] = region.device_id
             rrows = np.empty((n, 3), dtype=np.uint64)
-            rrows[:, 0] = (peer.base_addr + read.remote_offset
+            rrows[:, 0] = (np.uint64(peer.base_addr + read.remote_offset)
                            + rblocks.astype(np.uint64) * np.uint64(peer.block_stride))
             rrows[:, 1] = read.length
             rrows[:, 2] = peer.device_id

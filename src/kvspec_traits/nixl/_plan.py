@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from math import prod
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -174,6 +175,12 @@ class Region:
         }
 
 
+def desc_offsets(region_num_blocks: Sequence[int]) -> tuple[int, ...]:
+    """Flat descriptor id of block 0 of each region in a strided list whose regions
+    hold ``region_num_blocks`` blocks."""
+    return (0, *accumulate(region_num_blocks[:-1])) if region_num_blocks else ()
+
+
 def _shard_count(layout: TPLayout, tp_shards: int | None, tp_size: int) -> int:
     """Distinct shards of a cache across ``tp_size`` ranks."""
     if layout is TPLayout.REPLICATED:
@@ -198,10 +205,17 @@ class RegionPlan:
     ``enable_kv_transfer``) get no region, so region indices match vLLM's, which never
     registers them."""
 
+    # Asked for every region of every request: answered once, when the plan is built.
+    _group_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _desc_offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         # A copy behind a read-only view: the plan is frozen, so is what it says.
         object.__setattr__(self, "skipped_layers",
                            MappingProxyType(dict(self.skipped_layers)))
+        object.__setattr__(self, "_group_ids", tuple(r.group_id for r in self.regions))
+        object.__setattr__(self, "_desc_offsets",
+                           desc_offsets([r.num_blocks for r in self.regions]))
 
     # -- upstream-shaped views (vLLM NixlConnectorWorker field names) ---------------
     @property
@@ -222,7 +236,7 @@ class RegionPlan:
 
     @property
     def region_group_ids(self) -> list[int]:
-        return [r.group_id for r in self.regions]
+        return list(self._group_ids)
 
     @property
     def region_names(self) -> list[str]:
