@@ -556,3 +556,14 @@ def test_skipped_layers_are_read_only() -> None:
     assert "model.layers.9.attn" not in plan.skipped_layers
     assert plan == plan_regions(caches, config)
     assert not hasattr(plan.regions[0], "transferable")  # always True: removed
+
+
+def test_public_names_are_sorted_and_exported() -> None:
+    """``__all__`` in isort order (constants, classes, functions; ruff's RUF022 form)."""
+    import kvspec_traits.nixl as shim
+
+    def kind(name: str) -> tuple[int, str]:
+        return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
+
+    assert shim.__all__ == sorted(shim.__all__, key=kind)
+    assert all(hasattr(shim, name) for name in shim.__all__)
