@@ -135,8 +135,10 @@ def test_deepseek_v4_shared_row_takes_longest_page() -> None:
     assert set(r0.layers) == {f"model.layers.0.attn.{c}" for c in
                               ("compressor.ring", "compressor.swa", "indexer.k_cache", "mla")}
     assert r0.base_addr == base and r0.block_stride == row
-    # vLLM 0.32 keeps the block length of the last MLA-typed member (9792 here) and
-    # would drop most of the SWA page; every member's page must fit.
+    # vLLM 0.32 keeps the block length of the last MLA-classed member registered at
+    # the base; DeepSeek-V4 (a ring model) registers in kv_caches dict order, so that is
+    # the indexer page (2304 here; the differential test shows it against upstream's
+    # worker) and most of the SWA page would be dropped. Every member's page must fit.
     assert r0.block_len == 65664
     assert r0.group_id == SHARED_REGION_GROUP_ID and r0.group_ids == (0, 1, 2, 3)
     assert r0.replicated and r0.scratch
