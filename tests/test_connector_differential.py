@@ -508,3 +508,13 @@ def test_connector_names_no_spec_class() -> None:
                    and n.func.id == "isinstance"
                    and isinstance(n.args[1], ast.Name) and n.args[1].id.endswith("Spec")
                    for n in ast.walk(tree))
+
+
+def test_pipeline_parallel_peers_are_refused_before_any_connection(
+        build: Callable[..., Built]) -> None:
+    from kvspec_traits.vllm_connector._connector import UnsupportedPipelineParallelError
+
+    gqa = build(AGREE["gqa"])
+    # Port 1 is never contacted: the refusal comes before vLLM's handshake and ours.
+    with pytest.raises(UnsupportedPipelineParallelError, match="pipeline-parallel size 1"):
+        gqa.traits._nixl_handshake("127.0.0.1", 1, 1, "remote-engine", 1, 2)

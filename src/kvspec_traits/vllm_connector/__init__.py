@@ -17,6 +17,7 @@ __all__ = [
     "CONNECTOR_NAME",
     "MODULE_PATH",
     "SUPPORTED_VLLM_SERIES",
+    "TraitsNixlAgentMetadata",
     "TraitsNixlConnector",
     "TraitsNixlConnectorWorker",
     "UnsupportedVllmVersionError",

@@ -56,6 +56,7 @@ from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
 from kvspec_traits.nixl import (
     HandshakeMismatchError,
+    MalformedMetadataError,
     PlanFingerprint,
     RegionPlan,
     check_handshake,
@@ -107,6 +108,19 @@ class PeerWithoutTraitsError(RuntimeError):
             f"layout fingerprint. Run both prefill and decode with "
             f"kv_connector \"{CONNECTOR_NAME}\" (or both with upstream \"NixlConnector\")."
         )
+
+
+class UnsupportedPipelineParallelError(NotImplementedError):
+    """The layout handshake compares one pipeline stage's regions; pairs with pipeline
+    parallelism on either side are refused until stages are matched by their layers."""
+
+    def __init__(self, local_pp: int, remote_pp: int) -> None:
+        self.local_pp = local_pp
+        self.remote_pp = remote_pp
+        super().__init__(
+            f"{CONNECTOR_NAME} checks KV layouts for pipeline-parallel size 1 only "
+            f"(local {local_pp}, remote {remote_pp}); run both engines with "
+            f"--pipeline-parallel-size 1, or use vLLM's NixlConnector for PP > 1")
 
 
 class UpstreamDisagreesError(RuntimeError):
@@ -427,6 +441,11 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     def _nixl_handshake(self, host: str, port: int, remote_tp_size: int,
                         *args: Any, **kwargs: Any) -> Any:
         remote_dcp_size = int(kwargs.get("remote_dcp_size", args[1] if len(args) > 1 else 1))
+        remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
+        if remote_pp_size > 1 or self.pp_size > 1:
+            # The fingerprint covers this stage's regions only; comparing it with remote PP
+            # rank 0 would refuse a good pair or check one stage of several.
+            raise UnsupportedPipelineParallelError(self.pp_size, remote_pp_size)
         self.check_remote_layout(host, port, remote_tp_size, remote_dcp_size)
         return super()._nixl_handshake(host, port, remote_tp_size, *args, **kwargs)
 
@@ -453,8 +472,13 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                                               type=TraitsNixlAgentMetadata)
                 if meta.kvspec_traits_fingerprint is None:
                     raise PeerWithoutTraitsError(peer)
-                remote = PlanFingerprint.from_payload(
-                    json.loads(meta.kvspec_traits_fingerprint))
+                try:
+                    decoded = json.loads(meta.kvspec_traits_fingerprint)
+                except json.JSONDecodeError as exc:
+                    raise MalformedMetadataError(
+                        f"peer {peer} TP rank {rank}: fingerprint is not JSON ({exc})"
+                    ) from exc
+                remote = PlanFingerprint.from_payload(decoded)
                 try:
                     check_handshake(self.traits_fingerprint, remote)
                 except HandshakeMismatchError as err:
