@@ -62,3 +62,18 @@ def test_an_empty_group_is_refused_with_a_named_error() -> None:
     group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={})
     with pytest.raises(ValueError, match="no member layers"):
         traits_of(group)
+
+
+def test_per_layer_and_representative_traits_of_a_group_and_of_a_plain_spec() -> None:
+    from kvspec_traits import representative_traits, traits_for_layer
+
+    group = kvi.UniformTypeKVCacheSpecs(
+        block_size=64, kv_cache_specs={"dense": _mla(1), "compressed": _mla(4)})
+    t = traits_of(group)
+    assert traits_for_layer(t, "compressed").tokens_per_state == 4
+    assert representative_traits(t).tokens_per_state == 1  # the first member, as vLLM
+    with pytest.raises(KeyError, match="'other' is not a member"):
+        traits_for_layer(t, "other")
+    plain = traits_of(_mla(4))
+    assert traits_for_layer(plain, "any layer") is plain
+    assert representative_traits(plain) is plain

@@ -12,7 +12,7 @@ from kvspec_traits._errors import (
     TraitsMismatchError,
     UnsupportedSpecError,
 )
-from kvspec_traits._group import GroupTraits
+from kvspec_traits._group import GroupTraits, representative_traits, traits_for_layer
 from kvspec_traits._registry import (
     ENTRY_POINT_GROUP,
     Registry,
@@ -50,8 +50,10 @@ __all__ = [
     "__version__",
     "default_registry",
     "register_adapter",
+    "representative_traits",
     "resolving_registry",
     "trait_names",
     "traits_as_dict",
+    "traits_for_layer",
     "traits_of",
 ]

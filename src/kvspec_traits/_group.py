@@ -21,7 +21,7 @@ from kvspec_traits._traits import (
     trait_names,
 )
 
-__all__ = ["GroupTraits"]
+__all__ = ["GroupTraits", "representative_traits", "traits_for_layer"]
 
 _SUMMED = frozenset({"unpadded_page_size_bytes", "page_size_bytes", "per_token_bytes"})
 # As vLLM's UniformTypeKVCacheSpecs.prefix_cacheable: the group only if every member.
@@ -196,3 +196,24 @@ def _opt_num(value: TraitValue) -> int | Fraction | None:
     if value is None or isinstance(value, int | Fraction):
         return value
     raise TypeError(f"expected a number, got {value!r}")
+
+
+def traits_for_layer(traits: KVLayoutTraits, layer: str) -> KVLayoutTraits:
+    """The traits of one layer of a KV cache group: its member's own traits when the group
+    spec is a ``UniformTypeKVCacheSpecs``, else the group's traits (every layer of a plain
+    group shares its spec). Raises ``KeyError`` naming the layer if a group lacks it."""
+    if isinstance(traits, GroupTraits):
+        try:
+            return traits.members[layer]
+        except KeyError:
+            raise KeyError(f"layer {layer!r} is not a member of this group "
+                           f"(members: {list(traits.members)})") from None
+    return traits
+
+
+def representative_traits(traits: KVLayoutTraits) -> KVLayoutTraits:
+    """The traits that stand for a group's kind: its first member's for a group spec (as
+    vLLM's ``get_representative_spec_type``), else the traits themselves."""
+    if isinstance(traits, GroupTraits):
+        return next(iter(traits.members.values()))
+    return traits

@@ -21,7 +21,7 @@ from math import prod
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from kvspec_traits._group import GroupTraits
+from kvspec_traits._group import traits_for_layer
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
 from kvspec_traits.nixl._errors import (
@@ -455,14 +455,13 @@ def _layer_facts(
                     skipped[layer] = "its cache group has enable_kv_transfer=False"
                 continue
             group_traits = reg.traits_of(group.kv_cache_spec)
-            members = group_traits.members if isinstance(group_traits, GroupTraits) else None
             host_blocks = getattr(config, "hisparse_host_num_blocks", None)
             for layer in group.layer_names:
                 if getattr(group, "host_resident", False) and host_blocks is not None:
                     # A host-resident group lives in the HiSparse host pool, which has
                     # its own block count (vLLM's KVCacheConfig.num_blocks_of).
                     blocks[layer] = host_blocks
-                layer_traits = members[layer] if members is not None else group_traits
+                layer_traits = traits_for_layer(group_traits, layer)
                 if not layer_traits.transferable:
                     skipped[layer] = _not_transferable(layer_traits)
                     continue

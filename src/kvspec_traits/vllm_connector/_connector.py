@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
 from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path
 
-from kvspec_traits._group import GroupTraits
+from kvspec_traits._group import representative_traits, traits_for_layer
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
 from kvspec_traits.nixl import (
@@ -160,16 +160,7 @@ class LayoutFacts:
 
 
 def _members(traits: KVLayoutTraits, layers: list[str]) -> dict[str, KVLayoutTraits]:
-    if isinstance(traits, GroupTraits):
-        return {layer: traits.members[layer] for layer in layers}
-    return dict.fromkeys(layers, traits)
-
-
-def _first(traits: KVLayoutTraits) -> KVLayoutTraits:
-    # vLLM's get_representative_spec_type: a group's kind is its first member's.
-    if isinstance(traits, GroupTraits):
-        return next(iter(traits.members.values()))
-    return traits
+    return {layer: traits_for_layer(traits, layer) for layer in layers}
 
 
 def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = None
@@ -182,12 +173,12 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
     for group in kv_cache_config.transfer_groups:
         traits = reg.traits_of(group.kv_cache_spec)
         layer_traits.update(_members(traits, list(group.layer_names)))
-        kind = _first(traits)
+        kind = representative_traits(traits)
         group_is_state.append(kind.token_scope is TokenScope.RECURRENT_STATE)
         if kind.token_scope not in _NOT_TOKEN_PAGED:
             block_sizes.append(kind.block_size)
     all_groups = [reg.traits_of(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
-    has_ring = any(_first(t).token_scope is TokenScope.RING for t in all_groups)
+    has_ring = any(representative_traits(t).token_scope is TokenScope.RING for t in all_groups)
     replicated_state: list[int] = []
     if has_ring:
         for index, (group, traits) in enumerate(
