@@ -90,6 +90,11 @@ def test_attention_traits_match_vllm_byte_math(cls: type[kvi.AttentionSpec]) -> 
         replicated = spec.max_tp_shards == 1 or spec.head_size_v == 0
         assert (t.tp_layout is TPLayout.REPLICATED) == replicated
         assert t.tp_shards == (1 if replicated else spec.max_tp_shards)
+        # An independent oracle: upstream NIXL's fixed class list, which registers these
+        # classes TP-replicated. The traits must agree without any class list.
+        if isinstance(spec, kvi.MLAAttentionSpec | kvi.SlidingWindowMLASpec):
+            assert t.is_mla
+            assert t.tp_layout is TPLayout.REPLICATED
 
     check()
 
