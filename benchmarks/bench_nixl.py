@@ -209,14 +209,14 @@ def _timed(fn: Callable[[], None]) -> float:
 def main() -> int:
     quick = "--quick" in sys.argv
     if quick:
-        points = [(8, 500), (16, 500), (16, 1000)]
+        points = [(8, 1000), (16, 500), (16, 1000)]
         total, reps = 8 << 20, 3
     else:
         points = [(15, 10_000), (30, 10_000), (60, 10_000), (60, 2_500), (60, 5_000)]
         total, reps = 64 << 20, 7
     results = bench_planning(points)
     big, half_layers, half_blocks = ((60, 10_000), (30, 10_000), (60, 5_000)) if not quick \
-        else ((16, 1000), (8, 500), (16, 500))
+        else ((16, 1000), (8, 1000), (16, 500))
     print(f"\nlinearity (2x layers): plan {_ratio(results, 'plan', big, half_layers)}x, "
           f"ids {_ratio(results, 'ids', big, half_layers)}x, "
           f"items {_ratio(results, 'items', big, half_layers)}x, "
