@@ -239,6 +239,7 @@ def default_cache_dir() -> Path:
 
 
 _ANSWERING_MODULES: Final = ("_vllm_adapters.py", "_traits.py", "_group.py", "_registry.py",
+                              "_verify.py",
                               "catalog.py", "audit/_questions.py", "audit/_universe.py")
 
 
