@@ -119,32 +119,19 @@ def _abstract(spec: KVCacheSpec) -> LayoutTraits:
         "an adapter could read")
 
 
-@register_adapter(AttentionSpec, registry=BUILTINS)
-def _attention_spec(spec: AttentionSpec) -> LayoutTraits:
-    # A bare AttentionSpec keeps every token (vLLM gives it no window of its own).
+def _keeps_every_token(spec: AttentionSpec) -> LayoutTraits:
+    # FullAttentionSpec's `sliding_window`/`attention_chunk_size` only change the kernel:
+    # the manager keeps every token's block (hybrid allocator off), so the scope is FULL.
+    # A bare AttentionSpec has no window of its own either.
     return _attention(spec, scope=TokenScope.FULL, window=None)
 
 
-@register_adapter(FullAttentionSpec, registry=BUILTINS)
-def _full(spec: FullAttentionSpec) -> LayoutTraits:
-    # `sliding_window`/`attention_chunk_size` here only change the kernel: the manager
-    # keeps every token's block (hybrid allocator off), so the stored scope is FULL.
-    return _attention(spec, scope=TokenScope.FULL, window=None)
-
-
-@register_adapter(MLAAttentionSpec, registry=BUILTINS)
-def _mla(spec: MLAAttentionSpec) -> LayoutTraits:
-    return _attention(spec, scope=TokenScope.FULL, window=None)
-
-
-@register_adapter(HiddenStateCacheSpec, registry=BUILTINS)
-def _hidden_states(spec: HiddenStateCacheSpec) -> LayoutTraits:
-    return _attention(spec, scope=TokenScope.FULL, window=None)
-
-
-@register_adapter(SinkFullAttentionSpec, registry=BUILTINS)
-def _sink_full(spec: SinkFullAttentionSpec) -> LayoutTraits:
-    return _attention(spec, scope=TokenScope.FULL, window=None)
+# One function, registered for each class by name: a subclass not listed here still goes
+# through the MRO walk and its byte-math check, never silently through this list.
+for _cls in (AttentionSpec, FullAttentionSpec, MLAAttentionSpec, HiddenStateCacheSpec,
+             SinkFullAttentionSpec):
+    register_adapter(_cls, _keeps_every_token, registry=BUILTINS)
+del _cls
 
 
 @register_adapter(RSWASpec, registry=BUILTINS)
@@ -157,14 +144,12 @@ def _chunked(spec: ChunkedLocalAttentionSpec) -> LayoutTraits:
     return _attention(spec, scope=TokenScope.CHUNKED, window=spec.attention_chunk_size)
 
 
-@register_adapter(SlidingWindowSpec, registry=BUILTINS)
 def _sliding(spec: SlidingWindowSpec) -> LayoutTraits:
     return _attention(spec, scope=TokenScope.SLIDING_WINDOW, window=spec.sliding_window)
 
 
-@register_adapter(SlidingWindowMLASpec, registry=BUILTINS)
-def _sliding_mla(spec: SlidingWindowMLASpec) -> LayoutTraits:
-    return _attention(spec, scope=TokenScope.SLIDING_WINDOW, window=spec.sliding_window)
+register_adapter(SlidingWindowSpec, _sliding, registry=BUILTINS)
+register_adapter(SlidingWindowMLASpec, _sliding, registry=BUILTINS)
 
 
 @register_adapter(CircularBufferSpec, registry=BUILTINS)
