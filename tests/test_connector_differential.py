@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -62,6 +63,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import traits_of
 from kvspec_traits.nixl import HandshakeMismatchError
+from kvspec_traits.vllm_connector import CONNECTOR_NAME
 from kvspec_traits.vllm_connector._connector import (
     PeerWithoutTraitsError,
     TraitsNixlConnectorWorker,
@@ -446,12 +448,15 @@ def test_ring_and_swa_mla_sharing_a_region(build: Callable[..., Built]) -> None:
 # -- the fingerprint in the handshake -------------------------------------------------------
 
 
-def _serve_handshake(worker: NixlPullConnectorWorker) -> tuple[int, threading.Event]:
-    """Serve ``worker``'s handshake payload with upstream's own side-channel listener."""
+def _serve_handshake(worker: NixlPullConnectorWorker, payload: object = None
+                     ) -> tuple[int, threading.Event]:
+    """Serve ``worker``'s handshake payload (or ``payload``) with upstream's own
+    side-channel listener."""
     import msgspec
 
     port = _free_port()
-    encoded = {(0, 0): msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)}
+    served = worker.xfer_handshake_metadata if payload is None else payload
+    encoded = {(0, 0): msgspec.msgpack.Encoder().encode(served)}
     ready, stop = threading.Event(), threading.Event()
     thread = threading.Thread(
         target=NixlBaseConnectorScheduler._nixl_handshake_listener,
@@ -463,22 +468,45 @@ def _serve_handshake(worker: NixlPullConnectorWorker) -> tuple[int, threading.Ev
 
 def test_handshake_refuses_another_layout_with_the_named_diff(
         build: Callable[..., Built]) -> None:
+    """Through vLLM's own handshake (its socket, its compatibility-hash check, its
+    metadata decode), then the fingerprint: same layout accepted, another refused with
+    the named diff, a peer without a fingerprint refused saying how to fix it, and a
+    peer whose compatibility hash differs refused by vLLM's check before anything of
+    its metadata is decoded (it is not even metadata here)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlHandshakePayload,
+    )
+
     gqa = build(AGREE["gqa"])
     other = build(Family(lambda: [_g(_layers("model.layers.{}.self_attn.attn", range(2)),
                                      FullAttentionSpec(block_size=128, num_kv_heads=2,
                                                        head_size=64, dtype=F32))],
                          LBHNC, LLAMA))
+    foreign = NixlHandshakePayload(compatibility_hash="not-ours",
+                                   agent_metadata_bytes=b"not agent metadata")
     same_port, stop_same = _serve_handshake(gqa.traits)
     other_port, stop_other = _serve_handshake(other.traits)
     upstream_port, stop_upstream = _serve_handshake(gqa.upstream)
+    foreign_port, stop_foreign = _serve_handshake(gqa.traits, foreign)
+
+    def handshake(port: int, peer: NixlPullConnectorWorker) -> object:
+        return gqa.traits._nixl_handshake("127.0.0.1", port, 1, peer.engine_id)
+
     try:
-        gqa.traits.check_remote_layout("127.0.0.1", same_port, 1)  # same layout: accepted
-        with pytest.raises(HandshakeMismatchError) as refused:
-            gqa.traits.check_remote_layout("127.0.0.1", other_port, 1)
-        with pytest.raises(PeerWithoutTraitsError, match="sent no kvspec-traits"):
-            gqa.traits.check_remote_layout("127.0.0.1", upstream_port, 1)
+        with patch.object(gqa.traits, "add_remote_agent",
+                          return_value="agent") as added:
+            agents, _ = handshake(same_port, gqa.traits)  # type: ignore[misc]
+            assert agents == {(0, 0): "agent"} and added.call_count == 1
+            with pytest.raises(HandshakeMismatchError) as refused:
+                handshake(other_port, other.traits)
+            with pytest.raises(PeerWithoutTraitsError,
+                               match=f"sent no kvspec-traits.*{CONNECTOR_NAME}"):
+                handshake(upstream_port, gqa.upstream)
+            with pytest.raises(RuntimeError, match="compatibility hash mismatch"):
+                handshake(foreign_port, gqa.traits)
+            assert added.call_count == 1  # no refused peer was added
     finally:
-        for stop in (stop_same, stop_other, stop_upstream):
+        for stop in (stop_same, stop_other, stop_upstream, stop_foreign):
             stop.set()
     err = refused.value
     assert err.region == 0 and err.region_name == "model.layers.0.self_attn.attn"
