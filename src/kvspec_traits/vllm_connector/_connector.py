@@ -98,7 +98,7 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
 # (after its compatibility-hash check). That name is made this subclass, whose one extra
 # field is optional, so the decode keeps the peer's fingerprint for the check that
 # follows it; for every other reader the value is the same metadata.
-_bw.NixlAgentMetadata = TraitsNixlAgentMetadata  # type: ignore[misc]
+setattr(_bw, "NixlAgentMetadata", TraitsNixlAgentMetadata)  # noqa: B010 (not re-exported)
 # The peer address of the handshake running on this thread (handshakes run on vLLM's
 # background executor), for the refusal messages.
 _handshake_peer = threading.local()
@@ -161,6 +161,8 @@ class LayoutFacts:
     """Some layer does not keep every token (vLLM: the hybrid allocator is needed)."""
     has_state: bool
     has_ring: bool
+    mla: bool
+    """Some transferred layer caches one latent per token (vLLM: ``use_mla``)."""
     replicated_state_kv_cache_group: int | None
     """The cache group whose layers are all TP-replicated states next to a ring (vLLM:
     the CSA-linear PLE group)."""
@@ -208,6 +210,8 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
         has_state=any(t.token_scope is TokenScope.RECURRENT_STATE
                       for t in layer_traits.values()),
         has_ring=has_ring,
+        mla=any(t.is_mla and t.token_scope not in _NOT_TOKEN_PAGED
+                for t in layer_traits.values()),
         replicated_state_kv_cache_group=replicated_state[0] if replicated_state else None,
     )
 
@@ -242,6 +246,12 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
             and facts.hybrid)
         self._has_mamba = facts.has_state
+        # vLLM reads use_mla from the model config; the caches say it (an MLA model
+        # run under another model's config would otherwise transfer per head).
+        if self.use_mla != facts.mla:
+            logger.info("%s: use_mla %s from the KV cache layers (the model config "
+                        "says %s)", CONNECTOR_NAME, facts.mla, self.use_mla)
+        self.use_mla = facts.mla
         self._is_csa_linear = facts.has_ring
         self._ple_group_index = facts.replicated_state_kv_cache_group
         if facts.has_state and self._conv_decomp is None:
@@ -300,7 +310,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                 f"{CONNECTOR_NAME} registers device/CPU caches directly; host staging "
                 f"buffers (kv_buffer_device cpu on an accelerator) are upstream-only")
         # Through base_worker's names: vLLM's tests (and users' hooks) patch them there.
-        self.transfer_topo = _bw.TransferTopology(
+        self.transfer_topo = _bw.TransferTopology(  # type: ignore[attr-defined]
             tp_rank=self.transfer_tp_rank,
             tp_size=self.transfer_tp_size,
             block_size=self.block_size,
@@ -313,7 +323,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             tensor_shape=None if self._has_mamba else next(iter(kv_caches.values())).shape,
             is_mamba=self._has_mamba,
         )
-        self.compat_hash = _bw.compute_nixl_compatibility_hash(
+        self.compat_hash = _bw.compute_nixl_compatibility_hash(  # type: ignore[attr-defined]
             self.vllm_config, self.backend_name, transfer_mode=self._TRANSFER_MODE)
 
         plan = self.plan(kv_caches)
