@@ -22,6 +22,7 @@ __all__ = [
     "Use",
     "exits",
     "flow_context",
+    "iterables_around",
     "path_to",
     "raises",
     "test_checks",
@@ -99,10 +100,15 @@ def _strip(expr: ast.expr) -> tuple[ast.expr, bool, str, bool, str]:
             else:
                 outer = not outer
             continue
-        if (not quantifier and isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name)
-                and expr.func.id in ("any", "all") and len(expr.args) == 1
-                and isinstance(expr.args[0], ast.GeneratorExp | ast.ListComp)
-                and len(expr.args[0].generators) == 1):
+        if (
+            not quantifier
+            and isinstance(expr, ast.Call)
+            and isinstance(expr.func, ast.Name)
+            and expr.func.id in ("any", "all")
+            and len(expr.args) == 1
+            and isinstance(expr.args[0], ast.GeneratorExp | ast.ListComp)
+            and len(expr.args[0].generators) == 1
+        ):
             quantifier, over = expr.func.id, ast.unparse(expr.args[0].generators[0].iter)
             expr = expr.args[0].elt
             continue
@@ -193,26 +199,47 @@ def path_to(scope: ast.AST, target: ast.stmt) -> list[tuple[ast.AST, str, list[a
     return []
 
 
+def iterables_around(region: ast.AST, node: ast.AST) -> set[str]:
+    """The iterables (as written) of the comprehensions in ``region`` that hold ``node``."""
+    return {
+        ast.unparse(g.iter)
+        for n in ast.walk(region)
+        if isinstance(n, ast.GeneratorExp | ast.ListComp | ast.SetComp | ast.DictComp)
+        and _contains(n, node)
+        for g in n.generators
+    }
+
+
 def _contains(tree: ast.AST, node: ast.AST) -> bool:
     return any(sub is node for sub in ast.walk(tree))
 
 
-def _trait_guard(test: ast.expr, subject: str, attributes: frozenset[str],
-                 line: int) -> TraitGuard | None:
+def _trait_guard(
+    test: ast.expr, subject: str, attributes: frozenset[str], line: int
+) -> TraitGuard | None:
     # `if not <subject>.prefix_cacheable: <exit>` -> the False value cannot get past.
     inner, flipped, quantifier, _, _ = _strip(test)
     if quantifier:
         return None
-    if (isinstance(inner, ast.Attribute) and inner.attr in attributes
-            and ast.unparse(inner.value) == subject):
+    if (
+        isinstance(inner, ast.Attribute)
+        and inner.attr in attributes
+        and ast.unparse(inner.value) == subject
+    ):
         # the exit runs when the attribute is (not flipped) true / (flipped) false
         return TraitGuard(name=inner.attr, excluded="False" if flipped else "True", line=line)
     return None
 
 
-def flow_context(scope: ast.AST, region: ast.AST, subject: str, check_of: CheckOf, *,
-                 own: ast.AST, trait_attributes: frozenset[str],
-                 ) -> tuple[tuple[Constraint, ...], tuple[TraitGuard, ...]]:
+def flow_context(
+    scope: ast.AST,
+    region: ast.AST,
+    subject: str,
+    check_of: CheckOf,
+    *,
+    own: ast.AST,
+    trait_attributes: frozenset[str],
+) -> tuple[tuple[Constraint, ...], tuple[TraitGuard, ...]]:
     """Constraints on ``subject`` that hold where ``region`` (the statement holding the
     check ``own``) runs: from enclosing ``if``/``elif`` tests, earlier early exits and
     asserts in every enclosing block."""
@@ -222,9 +249,7 @@ def flow_context(scope: ast.AST, region: ast.AST, subject: str, check_of: CheckO
     guards: list[TraitGuard] = []
     # A check inside `any(... for v in it)` speaks of v only within that iteration: a
     # quantified constraint applies when the site iterates over the same `it`.
-    site_over = {ast.unparse(g.iter) for n in ast.walk(region)
-                 if isinstance(n, ast.GeneratorExp | ast.ListComp | ast.SetComp | ast.DictComp)
-                 and _contains(n, own) for g in n.generators}
+    site_over = iterables_around(region, own)
 
     def add(test: ast.expr, when_true: bool, why: str, line: int) -> None:
         for use in test_checks(test, check_of):
@@ -245,8 +270,7 @@ def flow_context(scope: ast.AST, region: ast.AST, subject: str, check_of: CheckO
 
     for holder, name, block, index in path_to(scope, region):
         if isinstance(holder, ast.If | ast.While) and name in ("body", "orelse"):
-            add(holder.test, name == "body", "elif" if name == "orelse" else "if",
-                holder.lineno)
+            add(holder.test, name == "body", "elif" if name == "orelse" else "if", holder.lineno)
         for stmt in block[:index]:
             if isinstance(stmt, ast.If) and exits(stmt.body):
                 add(stmt.test, False, "early exit", stmt.lineno)

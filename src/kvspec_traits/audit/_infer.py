@@ -229,7 +229,7 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         # does not take out of A gets through.
         taken_out = u.subclasses(raw.excluded)
         neg = _best(u, taken_out)
-        if neg is not None and neg.exact or neg is not None and neg.near:
+        if neg is not None and (neg.exact or neg.near):
             answer = _answer(neg, raw, negated=not raw.negated)
             missing = (neg.value_classes - taken_out - neg.varies) & u.subclasses(tested)
             negative = True
@@ -244,8 +244,14 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
 
     verdict: Verdict = "ok"
     confidence: Confidence = "high"
-    reason = "asks exactly one trait's classes" if answer and answer.match == "exact" else \
-        "no single trait: a class-identity check"
+    if raw.unwraps:
+        reason = "tests the group wrapper and reads its members (an unwrap)"
+    elif answer and answer.match == "exact":
+        reason = "asks exactly one trait's classes"
+    elif answer and answer.match == "closest":
+        reason = "closest to one trait, but also accepts classes of another value"
+    else:
+        reason = "no single trait: a class-identity check"
     exited = u.subclasses(raw.exited_on)
     if raw.form == "class-dict" and raw.subclass_safe:
         reason = "a table looked up along type(x).__mro__: subclasses find their base's entry"

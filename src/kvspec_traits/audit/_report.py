@@ -126,8 +126,8 @@ def render_table(result: AuditResult, out: TextIO) -> None:
                           f"has ({', '.join(sorted(u.group_attributes)) or 'its members'})\n")
             if site.verdict == "unknown-class":
                 out.write(f"{pad}UNKNOWN CLASS: {', '.join(site.unknown)}\n")
-            out.write(f"{pad}verdict: {site.verdict} ({site.confidence}): {site.reason}\n")
             out.write(f"{pad}trait: {_answer_text(site)}\n")
+            out.write(f"{pad}verdict: {site.verdict} ({site.confidence}): {site.reason}\n")
     if result.errors:
         out.write(f"\ncould not scan {len(result.errors)} file(s):\n")
         for err in result.errors:
@@ -135,7 +135,8 @@ def render_table(result: AuditResult, out: TextIO) -> None:
     n = summary(result)
     out.write(
         f"\n{_count(n['sites'], 'site')} in {_count(n['files_with_sites'], 'file')}; "
-        f"{n['sites_with_misses']} with misses, "
+        f"{n['sites_with_misses']} with misses, {n['possible_misses']} possible, "
+        f"{n['deliberate']} deliberate, "
         f"{_count(n['exact_type_checks_skipping_subclasses'], 'exact type check')} skipping "
         f"subclasses, {_count(n['group_wrappers_not_unwrapped'], 'group wrapper')} not "
         f"unwrapped; {_count(n['files_seen'], 'file')} seen, {n['files_parsed']} parsed, "

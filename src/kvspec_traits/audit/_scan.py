@@ -18,6 +18,7 @@ from kvspec_traits.audit._flow import (
     TraitGuard,
     exits,
     flow_context,
+    iterables_around,
     raises,
     test_checks,
 )
@@ -513,15 +514,13 @@ class _Finder:
         # the subject x; names of dicts looked up with such a variable.
         self.mro_vars: dict[str, str] = {}
         self.mro_dicts: set[str] = set()
-        self._exits: dict[int, tuple[tuple[str, tuple[str, ...], int], ...]] = {}
+        self._exits: dict[int, tuple[tuple[str, tuple[str, ...], int, str], ...]] = {}
         self._refused: tuple[str, ...] | None = None
 
     def _find_mro_walks(self, tree: ast.Module) -> None:
         for node in ast.walk(tree):
             pairs: list[tuple[ast.expr, ast.expr]] = []
-            if isinstance(node, ast.For | ast.AsyncFor):
-                pairs.append((node.target, node.iter))
-            elif isinstance(node, ast.comprehension):
+            if isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
                 pairs.append((node.target, node.iter))
             for target, it in pairs:
                 if (isinstance(target, ast.Name) and isinstance(it, ast.Attribute)
@@ -850,19 +849,19 @@ class _Finder:
                     return nodes + list(block[i + 1:])
         return nodes
 
-    def _exit_checks(self, top: ast.AST) -> tuple[tuple[str, tuple[str, ...], int], ...]:
+    def _exit_checks(self, top: ast.AST) -> tuple[tuple[str, tuple[str, ...], int, str], ...]:
         # (subject, classes, position) of every check an exit in `top` is taken on when
         # it holds: `if isinstance(s, X): return False` handles X explicitly.
         cached = self._exits.get(id(top))
         if cached is None:
-            found: list[tuple[str, tuple[str, ...], int]] = []
+            found: list[tuple[str, tuple[str, ...], int, str]] = []
             body = getattr(top, "body", [])
             for stmt in _all_statements(body if isinstance(body, list) else []):
                 if isinstance(stmt, ast.If) and exits(stmt.body):
                     for use in test_checks(stmt.test, self.check_of):
                         if use.triggers:
                             found.append((use.check.subject, use.check.classes,
-                                          _position(use.check.node)))
+                                          _position(use.check.node), use.over))
             cached = self._exits[id(top)] = tuple(found)
         return cached
 
@@ -918,8 +917,10 @@ class _Finder:
                 trait_attributes=_TRAIT_ATTRIBUTES)
         if self.top is not None and self.top is not self.tree:
             own = _position(check.node)
-            exited = _dedup(c for subject, classes, where in self._exit_checks(self.top)
-                            for c in classes if subject == check.subject and where != own)
+            site_over = iterables_around(self.stmt, check.node) if self.stmt else set()
+            exited = _dedup(c for subject, classes, where, over in self._exit_checks(self.top)
+                            for c in classes if subject == check.subject and where != own
+                            and (not over or over in site_over))
         node = check.node
         last = end if end is not None else node
         line: int = getattr(node, "lineno", 0)
