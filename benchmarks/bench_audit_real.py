@@ -25,81 +25,19 @@ Exit status 1 when a present tree misses a target (precision >= 0.8, misses flag
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvspec_traits.audit import audit_paths, load_universe
+from kvspec_traits.audit._measure import Reported, line_sha, reported_sites, score
 from kvspec_traits.audit._universe import installed_vllm_dir
 
 DATA = Path(__file__).parent / "data" / "audit_hand_checked.json"
 TARGETS = {"precision": 0.8, "flagged": 0.8, "found": 0.95, "seconds": 5.0}
-
-
-@dataclass(frozen=True, slots=True)
-class Reported:
-    """A site as the audit reported it: where, and whether its verdict is ``miss``."""
-
-    path: str
-    line: int
-    end_line: int
-    miss: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Score:
-    flagged: int
-    flagged_true: int
-    unchecked: tuple[str, ...]
-    true_misses: int
-    true_flagged: int
-    sites: int
-    sites_found: int
-
-    @property
-    def precision(self) -> float:
-        return self.flagged_true / self.flagged if self.flagged else 1.0
-
-    @property
-    def recall(self) -> float:
-        return self.true_flagged / self.true_misses if self.true_misses else 1.0
-
-    @property
-    def found(self) -> float:
-        return self.sites_found / self.sites if self.sites else 1.0
-
-
-def score(tree: dict[str, Any], reported: Iterable[Reported]) -> Score:
-    """Compare one tree's reported sites with its hand-checked entries."""
-    reported = list(reported)
-    truth = {(c["path"], c["line"]): c["truth"] for c in tree["checked"]}
-    flagged = [r for r in reported if r.miss]
-    flagged_true = sum(truth.get((r.path, r.line)) == "miss" for r in flagged)
-    unchecked = tuple(f"{r.path}:{r.line}" for r in flagged if (r.path, r.line) not in truth)
-    true_misses = [key for key, t in truth.items() if t == "miss"]
-    misses_at = {(r.path, r.line) for r in flagged}
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for r in reported:
-        spans.setdefault(r.path, []).append((r.line, r.end_line))
-    found = sum(any(a <= s["line"] <= b for a, b in spans.get(s["path"], ()))
-                for s in tree["sites"])
-    return Score(flagged=len(flagged), flagged_true=flagged_true, unchecked=unchecked,
-                 true_misses=len(true_misses),
-                 true_flagged=sum(key in misses_at for key in true_misses),
-                 sites=len(tree["sites"]), sites_found=found)
-
-
-def _line_sha(root: Path, path: str, line: int) -> str | None:
-    try:
-        text = (root / path).read_text(errors="replace").splitlines()[line - 1]
-    except (OSError, IndexError):
-        return None
-    return hashlib.sha1(text.strip().encode()).hexdigest()[:12]
 
 
 def tree_root(tree: dict[str, Any], trees_dir: Path | None) -> tuple[Path | None, str]:
@@ -112,10 +50,12 @@ def tree_root(tree: dict[str, Any], trees_dir: Path | None) -> tuple[Path | None
     if root is None or not root.is_dir():
         return None, "not present"
     entries = [*tree["sites"], *tree["checked"]]
-    stale = sum(_line_sha(root, e["path"], e["line"]) != e["sha"] for e in entries)
+    stale = sum(line_sha(root, e["path"], e["line"]) != e["sha"] for e in entries)
     if stale:
-        return None, (f"{stale} of {len(entries)} listed lines differ: not the checked "
-                      f"version ({tree['commit']})")
+        return None, (
+            f"{stale} of {len(entries)} listed lines differ: not the checked "
+            f"version ({tree['commit']})"
+        )
     return root, ""
 
 
@@ -146,17 +86,21 @@ def run(tree: dict[str, Any], root: Path) -> tuple[list[Reported], float]:
         start = time.process_time()
         result = audit_paths(targets, universe)
         best = min(best, time.process_time() - start)
-        reported = [Reported(_relative(s.path, root), s.raw.line, s.raw.end_line, s.has_miss)
-                    for s in result.sites]
+        reported = reported_sites(result, root)
     return reported, best
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trees", type=Path, help="folder holding the fetched trees")
-    p.add_argument("--json", type=Path, nargs="+", metavar="REPORT",
-                   help="score saved --json reports of the first present tree instead of "
-                        "running the audit (for an older version's numbers)")
+    p.add_argument(
+        "--json",
+        type=Path,
+        nargs="+",
+        metavar="REPORT",
+        help="score saved --json reports of the first present tree instead of "
+        "running the audit (for an older version's numbers)",
+    )
     p.add_argument("--only", action="append", default=[], help="score only these trees")
     args = p.parse_args(argv)
     data = json.loads(DATA.read_text())
@@ -174,20 +118,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             reported, seconds = run(tree, root)
         s = score(tree, reported)
-        totals = [a + b for a, b in zip(totals, (s.flagged, s.flagged_true, s.true_misses,
-                                                 s.true_flagged, s.sites, s.sites_found))]
-        print(f"{tree['name']} ({tree['commit']}): MISSES precision {s.flagged_true}/"
-              f"{s.flagged} = {s.precision:.0%}; true misses flagged {s.true_flagged}/"
-              f"{s.true_misses} = {s.recall:.0%}; sites found {s.sites_found}/{s.sites} = "
-              f"{s.found:.1%}; audit {seconds:.2f} s CPU")
+        totals = [
+            a + b
+            for a, b in zip(
+                totals,
+                (s.flagged, s.flagged_true, s.true_misses, s.true_flagged, s.sites, s.sites_found),
+                strict=True,
+            )
+        ]
+        print(
+            f"{tree['name']} ({tree['commit']}): MISSES precision {s.flagged_true}/"
+            f"{s.flagged} = {s.precision:.0%}; true misses flagged {s.true_flagged}/"
+            f"{s.true_misses} = {s.recall:.0%}; sites found {s.sites_found}/{s.sites} = "
+            f"{s.found:.1%}; audit {seconds:.2f} s CPU"
+        )
         if s.unchecked:
             print(f"  flagged but not in the hand-checked list: {', '.join(s.unchecked)}")
-        failed |= (s.precision < TARGETS["precision"] or s.recall < TARGETS["flagged"]
-                   or s.found < TARGETS["found"] or seconds > TARGETS["seconds"])
+        failed |= (
+            s.precision < TARGETS["precision"]
+            or s.recall < TARGETS["flagged"]
+            or s.found < TARGETS["found"]
+            or seconds > TARGETS["seconds"]
+        )
     f, ft, tm, tf, n, nf = totals
     if n:
-        print(f"all present trees: MISSES precision {ft}/{f}; true misses flagged {tf}/{tm}; "
-              f"sites found {nf}/{n}")
+        print(
+            f"all present trees: MISSES precision {ft}/{f}; true misses flagged {tf}/{tm}; "
+            f"sites found {nf}/{n}"
+        )
         if f:
             failed |= ft / f < TARGETS["precision"]
     else:
