@@ -299,6 +299,11 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     elif skipped and "subclass-comment" in raw.context:
         verdict, confidence = "deliberate", "medium"
         reason = "exact type check with a comment about subclasses just above"
+    elif skipped and raw.form == "class-compare":
+        verdict, confidence = "exact-type", "low"
+        reason = (f"a class read elsewhere (a registry answer, a stored type) compared by "
+                  f"identity: whether subclasses ({', '.join(skipped)}) can reach it depends "
+                  f"on where it comes from")
     elif skipped:
         verdict, confidence = "exact-type", "medium"
         reason = f"exact type check skips subclasses {', '.join(skipped)}"
