@@ -36,7 +36,10 @@ def _jsonable(value: Any) -> Any:
 
 
 def _collect() -> tuple[list[_Row], list[str], list[str], list[str], str]:
-    import vllm
+    from kvspec_traits._deps import needs
+
+    with needs("listing the traits of the installed vLLM's KV cache specs"):
+        import vllm
 
     from kvspec_traits import UnsupportedSpecError, default_registry, traits_as_dict, traits_of
     from kvspec_traits.catalog import refused_specs, representative_specs, spec_classes
@@ -108,7 +111,13 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
 
 
 def _report(args: argparse.Namespace) -> int:
-    rows, found, missing, extra, version = _collect()
+    from kvspec_traits._errors import MissingDependencyError
+
+    try:
+        rows, found, missing, extra, version = _collect()
+    except MissingDependencyError as exc:
+        print(f"kvspec-traits report: {exc}", file=sys.stderr)
+        return 2
     ok = all(r.ok for r in rows) and not missing
     if args.json:
         json.dump({"vllm_version": version, "ok": ok, "classes_found": found,
