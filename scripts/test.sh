@@ -46,7 +46,7 @@ pytest_on() {
   local m=$mark
   if [ -n "$extra" ]; then m="$extra${mark:+ and ($mark)}"; fi
   PYTHONPATH=${prefix:+$prefix:}$SRC KVSPEC_EXPECT_VLLM=$version \
-    "$PY" -m pytest -q -p no:cacheprovider ${m:+-m "$m"}
+    "$PY" -m pytest -p no:cacheprovider ${m:+-m "$m"}
 }
 
 # conformance SERIES: vLLM's own NIXL connector tests with upstream's classes and with

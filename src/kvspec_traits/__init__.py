@@ -8,6 +8,7 @@ torch; the built-in adapters load the first time a spec is resolved.
 from kvspec_traits._errors import (
     AdapterConflictError,
     AdapterPluginError,
+    MissingDependencyError,
     MixedGroupTraitsError,
     TraitsMismatchError,
     UnsupportedSpecError,
@@ -40,6 +41,7 @@ __all__ = [
     "GroupTraits",
     "KVLayoutTraits",
     "LayoutTraits",
+    "MissingDependencyError",
     "MixedGroupTraitsError",
     "PageComponent",
     "Registry",

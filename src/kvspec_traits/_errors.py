@@ -7,6 +7,7 @@ from typing import Any
 __all__ = [
     "AdapterConflictError",
     "AdapterPluginError",
+    "MissingDependencyError",
     "MixedGroupTraitsError",
     "TraitsMismatchError",
     "UnsupportedSpecError",
@@ -103,6 +104,22 @@ class AdapterPluginError(RuntimeError):
     def __init__(self, entry_point: str, message: str) -> None:
         self.entry_point = entry_point
         super().__init__(message)
+
+
+class MissingDependencyError(ModuleNotFoundError):
+    """A part of kvspec-traits needs a package that is not installed.
+
+    ``.name`` is the missing top-level module (as for any ``ModuleNotFoundError``),
+    ``.feature`` the part that needs it and ``.install`` what to install. The core
+    (``import kvspec_traits``) needs nothing; resolving vLLM specs needs vLLM and its
+    torch, the NIXL shim numpy and NIXL, the connector plugin vLLM.
+    """
+
+    def __init__(self, name: str, feature: str, install: str) -> None:
+        self.feature = feature
+        self.install = install
+        super().__init__(f"{feature} needs the {name!r} module, which is not installed. "
+                         f"{install}", name=name)
 
 
 def _describe(adapter: object) -> str:

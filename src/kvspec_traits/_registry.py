@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Final, TypeVar, overload
 
+from kvspec_traits._deps import needs
 from kvspec_traits._errors import AdapterConflictError, AdapterPluginError, UnsupportedSpecError
 from kvspec_traits._traits import KVLayoutTraits
 from kvspec_traits._verify import first_mismatch, verify
@@ -227,7 +228,9 @@ class Registry:
             before = dict(self._adapters)
             try:
                 if self._want_builtins:
-                    builtins = importlib.import_module(_BUILTIN_MODULE).BUILTINS
+                    # The built-in adapters import vLLM and torch, never pinned by us.
+                    with needs("resolving vLLM KV cache specs (kvspec_traits.traits_of)"):
+                        builtins = importlib.import_module(_BUILTIN_MODULE).BUILTINS
                     for spec_type, adapter in builtins._adapters.items():
                         self._adapters.setdefault(spec_type, adapter)
                 if self._want_entry_points:
