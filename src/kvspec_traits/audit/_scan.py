@@ -629,7 +629,7 @@ class _Finder:
         pairs = [(left, right)] if is_in else [(left, right), (right, left)]
         for other, const in pairs:
             kinds = self.r.kind_members(const)
-            if kinds and not (is_in and const is left):
+            if kinds:
                 subject = ast.unparse(other)
                 if isinstance(other, ast.Call) and len(other.args) == 1:
                     ref = self.r.dotted(other.func)
@@ -653,8 +653,8 @@ class _Finder:
             if is_in and const is right and isinstance(const, ast.Constant):
                 continue  # `x in "MambaSpec"` is a substring test
             side = self._name_side(other)
-            if side is None:
-                continue
+            if side is None or (is_in and const is left and side[0] != "mro-walk"):
+                continue  # `"MambaSpec" in registry` asks about a table, not an object
             form, subject = side
             return _Check(node, form, subject, ast.unparse(node), ast.unparse(const), names,
                           neg, exact=form != "mro-walk")
