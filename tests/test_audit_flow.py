@@ -183,6 +183,8 @@ OOT: list[Row] = [
         (HIDDEN, "PlatformMLASpec", "ScaledMLASpec"),
         (),
     ),
+    # a class imported from code the audit does not see: still a miss, said so, medium
+    ("oot/user.py", 27, "isinstance", "miss", "medium", NEAR_MLA, (SWMLA,), (), (), ()),
 ]
 
 
@@ -230,6 +232,16 @@ def test_out_of_tree_classes_join_the_class_tree(universe: Universe) -> None:
     }
     assert result.universe.unknown == {"ScaledMLASpec", "PlatformSlidingWindowMLASpec"}
     assert "PlatformMLASpec" not in universe.classes
+
+
+def test_a_class_the_audit_does_not_know_is_named(universe: Universe) -> None:
+    result = audit_paths([FIXTURES / "oot"], universe, display_root=FIXTURES)
+    (site,) = [s for s in result.sites if s.raw.line == 27]
+    assert site.raw.others == ("ExternalMLASpec",)
+    assert site.reason.endswith(
+        "also tests ExternalMLASpec, no spec class the audit knows "
+        "(defined outside the scanned code?)"
+    )
 
 
 def test_every_verdict_has_a_reason(flow: AuditResult) -> None:

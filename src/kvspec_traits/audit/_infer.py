@@ -293,6 +293,10 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
             if unknown:
                 confidence = "medium"
                 reason += f"; also names {', '.join(unknown)} (unknown traits)"
+            if raw.others:
+                confidence = "medium"
+                reason += (f"; also tests {', '.join(raw.others)}, no spec class the audit "
+                           f"knows (defined outside the scanned code?)")
     elif skipped and not (set(skipped) - exited):
         verdict, confidence = "deliberate", "medium"
         reason = "exact type check; the subclasses it skips are handled by an explicit exit"
@@ -319,6 +323,8 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
                   f"code names")
     if unknown and verdict == "ok":
         reason += f"; names {', '.join(unknown)} (unknown traits: adds fields)"
+    if raw.others and verdict != "miss":
+        reason += f"; also tests {', '.join(raw.others)}, no spec class the audit knows"
     return Site(path=path, raw=raw, branch_classes=tuple(sorted(as_written)), answer=answer,
                 missing=tuple(sorted(missing)), skipped_subclasses=skipped,
                 wrapper_not_unwrapped=wrapper, no_representative=no_rep, verdict=verdict,

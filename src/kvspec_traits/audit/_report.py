@@ -166,6 +166,7 @@ def site_json(site: Site) -> dict[str, Any]:
         "excluded_by_flow": list(site.excluded_by_flow),
         "skipped_subclasses": list(site.skipped_subclasses),
         "unknown": list(site.unknown),
+        "other_classes": list(r.others),
         "kinds": list(r.kinds),
         "verdict": site.verdict, "confidence": site.confidence, "reason": site.reason,
         "wrapper_not_unwrapped": site.wrapper_not_unwrapped,

@@ -89,7 +89,9 @@ class RawSite:
     asserted; ``validation``: it guards a ``raise``; ``chain-raises``: its if/elif chain
     ends in ``else: raise``; ``subclass-comment``: a comment just above speaks of
     subclasses); ``kinds`` the ``KVCacheSpecKind`` members a spec-kind site compares with;
-    ``subclass_safe`` a class-keyed dict looked up along ``type(x).__mro__``.
+    ``subclass_safe`` a class-keyed dict looked up along ``type(x).__mro__``; ``others``
+    the names in the class operand that are no spec class the audit knows (a class defined
+    outside the scanned code, tested next to spec classes).
     """
 
     line: int
@@ -112,6 +114,7 @@ class RawSite:
     context: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()
     subclass_safe: bool = False
+    others: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -626,7 +629,7 @@ class _Finder:
         pairs = [(left, right)] if is_in else [(left, right), (right, left)]
         for other, const in pairs:
             kinds = self.r.kind_members(const)
-            if kinds and not (is_in and const is left):
+            if kinds:
                 subject = ast.unparse(other)
                 if isinstance(other, ast.Call) and len(other.args) == 1:
                     ref = self.r.dotted(other.func)
@@ -650,8 +653,8 @@ class _Finder:
             if is_in and const is right and isinstance(const, ast.Constant):
                 continue  # `x in "MambaSpec"` is a substring test
             side = self._name_side(other)
-            if side is None:
-                continue
+            if side is None or (is_in and const is left and side[0] != "mro-walk"):
+                continue  # `"MambaSpec" in registry` asks about a table, not an object
             form, subject = side
             return _Check(node, form, subject, ast.unparse(node), ast.unparse(const), names,
                           neg, exact=form != "mro-walk")
@@ -901,6 +904,21 @@ class _Finder:
                 flags.append("subclass-comment")
         return tuple(flags)
 
+    def _others(self, node: ast.AST) -> tuple[str, ...]:
+        # `isinstance(s, (MLAAttentionSpec, XMLASpec))` with XMLASpec imported from code the
+        # audit does not see: say so rather than read the tuple as if it were not there.
+        operand: ast.expr | None = None
+        if isinstance(node, ast.Call) and len(node.args) >= 2:
+            operand = node.args[1]
+        elif isinstance(node, ast.Compare) and node.comparators:
+            operand = node.comparators[0]
+        if not isinstance(operand, ast.Tuple | ast.List | ast.Set):
+            return ()
+        return tuple(ast.unparse(e) for e in operand.elts
+                     if isinstance(e, ast.Name | ast.Attribute) and not self.r.classes_of(e)
+                     and not self.r.is_builtin(e, "type")
+                     and _last_name(e)[:1].isupper())
+
     def _emit(self, check: _Check, func: str, region: ast.AST, *,
               end: ast.AST | None = None, subclass_safe: bool = False) -> None:
         unwraps: bool | None = None
@@ -925,6 +943,7 @@ class _Finder:
         last = end if end is not None else node
         line: int = getattr(node, "lineno", 0)
         end_line: int = getattr(last, "end_lineno", None) or line
+        others = self._others(check.node)
         self.sites.append(RawSite(
             line=line, col=getattr(node, "col_offset", 0), end_line=end_line,
             function=func, form=check.form, subject=check.subject, text=check.text,
@@ -934,7 +953,7 @@ class _Finder:
             exact=check.exact, unwraps=unwraps, excluded=check.excluded,
             constraints=constraints, trait_guards=guards, exited_on=exited,
             refused=self._refusals(), context=self._context(check, region),
-            kinds=check.kinds, subclass_safe=subclass_safe))
+            kinds=check.kinds, subclass_safe=subclass_safe, others=others))
         self._consume(node)
 
 

@@ -1,9 +1,11 @@
 """The spec classes of the installed vLLM and each class's answer to every trait question.
 
-This is the only part of the audit that imports vLLM, and only through
-:mod:`kvspec_traits.catalog` on a cache miss: the answers come from the adapters applied to
-the catalog's representative real specs. The result is plain data (class names, MRO names,
-value labels) cached as JSON, so scanning never imports vLLM and never compares classes.
+This is the only part of the audit that imports vLLM, and only on a cache miss: through
+:mod:`kvspec_traits.catalog` (the answers come from the adapters applied to the catalog's
+representative real specs), and for vLLM's own ``get_kv_cache_spec_kind`` (so
+``KVCacheSpecKind`` comparisons are read with vLLM's mapping from classes to kinds). The
+result is plain data (class names, MRO names, value labels, kinds) cached as JSON, so
+scanning never imports vLLM and never compares classes.
 """
 
 from __future__ import annotations
