@@ -219,7 +219,11 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
 class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     """vLLM's pull-mode NIXL worker with its layout decisions taken from traits."""
 
-    region_plan: RegionPlan | None
+    # Class-level defaults: vLLM's tests (and tools) build workers with object.__new__
+    # and set only upstream's attributes before register_kv_caches.
+    region_plan: RegionPlan | None = None
+    traits_fingerprint: PlanFingerprint | None = None
+    _traits_registry: Registry = default_registry
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str,
                  kv_cache_config: KVCacheConfig, *, registry: Registry | None = None
@@ -227,10 +231,16 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self._traits_registry = registry if registry is not None else default_registry
         # Before super().__init__: its block-size sync hook (below) needs them.
         self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
-        self.region_plan = None
-        self.traits_fingerprint: PlanFingerprint | None = None
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._check_upstream_group_kinds()
+
+    def _layout_facts(self) -> LayoutFacts:
+        """The layout facts (computed here for a worker built without __init__)."""
+        facts: LayoutFacts | None = self.__dict__.get("layout_facts")
+        if facts is None:
+            facts = layout_facts(self.kv_cache_config, self._traits_registry)
+            self.layout_facts = facts
+        return facts
 
     # -- decisions vLLM takes in __init__ ---------------------------------------------
 
@@ -411,9 +421,10 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self._ple_block_len = None
         if self._ple_region_index is not None:
             region = regions[self._ple_region_index]
-            state_pages = [self.layout_facts.layer_traits[layer].page_size_bytes
+            layer_traits = self._layout_facts().layer_traits
+            state_pages = [layer_traits[layer].page_size_bytes
                            for layer in region.layers
-                           if self.layout_facts.layer_traits[layer].token_scope
+                           if layer_traits[layer].token_scope
                            is TokenScope.RECURRENT_STATE]
             # Per kernel block, as vLLM keeps it (it reads ratio of them per page).
             self._ple_block_len = (max(state_pages)
