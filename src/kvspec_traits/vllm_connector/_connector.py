@@ -301,11 +301,8 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
 
     def plan(self, kv_caches: Mapping[str, torch.Tensor]) -> RegionPlan:
         """The region plan of ``kv_caches`` for this rank (no NIXL calls)."""
-        for group in self.kv_cache_config.transfer_groups:
-            if group.host_resident:
-                raise NotImplementedError(
-                    f"{CONNECTOR_NAME} does not transfer host-resident (HiSparse) cache "
-                    f"groups; use upstream's NixlConnector for this model")
+        # Host-resident (HiSparse) groups are planned over the host pool's block count
+        # (the planner reads KVCacheConfig.hisparse_host_num_blocks), as vLLM does.
         # vLLM's descriptor ids count kernel blocks (its worker's block_size and
         # num_blocks are per kernel block), so the regions must be planned in them.
         return plan_regions(kv_caches, self.kv_cache_config,
