@@ -153,6 +153,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def _write_report(*, partial: bool) -> None:
     path = os.environ.get("KVSPEC_CONFORMANCE_REPORT")
+    _binding["traits_workers_constructed"] = _constructed[0]
     if path:
         tmp = Path(path + ".tmp")
         tmp.write_text(
