@@ -634,3 +634,21 @@ def test_pipeline_parallel_peers_are_refused_before_any_connection(
     # Port 1 is never contacted: the refusal comes before vLLM's handshake and ours.
     with pytest.raises(UnsupportedPipelineParallelError, match="pipeline-parallel size 1"):
         gqa.traits._nixl_handshake("127.0.0.1", 1, 1, "remote-engine", 1, 2)
+
+
+def test_use_mla_comes_from_the_layers_not_the_model_config(
+        build: Callable[..., Built]) -> None:
+    """MLA caches under a model config that says no MLA (a Llama config): upstream's
+    worker takes use_mla from the config (False: it would transfer per head, with the
+    config's head count); the traits worker from the layers (True). Under the matching
+    config both say True."""
+    mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, max_tp_shards=1, head_size=576,
+                           dtype=F32)  # block 128: the CPU backend of a Llama config
+    built = build(Family(lambda: [_g(_layers("model.layers.{}.self_attn.attn", range(2)),
+                                     mla)], LBHNC, LLAMA))
+    assert built.vllm_config.model_config.use_mla is False
+    assert built.upstream.use_mla is False
+    assert built.traits.use_mla is True
+    assert built.traits.transfer_topo is not None and built.traits.transfer_topo.is_mla
+    gqa = build(AGREE["gqa"])
+    assert gqa.traits.use_mla is False and gqa.upstream.use_mla is False

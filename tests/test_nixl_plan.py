@@ -36,7 +36,6 @@ from kvspec_traits.nixl import (
     MissingLayerError,
     MissingPeerError,
     Read,
-    RegionConflictError,
     RegionPlan,
     UnsupportedLayoutError,
     block_desc_ids,
@@ -218,17 +217,27 @@ def test_replicated_page_sharing_a_sharded_state_refuses_a_tp_change() -> None:
         Read(1, 0, 0, region.block_len),)
 
 
-def test_members_disagreeing_on_replication_are_refused() -> None:
+def test_a_replicated_member_of_a_split_region_is_read_in_slices() -> None:
+    """An MLA page aliasing a head-sharded page (vLLM registers both in one region, as
+    CSA-linear models share main-KV and ring pages): the region is SPLIT, as upstream
+    makes it. Slices of an MLA-owned block read from several ranks are right, since
+    every rank holds the same latent bytes; the reverse (REPLICATE over heads) would
+    read one rank's heads only."""
     gqa = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=288, dtype=torch.bfloat16)
     mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
                            dtype=torch.bfloat16)
     config, caches = _alias_groups(("model.layers.0.attn", mla), ("model.layers.0.gqa", gqa),
                                    KVCacheLayout.LBHNC)
-    with pytest.raises(RegionConflictError, match="tp_layout") as info:
-        plan_regions(caches, config)
-    assert info.value.region == "model.layers.0.attn"
-    assert info.value.values == {"model.layers.0.attn": TPLayout.REPLICATED,
-                                 "model.layers.0.gqa": TPLayout.HEAD_SHARDED}
+    (region,) = plan_regions(caches, config).regions
+    # One KV head: every rank holds the same bytes of it, so the latent decides.
+    assert region.replicated and region.tp_layout is TPLayout.REPLICATED
+    gqa2 = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=144,
+                             dtype=torch.bfloat16)
+    config, caches = _alias_groups(("model.layers.0.attn", mla),
+                                   ("model.layers.0.gqa", gqa2), KVCacheLayout.LBHNC)
+    (region,) = plan_regions(caches, config).regions
+    assert not region.replicated and region.tp_layout is TPLayout.HEAD_SHARDED
+    assert region.num_head_slots == 2  # the sharded member's
 
 
 def test_gpt_oss_full_and_sliding_layers_share_regions() -> None:

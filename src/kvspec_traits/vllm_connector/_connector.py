@@ -219,7 +219,11 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
 class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     """vLLM's pull-mode NIXL worker with its layout decisions taken from traits."""
 
-    region_plan: RegionPlan | None
+    # Class-level defaults: vLLM's tests (and tools) build workers with object.__new__
+    # and set only upstream's attributes before register_kv_caches.
+    region_plan: RegionPlan | None = None
+    traits_fingerprint: PlanFingerprint | None = None
+    _traits_registry: Registry = default_registry
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str,
                  kv_cache_config: KVCacheConfig, *, registry: Registry | None = None
@@ -227,10 +231,16 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self._traits_registry = registry if registry is not None else default_registry
         # Before super().__init__: its block-size sync hook (below) needs them.
         self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
-        self.region_plan = None
-        self.traits_fingerprint: PlanFingerprint | None = None
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._check_upstream_group_kinds()
+
+    def _layout_facts(self) -> LayoutFacts:
+        """The layout facts (computed here for a worker built without __init__)."""
+        facts: LayoutFacts | None = self.__dict__.get("layout_facts")
+        if facts is None:
+            facts = layout_facts(self.kv_cache_config, self._traits_registry)
+            self.layout_facts = facts
+        return facts
 
     # -- decisions vLLM takes in __init__ ---------------------------------------------
 
@@ -291,17 +301,16 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
 
     def plan(self, kv_caches: Mapping[str, torch.Tensor]) -> RegionPlan:
         """The region plan of ``kv_caches`` for this rank (no NIXL calls)."""
-        for group in self.kv_cache_config.transfer_groups:
-            if group.host_resident:
-                raise NotImplementedError(
-                    f"{CONNECTOR_NAME} does not transfer host-resident (HiSparse) cache "
-                    f"groups; use upstream's NixlConnector for this model")
+        # Host-resident (HiSparse) groups are planned over the host pool's block count
+        # (the planner reads KVCacheConfig.hisparse_host_num_blocks), as vLLM does.
         # vLLM's descriptor ids count kernel blocks (its worker's block_size and
         # num_blocks are per kernel block), so the regions must be planned in them.
         return plan_regions(kv_caches, self.kv_cache_config,
                             tp_size=self.transfer_tp_size, tp_rank=self.transfer_tp_rank,
                             registry=self._traits_registry, kernel_blocks=True,
-                            kernel_ratio=self._physical_blocks_per_logical_kv_block)
+                            kernel_ratio=self._physical_blocks_per_logical_kv_block,
+                            # vLLM orders CSA-linear regions as the caches come.
+                            model_order=not self._is_csa_linear)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV caches with NIXL, regions planned from traits."""
@@ -411,9 +420,10 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self._ple_block_len = None
         if self._ple_region_index is not None:
             region = regions[self._ple_region_index]
-            state_pages = [self.layout_facts.layer_traits[layer].page_size_bytes
+            layer_traits = self._layout_facts().layer_traits
+            state_pages = [layer_traits[layer].page_size_bytes
                            for layer in region.layers
-                           if self.layout_facts.layer_traits[layer].token_scope
+                           if layer_traits[layer].token_scope
                            is TokenScope.RECURRENT_STATE]
             # Per kernel block, as vLLM keeps it (it reads ratio of them per page).
             self._ple_block_len = (max(state_pages)
