@@ -7,8 +7,13 @@ torch; the built-in adapters load the first time a spec is resolved.
 
 from kvspec_traits._errors import (
     AdapterConflictError,
+    AdapterError,
     AdapterPluginError,
+    AdapterResultError,
+    InvalidSpecError,
+    KVSpecTraitsError,
     MixedGroupTraitsError,
+    SpecPropertyError,
     TraitsMismatchError,
     UnsupportedSpecError,
 )
@@ -36,13 +41,18 @@ __version__ = "0.1.0"
 __all__ = [
     "ENTRY_POINT_GROUP",
     "AdapterConflictError",
+    "AdapterError",
     "AdapterPluginError",
+    "AdapterResultError",
     "GroupTraits",
+    "InvalidSpecError",
     "KVLayoutTraits",
+    "KVSpecTraitsError",
     "LayoutTraits",
     "MixedGroupTraitsError",
     "PageComponent",
     "Registry",
+    "SpecPropertyError",
     "TPLayout",
     "TokenScope",
     "TraitsMismatchError",

@@ -50,6 +50,7 @@ def adapt_scaled_latent(spec: ScaledLatentSpec) -> LayoutTraits:
         window_tokens=None,
         block_size=spec.block_size,
         num_head_slots=spec.num_heads,
+        kv_head_contiguous=True,
         tokens_per_state=spec.tokens_per_state,
         states_per_block=states,
         state_bytes=cell,
