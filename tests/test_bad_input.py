@@ -248,6 +248,8 @@ def test_nonsense_attention_values_are_refused_naming_the_field(field: str, valu
         ({"page_size_padded": 64}, "page_size_padded"),
         ({"tokens_per_state": 4}, "tokens_per_state"),
         ({"num_heads": 0}, "num_heads"),
+        # vLLM's page ignores it while its [B, H, N, C] view multiplies by it
+        ({"num_heads": 2}, "num_heads"),
     ],
 )
 def test_nonsense_state_values_are_refused_naming_the_field(

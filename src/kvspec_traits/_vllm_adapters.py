@@ -15,6 +15,7 @@ but absent from the installed vLLM is simply never seen.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import replace
 from fractions import Fraction
 from math import prod
@@ -41,7 +42,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvspec_traits._errors import InvalidSpecError, UnsupportedSpecError
+from kvspec_traits._errors import InvalidSpecError, KVSpecTraitsError, UnsupportedSpecError
 from kvspec_traits._group import GroupTraits
 from kvspec_traits._registry import Registry, register_adapter, resolving_registry
 from kvspec_traits._traits import LayoutTraits, PageComponent, TokenScope, TPLayout, TraitValue
@@ -193,6 +194,7 @@ def _quant_mode(spec: object) -> str:
 
 def attention_traits(spec: AttentionSpec, *, token_scope: TokenScope = TokenScope.FULL,
                      window_tokens: int | None = None, transferable: bool = True,
+                     cell: Sequence[tuple[str, int, str | torch.dtype]] | None = None,
                      **overrides: TraitValue) -> LayoutTraits:
     """Traits of a paged attention cache, from ``AttentionSpec``'s fields alone.
 
@@ -205,8 +207,11 @@ def attention_traits(spec: AttentionSpec, *, token_scope: TokenScope = TokenScop
       ``kv_head_major_slots``.
 
     ``token_scope``, ``window_tokens`` and ``transferable`` are what the class stands
-    for; any other trait may be overridden by keyword (``spec_name=...``), and the result
-    is checked again when the registry verifies it. Raises :class:`InvalidSpecError`
+    for. ``cell`` describes a cell laid out otherwise than vLLM's K/V (or latent, or
+    packed) cell: its parts in order, each ``(name, elements, dtype)``; C is then their
+    sum and each part is a component of shape ``(head slots, states, elements)``. Any
+    other trait may be overridden by keyword (``spec_name=...``); the registry checks the
+    result against the spec's own byte math either way. Raises :class:`InvalidSpecError`
     naming the field for values that describe no layout (``block_size=0``,
     ``tokens_per_state=0``, a window that is not a positive int).
     """
@@ -234,14 +239,20 @@ def attention_traits(spec: AttentionSpec, *, token_scope: TokenScope = TokenScop
             spec, "kv_head_major_slots", head_major,
             f"False: num_head_slots={heads} cannot be grouped by {num_kv_heads} KV heads")
     states = int(Fraction(block_size) / Fraction(tps))
-    if packed is not None:
-        cell = packed
-        components: tuple[PageComponent, ...] = (
-            PageComponent(name="packed", shape=(heads, states, cell), dtype="uint8",
-                          nbytes=heads * states * cell),
+    if cell is not None:
+        components: tuple[PageComponent, ...] = tuple(
+            PageComponent(name=name, shape=(heads, states, n), dtype=_dtype_name_of(part),
+                          nbytes=heads * states * n * _itemsize(part))
+            for name, n, part in cell)
+        cell_bytes = sum(n * _itemsize(part) for _, n, part in cell)
+    elif packed is not None:
+        cell_bytes = packed
+        components = (
+            PageComponent(name="packed", shape=(heads, states, packed), dtype="uint8",
+                          nbytes=heads * states * packed),
         )
     else:
-        cell = (head_size + head_size_v) * itemsize
+        cell_bytes = (head_size + head_size_v) * itemsize
         k = PageComponent(name="latent" if is_mla else "k",
                           shape=(heads, states, head_size), dtype=dtype_name(dtype),
                           nbytes=heads * states * head_size * itemsize)
@@ -251,7 +262,7 @@ def attention_traits(spec: AttentionSpec, *, token_scope: TokenScope = TokenScop
                           dtype=dtype_name(dtype),
                           nbytes=heads * states * head_size_v * itemsize),
         )
-    unpadded = heads * states * cell
+    unpadded = heads * states * cell_bytes
     if padded is not None and padded < unpadded:
         raise InvalidSpecError(spec, "page_size_padded", padded,
                                f"None or at least the page content, {unpadded} bytes")
@@ -268,10 +279,10 @@ def attention_traits(spec: AttentionSpec, *, token_scope: TokenScope = TokenScop
         kv_head_contiguous=heads == num_kv_heads or num_kv_heads == 1 or head_major,
         tokens_per_state=tps,
         states_per_block=states,
-        state_bytes=cell,
+        state_bytes=cell_bytes,
         unpadded_page_size_bytes=unpadded,
         page_size_bytes=padded if padded is not None else unpadded,
-        per_token_bytes=_exact(Fraction(heads * cell) / Fraction(tps)),
+        per_token_bytes=_exact(Fraction(heads * cell_bytes) / Fraction(tps)),
         dtype=dtype_name(dtype),
         kv_quant_mode=kv_quant_mode,
         components=components,
@@ -280,6 +291,24 @@ def attention_traits(spec: AttentionSpec, *, token_scope: TokenScope = TokenScop
         transferable=transferable,
     )
     return replace(traits, **overrides) if overrides else traits  # type: ignore[arg-type]
+
+
+def _itemsize(dtype: str | torch.dtype) -> int:
+    return _as_dtype(dtype).itemsize
+
+
+def _dtype_name_of(dtype: str | torch.dtype) -> str:
+    return dtype_name(_as_dtype(dtype))
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not isinstance(found, torch.dtype):
+        raise TypeError(f"attention_traits(cell=...): {dtype!r} is not a torch dtype or "
+                        "the name of one ('float32', 'int8', ...)")
+    return found
 
 
 def _window_field(spec: object) -> str:
@@ -401,6 +430,11 @@ def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
     """
     block_size = positive_int(spec, "block_size")
     num_heads = positive_int(spec, "num_heads")
+    if num_heads != 1:
+        # vLLM sizes the page without it (page_size_bytes is the states' sum) but views it
+        # as num_heads rows of that sum (compute_layer_kv_cache_shape_bytes): no layout.
+        raise InvalidSpecError(spec, "num_heads", num_heads,
+                               "1 (vLLM's page of a state has no head dimension)")
     alignment = positive_int(spec, "state_alignment") if hasattr(spec, "state_alignment") \
         else 1
     padded = positive_int(spec, "page_size_padded", optional=True)
@@ -518,7 +552,15 @@ def _group(spec: UniformTypeKVCacheSpecs) -> GroupTraits:
                                "a non-empty dict of layer name -> spec (a group spec with "
                                "no member layers has no layout)")
     registry = resolving_registry()
-    traits: dict[str, Any] = {
-        layer: registry.traits_of(member) for layer, member in members.items()
-    }
+    traits: dict[str, Any] = {}
+    for layer, member in members.items():
+        try:
+            traits[layer] = registry.traits_of(member)
+        except InvalidSpecError as err:
+            # Named from the group down to the member's field.
+            raise InvalidSpecError(spec, f"kv_cache_specs[{layer!r}].{err.field}", err.value,
+                                   err.expected, adapter=err.adapter) from err
+        except KVSpecTraitsError as err:
+            err.add_note(f"(layer {layer!r} of a {type(spec).__qualname__})")
+            raise
     return GroupTraits(type(spec).__qualname__, traits, block_size=block_size)
