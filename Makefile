@@ -7,7 +7,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help setup report test test-fast typing lint bench audit clean
+.PHONY: help setup report test test-fast typing lint bench audit conformance clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -20,6 +20,9 @@ report: setup  ## the main job: traits and fields of every vLLM KV spec class (V
 
 test: setup  ## lint, typing, and the whole test suite (on vLLM 0.32, the 0.33 and 0.34 modules)
 	bash scripts/test.sh
+
+conformance: setup  ## vLLM's own NIXL connector tests, upstream vs TraitsNixlConnector (0.32, 0.33)
+	KVSPEC_PASSES="conformance032 conformance033" bash scripts/test.sh
 
 typing: setup  ## mypy strict over src, tests, examples, benchmarks
 	$(PY) -m mypy

@@ -47,13 +47,21 @@ pytest_on() {
   local m=$mark
   if [ -n "$extra" ]; then m="$extra${mark:+ and ($mark)}"; fi
   PYTHONPATH=${prefix:+$prefix:}$SRC KVSPEC_EXPECT_VLLM=$version \
-    "$PY" -m pytest -q -p no:cacheprovider ${m:+-m "$m"}
+    "$PY" -m pytest -p no:cacheprovider ${m:+-m "$m"}
+}
+
+# conformance SERIES: vLLM's own NIXL connector tests with upstream's classes and with
+# ours (scripts/conformance/run.py; the two runs share the pass's core, one process each).
+conformance() {
+  "$PY" scripts/conformance/run.py "$1"
 }
 
 # Longest first: the 0.32 pass starts real vLLM servers.
 start v032 pytest_on 0.32 ""
+start conformance032 conformance 0.32
 start lint lint
 start v033 pytest_on 0.33 "$PWD/.cache/vllm-0.33.0" "not vllm032_only"
+start conformance033 conformance 0.33
 start v034 pytest_on 0.34 "$PWD/.cache/vllm-0.34.0" "not vllm032_only"
 wait
 

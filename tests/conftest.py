@@ -21,6 +21,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Which MLA backends this machine offers (vLLM's own selection): the MLA tests run
+    each offered one and skip the others, so a run's header says what it covered."""
+    from tests.mla_backends import mla_backends_header
+
+    return [mla_backends_header()]
+
+
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

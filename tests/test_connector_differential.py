@@ -11,8 +11,12 @@ below with the reason.
 Runs against the installed vLLM 0.32 and, in the suite's second pass, against the 0.33
 modules (all families identical there too); the three upstream bugs are 0.32's.
 
-Block sizes follow this machine's kernels (CPU attention: multiples of 32; CPU MLA: 16),
-since vLLM's worker checks them against the attention backend.
+Block sizes follow the attention backend's kernels (CPU attention: multiples of 32), since
+vLLM's worker checks them against the backend it selects (``select_common_block_size``).
+The MLA families run once per MLA backend this machine offers (tests/mla_backends.py):
+CPU_MLA requested by name (float32, block 16) everywhere, and AMX_MLA, vLLM's own pick on
+CPUs with AMX (bfloat16, block 32), where vLLM would select it; their specs take the
+backend's dtype and block size, as a server's would.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 import torch
 from vllm.config import (
+    AttentionConfig,
     CacheConfig,
     KVTransferConfig,
     ModelConfig,
@@ -62,9 +68,17 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import traits_of
 from kvspec_traits.nixl import HandshakeMismatchError
+from kvspec_traits.vllm_connector import CONNECTOR_NAME
 from kvspec_traits.vllm_connector._connector import (
     PeerWithoutTraitsError,
     TraitsNixlConnectorWorker,
+)
+from tests.mla_backends import (
+    AMX_MLA,
+    CPU_MLA,
+    MLABackend,
+    amx_detection_forced,
+    mla_backend_params,
 )
 from tests.nixl_helpers import layouts
 
@@ -90,6 +104,8 @@ class Family:
     groups: Callable[[], list[KVCacheGroupSpec]]
     layout: KVCacheLayout
     model: str  # the tiny model whose config the worker reads (MLA or not)
+    # The MLA backend the worker's config selects (None: not an MLA model).
+    mla_backend: MLABackend | None = None
 
 
 def _gqa() -> list[KVCacheGroupSpec]:
@@ -98,26 +114,30 @@ def _gqa() -> list[KVCacheGroupSpec]:
     return [_g(_layers("model.layers.{}.self_attn.attn", range(2)), spec)]
 
 
-def _mla(dtype: str = "auto") -> list[KVCacheGroupSpec]:
-    ds = dtype == "fp8_ds_mla"
-    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=576,
-                            dtype=torch.uint8 if ds else F32, cache_dtype_str=dtype,
-                            kv_quant_mode=get_kv_quant_mode(dtype),
+def _mla(backend: MLABackend, cache_dtype: str = "auto") -> list[KVCacheGroupSpec]:
+    """DeepSeek-V2/V3 as ``backend`` serves it: its block size, and a KV cache in the
+    model's dtype ("auto") or fp8_ds_mla bytes."""
+    ds = cache_dtype == "fp8_ds_mla"
+    spec = MLAAttentionSpec(block_size=backend.block_size, num_kv_heads=1, max_tp_shards=1,
+                            head_size=576, dtype=torch.uint8 if ds else backend.torch_dtype,
+                            cache_dtype_str=cache_dtype,
+                            kv_quant_mode=get_kv_quant_mode(cache_dtype),
                             state_content_bytes=656 if ds else None)
     return [_g(_layers("model.layers.{}.self_attn.attn", range(2)), spec)]
 
 
-def _mla_indexer() -> list[KVCacheGroupSpec]:
+def _mla_indexer(backend: MLABackend) -> list[KVCacheGroupSpec]:
     """DeepSeek-V3.2: MLA plus the indexer key cache, one UniformType group."""
     from vllm.v1.kv_cache_interface import SparseCacheRole
 
     specs: dict[str, KVCacheSpec] = {}
     for i in range(2):
-        specs[f"model.layers.{i}.self_attn.attn"] = _mla()[0].kv_cache_spec
+        specs[f"model.layers.{i}.self_attn.attn"] = _mla(backend)[0].kv_cache_spec
         specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-            block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=132,
+            block_size=backend.block_size, num_kv_heads=1, max_tp_shards=1, head_size=132,
             dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
-    return [_g(list(specs), UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs))]
+    return [_g(list(specs), UniformTypeKVCacheSpecs(block_size=backend.block_size,
+                                                    kv_cache_specs=specs))]
 
 
 def _sliding_hybrid() -> list[KVCacheGroupSpec]:
@@ -192,12 +212,10 @@ def _ring_and_swa_mla() -> list[KVCacheGroupSpec]:
 LLAMA, DSV2 = "llama", "deepseek-v2"
 LBHNC, BLHNC = KVCacheLayout.LBHNC, KVCacheLayout.BLHNC
 
-# Families where upstream is right: everything must be identical.
+# Families where upstream is right: everything must be identical. The MLA ones, per MLA
+# backend, are in MLA_AGREE.
 AGREE: dict[str, Family] = {
     "gqa": Family(_gqa, LBHNC, LLAMA),
-    "mla": Family(_mla, LBHNC, DSV2),
-    "mla_fp8_ds": Family(lambda: _mla("fp8_ds_mla"), LBHNC, DSV2),
-    "mla_plus_indexer": Family(_mla_indexer, LBHNC, DSV2),
     "sliding_window_hybrid": Family(_sliding_hybrid, LBHNC, LLAMA),
     "chunked_local_hybrid": Family(_chunked_local, LBHNC, LLAMA),
     # Qwen3.5 GDN: conv [Q, K, V] (2 x 320 + 128 wide, 3 rows), state (4, 32, 32).
@@ -207,8 +225,23 @@ AGREE: dict[str, Family] = {
     "mamba1_hybrid": Family(lambda: _state_hybrid(((128, 3), (128, 16)), "mamba", "MAMBA1"),
                             LBHNC, LLAMA),
 }
-DSV4 = Family(_dsv4, BLHNC, DSV2)
-RING_SWA_MLA = Family(_ring_and_swa_mla, BLHNC, DSV2)
+MLA_AGREE: dict[str, Callable[[MLABackend], list[KVCacheGroupSpec]]] = {
+    "mla": _mla,
+    "mla_fp8_ds": lambda backend: _mla(backend, "fp8_ds_mla"),
+    "mla_plus_indexer": _mla_indexer,
+}
+
+
+def _mla_family(name: str, backend: MLABackend) -> Family:
+    make = MLA_AGREE[name]
+    return Family(lambda: make(backend), LBHNC, DSV2, backend)
+
+
+# DeepSeek-V4's caches are built at block 16, where upstream's bugs below show (at block
+# 32 the SWA-MLA page outgrows the ring's); the worker's MLA backend only decides whether
+# that block size passes its kernel check, so these request CPU_MLA, which every CPU runs.
+DSV4 = Family(_dsv4, BLHNC, DSV2, CPU_MLA)
+RING_SWA_MLA = Family(_ring_and_swa_mla, BLHNC, DSV2, CPU_MLA)
 
 
 # -- building both workers ------------------------------------------------------------------
@@ -226,7 +259,7 @@ def distributed(tiny_models: pathlib.Path) -> None:
     from vllm.distributed import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():  # type: ignore[no-untyped-call]  # vLLM
-        with set_current_vllm_config(_vllm_config(tiny_models / LLAMA, LBHNC)):
+        with set_current_vllm_config(_vllm_config(tiny_models / LLAMA, LBHNC, None)):
             ps.init_distributed_environment(
                 world_size=1, rank=0, local_rank=0, backend="gloo",
                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
@@ -242,13 +275,20 @@ class Built:
     vllm_config: VllmConfig
 
 
-def _vllm_config(model: pathlib.Path, layout: KVCacheLayout) -> VllmConfig:
-    cache = CacheConfig(block_size=16)
+def _vllm_config(model: pathlib.Path, layout: KVCacheLayout,
+                 mla_backend: MLABackend | None) -> VllmConfig:
+    dtype, block_size = F32, 16
+    attention = AttentionConfig()
+    if mla_backend is not None:
+        dtype, block_size = mla_backend.torch_dtype, mla_backend.block_size
+        attention = mla_backend.attention_config()
+    cache = CacheConfig(block_size=block_size)
     cache.kv_cache_layout = layout.name  # resolved by the engine core in a real server
     return VllmConfig(
-        model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=512,
+        model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=512,
                                  enforce_eager=True),
         cache_config=cache,
+        attention_config=attention,
         kv_transfer_config=KVTransferConfig(
             kv_connector="TraitsNixlConnector",
             kv_connector_module_path="kvspec_traits.vllm_connector",
@@ -276,7 +316,8 @@ def build(distributed: None, tiny_models: pathlib.Path,
 
     def _build(family: Family, upstream_cls: type[NixlPullConnectorWorker]
                = NixlPullConnectorWorker) -> Built:
-        vllm_config = _vllm_config(tiny_models / family.model, family.layout)
+        vllm_config = _vllm_config(tiny_models / family.model, family.layout,
+                                   family.mla_backend)
         config = layouts.kv_cache_config(family.groups(), NB, family.layout)
         caches = layouts.allocate(config, family.layout)
         with set_current_vllm_config(vllm_config):
@@ -287,6 +328,11 @@ def build(distributed: None, tiny_models: pathlib.Path,
             made.append(traits)
             upstream.register_kv_caches(caches)
             traits.register_kv_caches(caches)
+        if family.mla_backend is not None:
+            # The backend that checked the block size is the one this case is about.
+            for worker in (upstream, traits):
+                assert worker.backend_name == family.mla_backend.name, (
+                    f"{family.mla_backend.label}: the worker selected {worker.backend_name}")
         return Built(config, caches, upstream, traits, vllm_config)
 
     yield _build
@@ -342,10 +388,7 @@ def _diff(a: dict[Any, Any], b: dict[Any, Any]) -> dict[Any, tuple[Any, Any]]:
 # -- the checks -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(AGREE))
-def test_region_bookkeeping_identical_to_upstream(name: str, build: Callable[..., Built]
-                                                  ) -> None:
-    built = build(AGREE[name])
+def _assert_identical_bookkeeping(built: Built) -> None:
     up, ours = bookkeeping(built.upstream), bookkeeping(built.traits)
     assert _diff(up, ours) == {}
     # The registered local descriptors (what every transfer indexes) are identical too.
@@ -355,6 +398,52 @@ def test_region_bookkeeping_identical_to_upstream(name: str, build: Callable[...
     # Both handshakes carry the same geometry; ours adds the fingerprint.
     assert built.traits.traits_fingerprint is not None
     assert len(built.traits.traits_fingerprint.regions) == up["num_regions"]
+
+
+@pytest.mark.parametrize("name", sorted(AGREE))
+def test_region_bookkeeping_identical_to_upstream(name: str, build: Callable[..., Built]
+                                                  ) -> None:
+    _assert_identical_bookkeeping(build(AGREE[name]))
+
+
+# One latent of 576 elements per token, a block of them per layer, per backend's dtype
+# and block size (hand-computed): float32 x 16 and bfloat16 x 32 happen to agree.
+MLA_PAGE_BYTES = {"CPU_MLA": 16 * 576 * 4, "AMX_MLA": 32 * 576 * 2}
+
+
+@pytest.mark.parametrize("backend", mla_backend_params())
+@pytest.mark.parametrize("name", sorted(MLA_AGREE))
+def test_mla_region_bookkeeping_identical_to_upstream(
+        name: str, backend: MLABackend, build: Callable[..., Built]) -> None:
+    built = build(_mla_family(name, backend))
+    _assert_identical_bookkeeping(built)
+    assert built.traits.block_size == backend.block_size, backend.label
+    if name == "mla":
+        assert built.traits.block_len_per_layer == [MLA_PAGE_BYTES[backend.name]] * 2, (
+            backend.label)
+
+
+@pytest.mark.parametrize("name", sorted(MLA_AGREE))
+def test_mla_bookkeeping_where_vllm_selects_amx_mla(name: str, build: Callable[..., Built]
+                                                    ) -> None:
+    """On any CPU: vLLM's selection made to see AMX tiles (tests/mla_backends.py), so the
+    workers select AMX_MLA as on an AMX server and check its kernel block sizes against
+    the AMX case's pages. Registering memory runs no attention kernel; only the
+    selection is forced. Where the CPU has AMX, the test above runs the same unforced."""
+    with amx_detection_forced(True):
+        built = build(_mla_family(name, AMX_MLA))  # build checks: the workers run AMX_MLA
+    _assert_identical_bookkeeping(built)
+    assert built.traits.block_size == AMX_MLA.block_size
+
+
+def test_the_old_mla_settings_fail_where_vllm_selects_amx_mla(build: Callable[..., Built]
+                                                              ) -> None:
+    """The negative control: float32 pages of 16 tokens, the backend left to vLLM (what
+    this test served MLA with before), fail on AMX machines with the bug report's error."""
+    old = MLABackend(name="AMX_MLA", dtype="float32", block_size=16, requested=False)
+    with amx_detection_forced(True), pytest.raises(
+            ValueError, match=r"No common block size for 16 \(AMX_MLA: \[MultipleOf\(32\)\]\)"):
+        build(_mla_family("mla", old))
 
 
 @upstream_032
@@ -446,12 +535,15 @@ def test_ring_and_swa_mla_sharing_a_region(build: Callable[..., Built]) -> None:
 # -- the fingerprint in the handshake -------------------------------------------------------
 
 
-def _serve_handshake(worker: NixlPullConnectorWorker) -> tuple[int, threading.Event]:
-    """Serve ``worker``'s handshake payload with upstream's own side-channel listener."""
+def _serve_handshake(worker: NixlPullConnectorWorker, payload: object = None
+                     ) -> tuple[int, threading.Event]:
+    """Serve ``worker``'s handshake payload (or ``payload``) with upstream's own
+    side-channel listener."""
     import msgspec
 
     port = _free_port()
-    encoded = {(0, 0): msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)}
+    served = worker.xfer_handshake_metadata if payload is None else payload
+    encoded = {(0, 0): msgspec.msgpack.Encoder().encode(served)}
     ready, stop = threading.Event(), threading.Event()
     thread = threading.Thread(
         target=NixlBaseConnectorScheduler._nixl_handshake_listener,
@@ -463,22 +555,46 @@ def _serve_handshake(worker: NixlPullConnectorWorker) -> tuple[int, threading.Ev
 
 def test_handshake_refuses_another_layout_with_the_named_diff(
         build: Callable[..., Built]) -> None:
+    """Through vLLM's own handshake (its socket, its compatibility-hash check, its
+    metadata decode), then the fingerprint: same layout accepted, another refused with
+    the named diff, a peer without a fingerprint refused saying how to fix it, and a
+    peer whose compatibility hash differs refused by vLLM's check before anything of
+    its metadata is decoded (it is not even metadata here)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlHandshakePayload,
+    )
+
     gqa = build(AGREE["gqa"])
     other = build(Family(lambda: [_g(_layers("model.layers.{}.self_attn.attn", range(2)),
                                      FullAttentionSpec(block_size=128, num_kv_heads=2,
                                                        head_size=64, dtype=F32))],
                          LBHNC, LLAMA))
+    foreign = NixlHandshakePayload(compatibility_hash="not-ours",
+                                   agent_metadata_bytes=b"not agent metadata")
     same_port, stop_same = _serve_handshake(gqa.traits)
     other_port, stop_other = _serve_handshake(other.traits)
     upstream_port, stop_upstream = _serve_handshake(gqa.upstream)
+    foreign_port, stop_foreign = _serve_handshake(gqa.traits, foreign)
+
+    def handshake(port: int, peer: NixlPullConnectorWorker) -> object:
+        return gqa.traits._nixl_handshake("127.0.0.1", port, 1, peer.engine_id)
+
     try:
-        gqa.traits.check_remote_layout("127.0.0.1", same_port, 1)  # same layout: accepted
-        with pytest.raises(HandshakeMismatchError) as refused:
-            gqa.traits.check_remote_layout("127.0.0.1", other_port, 1)
-        with pytest.raises(PeerWithoutTraitsError, match="sent no kvspec-traits"):
-            gqa.traits.check_remote_layout("127.0.0.1", upstream_port, 1)
+        with patch.object(gqa.traits, "add_remote_agent",
+                          return_value="agent") as added:
+            agents = handshake(same_port, gqa.traits)
+            assert isinstance(agents, tuple) and agents[0] == {(0, 0): "agent"}
+            assert added.call_count == 1
+            with pytest.raises(HandshakeMismatchError) as refused:
+                handshake(other_port, other.traits)
+            with pytest.raises(PeerWithoutTraitsError,
+                               match=f"sent no kvspec-traits.*{CONNECTOR_NAME}"):
+                handshake(upstream_port, gqa.upstream)
+            with pytest.raises(RuntimeError, match="compatibility hash mismatch"):
+                handshake(foreign_port, gqa.traits)
+            assert added.call_count == 1  # no refused peer was added
     finally:
-        for stop in (stop_same, stop_other, stop_upstream):
+        for stop in (stop_same, stop_other, stop_upstream, stop_foreign):
             stop.set()
     err = refused.value
     assert err.region == 0 and err.region_name == "model.layers.0.self_attn.attn"

@@ -520,15 +520,17 @@ def test_kernel_block_splitting_plans_manager_blocks(family: str, kernel: int) -
     assert plan.block_strides == whole.block_strides
     assert plan.region_num_blocks == [NB] * len(plan.regions)
     assert [r.layers for r in plan.regions] == [r.layers for r in whole.regions]
-    if family == "llama_gqa":
-        # vLLM's worker granularity: kernel blocks of half a page, twice as many.
-        kernel_plan = plan_regions(split, config, kernel_blocks=True)
-        assert kernel_plan.block_lens == [b // 2 for b in whole.block_lens]
-        assert kernel_plan.block_strides == [b // 2 for b in whole.block_strides]
-        assert kernel_plan.region_num_blocks == [2 * NB] * 4
-    else:
-        with pytest.raises(RegionConflictError, match="block_stride"):
-            plan_regions(split, config, kernel_blocks=True)
+    # vLLM's worker granularity: kernel blocks of page / ratio, ratio times as many;
+    # a recurrent state sharing the region is registered the same way (vLLM's worker
+    # reads it back whole, ratio kernel blocks apart).
+    ratio = attn.shape[0] // NB
+    kernel_plan = plan_regions(split, config, kernel_blocks=True)
+    assert kernel_plan.block_lens == [b // ratio for b in whole.block_lens]
+    assert kernel_plan.block_strides == [b // ratio for b in whole.block_strides]
+    assert kernel_plan.region_num_blocks == [ratio * NB] * len(whole.regions)
+    assert plan_regions(split, config, kernel_blocks=True, kernel_ratio=ratio) == kernel_plan
+    with pytest.raises(UnsupportedLayoutError, match="not split into the worker's"):
+        plan_regions(split, config, kernel_blocks=True, kernel_ratio=2 * ratio)
 
 
 def test_untransferable_specs_get_no_region() -> None:

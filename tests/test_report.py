@@ -3,29 +3,77 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
+import pytest
 import vllm
 
-from kvspec_traits._cli import main
+from kvspec_traits._cli import _table, main
+from kvspec_traits.catalog import refused_specs, representative_specs
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, columns: int | None = None) -> subprocess.CompletedProcess[str]:
     # A fresh process, as a user runs it: classes the test modules define stay out of it.
+    env = dict(os.environ)
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
     return subprocess.run([sys.executable, "-m", "kvspec_traits", *args], capture_output=True,
-                          text=True, timeout=300, check=False)
+                          text=True, timeout=300, check=False, env=env)
 
 
-def test_report_covers_every_class_and_exits_zero() -> None:
-    proc = _run("report")
+@pytest.fixture(scope="module")
+def report() -> str:
+    proc = _run("report", columns=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    out = proc.stdout
+    return proc.stdout
+
+
+def test_report_covers_every_class_and_exits_zero(report: str) -> None:
+    out = report
     assert f"17/17 spec classes of vLLM {vllm.__version__} covered" in out
     assert out.rstrip().endswith("OK")
-    assert max(len(line) for line in out.splitlines()) <= 100
     # the in-repo extension is loaded through its entry point and has its own adapter
     assert "kvspec_traits_example.ScaledLatentSpec" in out
+
+
+def test_report_shows_every_class_name_and_example_whole_at_any_terminal_width(
+        report: str) -> None:
+    lines = report.splitlines()
+    header = lines[1]
+    example_col, mla_col = header.index("example"), header.index("mla")
+    for entry in (*representative_specs(), *refused_specs()):
+        name, label = type(entry.spec).__qualname__, entry.label
+        row = [line for line in lines if line.startswith(f"{name} ")
+               and line[example_col:].startswith(f"{label} ")]
+        assert row, f"no row with the whole class name {name!r} and example {label!r}"
+        # Columns sized to their content: the example column starts after the longest
+        # class name, and the next one after the longest example.
+        assert re.match(r"(yes|no) ", row[0][mla_col:]) or "refused" in row[0], row[0]
+    assert example_col == 1 + max(len(type(e.spec).__qualname__)
+                                  for e in (*representative_specs(), *refused_specs()))
+    # The terminal's width changes nothing (neither cut nor wrapped).
+    narrow = _run("report", columns=20)
+    assert narrow.returncode == 0, narrow.stderr[-2000:]
+    assert narrow.stdout == report
+
+
+def test_table_columns_fit_their_widest_cell_and_a_failure_runs_on() -> None:
+    failure = "TraitsMismatchError: " + "x" * 120
+    lines = _table(["class", "example", "mla", "page B"],
+                   [["ChunkedLocalAttentionSpec", "Llama-4", "no", "65536"],
+                    ["A", "a rather long example label", "yes", "8"],
+                    ["Broken", "some example", failure]],
+                   right=frozenset({3}))
+    assert lines == [
+        "class                     example                     mla page B",
+        "-" * 64,
+        "ChunkedLocalAttentionSpec Llama-4                     no   65536",
+        "A                         a rather long example label yes      8",
+        f"Broken                    some example                {failure}",
+    ]
 
 
 def test_report_json_has_every_trait_of_every_row() -> None:

@@ -75,7 +75,10 @@ def _fields(registry: Registry, classes: Sequence[type[Any]]) -> list[_Fields]:
 
 def _collect(registry: Registry | None = None
              ) -> tuple[list[_Row], list[str], list[str], list[str], str, list[_Fields]]:
-    import vllm
+    from kvspec_traits._deps import needs
+
+    with needs("listing the traits of the installed vLLM's KV cache specs"):
+        import vllm
 
     from kvspec_traits import UnsupportedSpecError, default_registry, traits_as_dict
     from kvspec_traits.catalog import refused_specs, representative_specs, spec_classes
@@ -129,8 +132,36 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
+           right: frozenset[int]) -> list[str]:
+    """Lines of a table whose columns are as wide as their widest cell (never cut, whatever
+    the terminal's width). A row shorter than the header ends in one cell that runs on
+    unpadded (a failure's message); it does not widen the column it starts in."""
+    widths = [len(h) for h in header]
+    for row in rows:
+        cells = row if len(row) == len(header) else row[:-1]
+        for i, cell in enumerate(cells):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(row: Sequence[str]) -> str:
+        if len(row) < len(header):
+            return " ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=False)),
+                             row[-1]])
+        return " ".join(c.rjust(w) if i in right else c.ljust(w)
+                        for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+
+    head = line(header)
+    return [head, "-" * len(head), *(line(r) for r in rows)]
+
+
 def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
-    rows, found, missing, extra, version, fields = _collect(registry)
+    from kvspec_traits._errors import MissingDependencyError
+
+    try:
+        rows, found, missing, extra, version, fields = _collect(registry)
+    except MissingDependencyError as exc:
+        print(f"kvspec-traits report: {exc}", file=sys.stderr)
+        return 2
     unaccounted = [f for f in fields if f.unaccounted]
     ok = all(r.ok for r in rows) and not missing and not unaccounted
     if args.json:
@@ -142,21 +173,21 @@ def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
         print()
         return 0 if ok else 1
     print(f"kvspec-traits report: vLLM {version}")
-    head = (f"{'spec class':<24} {'example':<30} {'mla':<3} {'tp':<6} {'scope':<17} "
-            f"{'page B':>8} {'B/tok':>6}")
-    print(head)
-    print("-" * len(head))
+    cells: list[list[str]] = []
     for r in rows:
         t = r.traits
         if r.ok and t:
-            print(f"{r.spec_class[:24]:<24} {r.label[:30]:<30} {'yes' if t['is_mla'] else 'no':<3} "
-                  f"{_TP_SHORT[t['tp_layout']]:<6} {t['token_scope']:<17} "
-                  f"{t['page_size_bytes']:>8} {_fmt(t['per_token_bytes']):>6}")
+            cells.append([r.spec_class, r.label, "yes" if t["is_mla"] else "no",
+                          _TP_SHORT[t["tp_layout"]], t["token_scope"],
+                          str(t["page_size_bytes"]), _fmt(t["per_token_bytes"])])
         else:
-            print(f"{r.spec_class[:24]:<24} {r.label[:30]:<30} {r.status[:44]}")
+            cells.append([r.spec_class, r.label, r.status])
+    lines = _table(["spec class", "example", "mla", "tp", "scope", "page B", "B/tok"], cells,
+                   right=frozenset({5, 6}))
+    print("\n".join(lines))
     print("tp: repl = replicated on every TP rank, heads = split by KV heads, "
           "state = split recurrent state")
-    print("-" * len(head))
+    print(lines[1])
     failed = [r for r in rows if not r.ok]
     for r in failed:
         print(f"FAILED {r.spec_class} ({r.label}): {r.status}")

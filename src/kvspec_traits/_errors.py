@@ -17,6 +17,7 @@ __all__ = [
     "AdapterResultError",
     "InvalidSpecError",
     "KVSpecTraitsError",
+    "MissingDependencyError",
     "MixedGroupTraitsError",
     "SpecPropertyError",
     "TraitsMismatchError",
@@ -246,6 +247,22 @@ class AdapterPluginError(KVSpecTraitsError, RuntimeError):
     def __init__(self, entry_point: str, message: str) -> None:
         self.entry_point = entry_point
         super().__init__(message)
+
+
+class MissingDependencyError(KVSpecTraitsError, ModuleNotFoundError):
+    """A part of kvspec-traits needs a package that is not installed.
+
+    ``.name`` is the missing top-level module (as for any ``ModuleNotFoundError``),
+    ``.feature`` the part that needs it and ``.install`` what to install. The core
+    (``import kvspec_traits``) needs nothing; resolving vLLM specs needs vLLM and its
+    torch, the NIXL shim numpy and NIXL, the connector plugin vLLM.
+    """
+
+    def __init__(self, name: str, feature: str, install: str) -> None:
+        self.feature = feature
+        self.install = install
+        super().__init__(f"{feature} needs the {name!r} module, which is not installed. "
+                         f"{install}", name=name)
 
 
 def _describe(adapter: object) -> str:

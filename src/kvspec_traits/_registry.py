@@ -32,6 +32,7 @@ from fractions import Fraction
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Final, TypeVar, overload
 
+from kvspec_traits._deps import needs
 from kvspec_traits._errors import (
     AdapterConflictError,
     AdapterError,
@@ -478,7 +479,9 @@ class Registry:
     def _copy_builtins(self) -> None:
         if self._builtins_loaded:  # another thread copied them while we waited
             return
-        builtins: Registry = importlib.import_module(_BUILTIN_MODULE).BUILTINS
+        # The built-in adapters import vLLM and torch, never pinned by us.
+        with needs("resolving vLLM KV cache specs (kvspec_traits.traits_of)"):
+            builtins: Registry = importlib.import_module(_BUILTIN_MODULE).BUILTINS
         for spec_type, adapter in builtins._adapters.items():
             if spec_type not in self._adapters:
                 self._adapters[spec_type] = adapter

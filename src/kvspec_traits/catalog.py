@@ -13,9 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from vllm.v1 import kv_cache_interface as kvi
-from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_quant_mode
+from kvspec_traits._deps import needs
+
+with needs("kvspec_traits.catalog (real specs of every vLLM KV cache spec class)"):
+    import torch
+    from vllm.v1 import kv_cache_interface as kvi
+    from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_quant_mode
 
 __all__ = ["CatalogEntry", "refused_specs", "representative_specs", "spec_classes"]
 

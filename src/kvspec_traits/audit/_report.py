@@ -29,13 +29,24 @@ _RULE_INDEX: Final = {rule_id: i for i, (rule_id, _, _) in enumerate(RULES)}
 
 
 def _rule_of(site: Site) -> tuple[str, str]:
-    if site.has_miss:
+    if site.verdict == "miss":
         return "KVT002", "warning"
-    if site.wrapper_not_unwrapped:
-        return "KVT004", "warning"
-    if site.skipped_subclasses:
+    if site.verdict == "possible-miss":
+        return "KVT002", "note"
+    if site.verdict == "group-wrapper":
+        return "KVT004", "note"
+    if site.verdict == "exact-type":
         return "KVT003", "warning"
     return "KVT001", "note"
+
+
+_VERDICT_ORDER: Final = ("miss", "exact-type", "unknown-class", "possible-miss",
+                         "group-wrapper", "deliberate", "ok")
+
+
+def _priority(site: Site) -> tuple[int, int]:
+    # likely real misses first: by verdict, then by confidence (high first)
+    return (_VERDICT_ORDER.index(site.verdict), -["low", "medium", "high"].index(site.confidence))
 
 
 def _answer_text(site: Site) -> str:
@@ -54,7 +65,8 @@ def _answer_text(site: Site) -> str:
 
 
 def _message(site: Site) -> str:
-    parts = [f"`{site.raw.text}` branches on spec classes; trait: {_answer_text(site)}."]
+    parts = [f"`{site.raw.text}` branches on spec classes; trait: {_answer_text(site)}.",
+             f"Verdict: {site.verdict} ({site.confidence} confidence): {site.reason}."]
     if site.missing:
         parts.append(f"Misses {', '.join(site.missing)}.")
     if site.skipped_subclasses:
@@ -72,8 +84,11 @@ def summary(result: AuditResult) -> dict[str, int]:
         "sites": len(sites),
         "files_with_sites": len({s.path for s in sites}),
         "sites_with_misses": sum(s.has_miss for s in sites),
-        "exact_type_checks_skipping_subclasses": sum(bool(s.skipped_subclasses) for s in sites),
-        "group_wrappers_not_unwrapped": sum(s.wrapper_not_unwrapped for s in sites),
+        "possible_misses": sum(s.verdict == "possible-miss" for s in sites),
+        "deliberate": sum(s.verdict == "deliberate" for s in sites),
+        "unknown_classes": sum(s.verdict == "unknown-class" for s in sites),
+        "exact_type_checks_skipping_subclasses": sum(s.verdict == "exact-type" for s in sites),
+        "group_wrappers_not_unwrapped": sum(s.verdict == "group-wrapper" for s in sites),
         "files_seen": result.files_seen,
         "files_parsed": result.files_parsed,
         "files_with_errors": len(result.errors),
@@ -87,9 +102,9 @@ def render_table(result: AuditResult, out: TextIO) -> None:
     by_file: dict[str, list[Site]] = {}
     for site in result.sites:
         by_file.setdefault(site.path, []).append(site)
-    order = sorted(by_file, key=lambda p: (-sum(s.has_miss for s in by_file[p]), p))
+    order = sorted(by_file, key=lambda p: (min(_priority(s) for s in by_file[p]), p))
     for path in order:
-        sites = sorted(by_file[path], key=lambda s: (not s.has_miss, s.raw.line, s.raw.col))
+        sites = sorted(by_file[path], key=lambda s: (_priority(s), s.raw.line, s.raw.col))
         misses = sum(s.has_miss for s in sites)
         tail = f", {misses} with misses" if misses else ""
         out.write(f"\n{path}  ({_count(len(sites), 'site')}{tail})\n")
@@ -99,15 +114,20 @@ def render_table(result: AuditResult, out: TextIO) -> None:
             if any(c not in site.raw.text for c in site.raw.classes):
                 # an alias or a class tuple hides what is tested
                 out.write(f"{pad}classes: {', '.join(site.raw.classes)}\n")
-            if site.missing:
+            if site.verdict == "miss":
                 out.write(f"{pad}MISSES {', '.join(site.missing)}\n")
-            if site.skipped_subclasses:
+            elif site.verdict == "possible-miss":
+                out.write(f"{pad}MAY MISS {', '.join(site.missing)}\n")
+            if site.verdict == "exact-type":
                 out.write(f"{pad}EXACT TYPE: skips subclasses "
                           f"{', '.join(site.skipped_subclasses)}\n")
-            if site.wrapper_not_unwrapped:
+            if site.verdict == "group-wrapper":
                 out.write(f"{pad}GROUP WRAPPER: the guarded code uses nothing only the group "
                           f"has ({', '.join(sorted(u.group_attributes)) or 'its members'})\n")
+            if site.verdict == "unknown-class":
+                out.write(f"{pad}UNKNOWN CLASS: {', '.join(site.unknown)}\n")
             out.write(f"{pad}trait: {_answer_text(site)}\n")
+            out.write(f"{pad}verdict: {site.verdict} ({site.confidence}): {site.reason}\n")
     if result.errors:
         out.write(f"\ncould not scan {len(result.errors)} file(s):\n")
         for err in result.errors:
@@ -115,7 +135,8 @@ def render_table(result: AuditResult, out: TextIO) -> None:
     n = summary(result)
     out.write(
         f"\n{_count(n['sites'], 'site')} in {_count(n['files_with_sites'], 'file')}; "
-        f"{n['sites_with_misses']} with misses, "
+        f"{n['sites_with_misses']} with misses, {n['possible_misses']} possible, "
+        f"{n['deliberate']} deliberate, "
         f"{_count(n['exact_type_checks_skipping_subclasses'], 'exact type check')} skipping "
         f"subclasses, {_count(n['group_wrappers_not_unwrapped'], 'group wrapper')} not "
         f"unwrapped; {_count(n['files_seen'], 'file')} seen, {n['files_parsed']} parsed, "
@@ -142,7 +163,12 @@ def site_json(site: Site) -> dict[str, Any]:
             "other_value_classes": list(a.other_value_classes), "varies": list(a.varies),
         },
         "missing": list(site.missing),
+        "excluded_by_flow": list(site.excluded_by_flow),
         "skipped_subclasses": list(site.skipped_subclasses),
+        "unknown": list(site.unknown),
+        "other_classes": list(r.others),
+        "kinds": list(r.kinds),
+        "verdict": site.verdict, "confidence": site.confidence, "reason": site.reason,
         "wrapper_not_unwrapped": site.wrapper_not_unwrapped,
         "no_representative": list(site.no_representative),
         "rule": _rule_of(site)[0],
@@ -190,7 +216,8 @@ def render_sarif(result: AuditResult) -> dict[str, Any]:
                 "region": {"startLine": site.raw.line, "startColumn": site.raw.col + 1,
                            "endLine": site.raw.end_line},
             }, "logicalLocations": [{"fullyQualifiedName": site.raw.function}]}],
-            "properties": {"missing": list(site.missing),
+            "properties": {"missing": list(site.missing), "verdict": site.verdict,
+                           "confidence": site.confidence,
                            "trait": None if site.answer is None else site.answer.trait},
         })
     notifications = [{

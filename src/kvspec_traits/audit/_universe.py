@@ -1,9 +1,11 @@
 """The spec classes of the installed vLLM and each class's answer to every trait question.
 
-This is the only part of the audit that imports vLLM, and only through
-:mod:`kvspec_traits.catalog` on a cache miss: the answers come from the adapters applied to
-the catalog's representative real specs. The result is plain data (class names, MRO names,
-value labels) cached as JSON, so scanning never imports vLLM and never compares classes.
+This is the only part of the audit that imports vLLM, and only on a cache miss: through
+:mod:`kvspec_traits.catalog` (the answers come from the adapters applied to the catalog's
+representative real specs), and for vLLM's own ``get_kv_cache_spec_kind`` (so
+``KVCacheSpecKind`` comparisons are read with vLLM's mapping from classes to kinds). The
+result is plain data (class names, MRO names, value labels, kinds) cached as JSON, so
+scanning never imports vLLM and never compares classes.
 """
 
 from __future__ import annotations
@@ -11,16 +13,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import importlib.util
 import inspect
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from kvspec_traits.audit._questions import QUESTIONS
 
@@ -34,8 +37,21 @@ __all__ = [
     "load_universe",
 ]
 
-_FORMAT: Final = 2
+_FORMAT: Final = 3
 _CACHE_ENV: Final = "KVSPEC_TRAITS_CACHE_DIR"
+
+
+class ClassDefinitionLike(Protocol):
+    """A class the scanned code defines (the scanner's ``ClassDefinition``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def module(self) -> str: ...
+    @property
+    def bases(self) -> tuple[str, ...]: ...
+    @property
+    def adds_fields(self) -> bool: ...
 
 
 class ClassSetsUnavailableError(RuntimeError):
@@ -53,6 +69,8 @@ class ClassInfo:
     mro: tuple[str, ...]
     representatives: int
     group: bool = False
+    out_of_tree: bool = False
+    adds_fields: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +88,64 @@ class Universe:
     answers: Mapping[str, Mapping[str, frozenset[str]]]
     group_attributes: frozenset[str] = frozenset()
     sources: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    kinds: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """``get_kv_cache_spec_kind``'s answer (a ``KVCacheSpecKind`` member name) for each
+    class's representatives; empty where vLLM has no such function."""
+
+    @property
+    def out_of_tree(self) -> frozenset[str]:
+        """Classes the scanned code defines on spec classes (see :meth:`with_definitions`)."""
+        return frozenset(n for n, c in self.classes.items() if c.out_of_tree)
+
+    @property
+    def unknown(self) -> frozenset[str]:
+        """Out-of-tree classes whose traits cannot be told (they add fields)."""
+        return frozenset(n for n, c in self.classes.items()
+                         if c.out_of_tree and not c.representatives)
+
+    def with_definitions(self, definitions: Iterable[ClassDefinitionLike]) -> Universe:
+        """This universe plus the spec subclasses the scanned code defines.
+
+        A class that adds no fields gets its first spec base's answers (its instances
+        are laid out as the base's); one that adds fields is *unknown*: in the class
+        tree, so ``isinstance`` against its bases takes it, but in no trait set. A name
+        vLLM already defines is left as vLLM's.
+        """
+        pending = [d for d in definitions if d.name not in self.classes]
+        if not pending:
+            return self
+        classes = dict(self.classes)
+        answers = {q: dict(per) for q, per in self.answers.items()}
+        kinds = dict(self.kinds)
+        progress = True
+        while pending and progress:
+            progress = False
+            for d in list(pending):
+                bases = [b for b in d.bases if b in classes]
+                if len(bases) < len(d.bases) and any(b in {p.name for p in pending}
+                                                     for b in d.bases):
+                    continue  # a base defined in the tree is not placed yet
+                pending.remove(d)
+                progress = True
+                if not bases or d.name in classes:
+                    continue
+                mro = [d.name]
+                for b in bases:
+                    mro.extend(m for m in classes[b].mro if m not in mro)
+                parent = classes[bases[0]]
+                inherits = not d.adds_fields and parent.representatives > 0
+                classes[d.name] = ClassInfo(
+                    name=d.name, module=d.module, mro=tuple(mro),
+                    representatives=parent.representatives if inherits else 0,
+                    group=parent.group and inherits, out_of_tree=True,
+                    adds_fields=d.adds_fields)
+                if inherits:
+                    for per in answers.values():
+                        if parent.name in per:
+                            per[d.name] = per[parent.name]
+                    if parent.name in kinds:
+                        kinds[d.name] = kinds[parent.name]
+        return dataclasses.replace(self, classes=classes, answers=answers, kinds=kinds)
 
     @property
     def names(self) -> frozenset[str]:
@@ -108,6 +184,7 @@ class Universe:
                         for q, per in self.answers.items()},
             "group_attributes": sorted(self.group_attributes),
             "sources": {p: list(s) for p, s in self.sources.items()},
+            "kinds": {n: sorted(v) for n, v in self.kinds.items()},
         }
 
     @classmethod
@@ -127,6 +204,7 @@ class Universe:
                      for q, per in data["answers"].items()},
             group_attributes=frozenset(data.get("group_attributes", ())),
             sources={p: (int(s[0]), int(s[1])) for p, s in data.get("sources", {}).items()},
+            kinds={n: frozenset(v) for n, v in data.get("kinds", {}).items()},
         )
 
 
@@ -171,6 +249,8 @@ def build_universe() -> Universe:
     groups: set[str] = set()
     group_attributes: set[str] = set()
     answers: dict[str, dict[str, set[str]]] = {q.name: {} for q in QUESTIONS}
+    kinds: dict[str, set[str]] = {}
+    kind_of = _kind_function()
     for entry in catalog.representative_specs():
         spec = entry.spec
         name = type(spec).__qualname__
@@ -179,6 +259,9 @@ def build_universe() -> Universe:
         except Exception:  # `kvspec-traits report` shows why; here: no answers for it
             continue
         reps[name] = reps.get(name, 0) + 1
+        if kind_of is not None:
+            with contextlib.suppress(Exception):  # vLLM's answer, when it has one
+                kinds.setdefault(name, set()).add(str(kind_of(spec).name))
         if isinstance(traits, GroupTraits):
             groups.add(name)
             group_attributes.update(_group_attributes(type(spec)))
@@ -210,7 +293,19 @@ def build_universe() -> Universe:
         answers={q: {n: frozenset(v) for n, v in per.items()} for q, per in answers.items()},
         group_attributes=frozenset(group_attributes),
         sources=sources,
+        kinds={n: frozenset(v) for n, v in kinds.items()},
     )
+
+
+def _kind_function() -> Callable[[Any], Any] | None:
+    # vLLM's `get_kv_cache_spec_kind` (0.32 on), so `KVCacheSpecKind.X` comparisons
+    # are read with vLLM's own mapping from classes to kinds.
+    try:
+        module = importlib.import_module("vllm.v1.kv_cache_interface")
+    except Exception:  # no vLLM: no kinds
+        return None
+    found = getattr(module, "get_kv_cache_spec_kind", None)
+    return found if callable(found) else None
 
 
 def _group_attributes(cls: type[Any]) -> set[str]:

@@ -2,8 +2,15 @@
 
 The planner (:func:`plan_regions`), the descriptor builders and the handshake are pure
 and import neither NIXL nor vLLM; :class:`TraitsNixlAgent` imports ``nixl._api`` when
-it is constructed. See ``docs/nixl.md``.
+it is constructed. See ``docs/nixl.md``. The shim needs numpy (``pip install
+'kvspec-traits[nixl]'``) and, for an agent, NIXL's Python package; a missing one is a
+:class:`~kvspec_traits.MissingDependencyError` saying what to install.
 """
+
+from kvspec_traits._deps import needs
+
+with needs("kvspec_traits.nixl (the NIXL shim)"):
+    import numpy  # noqa: F401  # imported here to name it when missing, used by the modules below
 
 from kvspec_traits.nixl._agent import DescMode, RemotePeer, TraitsNixlAgent, TransferResult
 from kvspec_traits.nixl._descs import (

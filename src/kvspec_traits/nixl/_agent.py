@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 import numpy.typing as npt
 
+from kvspec_traits._deps import needs
 from kvspec_traits.nixl._descs import (
     BlockIds,
     TransferItems,
@@ -118,7 +119,8 @@ class TraitsNixlAgent:
 
     def __init__(self, name: str | None = None, *, backends: Sequence[str] = ("UCX",),
                  progress_thread: bool = False) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        with needs("TraitsNixlAgent (kvspec_traits.nixl)"):
+            from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name if name is not None else f"kvspec-{uuid.uuid4().hex}"
         self._backends = list(backends)

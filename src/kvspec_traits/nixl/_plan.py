@@ -348,6 +348,7 @@ def plan_regions(
     registry: Registry | None = None,
     packed_rows: bool = False,
     kernel_blocks: bool = False,
+    kernel_ratio: int | None = None,
 ) -> RegionPlan:
     """Plan the NIXL regions of one rank's KV cache.
 
@@ -368,8 +369,13 @@ def plan_regions(
     ratio`` rows) are planned in manager blocks, the ids requests carry.
     ``kernel_blocks=True`` keeps vLLM's worker granularity instead (``block_len /
     ratio``, ``num_blocks * ratio``), for code that feeds the plan to vLLM's own
-    descriptor machinery; a region shared with an unsplit recurrent state then raises
-    :class:`RegionConflictError`.
+    descriptor machinery. ``kernel_ratio`` (the worker's
+    ``_physical_blocks_per_logical_kv_block``; default: the paged views' common ratio)
+    then also sets recurrent-state members in vLLM's worker form: ``ratio`` blocks of
+    ``page / ratio`` bytes per state page, which vLLM's ``_build_mamba_local`` reads back
+    as whole pages ``ratio`` kernel blocks apart (so a state can share a region with
+    split attention pages). A paged view that is not split by that ratio raises
+    :class:`UnsupportedLayoutError` (its kernel descriptors would address other blocks).
 
     Raises :class:`RegionConflictError` when layers sharing a region disagree on a
     fact the transfer needs, :class:`UnsupportedLayoutError` for a tensor that is not
@@ -392,6 +398,10 @@ def plan_regions(
             "pass every layer's KV cache tensor (the kv_caches vLLM gives "
             "register_kv_caches), or a config/specs without those layers")
 
+    if kernel_ratio is None and kernel_blocks:
+        kernel_ratio = _paged_ratio(kv_caches, layer_traits, layer_blocks, n_blocks)
+    if kernel_ratio is not None and (kernel_ratio < 1 or not kernel_blocks):
+        raise ValueError(f"kernel_ratio {kernel_ratio} needs kernel_blocks=True and >= 1")
     by_storage: dict[tuple[int, str], list[_Piece]] = {}
     registrations: dict[tuple[int, str], MemoryRange] = {}
     for layer in sorted(kv_caches, key=region_sort_key):
@@ -407,7 +417,8 @@ def plan_regions(
                                              device_id=_device_id(cache), mem_type=key[1])
         by_storage.setdefault(key, []).extend(
             _layer_pieces(layer, cache, traits, layer_groups[layer],
-                          layer_blocks.get(layer, n_blocks), kernel_blocks))
+                          layer_blocks.get(layer, n_blocks), kernel_blocks,
+                          kernel_ratio))
 
     pieces: dict[tuple[int, str], list[_Piece]] = {}
     for key, storage_pieces in by_storage.items():
@@ -520,8 +531,24 @@ def _dense(sizes: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
     return True
 
 
+def _paged_ratio(kv_caches: Mapping[str, torch.Tensor],
+                 layer_traits: Mapping[str, KVLayoutTraits], layer_blocks: Mapping[str, int],
+                 num_blocks: int) -> int:
+    """The kernel blocks per manager block of the paged views (1 if none is split)."""
+    ratios = {layer: kv_caches[layer].shape[0] // layer_blocks.get(layer, num_blocks)
+              for layer, traits in layer_traits.items()
+              if not _is_state(traits) and kv_caches[layer].ndim > 1
+              and layer_blocks.get(layer, num_blocks) > 0}
+    distinct = set(ratios.values())
+    if len(distinct) > 1:
+        raise ValueError(f"paged views split manager blocks into different numbers of "
+                         f"kernel blocks {ratios}; pass kernel_ratio")
+    return distinct.pop() if distinct else 1
+
+
 def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group_id: int,
-                  num_blocks: int, kernel_blocks: bool = False) -> Iterable[_Piece]:
+                  num_blocks: int, kernel_blocks: bool = False,
+                  kernel_ratio: int | None = None) -> Iterable[_Piece]:
     """The region(s) of one layer's cache view."""
     mem_type, device_id = _mem_type(cache), _device_id(cache)
     page = traits.page_size_bytes
@@ -534,9 +561,31 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
                       mem_type=mem_type, device_id=device_id, head_major=head_major,
                       head_segment=segment)
 
+    if is_state and kernel_blocks and kernel_ratio is not None and kernel_ratio > 1:
+        # vLLM's worker registers a state page as `ratio` kernel-sized blocks (a region
+        # it can share with split attention pages) and reads it back whole, `ratio`
+        # kernel blocks apart: valid only when the state pages abut.
+        rows = cache.shape[0] if cache.ndim > 1 else num_blocks
+        logical_stride = (cache.stride(0) * cache.element_size() * (rows // num_blocks)
+                          if cache.ndim > 1 and num_blocks else page)
+        if page % kernel_ratio or rows % max(num_blocks, 1) or logical_stride != page:
+            raise UnsupportedLayoutError(
+                layer, f"state pages of {page} bytes at stride {logical_stride} cannot "
+                       f"be registered as {kernel_ratio} kernel blocks each")
+        kernel_page = page // kernel_ratio
+        return [piece(cache.data_ptr(), kernel_page, kernel_page,
+                      num_blocks * kernel_ratio, True)]
     if cache.ndim <= 1:
         # A flat byte view (a raw buffer shared between layer types) has no block
         # dimension: blocks abut, one page apart.
+        if kernel_blocks and kernel_ratio is not None and kernel_ratio > 1 and not is_state:
+            if page % kernel_ratio:
+                raise UnsupportedLayoutError(
+                    layer, f"page of {page} bytes does not split into {kernel_ratio} "
+                           f"kernel blocks")
+            kernel_page = page // kernel_ratio
+            return [piece(cache.data_ptr(), kernel_page, kernel_page,
+                          num_blocks * kernel_ratio, True)]
         return [piece(cache.data_ptr(), page, page, num_blocks, True)]
     itemsize = cache.element_size()
     rows = cache.shape[0]
@@ -544,6 +593,11 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
     # Kernel block splitting views a manager block as `ratio` kernel blocks; a
     # recurrent state is indivisible and never split.
     ratio = 1 if is_state else rows // num_blocks
+    if (kernel_blocks and kernel_ratio is not None and not is_state
+            and ratio != kernel_ratio):
+        raise UnsupportedLayoutError(
+            layer, f"{rows} rows for {num_blocks} blocks are not split into the worker's "
+                   f"{kernel_ratio} kernel blocks per block (shape {tuple(cache.shape)})")
     if ratio < 1 or (not is_state and rows != ratio * num_blocks) or rows < num_blocks:
         raise UnsupportedLayoutError(
             layer, f"{rows} rows cannot hold {num_blocks} blocks "

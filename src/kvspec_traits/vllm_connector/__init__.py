@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
+from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
+
 __all__ = [
     "CONNECTOR_NAME",
     "MODULE_PATH",
@@ -28,8 +30,6 @@ __all__ = [
 CONNECTOR_NAME: Final = "TraitsNixlConnector"
 MODULE_PATH: Final = "kvspec_traits.vllm_connector"
 _IMPL: Final = "kvspec_traits.vllm_connector._connector"
-SUPPORTED_VLLM_SERIES: Final = ("0.32", "0.33")
-"""vLLM release series whose NIXL worker this connector has been checked against."""
 
 if TYPE_CHECKING:
     from kvspec_traits.vllm_connector._connector import (
@@ -65,7 +65,8 @@ def check_vllm_version(installed: str | None = None) -> str:
     """Return the installed vLLM version, or raise :class:`UnsupportedVllmVersionError`
     naming it and the supported series. ``installed`` overrides the lookup (tests)."""
     if installed is None:
-        import vllm
+        with needs(f"{CONNECTOR_NAME} (kvspec_traits.vllm_connector)"):
+            import vllm
 
         installed = str(getattr(vllm, "__version__", "unknown"))
     if _series(installed) not in SUPPORTED_VLLM_SERIES:
@@ -79,7 +80,8 @@ def register_with_vllm() -> None:
     Registers a lazy loader with vLLM's ``KVConnectorFactory``; safe to call more than
     once (vLLM loads plugins once per process, but may start many processes).
     """
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    with needs(f"the {CONNECTOR_NAME} vLLM plugin (kvspec_traits.vllm_connector)"):
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, _IMPL, CONNECTOR_NAME)
@@ -91,5 +93,7 @@ def __getattr__(name: str) -> Any:
                 "TraitsNixlAgentMetadata"):
         import importlib
 
-        return getattr(importlib.import_module(_IMPL), name)
+        with needs(f"{CONNECTOR_NAME} (kvspec_traits.vllm_connector)"):
+            module = importlib.import_module(_IMPL)
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

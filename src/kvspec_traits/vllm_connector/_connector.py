@@ -22,20 +22,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
-import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _bw
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-    GET_META_MSG,
     NixlAgentMetadata,
     NixlConnectorMetadata,
     NixlHandshakePayload,
-    compute_nixl_compatibility_hash,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
@@ -47,9 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
     _is_attention_spec,
     _is_ssm_spec,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
 from vllm.logger import init_logger
-from vllm.utils.network_utils import make_zmq_path
 
 from kvspec_traits._group import representative_traits, traits_for_layer
 from kvspec_traits._registry import Registry, default_registry
@@ -95,6 +92,16 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
     """
 
     kvspec_traits_fingerprint: bytes | None = None
+
+
+# vLLM's handshake decodes the peer's agent metadata as base_worker.NixlAgentMetadata
+# (after its compatibility-hash check). That name is made this subclass, whose one extra
+# field is optional, so the decode keeps the peer's fingerprint for the check that
+# follows it; for every other reader the value is the same metadata.
+setattr(_bw, "NixlAgentMetadata", TraitsNixlAgentMetadata)  # noqa: B010 (not re-exported)
+# The peer address of the handshake running on this thread (handshakes run on vLLM's
+# background executor), for the refusal messages.
+_handshake_peer = threading.local()
 
 
 class PeerWithoutTraitsError(RuntimeError):
@@ -154,6 +161,8 @@ class LayoutFacts:
     """Some layer does not keep every token (vLLM: the hybrid allocator is needed)."""
     has_state: bool
     has_ring: bool
+    mla: bool
+    """Some transferred layer caches one latent per token (vLLM: ``use_mla``)."""
     replicated_state_kv_cache_group: int | None
     """The cache group whose layers are all TP-replicated states next to a ring (vLLM:
     the CSA-linear PLE group)."""
@@ -201,6 +210,8 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
         has_state=any(t.token_scope is TokenScope.RECURRENT_STATE
                       for t in layer_traits.values()),
         has_ring=has_ring,
+        mla=any(t.is_mla and t.token_scope not in _NOT_TOKEN_PAGED
+                for t in layer_traits.values()),
         replicated_state_kv_cache_group=replicated_state[0] if replicated_state else None,
     )
 
@@ -235,6 +246,12 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
             and facts.hybrid)
         self._has_mamba = facts.has_state
+        # vLLM reads use_mla from the model config; the caches say it (an MLA model
+        # run under another model's config would otherwise transfer per head).
+        if self.use_mla != facts.mla:
+            logger.info("%s: use_mla %s from the KV cache layers (the model config "
+                        "says %s)", CONNECTOR_NAME, facts.mla, self.use_mla)
+        self.use_mla = facts.mla
         self._is_csa_linear = facts.has_ring
         self._ple_group_index = facts.replicated_state_kv_cache_group
         if facts.has_state and self._conv_decomp is None:
@@ -279,19 +296,21 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                 raise NotImplementedError(
                     f"{CONNECTOR_NAME} does not transfer host-resident (HiSparse) cache "
                     f"groups; use upstream's NixlConnector for this model")
+        # vLLM's descriptor ids count kernel blocks (its worker's block_size and
+        # num_blocks are per kernel block), so the regions must be planned in them.
         return plan_regions(kv_caches, self.kv_cache_config,
                             tp_size=self.transfer_tp_size, tp_rank=self.transfer_tp_rank,
-                            registry=self._traits_registry)
+                            registry=self._traits_registry, kernel_blocks=True,
+                            kernel_ratio=self._physical_blocks_per_logical_kv_block)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV caches with NIXL, regions planned from traits."""
-        from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
-
         if self.use_host_buffer:
             raise NotImplementedError(
                 f"{CONNECTOR_NAME} registers device/CPU caches directly; host staging "
                 f"buffers (kv_buffer_device cpu on an accelerator) are upstream-only")
-        self.transfer_topo = TransferTopology(
+        # Through base_worker's names: vLLM's tests (and users' hooks) patch them there.
+        self.transfer_topo = _bw.TransferTopology(  # type: ignore[attr-defined]
             tp_rank=self.transfer_tp_rank,
             tp_size=self.transfer_tp_size,
             block_size=self.block_size,
@@ -304,7 +323,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             tensor_shape=None if self._has_mamba else next(iter(kv_caches.values())).shape,
             is_mamba=self._has_mamba,
         )
-        self.compat_hash = compute_nixl_compatibility_hash(
+        self.compat_hash = _bw.compute_nixl_compatibility_hash(  # type: ignore[attr-defined]
             self.vllm_config, self.backend_name, transfer_mode=self._TRANSFER_MODE)
 
         plan = self.plan(kv_caches)
@@ -396,7 +415,9 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                            for layer in region.layers
                            if self.layout_facts.layer_traits[layer].token_scope
                            is TokenScope.RECURRENT_STATE]
-            self._ple_block_len = max(state_pages)
+            # Per kernel block, as vLLM keeps it (it reads ratio of them per page).
+            self._ple_block_len = (max(state_pages)
+                                   // self._physical_blocks_per_logical_kv_block)
         devices = {r.device_id for r in regions if r.mem_type != "DRAM"}
         if devices:
             self.device_id = max(devices)
@@ -431,51 +452,53 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
 
     def _nixl_handshake(self, host: str, port: int, remote_tp_size: int,
                         *args: Any, **kwargs: Any) -> Any:
-        remote_dcp_size = int(kwargs.get("remote_dcp_size", args[1] if len(args) > 1 else 1))
         remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
         if remote_pp_size > 1 or self.pp_size > 1:
             # The fingerprint covers this stage's regions only; comparing it with remote PP
             # rank 0 would refuse a good pair or check one stage of several.
             raise UnsupportedPipelineParallelError(self.pp_size, remote_pp_size)
-        self.check_remote_layout(host, port, remote_tp_size, remote_dcp_size)
-        return super()._nixl_handshake(host, port, remote_tp_size, *args, **kwargs)
+        # vLLM's handshake (its socket through base_worker.zmq_ctx, its order: the
+        # compatibility hash, then the agent metadata decode) calls
+        # _validate_remote_parallel_config with the decoded metadata, where the
+        # fingerprint is checked; the peer's address is kept for the messages.
+        _handshake_peer.name = f"{host}:{port}"
+        try:
+            return super()._nixl_handshake(host, port, remote_tp_size, *args, **kwargs)
+        finally:
+            _handshake_peer.name = None
 
-    def check_remote_layout(self, host: str, port: int, remote_tp_size: int,
-                            remote_dcp_size: int = 1) -> None:
-        """Fetch the peer's handshake metadata and compare layout fingerprints.
+    def _validate_remote_parallel_config(self, agent_metadata: Any) -> None:
+        super()._validate_remote_parallel_config(agent_metadata)
+        self.check_remote_fingerprint(agent_metadata)
 
-        Runs before vLLM's compatibility hash, so a layout mismatch is reported as
+    def check_remote_fingerprint(self, agent_metadata: NixlAgentMetadata) -> None:
+        """Compare the peer's per-region traits fingerprint with ours.
+
+        Called by vLLM's handshake once the peer's compatibility hash matched and its
+        agent metadata decoded. A layout mismatch raises
         :class:`~kvspec_traits.nixl.HandshakeMismatchError` naming the region and every
         differing trait; a peer without a fingerprint raises
-        :class:`PeerWithoutTraitsError`.
+        :class:`PeerWithoutTraitsError`; one that is not a fingerprint,
+        :class:`~kvspec_traits.nixl.MalformedMetadataError`.
         """
-        if self.transfer_topo is None or self.traits_fingerprint is None:
-            raise RuntimeError("check_remote_layout before register_kv_caches")
-        ranks = self.transfer_topo.handshake_target_ranks(remote_tp_size, remote_dcp_size)
-        peer = f"{host}:{port}"
-        with zmq_ctx(zmq.REQ, make_zmq_path("tcp", host, port)) as sock:
-            sock.setsockopt(zmq.RCVTIMEO, 30_000)
-            for rank in ranks:
-                sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, rank)))
-                reply = sock.recv_multipart()
-                payload = msgspec.msgpack.decode(reply[0], type=NixlHandshakePayload)
-                meta = msgspec.msgpack.decode(payload.agent_metadata_bytes,
-                                              type=TraitsNixlAgentMetadata)
-                if meta.kvspec_traits_fingerprint is None:
-                    raise PeerWithoutTraitsError(peer)
-                try:
-                    decoded = json.loads(meta.kvspec_traits_fingerprint)
-                except json.JSONDecodeError as exc:
-                    raise MalformedMetadataError(
-                        f"peer {peer} TP rank {rank}: fingerprint is not JSON ({exc})"
-                    ) from exc
-                remote = PlanFingerprint.from_payload(decoded)
-                try:
-                    check_handshake(self.traits_fingerprint, remote)
-                except HandshakeMismatchError as err:
-                    logger.error("%s: refusing NIXL peer %s (engine %s, TP rank %s): %s",
-                                 CONNECTOR_NAME, peer, meta.engine_id, rank, err)
-                    raise
+        if self.traits_fingerprint is None:
+            raise RuntimeError(f"{CONNECTOR_NAME}: handshake before register_kv_caches")
+        peer = getattr(_handshake_peer, "name", None) or "unknown address"
+        fingerprint = getattr(agent_metadata, "kvspec_traits_fingerprint", None)
+        if fingerprint is None:
+            raise PeerWithoutTraitsError(peer)
+        try:
+            decoded = json.loads(fingerprint)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise MalformedMetadataError(
+                f"peer {peer}: layout fingerprint is not JSON ({exc})") from exc
+        remote = PlanFingerprint.from_payload(decoded)
+        try:
+            check_handshake(self.traits_fingerprint, remote)
+        except HandshakeMismatchError as err:
+            logger.error("%s: refusing NIXL peer %s (engine %s): %s", CONNECTOR_NAME, peer,
+                         agent_metadata.engine_id, err)
+            raise
         logger.info("%s: peer %s has the same KV layout (fingerprint %s)", CONNECTOR_NAME,
                     peer, self.traits_fingerprint.digest[:16])
 

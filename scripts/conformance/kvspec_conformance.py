@@ -1,0 +1,164 @@
+"""Pytest plugin of the conformance pass: vLLM's own NIXL connector tests, run against
+upstream's classes or against ``TraitsNixlConnector`` bound in their place.
+
+Loaded with ``-p kvspec_conformance`` (this directory on ``PYTHONPATH``). Environment:
+
+- ``KVSPEC_CONFORMANCE_SUBJECT``: ``upstream`` (vLLM's classes, untouched) or ``traits``
+  (``NixlConnector``/``NixlPullConnector`` and ``NixlConnectorWorker``/
+  ``NixlPullConnectorWorker`` rebound to ours in every module of vLLM's ``nixl`` package
+  before any test module is imported, so ``from ... import NixlConnector`` and the tests'
+  fake-wrapper subclasses get ours, and the factory's ``"NixlConnector"`` loads ours).
+- ``KVSPEC_CONFORMANCE_REPORT``: where to write the JSON outcome of every test.
+
+The binding is proved after collection: every collected test module that holds one of
+those names must hold ours (else the session stops with exit code 3), and the factory
+must resolve ``"NixlConnector"`` to ours. The report records the modules checked and how
+many traits workers the tests constructed.
+
+Stubs, only for what cannot exist on a CPU machine without a network: ``ray`` (when not
+installed) and the hub's model configs (``config.json`` of the few models the tests name,
+served from a local hub cache with ``HF_HUB_OFFLINE=1``). Nothing else is replaced.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SUBJECT = os.environ.get("KVSPEC_CONFORMANCE_SUBJECT", "upstream")
+if SUBJECT not in ("upstream", "traits"):
+    raise SystemExit(f"KVSPEC_CONFORMANCE_SUBJECT must be upstream or traits, not {SUBJECT!r}")
+REBOUND = {
+    "NixlConnector": "TraitsNixlConnector",
+    "NixlPullConnector": "TraitsNixlConnector",
+    "NixlConnectorWorker": "TraitsNixlConnectorWorker",
+    "NixlPullConnectorWorker": "TraitsNixlConnectorWorker",
+}
+NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+
+
+def _hub_cache() -> Path:
+    """A Hugging Face hub cache holding only the stored config.json files."""
+    root = Path(tempfile.mkdtemp(prefix="kvspec-conformance-hub-"))
+    revision = "0" * 40
+    for config in sorted((HERE / "hub").glob("*.json")):
+        repo = root / f"models--{config.stem}"
+        snapshot = repo / "snapshots" / revision
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_bytes(config.read_bytes())
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(revision)
+    return root
+
+
+# At import (before vLLM's conftest imports huggingface_hub, which reads these once).
+if importlib.util.find_spec("ray") is None:
+    sys.path.insert(0, str(HERE / "stubs"))
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_HUB_CACHE"] = str(_hub_cache())
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+_outcomes: dict[str, str] = {}
+_binding: dict[str, Any] = {"subject": SUBJECT}
+_constructed = [0]
+
+
+def _rebind() -> None:
+    import importlib
+    import pkgutil
+
+    from kvspec_traits.vllm_connector import _connector as ours
+
+    package = importlib.import_module(NIXL_PACKAGE)
+    modules = [package] + [
+        importlib.import_module(f"{NIXL_PACKAGE}.{info.name}")
+        for info in pkgutil.iter_modules(package.__path__)
+    ]
+    rebound: list[str] = []
+    for module in modules:
+        for name, replacement in REBOUND.items():
+            if name in vars(module):
+                setattr(module, name, getattr(ours, replacement))
+                rebound.append(f"{module.__name__}.{name}")
+    init = ours.TraitsNixlConnectorWorker.__init__
+
+    def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        _constructed[0] += 1
+        init(self, *args, **kwargs)
+
+    ours.TraitsNixlConnectorWorker.__init__ = counting_init  # type: ignore[method-assign]
+    _binding["rebound"] = rebound
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cpu_test: vLLM's marker for CPU-runnable tests")
+    if SUBJECT == "traits":
+        _rebind()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvspec_traits.vllm_connector import _connector as ours
+
+    expected = {name: getattr(ours, replacement) for name, replacement in REBOUND.items()}
+    checked: dict[str, list[str]] = {}
+    wrong: list[str] = []
+    seen: set[str] = set()
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
+        for name, ours_cls in expected.items():
+            if name not in vars(module):
+                continue
+            checked.setdefault(module.__name__, []).append(name)
+            is_ours = vars(module)[name] is ours_cls
+            if is_ours != (SUBJECT == "traits"):
+                wrong.append(f"{module.__name__}.{name} = {vars(module)[name]!r}")
+    for qualified in _binding.get("rebound", []):
+        module_name, _, name = qualified.rpartition(".")
+        if getattr(sys.modules[module_name], name) is not expected[name]:
+            wrong.append(f"{qualified} was rebound and changed back")
+    factory_cls = KVConnectorFactory.get_connector_class_by_name("NixlConnector")
+    if (factory_cls is expected["NixlConnector"]) != (SUBJECT == "traits"):
+        wrong.append(f"KVConnectorFactory 'NixlConnector' = {factory_cls!r}")
+    _binding["modules_checked"] = checked
+    _binding["factory_NixlConnector"] = f"{factory_cls.__module__}.{factory_cls.__qualname__}"
+    if wrong:
+        pytest.exit(f"conformance binding ({SUBJECT}) did not take: {wrong}", returncode=3)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    previous = _outcomes.get(report.nodeid)
+    if report.failed:
+        _outcomes[report.nodeid] = "failed"
+    elif report.skipped and previous != "failed":
+        _outcomes[report.nodeid] = "skipped"
+    elif report.when == "call" and report.passed and previous is None:
+        _outcomes[report.nodeid] = "passed"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    _binding["traits_workers_constructed"] = _constructed[0]
+    terminalreporter.write_line(
+        f"kvspec conformance: subject={SUBJECT}, "
+        f"modules checked={sorted(_binding.get('modules_checked', {}))}, "
+        f"factory NixlConnector={_binding.get('factory_NixlConnector')}, "
+        f"traits workers constructed={_constructed[0]}"
+    )
+    path = os.environ.get("KVSPEC_CONFORMANCE_REPORT")
+    if path:
+        Path(path).write_text(
+            json.dumps({"binding": _binding, "outcomes": _outcomes}, indent=1, sort_keys=True)
+        )

