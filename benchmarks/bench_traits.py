@@ -15,8 +15,10 @@ import timeit
 import torch
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
+    KVCacheSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
+    UniformTypeKVCacheSpecs,
 )
 
 import kvspec_traits
@@ -52,6 +54,14 @@ def main() -> int:
     warm_attr = _ns("traits_of(spec).is_mla", env, n)
     py_attr = _ns("py_traits_of(spec).is_mla", env, n)
     vllm_page = _ns("spec.page_size_bytes", env, n // 10)
+    # A group spec holds a dict, so it is answered from a snapshot compared on every call
+    # (a mutated group is answered afresh), off the id() warm path: DeepSeek-V3's 61 layers.
+    layers: dict[str, KVCacheSpec] = {f"model.layers.{i}.self_attn.attn": spec
+                                      for i in range(61)}
+    group = UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=layers)
+    env["group"] = group
+    traits_of(group)
+    group_warm = _ns("traits_of(group)", env, n // 20)
     cold_each = []
     for entry in representative_specs():
         registry = kvspec_traits.Registry().copy()
@@ -68,6 +78,7 @@ def main() -> int:
         ("traits_of(spec).is_mla   (warm)", warm_attr),
         ("  same, pure-Python warm path", py_attr),
         ("spec.page_size_bytes   (vLLM's own)", vllm_page),
+        ("traits_of(group of 61 layers)   (warm)", group_warm),
         ("traits_of(spec)   (first call, median of classes)", statistics.median(cold_each)),
     ]
     for name, ns in rows:

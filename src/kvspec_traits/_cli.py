@@ -9,7 +9,10 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvspec_traits import Registry
 
 __all__ = ["main"]
 
@@ -35,14 +38,54 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _collect() -> tuple[list[_Row], list[str], list[str], list[str], str]:
+@dataclass
+class _Fields:
+    """Field accounting of one spec class: what the adapter serving it reads, what it
+    knows does not affect the layout, and what nobody accounts for."""
+
+    spec_class: str
+    read: list[str]
+    ignored: list[str]
+    unaccounted: list[str]
+
+
+def _fields(registry: Registry, classes: Sequence[type[Any]]) -> list[_Fields]:
+    import dataclasses
+
+    from kvspec_traits import UnsupportedSpecError
+
+    out = []
+    for cls in classes:
+        if not dataclasses.is_dataclass(cls):
+            continue
+        names = [f.name for f in dataclasses.fields(cls)]
+        try:
+            accounted = registry.accounted_fields(cls)
+            unaccounted = set(registry.unaccounted_fields(cls))
+            read_names = registry.read_fields(cls)
+        except UnsupportedSpecError:
+            accounted, unaccounted, read_names = frozenset(), set(names), frozenset()
+        out.append(_Fields(
+            spec_class=cls.__qualname__,
+            read=[n for n in names if n in read_names and n not in unaccounted],
+            ignored=[n for n in names if n in accounted and n not in read_names],
+            unaccounted=[n for n in names if n in unaccounted]))
+    return out
+
+
+def _collect(registry: Registry | None = None
+             ) -> tuple[list[_Row], list[str], list[str], list[str], str, list[_Fields]]:
     from kvspec_traits._deps import needs
 
     with needs("listing the traits of the installed vLLM's KV cache specs"):
         import vllm
 
-    from kvspec_traits import UnsupportedSpecError, default_registry, traits_as_dict, traits_of
+    from kvspec_traits import UnsupportedSpecError, default_registry, traits_as_dict
     from kvspec_traits.catalog import refused_specs, representative_specs, spec_classes
+
+    if registry is None:
+        registry = default_registry
+    traits_of = registry.traits_of
 
     rows: list[_Row] = []
     covered: set[str] = set()
@@ -68,17 +111,18 @@ def _collect() -> tuple[list[_Row], list[str], list[str], list[str], str]:
     missing = [c for c in found if c not in covered]
     # Classes from other packages (extensions) have no representative instance here: they
     # count as covered when they bring an adapter of their own.
-    default_registry.adapters()  # loads the entry points, which import their classes
+    registry.adapters()  # loads the entry points, which import their classes
     extra = [c for c in spec_classes(vllm_only=False) if c.__qualname__ not in found]
     for cls in extra:
         try:
-            own = default_registry.owner_of(cls) is cls
+            own = registry.owner_of(cls) is cls
         except UnsupportedSpecError:
             own = False
         if not own:
             missing.append(f"{cls.__module__}.{cls.__qualname__}")
+    fields = _fields(registry, [*spec_classes(), *extra])
     return rows, found, missing, [f"{c.__module__}.{c.__qualname__}" for c in extra], \
-        vllm.__version__
+        vllm.__version__, fields
 
 
 _TP_SHORT = {"replicated": "repl", "head_sharded": "heads", "state_sharded": "state"}
@@ -110,18 +154,21 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
     return [head, "-" * len(head), *(line(r) for r in rows)]
 
 
-def _report(args: argparse.Namespace) -> int:
+def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
     from kvspec_traits._errors import MissingDependencyError
 
     try:
-        rows, found, missing, extra, version = _collect()
+        rows, found, missing, extra, version, fields = _collect(registry)
     except MissingDependencyError as exc:
         print(f"kvspec-traits report: {exc}", file=sys.stderr)
         return 2
-    ok = all(r.ok for r in rows) and not missing
+    unaccounted = [f for f in fields if f.unaccounted]
+    ok = all(r.ok for r in rows) and not missing and not unaccounted
     if args.json:
         json.dump({"vllm_version": version, "ok": ok, "classes_found": found,
                    "classes_not_covered": missing, "extension_classes": extra,
+                   "fields": {f.spec_class: {"read": f.read, "ignored": f.ignored,
+                                             "unaccounted": f.unaccounted} for f in fields},
                    "rows": [r.__dict__ for r in rows]}, sys.stdout, indent=2)
         print()
         return 0 if ok else 1
@@ -152,8 +199,31 @@ def _report(args: argparse.Namespace) -> int:
               "each needs an adapter of its own")
     if missing:
         print("not covered: " + ", ".join(missing))
+    _print_fields(fields)
     print("OK" if ok else "NOT OK")
     return 0 if ok else 1
+
+
+def _print_fields(fields: Sequence[_Fields]) -> None:
+    import textwrap
+
+    print("fields, per class (read: the traits come from it; ignored: known not to change "
+          "a page):")
+    for f in fields:
+        text = f"{f.spec_class}: read {', '.join(f.read) or '-'}; ignored " \
+               f"{', '.join(f.ignored) or '-'}"
+        if f.unaccounted:
+            text += f"; UNACCOUNTED {', '.join(f.unaccounted)}"
+        print(textwrap.fill(text, width=100, initial_indent="  ", subsequent_indent="      "))
+    total = sum(len(f.read) + len(f.ignored) + len(f.unaccounted) for f in fields)
+    bad = [(f.spec_class, n) for f in fields for n in f.unaccounted]
+    if bad:
+        print(textwrap.fill(
+            f"unaccounted fields: {len(bad)} of {total} "
+            f"({', '.join(f'{c}.{n}' for c, n in bad)}); a spec holding one away from its "
+            "default is refused", width=100, subsequent_indent="  "))
+    else:
+        print(f"fields: all {total} fields of {len(fields)} classes accounted for")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,10 @@
-"""Named errors. Each carries the offending object and says in its message how to fix it."""
+"""Named errors. Each carries the offending object and says in its message how to fix it.
+
+Every error the library raises on purpose derives from :class:`KVSpecTraitsError` and from
+the builtin it refines (``TypeError``, ``ValueError``, ``RuntimeError``), so a caller may
+catch either. Errors about one spec name the spec's class, the field or trait involved and
+the adapter that was asked (``.spec_type``, ``.field``, ``.adapter``).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,14 @@ from typing import Any
 
 __all__ = [
     "AdapterConflictError",
+    "AdapterError",
     "AdapterPluginError",
+    "AdapterResultError",
+    "InvalidSpecError",
+    "KVSpecTraitsError",
     "MissingDependencyError",
     "MixedGroupTraitsError",
+    "SpecPropertyError",
     "TraitsMismatchError",
     "UnsupportedSpecError",
 ]
@@ -18,17 +29,61 @@ def _qualname(tp: type[Any]) -> str:
     return f"{tp.__module__}.{tp.__qualname__}"
 
 
-class UnsupportedSpecError(TypeError):
-    """No adapter can answer for this spec class.
+def _short_repr(value: object, limit: int = 300) -> str:
+    try:
+        text = repr(value)
+    except Exception as exc:  # a broken __repr__ must not hide the real error
+        text = f"<{type(value).__qualname__}: repr raised {type(exc).__name__}>"
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
-    Raised for a class with no adapter of its own whose nearest adapted ancestor would
-    give traits that do not reproduce the spec's own byte math, for abstract specs, and
-    for objects that are not KV cache specs. ``.spec_type`` is the class.
+
+class KVSpecTraitsError(Exception):
+    """Base of every error kvspec-traits raises on purpose.
+
+    ``.adapter`` names the adapter that was asked (``module.qualname``), or is None when
+    no adapter was involved. The registry fills it in for errors an adapter raises.
     """
 
-    def __init__(self, spec_type: type[Any], reason: str, *, fixable: bool = True) -> None:
+    adapter: str | None = None
+
+    def _message(self) -> str:
+        return super().__str__()
+
+    def _set_adapter(self, adapter: str) -> None:
+        # Called by the registry on an error raised inside an adapter that did not
+        # name itself; the message is rebuilt so that it names the adapter too.
+        if self.adapter is None:
+            self.adapter = adapter
+            self.args = (self._message(),)
+
+
+class UnsupportedSpecError(KVSpecTraitsError, TypeError):
+    """No adapter can answer for this spec: a refusal, never a guess.
+
+    Raised for a class with no adapter of its own whose nearest adapted ancestor would
+    give traits that do not reproduce the spec's own byte math; for a field (or, with
+    ``.members``, an overridden property or method) that no adapter accounts for; for
+    abstract specs; and for objects that are not KV cache specs. ``.spec_type`` is the
+    class, ``.field`` and ``.value`` the unaccounted field and its value when one is the
+    cause, ``.members`` the overridden members when they are.
+    """
+
+    _NO_VALUE: Any = object()
+
+    def __init__(self, spec_type: type[Any], reason: str, *, fixable: bool = True,
+                 field: str | None = None, value: object = _NO_VALUE,
+                 members: tuple[str, ...] = (), adapter: str | None = None) -> None:
         self.spec_type = spec_type
         self.reason = reason
+        self.fixable = fixable
+        self.field = field
+        self.value = None if value is UnsupportedSpecError._NO_VALUE else value
+        self.members = members
+        self.adapter = adapter
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        spec_type = self.spec_type
         bases = ", ".join(_qualname(b) for b in spec_type.__bases__)
         fix = (
             f" Register an adapter with "
@@ -36,22 +91,70 @@ class UnsupportedSpecError(TypeError):
             f"`def adapt(spec: {spec_type.__qualname__}) -> KVLayoutTraits`, or publish it "
             f"in the `kvspec_traits.adapters` entry-point group."
         )
-        super().__init__(
+        asked = f" (adapter asked: {self.adapter})" if self.adapter else ""
+        return (
             f"kvspec-traits has no adapter for {_qualname(spec_type)} (bases: {bases}): "
-            f"{reason}.{fix if fixable else ''}"
+            f"{self.reason}{asked}.{fix if self.fixable else ''}"
         )
 
 
-class TraitsMismatchError(ValueError):
+class SpecPropertyError(UnsupportedSpecError):
+    """The spec's own byte math raised while its traits were checked against it.
+
+    A refusal: an error in ``page_size_bytes`` (or another size property the check
+    reads) means the spec cannot say what its page holds, so no traits are given.
+    ``.field`` is the property, ``.error`` the exception it raised (also the cause).
+    """
+
+    def __init__(self, spec: object, prop: str, error: BaseException, *,
+                 adapter: str | None = None) -> None:
+        self.spec = spec
+        self.error = error
+        super().__init__(
+            type(spec),
+            f"its own `{prop}` raised {type(error).__name__}: {error} "
+            f"(spec: {_short_repr(spec)}), so its traits cannot be checked against it",
+            field=prop, adapter=adapter, fixable=False)
+
+
+class InvalidSpecError(KVSpecTraitsError, ValueError):
+    """A spec field holds a value that describes no layout (``block_size=0``, a window of
+    ``None`` on a windowed spec, ``tokens_per_state=0``, a string where an int belongs).
+
+    ``.spec`` is the spec, ``.spec_type`` its class, ``.field`` the field, ``.value`` its
+    value, ``.expected`` what the field must hold, ``.adapter`` the adapter that read it.
+    """
+
+    def __init__(self, spec: object, field: str, value: object, expected: str, *,
+                 adapter: str | None = None) -> None:
+        self.spec = spec
+        self.spec_type: type[Any] = type(spec)
+        self.field = field
+        self.value = value
+        self.expected = expected
+        self.adapter = adapter
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        by = f" (read by adapter {self.adapter})" if self.adapter else ""
+        return (
+            f"{self.spec_type.__qualname__}.{self.field}={_short_repr(self.value)} "
+            f"describes no KV cache layout: {self.field} must be {self.expected}{by}. "
+            f"Fix the code that builds the spec (spec: {_short_repr(self.spec)})."
+        )
+
+
+class TraitsMismatchError(KVSpecTraitsError, ValueError):
     """An adapter's traits disagree with the spec's own byte math.
 
     ``.field`` is the trait, ``.traits_value`` and ``.spec_value`` the two values,
-    ``.spec`` the spec instance.
+    ``.spec`` the spec instance, ``.adapter`` the adapter.
     """
 
     def __init__(self, spec: object, field: str, traits_value: object, spec_value: object,
                  adapter: str) -> None:
         self.spec = spec
+        self.spec_type: type[Any] = type(spec)
         self.field = field
         self.traits_value = traits_value
         self.spec_value = spec_value
@@ -59,12 +162,52 @@ class TraitsMismatchError(ValueError):
         super().__init__(
             f"traits of {type(spec).__qualname__} from adapter {adapter} give "
             f"{field}={traits_value!r}, but the spec itself says {spec_value!r} "
-            f"(spec: {spec!r}). The adapter is wrong for this spec: fix it, or register "
-            f"a dedicated adapter for {type(spec).__qualname__}."
+            f"(spec: {_short_repr(spec)}). The adapter is wrong for this spec: fix it, or "
+            f"register a dedicated adapter for {type(spec).__qualname__}."
         )
 
 
-class MixedGroupTraitsError(ValueError):
+class AdapterResultError(KVSpecTraitsError, TypeError):
+    """An adapter returned something that is not valid traits: not a ``KVLayoutTraits``
+    (a missing or mistyped trait), or traits that contradict themselves (a windowed
+    scope without a window).
+
+    ``.spec`` is the spec, ``.adapter`` the adapter, ``.field`` the trait at fault,
+    ``.result`` what the adapter returned.
+    """
+
+    def __init__(self, spec: object, adapter: str, field: str, result: object,
+                 problem: str) -> None:
+        self.spec = spec
+        self.spec_type: type[Any] = type(spec)
+        self.adapter = adapter
+        self.field = field
+        self.result = result
+        super().__init__(
+            f"adapter {adapter} returned invalid traits for {type(spec).__qualname__}: "
+            f"trait {field!r} {problem} (returned {_short_repr(result)}). An adapter must "
+            f"return a KVLayoutTraits, such as kvspec_traits.LayoutTraits."
+        )
+
+
+class AdapterError(KVSpecTraitsError, RuntimeError):
+    """An adapter raised an exception of its own (a bug in the adapter, or a spec value it
+    did not expect). ``.spec`` is the spec, ``.adapter`` the adapter, ``.error`` the
+    exception (also ``__cause__``)."""
+
+    def __init__(self, spec: object, adapter: str, error: BaseException) -> None:
+        self.spec = spec
+        self.spec_type: type[Any] = type(spec)
+        self.adapter = adapter
+        self.error = error
+        super().__init__(
+            f"adapter {adapter} raised {type(error).__name__}: {error} for "
+            f"{type(spec).__qualname__} (spec: {_short_repr(spec)}); fix the adapter, or "
+            f"have it raise kvspec_traits.InvalidSpecError naming the field at fault."
+        )
+
+
+class MixedGroupTraitsError(KVSpecTraitsError, ValueError):
     """The members of a group spec disagree on a trait asked of the whole group.
 
     ``.trait`` is the trait; ``.values`` maps each layer name to its value.
@@ -80,7 +223,7 @@ class MixedGroupTraitsError(ValueError):
         )
 
 
-class AdapterConflictError(ValueError):
+class AdapterConflictError(KVSpecTraitsError, ValueError):
     """A second, different adapter was registered for a spec class that has one.
 
     ``.spec_type``, ``.existing`` and ``.new`` name the class and both adapters.
@@ -97,7 +240,7 @@ class AdapterConflictError(ValueError):
         )
 
 
-class AdapterPluginError(RuntimeError):
+class AdapterPluginError(KVSpecTraitsError, RuntimeError):
     """A package in the ``kvspec_traits.adapters`` entry-point group failed to load or to
     register. ``.entry_point`` is its name; the registry is left as it was before loading."""
 
@@ -106,7 +249,7 @@ class AdapterPluginError(RuntimeError):
         super().__init__(message)
 
 
-class MissingDependencyError(ModuleNotFoundError):
+class MissingDependencyError(KVSpecTraitsError, ModuleNotFoundError):
     """A part of kvspec-traits needs a package that is not installed.
 
     ``.name`` is the missing top-level module (as for any ``ModuleNotFoundError``),

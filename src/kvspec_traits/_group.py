@@ -107,6 +107,10 @@ class GroupTraits(KVLayoutTraits):
         return _int(self._get("num_head_slots"))
 
     @property
+    def kv_head_contiguous(self) -> bool:
+        return bool(self._get("kv_head_contiguous"))
+
+    @property
     def tokens_per_state(self) -> int | Fraction | None:
         return _opt_num(self._get("tokens_per_state"))
 

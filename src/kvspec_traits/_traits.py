@@ -168,6 +168,22 @@ class KVLayoutTraits(Protocol):
         ...
 
     @property
+    def kv_head_contiguous(self) -> bool:
+        """Whether each KV head's data is one contiguous run of head slots in a page.
+
+        Source: True when a page has one slot per KV head (``num_head_slots`` None or
+        equal to ``num_kv_heads``), when it has a single KV head (MLA), or when the
+        backend groups the slots by KV head (vLLM 0.34's ``kv_head_major_slots``: head
+        ``h``'s K and V slots adjacent, as MiniMax-M3's NVFP4 MSA pages); False when
+        several slots per head are laid out otherwise (FlashInfer's NVFP4 pages put
+        every head's K slot before every head's V slot, so ``kv_head_major_slots``
+        moves bytes without changing the page size), and for pages without KV heads
+        (recurrent states, opaque HiSparse pages). A connector may split a
+        head-sharded page across TP ranks at byte offsets only when it is True.
+        """
+        ...
+
+    @property
     def tokens_per_state(self) -> int | Fraction | None:
         """Tokens one stored state covers.
 
@@ -303,6 +319,7 @@ class LayoutTraits(KVLayoutTraits):
     window_tokens: int | None
     block_size: int
     num_head_slots: int
+    kv_head_contiguous: bool
     tokens_per_state: int | Fraction | None
     states_per_block: int
     state_bytes: int
@@ -317,6 +334,12 @@ class LayoutTraits(KVLayoutTraits):
     transferable: bool
 
     def __post_init__(self) -> None:
+        # The protocol's properties sit on the base class, so dataclass takes them as the
+        # default of a field left out: refuse that instead of storing a property object.
+        missing = [f.name for f in fields(self) if isinstance(getattr(self, f.name), property)]
+        if missing:
+            raise TypeError(f"LayoutTraits() missing keyword argument(s): {', '.join(missing)} "
+                            "(every trait is required; see kvspec_traits.trait_names())")
         if self.page_size_bytes < self.unpadded_page_size_bytes:
             raise ValueError(
                 f"{self.spec_name}: page_size_bytes {self.page_size_bytes} is smaller than "

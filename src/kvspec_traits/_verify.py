@@ -1,28 +1,54 @@
 """Check traits against the spec's own byte math (vLLM's properties, read by name).
 
-Every resolution goes through here once per distinct spec. A spec property that the spec
-does not define (vLLM's base raises ``NotImplementedError``) is skipped, so the same check
-serves attention pages, recurrent states, opaque pages and group specs.
+Every resolution goes through here once per distinct spec. A property the spec's class
+does not have is skipped, and so is the base class's placeholder that raises
+``NotImplementedError`` (vLLM's ``KVCacheSpec.num_heads`` and friends), so the same check
+serves attention pages, recurrent states, opaque pages and group specs. Any other error
+from a property, and any error from a property a subclass defines itself, is the spec's
+own math failing: :class:`SpecPropertyError`, a refusal.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any
+from functools import cache
+from typing import Any, Final
 
-from kvspec_traits._errors import TraitsMismatchError
+from kvspec_traits._errors import SpecPropertyError, TraitsMismatchError
 from kvspec_traits._traits import KVLayoutTraits
 
-__all__ = ["first_mismatch", "verify"]
+__all__ = ["CHECKED_PROPERTIES", "first_mismatch", "verify"]
 
-_MISSING = object()
+_MISSING: Final = object()
+
+
+@cache
+def _placeholder(spec_type: type[Any], name: str) -> bool:
+    """Whether ``spec_type.name`` is the definition of the class that introduced the
+    name (the root-most one in the MRO): vLLM's abstract placeholders live there."""
+    owners = [k for k in spec_type.__mro__ if k is not object and name in vars(k)]
+    return len(owners) == 1 or (
+        bool(owners) and vars(owners[0])[name] is vars(owners[-1])[name])
+
+
+@cache
+def _defined(spec_type: type[Any], name: str) -> bool:
+    return any(name in vars(k) for k in spec_type.__mro__ if k is not object)
 
 
 def _spec_value(spec: object, name: str) -> Any:
+    spec_type: Any = type(spec)
+    instance_dict = getattr(spec, "__dict__", None)
+    if not _defined(spec_type, name) and not (instance_dict and name in instance_dict):
+        return _MISSING
     try:
         return getattr(spec, name)
-    except (NotImplementedError, AttributeError):
-        return _MISSING
+    except NotImplementedError as exc:
+        if _placeholder(spec_type, name):
+            return _MISSING
+        raise SpecPropertyError(spec, name, exc) from exc
+    except Exception as exc:
+        raise SpecPropertyError(spec, name, exc) from exc
 
 
 def _recurrent(tokens_per_state: Any) -> Any:
@@ -32,33 +58,42 @@ def _recurrent(tokens_per_state: Any) -> Any:
     return tokens_per_state
 
 
-# (trait name, spec property names in order of preference, normaliser of the spec value)
-_CHECKS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
-    ("page_size_bytes", ("page_size_bytes",), None),
-    ("unpadded_page_size_bytes", ("unpadded_page_size_bytes", "real_page_size_bytes"), None),
-    ("num_head_slots", ("num_heads",), None),
-    ("state_bytes", ("state_content_size_bytes",), None),
-    ("tokens_per_state", ("tokens_per_state",), _recurrent),
-    ("states_per_block", ("num_states",), None),
-    ("block_size", ("block_size",), None),
-    ("prefix_cacheable", ("prefix_cacheable",), None),
-    ("uses_slot_mapping", ("uses_slot_mapping",), None),
+# (trait name, spec property name, normaliser of the spec value): each pair is checked
+# on its own wherever the spec has the property.
+_CHECKS: Final[tuple[tuple[str, str, Any], ...]] = (
+    ("page_size_bytes", "page_size_bytes", None),
+    ("unpadded_page_size_bytes", "unpadded_page_size_bytes", None),
+    ("unpadded_page_size_bytes", "real_page_size_bytes", None),
+    ("num_head_slots", "num_heads", None),
+    ("state_bytes", "state_content_size_bytes", None),
+    ("tokens_per_state", "tokens_per_state", _recurrent),
+    ("states_per_block", "num_states", None),
+    ("block_size", "block_size", None),
+    ("prefix_cacheable", "prefix_cacheable", None),
+    ("uses_slot_mapping", "uses_slot_mapping", None),
 )
+
+CHECKED_PROPERTIES: Final = tuple(dict.fromkeys(prop for _, prop, _ in _CHECKS))
+"""The spec properties every resolution compares with the traits."""
 
 
 def first_mismatch(spec: object, traits: KVLayoutTraits) -> tuple[str, object, object] | None:
-    """The first trait that contradicts the spec, as ``(trait, traits value, spec value)``."""
-    for trait, names, normalise in _CHECKS:
-        for name in names:
-            want = _spec_value(spec, name)
-            if want is _MISSING:
-                continue
-            if normalise is not None:
-                want = normalise(want)
-            got = getattr(traits, trait)
-            if got != want:
-                return trait, got, want
-            break
+    """The first trait that contradicts the spec, as ``(trait, traits value, spec value)``.
+
+    Raises :class:`SpecPropertyError` when one of the spec's own properties fails.
+    """
+    for trait, name, normalise in _CHECKS:
+        want = _spec_value(spec, name)
+        if want is _MISSING:
+            continue
+        if normalise is not None:
+            want = normalise(want)
+        got = getattr(traits, trait)
+        if type(got) is not type(want) and isinstance(got, bool) != isinstance(want, bool):
+            # 1 == True: a bool where a count belongs (or the reverse) is a mismatch.
+            return trait, got, want
+        if got != want:
+            return trait, got, want
     return None
 
 

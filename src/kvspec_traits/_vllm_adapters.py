@@ -1,17 +1,25 @@
-"""Built-in adapters: one per KV cache spec class of vLLM 0.32 and 0.33.
+"""Built-in adapters: one per KV cache spec class of vLLM 0.32, 0.33 and 0.34.
 
 This is the only module of the library that names vLLM spec classes. Each adapter derives
 its traits from the spec's own fields; class identity decides only what the fields cannot
 (the token scope a class stands for, and the HiSparse pages, which carry no layout fields).
 They register through the public :func:`register_adapter` into ``BUILTINS``, which every
 :class:`Registry` copies on first use.
+
+Each registration declares the fields its adapter reads and the fields it knows do not
+affect the layout (``reads=``/``ignores=``); a field of a later vLLM that is in neither
+is refused whenever it leaves its default (see ``Registry.register``). A field named here
+but absent from the installed vLLM is simply never seen.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Sequence
+from dataclasses import replace
 from fractions import Fraction
 from math import prod
-from typing import Any
+from typing import Any, Final
 
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -34,14 +42,136 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvspec_traits._errors import UnsupportedSpecError
+from kvspec_traits._errors import InvalidSpecError, KVSpecTraitsError, UnsupportedSpecError
 from kvspec_traits._group import GroupTraits
 from kvspec_traits._registry import Registry, register_adapter, resolving_registry
-from kvspec_traits._traits import LayoutTraits, PageComponent, TokenScope, TPLayout
+from kvspec_traits._traits import LayoutTraits, PageComponent, TokenScope, TPLayout, TraitValue
 
-__all__ = ["BUILTINS"]
+__all__ = [
+    "ATTENTION_IGNORES",
+    "ATTENTION_READS",
+    "BASE_IGNORES",
+    "BUILTINS",
+    "attention_traits",
+    "dtype_name",
+    "mamba_traits",
+    "positive_int",
+]
 
 BUILTINS = Registry(builtins=False, entry_points=False, name="vllm built-ins")
+
+# -- field accounting --------------------------------------------------------------------
+
+BASE_IGNORES: Final = (
+    # Whether decode context parallelism spreads token positions over ranks: decided with
+    # the DCP size at run time; each rank's page is laid out the same.
+    "dcp_sharded",
+    # Byte alignment between consecutive blocks (vLLM >= 0.32): the spacing of pages in
+    # the allocation, which connectors read from the tensors; a page's content is unchanged.
+    "block_stride_alignment",
+    # vLLM 0.33: whether a draft model owns the layer (excluded from equality upstream).
+    "is_draft",
+)
+"""Fields of ``KVCacheSpec`` that no built-in adapter needs: they do not change a page."""
+
+_SPEC_READS: Final = ("block_size", "page_size_bytes", "prefix_cacheable", "uses_slot_mapping")
+
+ATTENTION_READS: Final = (
+    *_SPEC_READS,
+    "num_kv_heads", "head_size", "head_size_v", "dtype", "kv_quant_mode", "max_tp_shards",
+    "page_size_padded", "num_head_slots", "state_content_bytes", "tokens_per_state",
+    # vLLM 0.34: head slots grouped by KV head (kv_head_contiguous).
+    "kv_head_major_slots",
+    "num_heads", "num_states", "state_content_size_bytes", "unpadded_page_size_bytes",
+    "real_page_size_bytes",
+)
+"""What :func:`attention_traits` reads from an ``AttentionSpec``."""
+
+ATTENTION_IGNORES: Final = (
+    *BASE_IGNORES,
+    # FullAttentionSpec: the kernel's window or chunk; the manager keeps every block.
+    "sliding_window", "attention_chunk_size",
+    # Scheduling only (prefix LM, non-causal multi-token decode of drafts).
+    "non_causal", "non_causal_multi_token_decode",
+    # MLA bookkeeping. The packing cache_dtype_str names reaches the page through
+    # dtype, kv_quant_mode and state_content_bytes (read); alignment through
+    # page_size_padded, which __post_init__ sets from it (read).
+    "cache_dtype_str", "alignment", "model_version",
+    # DeepSeek sparse attention: which role a cache plays, who computes the shared
+    # index, the width of a worker-side top-k buffer (vLLM 0.33). Not in the page.
+    "cache_role", "is_index_group_leader", "topk_buffer_width",
+    # SlidingWindowSpec: blocks retained past the window for a speculative re-prefill;
+    # not attended, and each page is laid out the same.
+    "extra_retained_tokens",
+    # SinkFullAttentionSpec: sink tokens live in the layer's weights, not in its pages.
+    "sink_len",
+)
+"""Attention fields the built-in adapters know do not change a page's layout."""
+
+_WINDOW_READS: Final = ("sliding_window", "attention_chunk_size", "rswa_window",
+                        "bounded_replay")
+
+_MAMBA_READS: Final = (
+    *_SPEC_READS, "shapes", "dtypes", "page_size_padded", "tp_replicated", "num_heads",
+    "tokens_per_state",
+    # vLLM 0.34: each state starts at a multiple of state_alignment bytes.
+    "state_alignment",
+    "state_content_size_bytes", "real_page_size_bytes",
+)
+_MAMBA_IGNORES: Final = (
+    *BASE_IGNORES,
+    # Which kernel family computes the state (shapes and dtypes carry its layout).
+    "mamba_type",
+    # How many state blocks the manager keeps per request (prefix caching, speculative
+    # decoding, prefill checkpoints); each page holds one state either way.
+    "mamba_cache_mode", "num_speculative_blocks", "num_prefill_checkpoint_blocks",
+    "prefill_checkpoint_alignment",
+)
+
+
+# -- validation ---------------------------------------------------------------------------
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(spec: object, name: str, *, optional: bool = False, minimum: int = 1) -> Any:
+    """``spec.<name>`` if it is an int of at least ``minimum`` (or None when
+    ``optional``); else :class:`InvalidSpecError` naming the spec, field and value."""
+    value = getattr(spec, name)
+    if value is None and optional:
+        return None
+    if not _is_int(value) or value < minimum:
+        want = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise InvalidSpecError(spec, name, value, want + (" or None" if optional else ""))
+    return value
+
+
+def _dtype(spec: object, name: str = "dtype") -> torch.dtype:
+    value = getattr(spec, name)
+    if not isinstance(value, torch.dtype):
+        raise InvalidSpecError(spec, name, value, "a torch.dtype")
+    return value
+
+
+def _flag(spec: object, name: str, default: bool = False) -> bool:
+    value = getattr(spec, name, default)
+    if not isinstance(value, bool):
+        raise InvalidSpecError(spec, name, value, "a bool")
+    return value
+
+
+def _tokens_per_state(spec: AttentionSpec, block_size: int) -> int | Fraction:
+    tps = spec.tokens_per_state
+    if isinstance(tps, bool) or not isinstance(tps, int | Fraction) or tps <= 0:
+        raise InvalidSpecError(spec, "tokens_per_state", tps,
+                               "a positive int or Fraction (tokens one stored state covers)")
+    states = Fraction(block_size) / Fraction(tps)
+    if states.denominator != 1:
+        raise InvalidSpecError(
+            spec, "tokens_per_state", tps,
+            f"a divisor of block_size={block_size} (or 1/n): a block holds whole states")
+    return tps
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -53,65 +183,149 @@ def _exact(value: Fraction) -> int | Fraction:
     return int(value) if value.denominator == 1 else value
 
 
-def _attention(spec: AttentionSpec, *, scope: TokenScope, window: int | None,
-               transferable: bool = True) -> LayoutTraits:
-    """Traits of a paged attention cache, from AttentionSpec's fields alone.
+def _quant_mode(spec: object) -> str:
+    mode = getattr(spec, "kv_quant_mode", None)
+    if not isinstance(mode, enum.Enum):
+        raise InvalidSpecError(spec, "kv_quant_mode", mode, "a vLLM KVQuantMode member")
+    return mode.name
+
+
+# -- attention ------------------------------------------------------------------------------
+
+def attention_traits(spec: AttentionSpec, *, token_scope: TokenScope = TokenScope.FULL,
+                     window_tokens: int | None = None, transferable: bool = True,
+                     cell: Sequence[tuple[str, int, str | torch.dtype]] | None = None,
+                     **overrides: TraitValue) -> LayoutTraits:
+    """Traits of a paged attention cache, from ``AttentionSpec``'s fields alone.
 
     - is_mla: ``head_size_v == 0`` (one vector per state, no separate V).
     - tp: ``max_tp_shards == 1`` or MLA -> REPLICATED (a single latent has no heads to
       split); otherwise HEAD_SHARDED into ``max_tp_shards`` (None: up to the TP size).
     - page: ``num_heads * num_states * state_content_size_bytes``, padded to
       ``page_size_padded``; content per token is ``num_heads * C / tokens_per_state``.
+    - kv_head_contiguous: one slot per KV head, a single KV head, or
+      ``kv_head_major_slots``.
+
+    ``token_scope``, ``window_tokens`` and ``transferable`` are what the class stands
+    for. ``cell`` describes a cell laid out otherwise than vLLM's K/V (or latent, or
+    packed) cell: its parts in order, each ``(name, elements, dtype)``; C is then their
+    sum and each part is a component of shape ``(head slots, states, elements)``. Any
+    other trait may be overridden by keyword (``spec_name=...``); the registry checks the
+    result against the spec's own byte math either way. Raises :class:`InvalidSpecError`
+    naming the field for values that describe no layout (``block_size=0``,
+    ``tokens_per_state=0``, a window that is not a positive int).
     """
-    itemsize = spec.dtype.itemsize
-    is_mla = spec.head_size_v == 0
-    heads = spec.num_head_slots if spec.num_head_slots is not None else spec.num_kv_heads
-    tps = spec.tokens_per_state
-    states = spec.block_size // tps if tps > 0 else 1
-    if spec.state_content_bytes is not None:
-        cell = spec.state_content_bytes
-        components: tuple[PageComponent, ...] = (
-            PageComponent(name="packed", shape=(heads, states, cell), dtype="uint8",
-                          nbytes=heads * states * cell),
+    block_size = positive_int(spec, "block_size")
+    num_kv_heads = positive_int(spec, "num_kv_heads")
+    head_size = positive_int(spec, "head_size")
+    head_size_v = positive_int(spec, "head_size_v", minimum=0)
+    dtype = _dtype(spec)
+    max_tp_shards = positive_int(spec, "max_tp_shards", optional=True)
+    slots = positive_int(spec, "num_head_slots", optional=True)
+    packed = positive_int(spec, "state_content_bytes", optional=True)
+    padded = positive_int(spec, "page_size_padded", optional=True)
+    head_major = _flag(spec, "kv_head_major_slots")
+    tps = _tokens_per_state(spec, block_size)
+    kv_quant_mode = _quant_mode(spec)
+    if window_tokens is not None and (not _is_int(window_tokens) or window_tokens <= 0):
+        raise InvalidSpecError(spec, _window_field(spec), window_tokens,
+                               f"a positive int (tokens of its {token_scope.value} window)")
+
+    itemsize = dtype.itemsize
+    is_mla = head_size_v == 0
+    heads = slots if slots is not None else num_kv_heads
+    if head_major and heads % num_kv_heads:
+        raise InvalidSpecError(
+            spec, "kv_head_major_slots", head_major,
+            f"False: num_head_slots={heads} cannot be grouped by {num_kv_heads} KV heads")
+    states = int(Fraction(block_size) / Fraction(tps))
+    if cell is not None:
+        components: tuple[PageComponent, ...] = tuple(
+            PageComponent(name=name, shape=(heads, states, n), dtype=_dtype_name_of(part),
+                          nbytes=heads * states * n * _itemsize(part))
+            for name, n, part in cell)
+        cell_bytes = sum(n * _itemsize(part) for _, n, part in cell)
+    elif packed is not None:
+        cell_bytes = packed
+        components = (
+            PageComponent(name="packed", shape=(heads, states, packed), dtype="uint8",
+                          nbytes=heads * states * packed),
         )
     else:
-        cell = (spec.head_size + spec.head_size_v) * itemsize
+        cell_bytes = (head_size + head_size_v) * itemsize
         k = PageComponent(name="latent" if is_mla else "k",
-                          shape=(heads, states, spec.head_size), dtype=dtype_name(spec.dtype),
-                          nbytes=heads * states * spec.head_size * itemsize)
+                          shape=(heads, states, head_size), dtype=dtype_name(dtype),
+                          nbytes=heads * states * head_size * itemsize)
         components = (k,) if is_mla else (
             k,
-            PageComponent(name="v", shape=(heads, states, spec.head_size_v),
-                          dtype=dtype_name(spec.dtype),
-                          nbytes=heads * states * spec.head_size_v * itemsize),
+            PageComponent(name="v", shape=(heads, states, head_size_v),
+                          dtype=dtype_name(dtype),
+                          nbytes=heads * states * head_size_v * itemsize),
         )
-    unpadded = heads * states * cell
-    replicated = spec.max_tp_shards == 1 or is_mla
-    return LayoutTraits(
+    unpadded = heads * states * cell_bytes
+    if padded is not None and padded < unpadded:
+        raise InvalidSpecError(spec, "page_size_padded", padded,
+                               f"None or at least the page content, {unpadded} bytes")
+    replicated = max_tp_shards == 1 or is_mla
+    traits = LayoutTraits(
         spec_name=type(spec).__qualname__,
         is_mla=is_mla,
         tp_layout=TPLayout.REPLICATED if replicated else TPLayout.HEAD_SHARDED,
-        tp_shards=1 if replicated else spec.max_tp_shards,
-        token_scope=scope,
-        window_tokens=window,
-        block_size=spec.block_size,
+        tp_shards=1 if replicated else max_tp_shards,
+        token_scope=token_scope,
+        window_tokens=window_tokens,
+        block_size=block_size,
         num_head_slots=heads,
+        kv_head_contiguous=heads == num_kv_heads or num_kv_heads == 1 or head_major,
         tokens_per_state=tps,
         states_per_block=states,
-        state_bytes=cell,
+        state_bytes=cell_bytes,
         unpadded_page_size_bytes=unpadded,
-        page_size_bytes=spec.page_size_padded if spec.page_size_padded is not None else unpadded,
-        per_token_bytes=_exact(Fraction(heads * cell) / Fraction(tps)),
-        dtype=dtype_name(spec.dtype),
-        kv_quant_mode=spec.kv_quant_mode.name,
+        page_size_bytes=padded if padded is not None else unpadded,
+        per_token_bytes=_exact(Fraction(heads * cell_bytes) / Fraction(tps)),
+        dtype=dtype_name(dtype),
+        kv_quant_mode=kv_quant_mode,
         components=components,
-        prefix_cacheable=spec.prefix_cacheable,
-        uses_slot_mapping=spec.uses_slot_mapping,
+        prefix_cacheable=_flag(spec, "prefix_cacheable", True),
+        uses_slot_mapping=_flag(spec, "uses_slot_mapping", True),
         transferable=transferable,
     )
+    return replace(traits, **overrides) if overrides else traits  # type: ignore[arg-type]
 
 
-@register_adapter(KVCacheSpec, registry=BUILTINS)
+def _itemsize(dtype: str | torch.dtype) -> int:
+    return _as_dtype(dtype).itemsize
+
+
+def _dtype_name_of(dtype: str | torch.dtype) -> str:
+    return dtype_name(_as_dtype(dtype))
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not isinstance(found, torch.dtype):
+        raise TypeError(f"attention_traits(cell=...): {dtype!r} is not a torch dtype or "
+                        "the name of one ('float32', 'int8', ...)")
+    return found
+
+
+def _window_field(spec: object) -> str:
+    for name in ("sliding_window", "attention_chunk_size", "rswa_window"):
+        if hasattr(spec, name):
+            return name
+    return "block_size"
+
+
+def _window(spec: object, name: str) -> int:
+    value = getattr(spec, name)
+    if not _is_int(value) or value <= 0:
+        raise InvalidSpecError(spec, name, value, "a positive int (tokens of the window)")
+    return int(value)
+
+
+@register_adapter(KVCacheSpec, registry=BUILTINS, reads=("block_size",), ignores=BASE_IGNORES)
 def _abstract(spec: KVCacheSpec) -> LayoutTraits:
     # Reached by KVCacheSpec itself and by any direct subclass without its own adapter.
     raise UnsupportedSpecError(
@@ -123,99 +337,167 @@ def _keeps_every_token(spec: AttentionSpec) -> LayoutTraits:
     # FullAttentionSpec's `sliding_window`/`attention_chunk_size` only change the kernel:
     # the manager keeps every token's block (hybrid allocator off), so the scope is FULL.
     # A bare AttentionSpec has no window of its own either.
-    return _attention(spec, scope=TokenScope.FULL, window=None)
+    return attention_traits(spec)
 
 
 # One function, registered for each class by name: a subclass not listed here still goes
-# through the MRO walk and its byte-math check, never silently through this list.
+# through the MRO walk, its field accounting and its byte-math check, never silently
+# through this list.
 for _cls in (AttentionSpec, FullAttentionSpec, MLAAttentionSpec, HiddenStateCacheSpec,
              SinkFullAttentionSpec):
-    register_adapter(_cls, _keeps_every_token, registry=BUILTINS)
+    register_adapter(_cls, _keeps_every_token, registry=BUILTINS, reads=ATTENTION_READS,
+                     ignores=ATTENTION_IGNORES)
 del _cls
 
 
-@register_adapter(RSWASpec, registry=BUILTINS)
+@register_adapter(RSWASpec, registry=BUILTINS, reads=(*ATTENTION_READS, "rswa_window"),
+                  ignores=ATTENTION_IGNORES)
 def _rswa(spec: RSWASpec) -> LayoutTraits:
-    return _attention(spec, scope=TokenScope.PROMPT_AND_WINDOW, window=spec.rswa_window)
+    return attention_traits(spec, token_scope=TokenScope.PROMPT_AND_WINDOW,
+                            window_tokens=_window(spec, "rswa_window"))
 
 
-@register_adapter(ChunkedLocalAttentionSpec, registry=BUILTINS)
+@register_adapter(ChunkedLocalAttentionSpec, registry=BUILTINS,
+                  reads=(*ATTENTION_READS, "attention_chunk_size"), ignores=ATTENTION_IGNORES)
 def _chunked(spec: ChunkedLocalAttentionSpec) -> LayoutTraits:
-    return _attention(spec, scope=TokenScope.CHUNKED, window=spec.attention_chunk_size)
+    return attention_traits(spec, token_scope=TokenScope.CHUNKED,
+                            window_tokens=_window(spec, "attention_chunk_size"))
 
 
 def _sliding(spec: SlidingWindowSpec) -> LayoutTraits:
-    return _attention(spec, scope=TokenScope.SLIDING_WINDOW, window=spec.sliding_window)
+    return attention_traits(spec, token_scope=TokenScope.SLIDING_WINDOW,
+                            window_tokens=_window(spec, "sliding_window"))
 
 
-register_adapter(SlidingWindowSpec, _sliding, registry=BUILTINS)
-register_adapter(SlidingWindowMLASpec, _sliding, registry=BUILTINS)
+# bounded_replay (SlidingWindowMLASpec) reaches the traits through spec.prefix_cacheable.
+for _window_cls in (SlidingWindowSpec, SlidingWindowMLASpec):
+    register_adapter(_window_cls, _sliding, registry=BUILTINS,
+                     reads=(*ATTENTION_READS, *_WINDOW_READS), ignores=ATTENTION_IGNORES)
+del _window_cls
 
 
-@register_adapter(CircularBufferSpec, registry=BUILTINS)
+@register_adapter(CircularBufferSpec, registry=BUILTINS, reads=ATTENTION_READS,
+                  ignores=ATTENTION_IGNORES)
 def _ring(spec: CircularBufferSpec) -> LayoutTraits:
     # block_size is the ring capacity: one block per request, rewritten in place.
-    return _attention(spec, scope=TokenScope.RING, window=spec.block_size)
+    return attention_traits(spec, token_scope=TokenScope.RING,
+                            window_tokens=_window(spec, "block_size"))
 
 
-@register_adapter(EncoderOnlyAttentionSpec, registry=BUILTINS)
+@register_adapter(EncoderOnlyAttentionSpec, registry=BUILTINS, reads=ATTENTION_READS,
+                  ignores=ATTENTION_IGNORES)
 def _encoder_only(spec: EncoderOnlyAttentionSpec) -> LayoutTraits:
     # Encoder-only layers keep nothing across steps (vLLM sizes them at 0 bytes).
-    return _attention(spec, scope=TokenScope.NONE, window=None, transferable=False)
+    return attention_traits(spec, token_scope=TokenScope.NONE, transferable=False)
 
 
-@register_adapter(CrossAttentionSpec, registry=BUILTINS)
+@register_adapter(CrossAttentionSpec, registry=BUILTINS, reads=ATTENTION_READS,
+                  ignores=ATTENTION_IGNORES)
 def _cross(spec: CrossAttentionSpec) -> LayoutTraits:
     # Encoder outputs are recomputed by the engine that runs the encoder; vLLM's
     # connectors do not move them (Mooncake's store lists them as unsupported).
-    return _attention(spec, scope=TokenScope.ENCODER, window=None, transferable=False)
+    return attention_traits(spec, token_scope=TokenScope.ENCODER, transferable=False)
 
 
-@register_adapter(MambaSpec, registry=BUILTINS)
-def _mamba(spec: MambaSpec) -> LayoutTraits:
+# -- recurrent state ----------------------------------------------------------------------
+
+def _shapes(spec: MambaSpec) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    shapes, dtypes = spec.shapes, spec.dtypes
+    if not isinstance(shapes, tuple | list) or not shapes:
+        raise InvalidSpecError(spec, "shapes", shapes, "a non-empty tuple of shapes")
+    if not isinstance(dtypes, tuple | list) or len(dtypes) != len(shapes):
+        raise InvalidSpecError(spec, "dtypes", dtypes,
+                               f"a tuple of {len(shapes)} torch.dtype, one per shape")
+    out = []
+    for shape, dtype in zip(shapes, dtypes, strict=True):
+        if not isinstance(shape, tuple | list) or not shape or not all(
+                _is_int(d) and d > 0 for d in shape):
+            raise InvalidSpecError(spec, "shapes", shapes,
+                                   "a tuple of non-empty shapes of positive ints")
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidSpecError(spec, "dtypes", dtypes, "a tuple of torch.dtype")
+        out.append((tuple(shape), dtype))
+    return tuple(out)
+
+
+def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
     """A recurrent state: one page per block holding every state tensor once.
 
-    Sizes are ``prod(shape) * itemsize`` per tensor; ``tp_replicated`` decides REPLICATED
-    against STATE_SHARDED. The page does not grow with tokens, so ``per_token_bytes`` and
-    ``tokens_per_state`` are None.
+    Sizes are ``prod(shape) * itemsize`` per tensor, each starting at a multiple of
+    ``state_alignment`` bytes (vLLM 0.34; the gap is a ``pad<i>`` uint8 component);
+    ``tp_replicated`` decides REPLICATED against STATE_SHARDED. The page does not grow
+    with tokens, so ``per_token_bytes`` and ``tokens_per_state`` are None.
     """
-    components = tuple(
-        PageComponent(name=f"state{i}", shape=tuple(shape), dtype=dtype_name(dtype),
-                      nbytes=prod(shape) * dtype.itemsize)
-        for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True))
-    )
+    block_size = positive_int(spec, "block_size")
+    num_heads = positive_int(spec, "num_heads")
+    if num_heads != 1:
+        # vLLM sizes the page without it (page_size_bytes is the states' sum) but views it
+        # as num_heads rows of that sum (compute_layer_kv_cache_shape_bytes): no layout.
+        raise InvalidSpecError(spec, "num_heads", num_heads,
+                               "1 (vLLM's page of a state has no head dimension)")
+    alignment = positive_int(spec, "state_alignment") if hasattr(spec, "state_alignment") \
+        else 1
+    padded = positive_int(spec, "page_size_padded", optional=True)
+    tps = spec.tokens_per_state
+    if not _is_int(tps) or tps > 0:
+        raise InvalidSpecError(spec, "tokens_per_state", tps,
+                               "an int <= 0 (vLLM's -1: a state covers every token)")
+    replicated = _flag(spec, "tp_replicated")
+    components: list[PageComponent] = []
+    for i, (shape, dtype) in enumerate(_shapes(spec)):
+        nbytes = prod(shape) * dtype.itemsize
+        components.append(PageComponent(name=f"state{i}", shape=shape,
+                                        dtype=dtype_name(dtype), nbytes=nbytes))
+        gap = -nbytes % alignment
+        if gap:
+            components.append(PageComponent(name=f"pad{i}", shape=(gap,), dtype="uint8",
+                                            nbytes=gap))
     content = sum(c.nbytes for c in components)
-    dtypes = {c.dtype for c in components}
-    return LayoutTraits(
+    if padded is not None and (padded < content or padded % alignment):
+        raise InvalidSpecError(
+            spec, "page_size_padded", padded,
+            f"None or a multiple of state_alignment={alignment} of at least the content, "
+            f"{content} bytes")
+    dtypes = {c.dtype for c in components if not c.name.startswith("pad")}
+    traits = LayoutTraits(
         spec_name=type(spec).__qualname__,
         is_mla=False,
-        tp_layout=TPLayout.REPLICATED if spec.tp_replicated else TPLayout.STATE_SHARDED,
-        tp_shards=1 if spec.tp_replicated else None,
+        tp_layout=TPLayout.REPLICATED if replicated else TPLayout.STATE_SHARDED,
+        tp_shards=1 if replicated else None,
         token_scope=TokenScope.RECURRENT_STATE,
         window_tokens=None,
-        block_size=spec.block_size,
-        num_head_slots=spec.num_heads,
+        block_size=block_size,
+        num_head_slots=num_heads,
+        kv_head_contiguous=False,
         tokens_per_state=None,
         states_per_block=1,
         state_bytes=content,
         unpadded_page_size_bytes=content,
-        page_size_bytes=spec.page_size_padded if spec.page_size_padded is not None else content,
+        page_size_bytes=padded if padded is not None else content,
         per_token_bytes=None,
         dtype=dtypes.pop() if len(dtypes) == 1 else None,
         kv_quant_mode="NONE",
-        components=components,
-        prefix_cacheable=spec.prefix_cacheable,
-        uses_slot_mapping=spec.uses_slot_mapping,
+        components=tuple(components),
+        prefix_cacheable=_flag(spec, "prefix_cacheable", True),
+        uses_slot_mapping=_flag(spec, "uses_slot_mapping", True),
         transferable=True,
     )
+    return replace(traits, **overrides) if overrides else traits  # type: ignore[arg-type]
 
+
+register_adapter(MambaSpec, mamba_traits, registry=BUILTINS, reads=_MAMBA_READS,
+                 ignores=_MAMBA_IGNORES)
+
+
+# -- HiSparse -------------------------------------------------------------------------------
 
 def _hisparse(spec: HiSparseHotSpec | HiSparseResidentSpec, scope: TokenScope) -> LayoutTraits:
     """HiSparse pages are opaque copies of MLA pages (vLLM builds them only from
     MLAAttentionSpec layers), kept on the device for a host-backed cache. Their fields
     hold only a page size, so MLA and replication come from class identity here; they are
     never transferred (their groups have ``enable_kv_transfer=False``)."""
-    page = spec.page_size
+    page = positive_int(spec, "page_size")
+    block_size = positive_int(spec, "block_size")
     return LayoutTraits(
         spec_name=type(spec).__qualname__,
         is_mla=True,
@@ -223,37 +505,62 @@ def _hisparse(spec: HiSparseHotSpec | HiSparseResidentSpec, scope: TokenScope) -
         tp_shards=1,
         token_scope=scope,
         window_tokens=None,
-        block_size=spec.block_size,
+        block_size=block_size,
         num_head_slots=1,
-        tokens_per_state=spec.block_size,
+        kv_head_contiguous=False,
+        tokens_per_state=block_size,
         states_per_block=1,
         state_bytes=page,
         unpadded_page_size_bytes=page,
         page_size_bytes=page,
-        per_token_bytes=_exact(Fraction(page, spec.block_size)),
+        per_token_bytes=_exact(Fraction(page, block_size)),
         dtype=None,
         kv_quant_mode="NONE",
         components=(PageComponent(name="opaque", shape=(page,), dtype="uint8", nbytes=page),),
-        prefix_cacheable=spec.prefix_cacheable,
-        uses_slot_mapping=spec.uses_slot_mapping,
+        prefix_cacheable=_flag(spec, "prefix_cacheable", False),
+        uses_slot_mapping=_flag(spec, "uses_slot_mapping", True),
         transferable=False,
     )
 
 
-@register_adapter(HiSparseHotSpec, registry=BUILTINS)
+_HISPARSE_READS: Final = (*_SPEC_READS, "page_size")
+# blocks_per_request: how many blocks a request holds, not what one holds.
+_HISPARSE_IGNORES: Final = (*BASE_IGNORES, "blocks_per_request")
+
+
+@register_adapter(HiSparseHotSpec, registry=BUILTINS, reads=_HISPARSE_READS,
+                  ignores=_HISPARSE_IGNORES)
 def _hisparse_hot(spec: HiSparseHotSpec) -> LayoutTraits:
     return _hisparse(spec, TokenScope.SPARSE_HOT)
 
 
-@register_adapter(HiSparseResidentSpec, registry=BUILTINS)
+@register_adapter(HiSparseResidentSpec, registry=BUILTINS, reads=_HISPARSE_READS,
+                  ignores=_HISPARSE_IGNORES)
 def _hisparse_resident(spec: HiSparseResidentSpec) -> LayoutTraits:
     return _hisparse(spec, TokenScope.SPARSE_RESIDENT)
 
 
-@register_adapter(UniformTypeKVCacheSpecs, registry=BUILTINS)
+# -- groups -----------------------------------------------------------------------------------
+
+@register_adapter(UniformTypeKVCacheSpecs, registry=BUILTINS,
+                  reads=(*_SPEC_READS, "kv_cache_specs"), ignores=BASE_IGNORES)
 def _group(spec: UniformTypeKVCacheSpecs) -> GroupTraits:
+    block_size = positive_int(spec, "block_size")
+    members = spec.kv_cache_specs
+    if not isinstance(members, dict) or not members:
+        raise InvalidSpecError(spec, "kv_cache_specs", members,
+                               "a non-empty dict of layer name -> spec (a group spec with "
+                               "no member layers has no layout)")
     registry = resolving_registry()
-    members: dict[str, Any] = {
-        layer: registry.traits_of(member) for layer, member in spec.kv_cache_specs.items()
-    }
-    return GroupTraits(type(spec).__qualname__, members, block_size=spec.block_size)
+    traits: dict[str, Any] = {}
+    for layer, member in members.items():
+        try:
+            traits[layer] = registry.traits_of(member)
+        except InvalidSpecError as err:
+            # Named from the group down to the member's field.
+            raise InvalidSpecError(spec, f"kv_cache_specs[{layer!r}].{err.field}", err.value,
+                                   err.expected, adapter=err.adapter) from err
+        except KVSpecTraitsError as err:
+            err.add_note(f"(layer {layer!r} of a {type(spec).__qualname__})")
+            raise
+    return GroupTraits(type(spec).__qualname__, traits, block_size=block_size)

@@ -47,9 +47,9 @@ __all__ = [
     "fingerprint_of",
 ]
 
-FINGERPRINT_VERSION: Final = 2
+FINGERPRINT_VERSION: Final = 3
 """Version of :meth:`Region.traits_record`; 2 added ``head_major`` (the H/N/C order
-inside a page)."""
+inside a page), 3 ``kv_head_contiguous`` (the order of head slots inside a page)."""
 WIRE_VERSION: Final = 1
 _MAGIC: Final = b"KVSTNIXL"
 _PREFIX: Final = struct.Struct("<8sHII")

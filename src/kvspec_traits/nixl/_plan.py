@@ -134,6 +134,10 @@ class Region:
     replicated_state: bool = False
     """Has a TP-replicated recurrent-state member (vLLM's PLE state of CSA-linear
     models), next to or instead of a TP-sharded one."""
+    kv_head_contiguous: bool = True
+    """Every paged member keeps each KV head's slots together
+    (:attr:`~kvspec_traits.KVLayoutTraits.kv_head_contiguous`): the order of the head
+    slots inside a page, which equal page sizes do not show."""
 
     @property
     def sharded_state(self) -> bool:
@@ -174,6 +178,9 @@ class Region:
             # The order of data inside a page: equal sizes in another order (LBHNC
             # against LBNHC) would move every byte to the wrong place.
             "head_major": self.head_major,
+            # The order of head slots inside a page (vLLM 0.34's kv_head_major_slots):
+            # same size, other order, and a peer would read every head's V as K.
+            "kv_head_contiguous": self.kv_head_contiguous,
             "group_id": self.group_id,
             "replicated_state": self.replicated_state,
         }
@@ -747,9 +754,12 @@ def _region(index: int, members: list[_Piece]) -> Region:
         dtypes=tuple(sorted({m.traits.dtype or "mixed" for m in members})),
         kv_quant_modes=tuple(sorted({m.traits.kv_quant_mode for m in members})),
         num_head_slots=heads,
-        head_major=all(m.head_major for m in paged),
+        # A head's slice of a block is contiguous only if the page also keeps each KV
+        # head's slots together.
+        head_major=all(m.head_major and m.traits.kv_head_contiguous for m in paged),
         head_segment=first.head_segment,
         replicated_state=replicated_state,
+        kv_head_contiguous=all(m.traits.kv_head_contiguous for m in paged),
     )
 
 

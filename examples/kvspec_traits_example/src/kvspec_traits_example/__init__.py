@@ -13,14 +13,8 @@ from dataclasses import dataclass
 
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-from kvspec_traits import (
-    LayoutTraits,
-    PageComponent,
-    Registry,
-    TokenScope,
-    TPLayout,
-    register_adapter,
-)
+from kvspec_traits import LayoutTraits, Registry, register_adapter
+from kvspec_traits.helpers import attention_traits
 
 __all__ = ["SCALE_BYTES", "ScaledLatentSpec", "adapt_scaled_latent", "register"]
 
@@ -37,38 +31,10 @@ class ScaledLatentSpec(MLAAttentionSpec):
 
 
 def adapt_scaled_latent(spec: ScaledLatentSpec) -> LayoutTraits:
-    """Traits from the spec's fields: one latent slot, replicated like any MLA cache."""
-    states = spec.block_size // int(spec.tokens_per_state)
-    cell = spec.head_size * spec.dtype.itemsize + SCALE_BYTES
-    content = spec.num_heads * states * cell
-    return LayoutTraits(
-        spec_name=type(spec).__qualname__,
-        is_mla=True,
-        tp_layout=TPLayout.REPLICATED,
-        tp_shards=1,
-        token_scope=TokenScope.FULL,
-        window_tokens=None,
-        block_size=spec.block_size,
-        num_head_slots=spec.num_heads,
-        tokens_per_state=spec.tokens_per_state,
-        states_per_block=states,
-        state_bytes=cell,
-        unpadded_page_size_bytes=content,
-        page_size_bytes=spec.page_size_bytes,
-        per_token_bytes=spec.num_heads * cell,
-        dtype=str(spec.dtype).removeprefix("torch."),
-        kv_quant_mode=spec.kv_quant_mode.name,
-        components=(
-            PageComponent(name="latent", shape=(spec.num_heads, states, spec.head_size),
-                          dtype=str(spec.dtype).removeprefix("torch."),
-                          nbytes=spec.num_heads * states * spec.head_size * spec.dtype.itemsize),
-            PageComponent(name="scale", shape=(spec.num_heads, states, 1), dtype="float32",
-                          nbytes=spec.num_heads * states * SCALE_BYTES),
-        ),
-        prefix_cacheable=spec.prefix_cacheable,
-        uses_slot_mapping=spec.uses_slot_mapping,
-        transferable=True,
-    )
+    """Traits from the spec's fields: each cell is the int8 latent then its float32 scale;
+    one latent slot, replicated like any MLA cache (the built-in attention math)."""
+    return attention_traits(spec, cell=(("latent", spec.head_size, spec.dtype),
+                                        ("scale", 1, "float32")))
 
 
 def register(registry: Registry) -> None:

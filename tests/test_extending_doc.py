@@ -1,0 +1,187 @@
+"""docs/extending.md as a test: its Python blocks, in order, are one module. Installed as a
+package with a ``kvspec_traits.adapters`` entry point (a dist-info on ``sys.path``) and
+imported before anything else of kvspec-traits ran, it registers by decorator and by
+entry point in one module, resolves its spec, and passes mypy strict.
+
+Also here: the same cycle in its smallest form, and every public name of the core
+documented somewhere under docs/ or in the README.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "extending.md"
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def _install(site: Path, package: str, source: str, hook: str = "register") -> None:
+    """A package on ``site`` with an entry point in the adapters group, as pip leaves it."""
+    (site / package).mkdir(parents=True)
+    (site / package / "__init__.py").write_text(source)
+    info = site / f"{package}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        f"[kvspec_traits.adapters]\n{package} = {package}:{hook}\n"
+    )
+
+
+def _run(site: Path, code: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *sys.path])
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+        cwd=site,
+    )
+
+
+def test_the_walkthrough_has_every_step_and_every_trait() -> None:
+    from kvspec_traits import trait_names
+
+    text = DOC.read_text()
+    steps = re.findall(r"^## (\d)\. ", text, flags=re.M)
+    assert steps == ["1", "2", "3", "4", "5", "6", "7"]
+    for name in trait_names():
+        assert f"[`{name}`](traits/{name}.md)" in text, name
+    assert len(_python_blocks(text)) >= 5
+
+
+def test_the_walkthrough_runs_imported_first_with_decorator_and_entry_point(tmp_path: Path) -> None:
+    source = "\n\n".join(_python_blocks(DOC.read_text()))
+    _install(tmp_path, "scaled_walkthrough", source)
+    proc = _run(
+        tmp_path,
+        (
+            "import scaled_walkthrough as w\n"  # first: nothing of kvspec-traits loaded yet
+            "from kvspec_traits import Registry, traits_of\n"
+            "from importlib.metadata import entry_points\n"
+            "assert [e.value for e in entry_points(group='kvspec_traits.adapters')\n"
+            "        if e.name == 'scaled_walkthrough'] == ['scaled_walkthrough:register']\n"
+            "fresh = Registry()\n"  # only the entry point registers it here
+            "t = fresh.traits_of(w.spec)\n"
+            "assert fresh.adapters()[w.ScaledFullSpec] is w.adapt_scaled_full\n"
+            "assert t == traits_of(w.spec)\n"
+            "print(t.page_size_bytes, [c.name for c in t.components])\n"
+        ),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # 16 * 8 * (256 * 2 + 4)
+    assert proc.stdout.split("\n")[-2] == "66048 ['k', 'v', 'scale']"
+
+
+def test_the_walkthrough_passes_mypy_strict(tmp_path: Path) -> None:
+    module = tmp_path / "walkthrough.py"
+    module.write_text("\n\n".join(_python_blocks(DOC.read_text())))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(REPO / "mypy.ini"),
+            "--cache-dir",
+            str(REPO / ".mypy_cache"),
+            str(module),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "Success" in proc.stdout
+
+
+SCRATCH = """
+from dataclasses import dataclass
+
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from kvspec_traits import LayoutTraits, Registry, register_adapter, traits_of
+from kvspec_traits.helpers import attention_traits
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaddedFullSpec(FullAttentionSpec):
+    pad: int = 64
+
+    @property
+    def page_size_bytes(self) -> int:
+        return super().page_size_bytes + self.pad
+
+
+@register_adapter(PaddedFullSpec)
+def adapt(spec: PaddedFullSpec) -> LayoutTraits:
+    traits = attention_traits(spec)
+    return attention_traits(spec, page_size_bytes=traits.page_size_bytes + spec.pad)
+
+
+def register(registry: Registry) -> None:
+    registry.register(PaddedFullSpec, adapt)
+
+{at_import}
+"""
+
+
+@pytest.mark.parametrize(
+    "at_import",
+    [
+        "",
+        "import torch\nEARLY = traits_of(PaddedFullSpec("
+        "block_size=16, num_kv_heads=1, head_size=8, "
+        "dtype=torch.float32)).page_size_bytes\n",
+    ],
+    ids=["import only", "resolves while importing"],
+)
+def test_decorator_and_entry_point_in_one_module_imported_first(
+    tmp_path: Path, at_import: str
+) -> None:
+    # main: the decorator loaded the entry points, which imported this half-initialised
+    # module: AdapterPluginError "partially initialized module ... has no attribute".
+    _install(tmp_path, "scratch_plugin", SCRATCH.format(at_import=at_import))
+    proc = _run(
+        tmp_path,
+        (
+            "import scratch_plugin, torch\n"
+            "from kvspec_traits import Registry, traits_of\n"
+            "spec = scratch_plugin.PaddedFullSpec(block_size=16, num_kv_heads=1, head_size=8,\n"
+            "                                     dtype=torch.float32)\n"
+            "print(traits_of(spec).page_size_bytes, Registry().traits_of(spec).page_size_bytes,\n"
+            "      getattr(scratch_plugin, 'EARLY', None))\n"
+        ),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # 16 tokens * 1 head * (8 + 8) * 4 B = 1024, plus the 64 B pad
+    early = "1088" if at_import else "None"
+    assert proc.stdout.split("\n")[-2] == f"1088 1088 {early}"
+
+
+CORE_MODULES = ["kvspec_traits", "kvspec_traits.helpers", "kvspec_traits.catalog"]
+
+
+@pytest.mark.parametrize("module", CORE_MODULES)
+def test_every_public_name_is_documented(module: str) -> None:
+    docs = "\n".join(
+        p.read_text() for p in [*sorted((REPO / "docs").rglob("*.md")), REPO / "README.md"]
+    )
+    names = importlib.import_module(module).__all__
+    undocumented = [n for n in names if f"`{n}" not in docs and f"{n}(" not in docs]
+    assert undocumented == [], f"{module}: document these in docs/api.md or another page"
