@@ -46,6 +46,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvspec_traits import traits_of
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
+from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers import layouts
 from tests.test_connector_differential import (
     DSV2,
@@ -125,7 +126,7 @@ def make(distributed: None, tiny_models: pathlib.Path, monkeypatch: pytest.Monke
               ) -> tuple[Any, dict[str, torch.Tensor]]:
         groups_of, model = FAMILIES[family]
         groups = groups_of()
-        vllm_config = _vllm_config(tiny_models / model, LBHNC)
+        vllm_config = _vllm_config(tiny_models / model, LBHNC, CPU_MLA)
         vllm_config.cache_config.block_size = BLOCK
         config = layouts.kv_cache_config(groups, NB, LBHNC)
         caches = layouts.allocate(config, LBHNC, _kernels(groups))

@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import (
 from kvspec_traits import traits_of
 from kvspec_traits.nixl import UnsupportedLayoutError
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
+from tests.mla_backends import CPU_MLA
 from tests.test_connector_differential import DSV2, LBHNC, _construct, _vllm_config, distributed
 
 pytestmark = pytest.mark.timeout(600)
@@ -70,7 +71,7 @@ def register(distributed: None, tiny_models: pathlib.Path) -> Iterator[Callable[
 
     def _register(cls: type[NixlPullConnectorWorker]) -> None:
         config, caches = _ring_layout()
-        vllm_config = _vllm_config(tiny_models / DSV2, LBHNC)
+        vllm_config = _vllm_config(tiny_models / DSV2, LBHNC, CPU_MLA)
         vllm_config.cache_config.block_size = 4
         with (set_current_vllm_config(vllm_config),
               patch.object(base_worker, "select_common_block_size", return_value=4)):
