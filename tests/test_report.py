@@ -97,7 +97,7 @@ def test_an_extension_that_does_not_load_is_one_sentence_and_exit_2(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from kvspec_traits import AdapterPluginError, _cli
 
-    def broken() -> None:
+    def broken(registry: object = None) -> None:
         raise AdapterPluginError("example", "entry point 'example' failed to import: boom")
 
     monkeypatch.setattr(_cli, "_collect", broken)
