@@ -125,7 +125,8 @@ def test_killed_producer_fails_the_read_in_bounded_time(session: Session) -> Non
     killer.start()
     try:
         with pytest.raises(TransferFailedError) as info:  # noqa: PT012  # the ledger line is the point
-            session.agent.read_blocks(session.stalled, [list(range(NB))] * 4, timeout=60)
+            session.agent.read_blocks(  # every block, split over the 4 groups
+                session.stalled, [list(range(g, NB, 4)) for g in range(4)], timeout=60)
             received.update(range(NB))  # only reached if the read completed
     finally:
         killer.join()

@@ -355,8 +355,11 @@ def test_strided_descs_match_vllm_033_form() -> None:
     expected = [[r.base_addr, r.block_len, 0, r.block_stride, NB] for r in plan.regions]
     assert descs.dtype == np.uint64 and descs.tolist() == expected
     ids = block_desc_ids(plan, [[1], [2], [3], [4]])
-    # Shared region 0 takes every group's block; the others their own group's.
-    assert ids.tolist() == [1, 2, 3, 4, NB + 3, 2 * NB + 2, 3 * NB + 4, 4 * NB + 1]
+    # Shared region 0 takes every group's block; the others their own group's. Order of
+    # vLLM's _compute_desc_ids with region-group mapping: group by group, each group's
+    # regions (region_offsets[region_ids] + block) in region order; regions 1-4 are
+    # groups 2, 1, 3, 0, so group 0 is regions 0 and 4, group 1 regions 0 and 2, ...
+    assert ids.tolist() == [1, 4 * NB + 1, 2, 2 * NB + 2, 3, NB + 3, 4, 3 * NB + 4]
 
 
 def test_merge_runs_only_where_both_sides_are_contiguous() -> None:
@@ -366,7 +369,7 @@ def test_merge_runs_only_where_both_sides_are_contiguous() -> None:
     assert items[0].count == 16 and merged.count == 8  # runs 1-3 and 5, per layer
     assert merged.nbytes == items[0].nbytes
     packed, _ = _plan("deepseek_v4")  # block_len < block_stride: nothing merges
-    ids = [[1, 2, 3]] * 4
+    ids = [[1, 2, 3], [4, 5], [6], [7]]  # distinct: region 0 takes every group's
     (raw,) = transfer_items(packed, {0: peer_regions(packed)}, 1, ids)
     assert merge_runs(raw).count == raw.count
 

@@ -27,7 +27,10 @@ from kvspec_traits._deps import needs
 from kvspec_traits.nixl._descs import (
     BlockIds,
     TransferItems,
+    _check_lengths,
     _desc_ids,
+    _desc_index,
+    _DescIndex,
     _ReadCache,
     _Request,
     _transfer_items,
@@ -76,6 +79,8 @@ class RemotePeer:
     """Flat id of each region's block 0 in the peer's prepared list."""
     reads: _ReadCache | None = field(default=None, repr=False)
     """This agent's TP reads from this peer, kept across requests (set by connect)."""
+    desc_index: _DescIndex | None = field(default=None, repr=False)
+    """Index of the peer's prepared list for block ids -> descriptor ids (kept)."""
 
     def __post_init__(self) -> None:
         self.region_num_blocks = tuple(r.num_blocks for r in self.meta.regions)
@@ -288,23 +293,27 @@ class TraitsNixlAgent:
                     raise ValueError("mode='prepped' needs one peer of the same TP size")
                 peer = next(iter(by_rank.values()))
                 self._check_prepped_rank(plan, peer)
-                lreq = _Request(block_ids)
-                rreq = lreq if remote_block_ids is None else _Request(remote_block_ids)
-                local_ids = _desc_ids(plan, lreq, None, plan._desc_offsets, "local")
-                remote_ids = _desc_ids(
-                    plan, rreq, peer.region_num_blocks, peer.desc_offsets, "remote")
+                lreq = _Request(block_ids, plan.num_groups, "local")
+                rreq = (lreq if remote_block_ids is None
+                        else _Request(remote_block_ids, plan.num_groups, "remote"))
+                _check_lengths(lreq, rreq)
+                local_index = _desc_index(plan)
+                if peer.desc_index is None:
+                    peer.desc_index = _desc_index(plan, peer.region_num_blocks)
+                local_ids = _desc_ids(local_index, lreq, "local")
+                remote_ids = _desc_ids(peer.desc_index, rreq, "remote")
                 handle = self._make_prepped(peer, local_ids, remote_ids, notify)
                 posted.append(_Posted(handle, peer.name))
                 descriptors = per_block = int(local_ids.size)
-                nbytes = sum(lreq.blocks(g).size * r.block_len
-                             for r, g in zip(plan.regions, plan._group_ids, strict=True))
+                nbytes = local_index.nbytes(lreq)
             else:
                 first = next(iter(by_rank.values()))
                 if first.reads is None:
                     first.reads = _ReadCache(plan, remote_tp, first.meta.regions)
                 remotes = {rank: p.meta.regions for rank, p in by_rank.items()}
-                lreq = _Request(block_ids)
-                rreq = lreq if remote_block_ids is None else _Request(remote_block_ids)
+                lreq = _Request(block_ids, plan.num_groups, "local")
+                rreq = (lreq if remote_block_ids is None
+                        else _Request(remote_block_ids, plan.num_groups, "remote"))
                 for items in _transfer_items(plan, remotes, lreq, rreq, first.reads):
                     per_block += items.count
                     nbytes += items.nbytes

@@ -17,13 +17,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import cast
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from kvspec_traits._traits import TPLayout
-from kvspec_traits.nixl._errors import BlockIdError, MissingPeerError, UnsupportedLayoutError
+from kvspec_traits.nixl._errors import (
+    BlockIdError,
+    BlockIdShapeError,
+    BlockIdTypeError,
+    DuplicateBlockIdError,
+    MissingPeerError,
+    UnsupportedLayoutError,
+)
 from kvspec_traits.nixl._handshake import PeerRegion
 from kvspec_traits.nixl._plan import Region, RegionPlan, desc_offsets, shard_count
 
@@ -41,9 +48,12 @@ __all__ = [
 ]
 
 U64 = npt.NDArray[np.uint64]
-BlockIds = Sequence[int] | Sequence[Sequence[int]]
-"""Block ids of one request: one list for every region, or one list per cache group
-(indexed by group id; a shared region takes every group's blocks)."""
+BlockIds = (Sequence[int] | Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer[Any]]]
+            | npt.NDArray[np.integer[Any]])
+"""Block ids of one request: one list per cache group (indexed by group id; a shared
+region takes every group's blocks), each Python ints (not ``bool``) or a 1-D integer
+numpy array, or a 2-D integer array of one row per group; for a plan of one group,
+that group's list alone. Destination ids are distinct."""
 
 
 def build_block_descs(regions: RegionPlan | Sequence[Region] | Sequence[PeerRegion]
@@ -67,80 +77,256 @@ def build_state_descs(plan: RegionPlan) -> U64:
     return np.array(rows, dtype=np.uint64).reshape(-1, 5)
 
 
+_EMPTY: Final = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+_INT64_MAX: Final = np.iinfo(np.int64).max
+_LISTS = (list, tuple, range)
+
+
+def _as_ids(value: object, side: str) -> npt.NDArray[np.int64]:
+    """One list of block ids as int64: Python ints (not ``bool``) or a 1-D integer
+    numpy array; :class:`BlockIdTypeError` for anything else. One pass over a list
+    (the type check) plus numpy's conversion; an array is only cast."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise BlockIdTypeError(side, value.dtype,
+                                   f"an array of dtype {value.dtype} is not block ids")
+        if value.ndim != 1:
+            raise BlockIdTypeError(side, value.shape,
+                                   f"an array of shape {value.shape} is not one list of ids")
+        if value.dtype.kind == "u" and value.size and int(value.max()) > _INT64_MAX:
+            raise BlockIdTypeError(side, int(value.max()),
+                                   f"id {int(value.max())} does not fit in int64")
+        return value.astype(np.int64, copy=False)
+    if isinstance(value, _LISTS):
+        if not value:
+            return _EMPTY
+        if set(map(type, value)) != {int}:
+            bad = next(v for v in value if type(v) is not int)
+            raise BlockIdTypeError(side, bad, f"{bad!r} is a {type(bad).__name__}, not an "
+                                              f"int")
+        try:
+            return np.fromiter(value, dtype=np.int64, count=len(value))
+        except OverflowError:
+            big = max(value, key=abs)
+            raise BlockIdTypeError(side, big, f"id {big} does not fit in int64") from None
+    raise BlockIdTypeError(side, value, f"a {type(value).__name__} is not a list of ids")
+
+
 class _Request:
-    """One request's block ids, converted once (not once per region): one array for
-    every region, or one per cache group, with each array's bounds."""
+    """One request's block ids, validated and converted once (not once per region):
+    one int64 array per cache group, with each array's bounds.
 
-    __slots__ = ("_all", "_bounds", "_flat", "_groups")
+    Takes one list (or 1-D integer array) per cache group, a 2-D integer array (one
+    row per group), or, for a plan of one group, that group's list alone. Raises
+    :class:`BlockIdTypeError` / :class:`BlockIdShapeError` before anything is built.
+    """
 
-    def __init__(self, block_ids: BlockIds) -> None:
-        self._flat: npt.NDArray[np.int64] | None = None
-        self._groups: list[npt.NDArray[np.int64]] = []
+    __slots__ = ("_all", "_bounds", "groups", "side")
+
+    def __init__(self, block_ids: BlockIds, num_groups: int, side: str = "local") -> None:
+        self.side = side
         self._all: npt.NDArray[np.int64] | None = None
-        self._bounds: dict[int, tuple[int, int]] = {}
-        if not block_ids or not isinstance(block_ids[0], Sequence):
-            self._flat = np.asarray(block_ids, dtype=np.int64)
+        self._bounds: dict[int, tuple[int, int] | None] = {}
+        groups: list[npt.NDArray[np.int64]]
+        if isinstance(block_ids, np.ndarray) and block_ids.ndim == 2:
+            if block_ids.dtype.kind not in "iu":
+                raise BlockIdTypeError(side, block_ids.dtype, f"an array of dtype "
+                                       f"{block_ids.dtype} is not block ids")
+            groups = [_as_ids(row, side) for row in block_ids]
+        elif isinstance(block_ids, _LISTS) and block_ids and isinstance(
+                block_ids[0], (*_LISTS, np.ndarray)):
+            groups = [_as_ids(g, side) for g in block_ids]
+        elif isinstance(block_ids, (*_LISTS, np.ndarray)):
+            if num_groups != 1:
+                raise BlockIdShapeError(
+                    side, num_groups, 1,
+                    f"one flat list for a plan of {num_groups} cache groups; pass one list "
+                    f"per group (vLLM's block_ids[group])")
+            groups = [_as_ids(block_ids, side)]
         else:
-            groups = cast(Sequence[Sequence[int]], block_ids)  # one list per group
-            self._groups = [np.asarray(g, dtype=np.int64) for g in groups]
+            raise BlockIdTypeError(side, block_ids, f"a {type(block_ids).__name__} is not "
+                                                    f"block ids")
+        if len(groups) != num_groups:
+            raise BlockIdShapeError(
+                side, num_groups, len(groups),
+                f"{len(groups)} lists for a plan of {num_groups} cache groups; pass exactly "
+                f"one list per group (an empty one for a group with no blocks)")
+        self.groups = groups
+
+    @property
+    def all(self) -> npt.NDArray[np.int64]:
+        """Every group's blocks, in group order (what a shared region takes)."""
+        if self._all is None:
+            self._all = (self.groups[0] if len(self.groups) == 1
+                         else np.concatenate(self.groups))
+        return self._all
 
     def blocks(self, group_id: int) -> npt.NDArray[np.int64]:
         """The blocks of a region of ``group_id`` (a shared region, group id < 0,
         takes every group's blocks)."""
-        if self._flat is not None:
-            return self._flat
-        if group_id >= 0:
-            return self._groups[group_id]
-        if self._all is None:
-            self._all = (np.concatenate(self._groups) if self._groups
-                         else np.zeros(0, dtype=np.int64))
-        return self._all
+        return self.groups[group_id] if group_id >= 0 else self.all
+
+    def bounds(self, group_id: int) -> tuple[int, int] | None:
+        """``(min, max)`` of the blocks of ``group_id`` (``None`` if it has none)."""
+        if group_id in self._bounds:
+            return self._bounds[group_id]
+        blocks = self.blocks(group_id)
+        bounds = (int(blocks.min()), int(blocks.max())) if blocks.size else None
+        self._bounds[group_id] = bounds
+        return bounds
 
     def check(self, region: str, group_id: int, num_blocks: int, side: str) -> None:
         """Every id a region of ``group_id`` takes is one of its ``num_blocks``;
         :class:`BlockIdError` if not (a negative id would otherwise wrap to an address
         before the region). The one block-id check of both descriptor paths."""
-        key = -1 if self._flat is not None else group_id
-        bounds = self._bounds.get(key)
+        bounds = self.bounds(group_id)
         if bounds is None:
-            blocks = self.blocks(group_id)
-            if not blocks.size:
-                return
-            bounds = self._bounds[key] = (int(blocks.min()), int(blocks.max()))
+            return
         if bounds[0] < 0:
             raise BlockIdError(region, bounds[0], num_blocks, side)
         if bounds[1] >= num_blocks:
             raise BlockIdError(region, bounds[1], num_blocks, side)
 
+    def check_distinct(self, shared: bool) -> None:
+        """No destination block twice: within each group, and across groups where a
+        region takes every group's blocks (``shared``). Call after :meth:`check`
+        (ids are then non-negative and bounded, so a mask is cheap)."""
+        if shared and len(self.groups) > 1:
+            self._distinct(self.all, -1)
+        else:
+            for gid, blocks in enumerate(self.groups):
+                self._distinct(blocks, gid)
 
-def _desc_ids(plan: RegionPlan, request: _Request, counts: Sequence[int] | None,
-              offsets: Sequence[int], side: str) -> npt.NDArray[np.int64]:
-    """:func:`block_desc_ids` with the offsets precomputed (``counts=None``: the
-    plan's own block counts)."""
-    parts = []
-    for i, (region, group_id) in enumerate(zip(plan.regions, plan._group_ids, strict=True)):
-        request.check(region.name, group_id,
-                      region.num_blocks if counts is None else counts[i], side)
-        parts.append(request.blocks(group_id) + offsets[i])
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    def _distinct(self, blocks: npt.NDArray[np.int64], group_id: int) -> None:
+        n = blocks.size
+        if n < 2:
+            return
+        bounds = self.bounds(group_id)
+        if bounds is None:
+            return
+        lo, hi = bounds
+        if hi - lo < 8 * n + 4096:  # one vectorised pass over a bounded mask
+            seen = np.zeros(hi - lo + 1, dtype=np.bool_)
+            shifted = blocks - lo if lo else blocks
+            seen[shifted] = True
+            if int(np.count_nonzero(seen)) == n:
+                return
+        else:
+            ordered = np.sort(blocks)
+            if not bool((ordered[1:] == ordered[:-1]).any()):
+                return
+        ordered = np.sort(blocks)
+        repeated = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+        raise DuplicateBlockIdError(
+            repeated, None if group_id < 0 or len(self.groups) == 1 else group_id)
+
+
+class _DescIndex:
+    """What a request needs of one strided descriptor list (a plan's, or a peer's with
+    its block counts), computed once per list: per cache group, the flat id of block 0
+    of every region its blocks land in (a column, so a request is one broadcast add
+    per group), the smallest block count among them, and bytes per block.
+
+    Order matches vLLM's ``_compute_desc_ids``: region-major over every group's blocks
+    when all regions take every group's blocks (one group, or only shared regions);
+    otherwise group-major, each group's regions in region order.
+    """
+
+    __slots__ = ("by_group", "bytes_per_block", "columns", "counts", "limits", "mapped",
+                 "names", "shared")
+
+    def __init__(self, plan: RegionPlan, counts: Sequence[int],
+                 offsets: Sequence[int]) -> None:
+        gids = np.asarray(plan._group_ids, dtype=np.int64)
+        off = np.asarray(offsets, dtype=np.int64)
+        nb = np.asarray(counts, dtype=np.int64)
+        lens = np.asarray([r.block_len for r in plan.regions], dtype=np.int64)
+        self.names = tuple(r.name for r in plan.regions)
+        self.counts = tuple(int(c) for c in counts)
+        self.shared = bool((gids < 0).any())
+        self.mapped = plan.num_groups > 1 and not bool((gids < 0).all())
+        keys = range(plan.num_groups) if self.mapped else (-1,)
+        self.by_group: list[npt.NDArray[np.intp]] = []
+        self.columns: list[npt.NDArray[np.int64]] = []
+        self.limits: list[int] = []
+        self.bytes_per_block: list[int] = []
+        for key in keys:
+            members = (np.flatnonzero((gids == key) | (gids < 0)) if key >= 0
+                       else np.arange(gids.size))
+            self.by_group.append(members)
+            self.columns.append(off[members][:, None].copy())
+            self.limits.append(int(nb[members].min()) if members.size else _INT64_MAX)
+            self.bytes_per_block.append(int(lens[members].sum()))
+
+    def check(self, request: _Request, side: str) -> None:
+        """Bounds of every id against every region it lands in (and, for the local
+        side, distinct destinations): :class:`BlockIdError` naming the first region
+        an id is outside of."""
+        for key, limit in enumerate(self.limits):
+            gid = key if self.mapped else -1
+            bounds = request.bounds(gid)
+            if bounds is None or (bounds[0] >= 0 and bounds[1] < limit):
+                continue
+            bad = bounds[0] if bounds[0] < 0 else bounds[1]
+            region = next(int(i) for i in self.by_group[key]
+                          if bad < 0 or bad >= self.counts[i])
+            raise BlockIdError(self.names[region], bad, self.counts[region], side)
+        if side == "local":
+            request.check_distinct(self.shared or not self.mapped)
+
+    def desc_ids(self, request: _Request) -> npt.NDArray[np.int64]:
+        if not self.mapped:
+            return (self.columns[0] + request.all).ravel()
+        parts = [(column + blocks).ravel()
+                 for column, blocks in zip(self.columns, request.groups, strict=True)
+                 if blocks.size and column.size]
+        if not parts:
+            return _EMPTY
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def nbytes(self, request: _Request) -> int:
+        if not self.mapped:
+            return request.all.size * self.bytes_per_block[0]
+        return sum(b.size * n for b, n in zip(request.groups, self.bytes_per_block,
+                                              strict=True))
+
+
+def _desc_index(plan: RegionPlan, counts: Sequence[int] | None = None) -> _DescIndex:
+    """The plan's :class:`_DescIndex` for its own list (``counts=None``) or a peer's
+    with ``counts`` blocks per region, kept on the plan."""
+    key = tuple(r.num_blocks for r in plan.regions) if counts is None else tuple(counts)
+    index = plan._desc_index.get(key)
+    if index is None:
+        if len(key) != len(plan.regions):
+            raise ValueError(f"{len(key)} block counts for {len(plan.regions)} regions")
+        index = plan._desc_index[key] = _DescIndex(plan, key, desc_offsets(key))
+    return cast(_DescIndex, index)
+
+
+def _desc_ids(index: _DescIndex, request: _Request, side: str) -> npt.NDArray[np.int64]:
+    """:func:`block_desc_ids` with the list's index precomputed: validate, then one
+    broadcast add per cache group."""
+    index.check(request, side)
+    return index.desc_ids(request)
 
 
 def block_desc_ids(plan: RegionPlan, block_ids: BlockIds, *,
                    region_num_blocks: Sequence[int] | None = None) -> npt.NDArray[np.int64]:
-    """Flat ids into :func:`build_block_descs` for a request's blocks, region-major
-    (the order vLLM's ``_compute_desc_ids`` uses).
+    """Flat ids into :func:`build_block_descs` for a request's blocks, in the order
+    vLLM's ``_compute_desc_ids`` uses (region-major when every region takes every
+    group's blocks, else group-major).
 
     For a peer's list pass its ``region_num_blocks`` (its block counts may differ from
     ours); group membership is ours (the handshake made the region lists equal).
-    Raises :class:`BlockIdError` for an id outside a region.
+    Raises :class:`BlockIdError` for an id outside a region,
+    :class:`BlockIdTypeError` / :class:`BlockIdShapeError` for ids that are not one
+    list of ints per cache group, and (for our own list: destinations)
+    :class:`DuplicateBlockIdError` for an id named twice.
     """
-    if region_num_blocks is None:
-        return _desc_ids(plan, _Request(block_ids), None, plan._desc_offsets, "local")
-    if len(region_num_blocks) != len(plan.regions):
-        raise ValueError(f"{len(region_num_blocks)} block counts for "
-                         f"{len(plan.regions)} regions")
-    return _desc_ids(plan, _Request(block_ids), region_num_blocks,
-                     desc_offsets(region_num_blocks), "remote")
+    side = "local" if region_num_blocks is None else "remote"
+    index = _desc_index(plan, region_num_blocks)
+    return _desc_ids(index, _Request(block_ids, plan.num_groups, side), side)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,10 +466,11 @@ def transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]
     remote rank's region list does not match the plan's.
     """
     _check_remotes(local, remotes)
-    request = _Request(local_block_ids)
+    request = _Request(local_block_ids, local.num_groups, "local")
     return _transfer_items(
         local, remotes, request,
-        request if remote_block_ids is None else _Request(remote_block_ids),
+        request if remote_block_ids is None
+        else _Request(remote_block_ids, local.num_groups, "remote"),
         _ReadCache(local, remote_tp, next(iter(remotes.values()), None)))
 
 
@@ -292,17 +479,15 @@ def _transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion
                     ) -> list[TransferItems]:
     """:func:`transfer_items` with the request's ids converted and the TP reads of
     the peer kept across requests."""
+    _check_lengths(lreq, rreq)
+    _desc_index(local).check(lreq, "local")  # bounds, then distinct destinations
     per_rank: dict[int, tuple[list[U64], list[U64]]] = {}
     for i, (region, group_id) in enumerate(zip(local.regions, local._group_ids,
                                                strict=True)):
         lblocks = lreq.blocks(group_id)
         rblocks = rreq.blocks(group_id)
-        if lblocks.shape != rblocks.shape:
-            raise ValueError(f"region {region.name!r}: {lblocks.size} local blocks but "
-                             f"{rblocks.size} remote blocks")
         if not lblocks.size:
             continue
-        lreq.check(region.name, group_id, region.num_blocks, "local")
         local_addrs = lblocks.astype(np.uint64) * np.uint64(region.block_stride)
         local_addrs += np.uint64(region.base_addr)
         for read in reads(i):
@@ -325,6 +510,18 @@ def _transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion
             bucket[1].append(rrows)
     return [TransferItems(rank, np.concatenate(lp), np.concatenate(rp))
             for rank, (lp, rp) in sorted(per_rank.items())]
+
+
+def _check_lengths(lreq: _Request, rreq: _Request) -> None:
+    """Local and remote ids pair up: the same count in every group."""
+    if lreq is rreq:
+        return
+    for gid, (lb, rb) in enumerate(zip(lreq.groups, rreq.groups, strict=True)):
+        if lb.size != rb.size:
+            raise BlockIdShapeError(
+                "both", lb.size, rb.size,
+                f"cache group {gid} has {lb.size} local but {rb.size} remote ids; each "
+                f"local block is filled from the remote block at the same position")
 
 
 def merge_runs(items: TransferItems) -> TransferItems:

@@ -6,6 +6,9 @@ from collections.abc import Mapping, Sequence
 
 __all__ = [
     "BlockIdError",
+    "BlockIdShapeError",
+    "BlockIdTypeError",
+    "DuplicateBlockIdError",
     "HandshakeMismatchError",
     "MalformedMetadataError",
     "MemoryTypeMismatchError",
@@ -127,6 +130,53 @@ class BlockIdError(IndexError):
             f"the {side} region's num_blocks)")
 
 
+class BlockIdTypeError(TypeError):
+    """Block ids of a type the shim does not take: anything but Python ints (``bool``
+    is refused) or a 1-D integer numpy array, per list. Floats would be truncated,
+    bools read as blocks 0 and 1, strings parsed.
+
+    ``.side`` is ``"local"`` or ``"remote"``, ``.value`` the offending value (an element,
+    or the array's dtype).
+    """
+
+    def __init__(self, side: str, value: object, detail: str) -> None:
+        self.side = side
+        self.value = value
+        super().__init__(
+            f"{side} block ids: {detail}; pass Python ints (not bool) or a 1-D integer "
+            f"numpy array per cache group")
+
+
+class BlockIdShapeError(ValueError):
+    """Block ids that do not fit the plan: not exactly one list per cache group, or
+    local and remote lists of different lengths.
+
+    ``.side`` is ``"local"``, ``"remote"`` or ``"both"``, ``.expected`` and ``.got`` the
+    counts that differ.
+    """
+
+    def __init__(self, side: str, expected: int, got: int, detail: str) -> None:
+        self.side = side
+        self.expected = expected
+        self.got = got
+        super().__init__(f"{side} block ids: {detail}")
+
+
+class DuplicateBlockIdError(ValueError):
+    """A destination block named twice in one request: two reads would write one block
+    (which source wins is up to the network). ``.block_id`` is a repeated id,
+    ``.group`` its cache group (``None`` for a flat list or a region every group
+    shares)."""
+
+    def __init__(self, block_id: int, group: int | None) -> None:
+        self.block_id = block_id
+        self.group = group
+        where = ("the request" if group is None else f"cache group {group}")
+        super().__init__(
+            f"local block id {block_id} appears more than once in {where}; every "
+            f"destination block of a request must be distinct (one read per block)")
+
+
 class HandshakeMismatchError(ValueError):
     """Producer and consumer disagree on a region: no transfer may start.
 
@@ -151,8 +201,9 @@ class HandshakeMismatchError(ValueError):
 
 
 class MalformedMetadataError(ValueError):
-    """Handshake metadata that cannot be decoded (truncated, wrong magic or version,
-    invalid JSON, missing fields). ``.reason`` says which."""
+    """Handshake metadata that cannot be decoded or cannot be trusted (truncated, wrong
+    magic or version, invalid or hostile JSON, missing fields, region geometry that
+    contradicts the peer's own fingerprint). ``.reason`` says which."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason

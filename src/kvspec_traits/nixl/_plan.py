@@ -215,10 +215,14 @@ class RegionPlan:
     that are not transferable (by their traits or their group's
     ``enable_kv_transfer``) get no region, so region indices match vLLM's, which never
     registers them."""
+    num_groups: int = 0
+    """Transfer (KV cache) groups a request names: one block-id list each. ``0`` (the
+    default) derives it from the regions' group ids."""
 
     # Asked for every region of every request: answered once, when the plan is built.
     _group_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _desc_offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _desc_index: dict[tuple[int, ...], Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # A copy behind a read-only view: the plan is frozen, so is what it says.
@@ -227,6 +231,12 @@ class RegionPlan:
         object.__setattr__(self, "_group_ids", tuple(r.group_id for r in self.regions))
         object.__setattr__(self, "_desc_offsets",
                            desc_offsets([r.num_blocks for r in self.regions]))
+        if self.num_groups < 1:
+            derived = max((g for r in self.regions for g in r.group_ids if g >= 0),
+                          default=0) + 1
+            object.__setattr__(self, "num_groups", derived)
+        # Per-request index arrays of descriptor ids, built once per offsets list.
+        object.__setattr__(self, "_desc_index", {})
 
     # -- upstream-shaped views (vLLM NixlConnectorWorker field names) ---------------
     @property
@@ -438,9 +448,13 @@ def plan_regions(
     regions = tuple(_region(index, members) for index, members in enumerate(pieces.values()))
     for region in regions:
         _shard_count_checked(region, tp_size)
+    if kv_cache_config is not None:
+        num_groups = sum(1 for g in kv_cache_config.kv_cache_groups if g.enable_kv_transfer)
+    else:
+        num_groups = max(group_ids.values(), default=0) + 1 if group_ids else 1
     return RegionPlan(regions=regions, registrations=tuple(registrations.values()),
                       num_blocks=n_blocks, tp_size=tp_size, tp_rank=tp_rank,
-                      skipped_layers=skipped)
+                      skipped_layers=skipped, num_groups=max(num_groups, 1))
 
 
 def _is_state(traits: KVLayoutTraits) -> bool:
