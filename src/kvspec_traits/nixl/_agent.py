@@ -46,6 +46,7 @@ from kvspec_traits.nixl._errors import (
 from kvspec_traits.nixl._handshake import (
     PeerMetadata,
     check_handshake,
+    check_peer_layout,
     decode_metadata,
     encode_metadata,
 )
@@ -206,30 +207,71 @@ class TraitsNixlAgent:
         """Decode a producer's metadata, check its layout against ours, and only then
         add it as a NIXL peer.
 
-        Raises :class:`MalformedMetadataError` (bad bytes),
+        Raises :class:`MalformedMetadataError` (bad or hostile bytes, region geometry
+        its own fingerprint contradicts, a shifted region base),
         :class:`HandshakeMismatchError` (a region differs) or
         :class:`MemoryTypeMismatchError` (a peer region on another memory type than
         ours) before NIXL learns of the peer, so nothing can be transferred from it.
+        Checks that need NIXL (regions inside the peer's registered memory, its
+        prepared list) run after the peer is added; if one fails, the peer is removed
+        from NIXL again before the error propagates: a refused or failed connect leaves
+        no peer behind.
         """
-        meta = decode_metadata(peer_metadata)
+        meta = decode_metadata(peer_metadata)  # geometry checked against the fingerprint
         check_handshake(self.plan, meta.fingerprint)
+        check_peer_layout(self.plan, meta)
         mem_type = self._peer_mem_type(meta)
+        if meta.agent_name in self._peers or meta.agent_name == self.name:
+            raise MalformedMetadataError(
+                f"agent {meta.agent_name!r} is already connected (or is this agent)")
         try:
             added = self._agent.add_remote_agent(meta.agent_metadata)
         except Exception as exc:  # NIXL raises its own exception types for bad blobs
             raise MalformedMetadataError(f"NIXL refused the agent metadata: {exc}") from exc
         added_name = added.decode() if isinstance(added, bytes) else str(added)
-        if added_name != meta.agent_name:
-            self._agent.remove_remote_agent(added_name)
-            raise MalformedMetadataError(
-                f"header names agent {meta.agent_name!r}, NIXL metadata is {added_name!r}")
-        peer = RemotePeer(meta, mem_type=mem_type,
-                          reads=_ReadCache(self.plan, meta.tp_size, meta.regions))
-        if meta.tp_size == self.plan.tp_size:
-            peer.prepped = self._agent.prep_xfer_dlist(
-                meta.agent_name, build_block_descs(meta.regions), mem_type=mem_type)
+        prepped: Any = None
+        try:
+            if added_name != meta.agent_name:
+                raise MalformedMetadataError(
+                    f"header names agent {meta.agent_name!r}, NIXL metadata is "
+                    f"{added_name!r}")
+            self._check_registered(meta, mem_type)
+            peer = RemotePeer(meta, mem_type=mem_type,
+                              reads=_ReadCache(self.plan, meta.tp_size, meta.regions))
+            if meta.tp_size == self.plan.tp_size:
+                try:
+                    prepped = self._agent.prep_xfer_dlist(
+                        meta.agent_name, build_block_descs(meta.regions), mem_type=mem_type)
+                except Exception as exc:
+                    raise MalformedMetadataError(
+                        f"NIXL refused the peer's region descriptors: {exc}") from exc
+                peer.prepped = prepped
+        except BaseException:
+            # Refused or failed: NIXL forgets the peer, so nothing can name it.
+            if prepped is not None:
+                with contextlib.suppress(Exception):
+                    self._agent.release_dlist_handle(prepped)
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(added_name)
+            raise
         self._peers[meta.agent_name] = peer
         return peer
+
+    def _check_registered(self, meta: PeerMetadata, mem_type: str) -> None:
+        """Every byte of every peer region lies in memory the peer registered with
+        NIXL (as its agent metadata tells NIXL)."""
+        extents = [(r.base_addr, r.block_stride * (r.num_blocks - 1) + r.block_len,
+                    r.device_id) for r in meta.regions]
+        try:
+            known = bool(self._agent.check_remote_metadata(
+                meta.agent_name, self._agent.get_xfer_descs(extents, mem_type)))
+        except Exception as exc:
+            raise MalformedMetadataError(
+                f"NIXL could not check the peer's regions: {exc}") from exc
+        if not known:
+            raise MalformedMetadataError(
+                f"peer {meta.agent_name}'s regions reach outside the memory it registered "
+                f"with NIXL")
 
     def _peer_mem_type(self, meta: PeerMetadata) -> str:
         """The peer's memory type, which must be ours region by region (only DRAM to

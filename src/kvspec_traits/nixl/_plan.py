@@ -222,7 +222,7 @@ class RegionPlan:
     # Asked for every region of every request: answered once, when the plan is built.
     _group_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _desc_offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    _desc_index: dict[tuple[int, ...], Any] = field(init=False, repr=False, compare=False)
+    _desc_index: dict[tuple[object, ...], Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # A copy behind a read-only view: the plan is frozen, so is what it says.

@@ -20,7 +20,6 @@ upstream's, unchanged. docs/vllm.md lists the spec-class branches left in that c
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import threading
 from collections.abc import Mapping
@@ -57,6 +56,7 @@ from kvspec_traits.nixl import (
     PlanFingerprint,
     RegionPlan,
     check_handshake,
+    decode_fingerprint,
     plan_regions,
 )
 from kvspec_traits.vllm_connector import CONNECTOR_NAME, check_vllm_version
@@ -497,12 +497,10 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         fingerprint = getattr(agent_metadata, "kvspec_traits_fingerprint", None)
         if fingerprint is None:
             raise PeerWithoutTraitsError(peer)
-        try:
-            decoded = json.loads(fingerprint)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-            raise MalformedMetadataError(
-                f"peer {peer}: layout fingerprint is not JSON ({exc})") from exc
-        remote = PlanFingerprint.from_payload(decoded)
+        try:  # hostile JSON (deep, huge integers, not UTF-8) is a named error too
+            remote = decode_fingerprint(fingerprint)
+        except MalformedMetadataError as exc:
+            raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
         try:
             check_handshake(self.traits_fingerprint, remote)
         except HandshakeMismatchError as err:
