@@ -12,7 +12,13 @@ from kvspec_traits._deps import needs
 with needs("kvspec_traits.nixl (the NIXL shim)"):
     import numpy  # noqa: F401  # imported here to name it when missing, used by the modules below
 
-from kvspec_traits.nixl._agent import DescMode, RemotePeer, TraitsNixlAgent, TransferResult
+from kvspec_traits.nixl._agent import (
+    DescMode,
+    RemotePeer,
+    TraitsNixlAgent,
+    TransferResult,
+    prepped_desc_ids,
+)
 from kvspec_traits.nixl._descs import (
     BlockIds,
     Read,
@@ -105,6 +111,7 @@ __all__ = [
     "merge_runs",
     "peer_regions",
     "plan_regions",
+    "prepped_desc_ids",
     "region_sort_key",
     "shard_count",
     "tp_reads",

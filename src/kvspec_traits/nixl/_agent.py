@@ -52,7 +52,7 @@ from kvspec_traits.nixl._handshake import (
 )
 from kvspec_traits.nixl._plan import RegionPlan, desc_offsets
 
-__all__ = ["DescMode", "RemotePeer", "TraitsNixlAgent", "TransferResult"]
+__all__ = ["DescMode", "RemotePeer", "TraitsNixlAgent", "TransferResult", "prepped_desc_ids"]
 
 DescMode = Literal["prepped", "per_block", "merged"]
 """How a request's blocks become descriptors:
@@ -113,6 +113,26 @@ class _Posted:
     handle: Any
     peer: str
     extra: list[Any] = field(default_factory=list)
+
+
+def prepped_desc_ids(plan: RegionPlan, peer: RemotePeer, block_ids: BlockIds,
+                     remote_block_ids: BlockIds | None = None
+                     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], int]:
+    """A request's descriptor ids into our prepared list and the peer's, and the bytes
+    they move: the whole per-request descriptor work of ``mode="prepped"`` (vLLM's
+    two ``_compute_desc_ids`` calls), with the ids validated first (types, one list per
+    group, bounds on both sides, distinct destinations). The ids are int32 (NIXL's
+    index type) unless a list holds 2^31 descriptors or more."""
+    lreq = _Request(block_ids, plan.num_groups, "local")
+    rreq = (lreq if remote_block_ids is None
+            else _Request(remote_block_ids, plan.num_groups, "remote"))
+    _check_lengths(lreq, rreq)
+    local_index = _desc_index(plan)
+    if peer.desc_index is None:
+        peer.desc_index = _desc_index(plan, peer.region_num_blocks)
+    local_ids = _desc_ids(local_index, lreq, "local", int32=True)
+    remote_ids = _desc_ids(peer.desc_index, rreq, "remote", int32=True)
+    return local_ids, remote_ids, local_index.nbytes(lreq)
 
 
 class TraitsNixlAgent:
@@ -335,19 +355,11 @@ class TraitsNixlAgent:
                     raise ValueError("mode='prepped' needs one peer of the same TP size")
                 peer = next(iter(by_rank.values()))
                 self._check_prepped_rank(plan, peer)
-                lreq = _Request(block_ids, plan.num_groups, "local")
-                rreq = (lreq if remote_block_ids is None
-                        else _Request(remote_block_ids, plan.num_groups, "remote"))
-                _check_lengths(lreq, rreq)
-                local_index = _desc_index(plan)
-                if peer.desc_index is None:
-                    peer.desc_index = _desc_index(plan, peer.region_num_blocks)
-                local_ids = _desc_ids(local_index, lreq, "local")
-                remote_ids = _desc_ids(peer.desc_index, rreq, "remote")
+                local_ids, remote_ids, nbytes = prepped_desc_ids(
+                    plan, peer, block_ids, remote_block_ids)
                 handle = self._make_prepped(peer, local_ids, remote_ids, notify)
                 posted.append(_Posted(handle, peer.name))
                 descriptors = per_block = int(local_ids.size)
-                nbytes = local_index.nbytes(lreq)
             else:
                 first = next(iter(by_rank.values()))
                 if first.reads is None:
@@ -389,13 +401,13 @@ class TraitsNixlAgent:
                     f": mode='prepped' reads each block whole from peer {peer.name}, "
                     f"whose rank {peer.tp_rank} holds other heads or state shards")
 
-    def _make_prepped(self, peer: RemotePeer, local_ids: npt.NDArray[np.int64],
-                      remote_ids: npt.NDArray[np.int64], notify: bytes) -> Any:
+    def _make_prepped(self, peer: RemotePeer, local_ids: npt.NDArray[Any],
+                      remote_ids: npt.NDArray[Any], notify: bytes) -> Any:
         if peer.prepped is None:
             raise ValueError(f"peer {peer.name} has no prepared descriptor list")
         return self._checked(self._agent.make_prepped_xfer, "READ", self._local_prepped,
-                             local_ids.astype(np.int32), peer.prepped,
-                             remote_ids.astype(np.int32), notify)
+                             local_ids.astype(np.int32, copy=False), peer.prepped,
+                             remote_ids.astype(np.int32, copy=False), notify)
 
     def _post_items(self, peer: RemotePeer, items: TransferItems, notify: bytes) -> _Posted:
         local = self._agent.get_xfer_descs(np.ascontiguousarray(items.local),
