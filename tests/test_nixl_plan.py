@@ -369,9 +369,19 @@ def test_merge_runs_only_where_both_sides_are_contiguous() -> None:
     assert items[0].count == 16 and merged.count == 8  # runs 1-3 and 5, per layer
     assert merged.nbytes == items[0].nbytes
     packed, _ = _plan("deepseek_v4")  # block_len < block_stride: nothing merges
-    ids = [[1, 2, 3], [4, 5], [6], [7]]  # distinct: region 0 takes every group's
+    # Distinct ids (region 0 takes every group's), no two consecutive: within a region
+    # no block abuts the next requested one.
+    ids = [[0, 2, 4], [], [], [6]]
     (raw,) = transfer_items(packed, {0: peer_regions(packed)}, 1, ids)
     assert merge_runs(raw).count == raw.count
+    # Rows are group by group (vLLM's order). Group 1 (block 5) reads region 0's
+    # 65664 bytes at the start of row 5, then layer 1's SWA page (the next 65664, the
+    # end of the 131328-byte row); group 2 (block 6) starts with region 0 at the start
+    # of row 6. Contiguous on both sides: one descriptor of 3 x 65664 bytes.
+    (raw,) = transfer_items(packed, {0: peer_regions(packed)}, 1, [[1], [5], [6], []])
+    assert merge_runs(raw).count == raw.count - 2
+    assert 3 * 65664 in merge_runs(raw).local[:, 1].tolist()
+    assert merge_runs(raw).nbytes == raw.nbytes
 
 
 @pytest.mark.parametrize(("local", "remote", "bad", "side"), [

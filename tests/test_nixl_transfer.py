@@ -72,8 +72,11 @@ def test_request_blocks_arrive_byte_exact(family: str, agents: list[TraitsNixlAg
         assert result.per_block_descriptors == expected
         if mode == "merged":
             dense = all(r.block_len == r.block_stride for r in plan_d.regions)
-            # Runs of 3 consecutive ids merge where a region's blocks abut.
-            assert (result.descriptors < expected) == dense
+            # Runs of 3 consecutive ids merge where a region's blocks abut; where
+            # they do not, rows may still merge where one region's page ends at the
+            # next row's first page (DeepSeek-V4 rows, read group by group).
+            assert result.descriptors < expected if dense else (
+                result.descriptors <= expected)
         else:
             assert result.descriptors == expected
 

@@ -436,7 +436,7 @@ class _ReadCache:
     lengths, computed on a region's first use and kept (one per connected peer, not
     one per region per request). A region that cannot move raises on every use."""
 
-    __slots__ = ("_block_lens", "_plan", "_reads", "_remote_tp")
+    __slots__ = ("_block_lens", "_plan", "_reads", "_remote_tp", "tables")
 
     def __init__(self, plan: RegionPlan, remote_tp: int,
                  remote_regions: Sequence[PeerRegion] | None) -> None:
@@ -446,6 +446,7 @@ class _ReadCache:
             (None,) * len(plan.regions) if remote_regions is None
             else tuple(r.block_len for r in remote_regions))
         self._reads: list[tuple[Read, ...] | None] = [None] * len(plan.regions)
+        self.tables: dict[tuple[tuple[int, int], ...], _ReadTable] = {}
 
     def __call__(self, index: int) -> tuple[Read, ...]:
         reads = self._reads[index]
@@ -489,42 +490,136 @@ def transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]
         _ReadCache(local, remote_tp, next(iter(remotes.values()), None)))
 
 
+class _Bucket:
+    """The reads of one cache group's regions from one remote rank, as columns: row
+    ``i`` is one (region, read) pair, in region order."""
+
+    __slots__ = (
+        "count_limit",
+        "lbase",
+        "ldev",
+        "length",
+        "lstride",
+        "rbase",
+        "rdev",
+        "regions",
+        "rstride",
+    )
+
+    def __init__(self, rows: list[tuple[int, int, int, int, int, int, int, int, int]]
+                 ) -> None:
+        cols = np.asarray(rows, dtype=np.uint64).reshape(-1, 9)
+        self.regions = cols[:, 0].astype(np.int64)
+        self.lbase, self.lstride = cols[:, 1:2].copy(), cols[:, 2:3].copy()
+        self.rbase, self.rstride = cols[:, 3:4].copy(), cols[:, 4:5].copy()
+        self.length, self.ldev, self.rdev = (cols[:, 5:6].copy(), cols[:, 6:7].copy(),
+                                             cols[:, 7:8].copy())
+        self.count_limit = int(cols[:, 8].min()) if len(rows) else _INT64_MAX
+
+
+class _ReadTable:
+    """Every (region, read) of a plan against one set of remote ranks, bucketed by
+    cache group (as :class:`_DescIndex` groups regions) and remote rank: a request is
+    then a few broadcast operations per bucket, not a loop over regions. A region
+    that cannot move (or needs a rank that was not given) raises when a request
+    names blocks of its group."""
+
+    __slots__ = ("buckets", "errors", "mapped")
+
+    def __init__(self, plan: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]],
+                 reads: _ReadCache) -> None:
+        index = _desc_index(plan)
+        self.mapped = index.mapped
+        self.buckets: list[dict[int, _Bucket]] = []
+        self.errors: list[Exception | None] = []
+        for members in index.by_group:
+            rows: dict[int, list[tuple[int, int, int, int, int, int, int, int, int]]] = {}
+            error: Exception | None = None
+            for i in members.tolist():
+                region = plan.regions[i]
+                try:
+                    region_reads = reads(i)
+                except UnsupportedLayoutError as exc:
+                    error = error or exc
+                    continue
+                for read in region_reads:
+                    if read.remote_rank not in remotes:
+                        error = error or MissingPeerError(region.name, read.remote_rank,
+                                                          sorted(remotes))
+                        continue
+                    peer = remotes[read.remote_rank][i]
+                    rows.setdefault(read.remote_rank, []).append((
+                        i, region.base_addr + read.local_offset, region.block_stride,
+                        peer.base_addr + read.remote_offset, peer.block_stride,
+                        read.length, region.device_id, peer.device_id, peer.num_blocks))
+            self.buckets.append({rank: _Bucket(r) for rank, r in sorted(rows.items())})
+            self.errors.append(error)
+
+
+def _read_table(plan: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]],
+                reads: _ReadCache) -> _ReadTable:
+    key = tuple(sorted((rank, id(regions)) for rank, regions in remotes.items()))
+    table = reads.tables.get(key)
+    if table is None:
+        table = reads.tables[key] = _ReadTable(plan, remotes, reads)
+    return table
+
+
+def _fill(out: U64, pos: int, bucket: _Bucket, blocks: npt.NDArray[np.uint64],
+          local: bool) -> None:
+    """Write ``(addr, len, dev)`` rows of every (region, read) of ``bucket`` for
+    ``blocks`` into ``out[pos:]``, region-major, in place."""
+    k, n = bucket.regions.size, blocks.size
+    rows = out[pos:pos + k * n]
+    addr = rows[:, 0].reshape(k, n)
+    np.multiply(bucket.lstride if local else bucket.rstride, blocks, out=addr)
+    addr += bucket.lbase if local else bucket.rbase
+    rows[:, 1].reshape(k, n)[...] = bucket.length
+    rows[:, 2].reshape(k, n)[...] = bucket.ldev if local else bucket.rdev
+
+
 def _transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]],
                     lreq: _Request, rreq: _Request, reads: _ReadCache
                     ) -> list[TransferItems]:
     """:func:`transfer_items` with the request's ids converted and the TP reads of
-    the peer kept across requests."""
+    the peer kept across requests: validated first (one list per group of paired
+    lengths, bounds on both sides, distinct destinations), then rows written group by
+    group and rank by rank into one array per rank and side."""
     _check_lengths(lreq, rreq)
     _desc_index(local).check(lreq, "local")  # bounds, then distinct destinations
-    per_rank: dict[int, tuple[list[U64], list[U64]]] = {}
-    for i, (region, group_id) in enumerate(zip(local.regions, local._group_ids,
-                                               strict=True)):
-        lblocks = lreq.blocks(group_id)
-        rblocks = rreq.blocks(group_id)
+    table = _read_table(local, remotes, reads)
+    groups = ([(lreq.all, rreq.all)] if not table.mapped
+              else list(zip(lreq.groups, rreq.groups, strict=True)))
+    sizes: dict[int, int] = {}
+    for key, (lblocks, _) in enumerate(groups):
         if not lblocks.size:
             continue
-        local_addrs = lblocks.astype(np.uint64) * np.uint64(region.block_stride)
-        local_addrs += np.uint64(region.base_addr)
-        for read in reads(i):
-            if read.remote_rank not in remotes:
-                raise MissingPeerError(region.name, read.remote_rank, sorted(remotes))
-            peer = remotes[read.remote_rank][i]
-            rreq.check(region.name, group_id, peer.num_blocks, "remote")
-            n = lblocks.size
-            lrows = np.empty((n, 3), dtype=np.uint64)
-            lrows[:, 0] = local_addrs + np.uint64(read.local_offset)
-            lrows[:, 1] = read.length
-            lrows[:, 2] = region.device_id
-            rrows = np.empty((n, 3), dtype=np.uint64)
-            rrows[:, 0] = (np.uint64(peer.base_addr + read.remote_offset)
-                           + rblocks.astype(np.uint64) * np.uint64(peer.block_stride))
-            rrows[:, 1] = read.length
-            rrows[:, 2] = peer.device_id
-            bucket = per_rank.setdefault(read.remote_rank, ([], []))
-            bucket[0].append(lrows)
-            bucket[1].append(rrows)
-    return [TransferItems(rank, np.concatenate(lp), np.concatenate(rp))
-            for rank, (lp, rp) in sorted(per_rank.items())]
+        error = table.errors[key]
+        if error is not None:
+            raise error
+        for rank, bucket in table.buckets[key].items():
+            bounds = rreq.bounds(key if table.mapped else -1)
+            if bounds is not None and (bounds[0] < 0 or bounds[1] >= bucket.count_limit):
+                bad = bounds[0] if bounds[0] < 0 else bounds[1]
+                for i in bucket.regions.tolist():
+                    count = remotes[rank][i].num_blocks
+                    if bad < 0 or bad >= count:
+                        raise BlockIdError(local.regions[i].name, bad, count, "remote")
+            sizes[rank] = sizes.get(rank, 0) + bucket.regions.size * lblocks.size
+    out: dict[int, tuple[U64, U64]] = {
+        rank: (np.empty((size, 3), dtype=np.uint64), np.empty((size, 3), dtype=np.uint64))
+        for rank, size in sorted(sizes.items())}
+    pos = dict.fromkeys(out, 0)
+    for key, (lblocks, rblocks) in enumerate(groups):
+        if not lblocks.size:
+            continue
+        lb, rb = lblocks.astype(np.uint64), rblocks.astype(np.uint64)
+        for rank, bucket in table.buckets[key].items():
+            lrows, rrows = out[rank]
+            _fill(lrows, pos[rank], bucket, lb, local=True)
+            _fill(rrows, pos[rank], bucket, rb, local=False)
+            pos[rank] += bucket.regions.size * lb.size
+    return [TransferItems(rank, lrows, rrows) for rank, (lrows, rrows) in out.items()]
 
 
 def _check_lengths(lreq: _Request, rreq: _Request) -> None:
@@ -541,17 +636,31 @@ def _check_lengths(lreq: _Request, rreq: _Request) -> None:
 
 def merge_runs(items: TransferItems) -> TransferItems:
     """Merge neighbouring rows that are contiguous on both sides (and on one device)
-    into one descriptor each; the bytes moved are unchanged."""
-    if items.count < 2:
+    into one descriptor each; the bytes moved are unchanged. Returns ``items`` itself
+    when nothing merges."""
+    n = items.count
+    if n < 2:
         return items
     loc, rem = items.local, items.remote
-    joins = ((loc[:-1, 0] + loc[:-1, 1] == loc[1:, 0])
-             & (rem[:-1, 0] + rem[:-1, 1] == rem[1:, 0])
-             & (loc[:-1, 2] == loc[1:, 2]) & (rem[:-1, 2] == rem[1:, 2]))
-    starts = np.flatnonzero(np.concatenate([[True], ~joins]))
-    lengths = np.add.reduceat(loc[:, 1], starts)
-    new_local = loc[starts].copy()
-    new_remote = rem[starts].copy()
+    laddr, raddr = loc[:, 0], rem[:, 0]
+    joins = (laddr[:-1] + loc[:-1, 1] == laddr[1:])
+    joins &= raddr[:-1] + loc[:-1, 1] == raddr[1:]
+    joins &= loc[:-1, 2] == loc[1:, 2]
+    joins &= rem[:-1, 2] == rem[1:, 2]
+    if not joins.any():
+        return items
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lasts = np.empty_like(starts)
+    lasts[:-1] = starts[1:] - 1
+    lasts[-1] = n - 1
+    first_local = laddr.take(starts)
+    lengths = laddr.take(lasts) + loc[:, 1].take(lasts) - first_local
+    new_local = np.empty((starts.size, 3), dtype=np.uint64)
+    new_remote = np.empty((starts.size, 3), dtype=np.uint64)
+    new_local[:, 0] = first_local
+    new_remote[:, 0] = raddr.take(starts)
     new_local[:, 1] = lengths
     new_remote[:, 1] = lengths
+    new_local[:, 2] = loc[:, 2].take(starts)
+    new_remote[:, 2] = rem[:, 2].take(starts)
     return TransferItems(items.remote_rank, new_local, new_remote)
