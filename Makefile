@@ -34,6 +34,7 @@ bench: setup  ## benchmarks: ratios against a baseline measured in the same run
 	$(PY) benchmarks/bench_traits.py
 	$(PY) benchmarks/bench_audit.py
 	$(PY) benchmarks/bench_nixl.py
+	$(PY) benchmarks/bench_descriptors.py
 
 audit: setup  ## audit vLLM's own connectors for branches on spec classes
 	$(PY) -m kvspec_traits audit --installed-vllm kv_transfer

@@ -176,22 +176,11 @@ class _Request:
         self._bounds[group_id] = bounds
         return bounds
 
-    def check(self, region: str, group_id: int, num_blocks: int, side: str) -> None:
-        """Every id a region of ``group_id`` takes is one of its ``num_blocks``;
-        :class:`BlockIdError` if not (a negative id would otherwise wrap to an address
-        before the region). The one block-id check of both descriptor paths."""
-        bounds = self.bounds(group_id)
-        if bounds is None:
-            return
-        if bounds[0] < 0:
-            raise BlockIdError(region, bounds[0], num_blocks, side)
-        if bounds[1] >= num_blocks:
-            raise BlockIdError(region, bounds[1], num_blocks, side)
-
     def check_distinct(self, shared: bool) -> None:
         """No destination block twice: within each group, and across groups where a
-        region takes every group's blocks (``shared``). Call after :meth:`check`
-        (ids are then non-negative and bounded, so a mask is cheap)."""
+        region takes every group's blocks (``shared``). Call after the bounds check
+        (:meth:`_DescIndex.check`: ids are then non-negative and bounded, so a mask is
+        cheap)."""
         if shared and len(self.groups) > 1:
             self._distinct(self.all, -1)
         else:
@@ -309,12 +298,13 @@ class _DescIndex:
 def _desc_index(plan: RegionPlan, counts: Sequence[int] | None = None) -> _DescIndex:
     """The plan's :class:`_DescIndex` for its own list (``counts=None``) or a peer's
     with ``counts`` blocks per region, kept on the plan."""
-    key = tuple(r.num_blocks for r in plan.regions) if counts is None else tuple(counts)
+    key: tuple[object, ...] = ("own",) if counts is None else tuple(counts)
     index = plan._desc_index.get(key)
     if index is None:
-        if len(key) != len(plan.regions):
-            raise ValueError(f"{len(key)} block counts for {len(plan.regions)} regions")
-        index = plan._desc_index[key] = _DescIndex(plan, key, desc_offsets(key))
+        nb = [r.num_blocks for r in plan.regions] if counts is None else list(counts)
+        if len(nb) != len(plan.regions):
+            raise ValueError(f"{len(nb)} block counts for {len(plan.regions)} regions")
+        index = plan._desc_index[key] = _DescIndex(plan, nb, desc_offsets(nb))
     return cast(_DescIndex, index)
 
 
