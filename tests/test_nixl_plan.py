@@ -593,3 +593,36 @@ def test_public_names_are_sorted_and_exported() -> None:
 
     assert shim.__all__ == sorted(shim.__all__, key=kind)
     assert all(hasattr(shim, name) for name in shim.__all__)
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "deepseek_v32", "gpt_oss", "llama4",
+                                    "deepseek_v4"])
+def test_desc_ids_equal_upstream_compute_desc_ids(family: str) -> None:
+    """Our descriptor ids are vLLM 0.32's own ``_compute_desc_ids`` output (its
+    all-attention path, called on a worker holding only the attributes it reads),
+    local and remote, for one group, groups sharing every region, and groups with
+    their own regions next to a shared one."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+        NixlBaseConnectorWorker,
+    )
+
+    plan, _ = _plan(family)
+    worker = object.__new__(NixlBaseConnectorWorker)
+    worker._has_mamba = False
+    worker._conv_decomp = None
+    worker._ssm_region_indices = []
+    worker._transfer_layer_group_ids = ()
+    worker.block_len_per_layer = plan.block_lens
+    worker.num_regions = len(plan.regions)
+    worker.region_group_ids = plan.region_group_ids
+    mapped = len(set(plan.region_group_ids)) > 1
+    worker._uses_region_group_mapping = mapped
+    block_ids = [[7 - g, g] for g in range(plan.num_groups)]  # distinct across groups
+    for counts in (None, [NB + 4] * len(plan.regions)):
+        ours = block_desc_ids(plan, block_ids, region_num_blocks=counts)
+        upstream = worker._compute_desc_ids(
+            block_ids=block_ids, dst_num_blocks=NB, block_size_ratio=None,
+            physical_blocks_per_logical=1,
+            region_num_blocks=counts or plan.region_num_blocks,
+            region_group_ids=plan.region_group_ids, uses_region_group_mapping=mapped)
+        assert ours.tolist() == upstream.tolist()

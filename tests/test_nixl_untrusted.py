@@ -286,6 +286,25 @@ def test_a_failed_connect_after_nixl_added_the_peer_removes_it(
     consumer.read_blocks(peer, [1, 2], timeout=20, progress=producer.progress)
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ({"base_addr": 1 << 64}, "outside 64 bits"),  # before: OverflowError, peer left in NIXL
+    ({"block_stride": 0}, "block_stride 0"),  # before: raw nixlNotFoundError, peer left
+])
+def test_same_tp_forged_geometry_leaves_no_peer(change: dict[str, int], message: str,
+                                                agents: list[TraitsNixlAgent]) -> None:
+    config, caches_p = layouts.build("deepseek_v3", NB)
+    _, caches_d = layouts.build("deepseek_v3", NB)
+    plan_p = plan_regions(caches_p, config)
+    producer, consumer = _agent(agents), _agent(agents)
+    producer.register_plan(plan_p)
+    consumer.register_plan(plan_regions(caches_d, config))
+    with pytest.raises(MalformedMetadataError, match=message):
+        consumer.connect(_metadata(producer, plan_p, {1: change}))
+    assert not consumer.knows(producer.name)
+    consumer.close()  # nothing half-connected to release
+    assert not consumer.knows(producer.name)
+
+
 # -- item 7: block ids --------------------------------------------------------------------
 
 
