@@ -7,7 +7,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help setup report test test-fast typing lint bench audit conformance clean
+.PHONY: help setup report test test-fast typing lint bench audit conformance docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -28,7 +28,7 @@ typing: setup  ## mypy strict over src, tests, examples, benchmarks
 	$(PY) -m mypy
 
 lint: setup  ## ruff
-	$(PY) -m ruff check src tests examples benchmarks
+	$(PY) -m ruff check src tests examples benchmarks scripts
 
 bench: setup  ## benchmarks: ratios against a baseline measured in the same run
 	$(PY) benchmarks/bench_traits.py
@@ -38,6 +38,9 @@ bench: setup  ## benchmarks: ratios against a baseline measured in the same run
 
 audit: setup  ## audit vLLM's own connectors for branches on spec classes
 	$(PY) -m kvspec_traits audit --installed-vllm kv_transfer
+
+docs: setup  ## rewrite docs/traits from the installed vLLM and the adapters
+	$(PY) scripts/docgen.py
 
 clean:  ## remove the virtual environment and caches
 	rm -rf .venv .cache .mypy_cache .ruff_cache .pytest_cache .hypothesis

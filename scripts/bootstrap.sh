@@ -62,10 +62,10 @@ PYEOF
 }
 pure_vllm 0.33.0
 pure_vllm 0.34.0
-# The tests/ trees of the vLLM 0.32.0 and 0.33.0 sdists (the conformance pass runs vLLM's
+# The tests/ trees of the vLLM 0.32.0, 0.33.0 and 0.34.0 sdists (the conformance passes run vLLM's
 # own NIXL connector tests). The sdist is fetched as a file: `pip download --no-binary`
 # builds its metadata, which reads +cpu here, and discards it. Kept outside the checkout.
-for v in 0.32.0 0.33.0; do
+for v in 0.32.0 0.33.0 0.34.0; do
   if [ ! -d ".cache/vllm-tests-$v/tests" ]; then
     "$VENV/bin/python" scripts/conformance/fetch_vllm_tests.py "$v" \
       "${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/sdists" ".cache/vllm-tests-$v"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -238,7 +239,8 @@ def test_the_report_example_in_the_docs_is_current(capsys: pytest.CaptureFixture
     example = docs.split("## Reading the report\n\n```text\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(FIXTURES)
     _, out, _ = _run(capsys, "seed_before.py", "seed_after.py", "wrapper.py")
-    assert out.replace("vLLM 0.33.0", "vLLM 0.32.0") == example
+    # The example was made on 0.32; the fixtures' answers are the same on 0.33 and 0.34.
+    assert re.sub(r"vLLM 0\.3[34]\.0", "vLLM 0.32.0", out) == example
 
 
 def test_table_names_classes_hidden_behind_aliases(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""The audit on the installed vLLM's own connectors (0.32, and 0.33 in the second pass).
+"""The audit on the installed vLLM's own connectors (0.32, 0.33 and 0.34 in the later passes).
 
 The site counts were checked by hand: a line grep for ``isinstance``/``issubclass``/
 ``type(...) is``/``get_representative_spec_type(...)``/``case X()`` with a spec class name
@@ -10,6 +10,15 @@ isinstance(s, MLAAttentionSpec)`` asks about one set of classes): 85 + 7 - 1 = 9
 96 + 8 - 1 = 103. One more is a class compared by identity (nixl/base_worker.py:
 ``spec_type is CircularBufferSpec``, with ``spec_type`` read from the group's spec types
 earlier): 92 and 104.
+
+vLLM 0.34 (third pass): the grep finds 98 lines in 22 files. One is no check (nixl/utils.py:
+``def get_representative_spec_type(spec: KVCacheSpec)``), and one pair is one site
+(moriio_connector.py: ``isinstance(g.kv_cache_spec, SlidingWindowSpec) and not
+isinstance(g.kv_cache_spec, SlidingWindowMLASpec)``): 96. The audit's 8 sites on no grep
+line were read in the source: six checks split over lines, a ``not in (MambaSpec,
+CircularBufferSpec)`` on the line after its call, and a dict keyed by classes
+(mooncake/store/worker.py ``_STORE_SPEC_FAMILIES``): 104. Of the deliberate exact checks,
+0.34's mooncake store no longer has one.
 
 Of the three exact-check misses the audit reported before it read the code around a
 check, two are deliberate: offloading/config.py's ``type(spec) is MLAAttentionSpec``
@@ -32,18 +41,33 @@ from kvspec_traits.audit._universe import installed_vllm_dir
 VERSION = ".".join(vllm.__version__.split(".")[:2])
 
 # Sites under vllm/distributed/kv_transfer, per vLLM version.
-SITES = {"0.32": 92, "0.33": 104}
-FILES_WITH_SITES = {"0.32": 19, "0.33": 21}
+SITES = {"0.32": 92, "0.33": 104, "0.34": 104}
+FILES_WITH_SITES = {"0.32": 19, "0.33": 21, "0.34": 22}
 _OFFLOAD = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/"
 MISSES = {
     "0.32": {(_OFFLOAD + "canonical_mapping.py", 282, ("SlidingWindowMLASpec",))},
     "0.33": {(_OFFLOAD + "canonical_mapping.py", 282, ("SlidingWindowMLASpec",))},
+    "0.34": {(_OFFLOAD + "canonical_mapping.py", 282, ("SlidingWindowMLASpec",))},
 }
 DELIBERATE = {
     "0.32": {(_OFFLOAD + "config.py", 203), (_OFFLOAD + "config.py", 235),
              ("vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py", 1552)},
     "0.33": {(_OFFLOAD + "config.py", 241), (_OFFLOAD + "config.py", 273),
              ("vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py", 1552)},
+    "0.34": {(_OFFLOAD + "config.py", 223), (_OFFLOAD + "config.py", 255)},
+}
+# The one check negated inside an and-chain, per series: what it asks about together.
+_MORIIO = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
+_OFFLOAD_CHAIN = (_OFFLOAD + "config.py", ("FullAttentionSpec",), ("MLAAttentionSpec",),
+                  ("FullAttentionSpec", "RSWASpec", "SinkFullAttentionSpec"))
+NEGATED_IN_CHAIN = {
+    "0.32": _OFFLOAD_CHAIN,
+    "0.33": _OFFLOAD_CHAIN,
+    # moriio_connector.py: `isinstance(g.kv_cache_spec, SlidingWindowSpec) and not
+    # isinstance(g.kv_cache_spec, SlidingWindowMLASpec)`; 0.34's offloading config
+    # no longer negates.
+    "0.34": (_MORIIO, ("SlidingWindowSpec",), ("SlidingWindowMLASpec",),
+             ("SlidingWindowSpec",)),
 }
 NIXL_WORKER = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py"
 FIXED_LINE = "isinstance(layer_spec, (MLAAttentionSpec, SlidingWindowMLASpec))"
@@ -88,10 +112,10 @@ def test_a_negated_class_in_an_and_chain_is_no_miss(kv_transfer: AuditResult) ->
     # alone, the second check would miss SlidingWindowMLASpec; together they ask about
     # {FullAttentionSpec, RSWASpec, SinkFullAttentionSpec}, which no trait value is.
     (site,) = [s for s in kv_transfer.sites if s.raw.excluded]
-    assert site.path == _OFFLOAD + "config.py"
+    path, classes, excluded, branch = NEGATED_IN_CHAIN[VERSION]
+    assert site.path == path
     assert (site.raw.classes, site.raw.excluded, site.branch_classes, site.missing) == (
-        ("FullAttentionSpec",), ("MLAAttentionSpec",),
-        ("FullAttentionSpec", "RSWASpec", "SinkFullAttentionSpec"), ())
+        classes, excluded, branch, ())
 
 
 def test_fixed_nixl_mla_line_is_not_a_miss(kv_transfer: AuditResult) -> None:

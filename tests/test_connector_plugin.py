@@ -28,26 +28,26 @@ def test_importing_the_plugin_module_imports_neither_vllm_nor_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.3+cpu", "0.33.0", "0.33.1rc1"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3+cpu", "0.33.0", "0.33.1rc1", "0.34.0"])
 def test_supported_versions_pass(version: str) -> None:
     assert check_vllm_version(version) == version
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "0.3.2"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.0.0", "0.3.2"])
 def test_other_versions_are_refused_naming_both(version: str) -> None:
     with pytest.raises(UnsupportedVllmVersionError, match="is installed") as info:
         check_vllm_version(version)
     assert info.value.installed == version
     assert info.value.supported == SUPPORTED_VLLM_SERIES
     assert f"vLLM {version} is installed" in str(info.value)
-    assert "0.32.x, 0.33.x" in str(info.value)
+    assert "0.32.x, 0.33.x, 0.34.x" in str(info.value)
 
 
 def test_installed_vllm_is_supported() -> None:
     import vllm
 
     assert check_vllm_version() == vllm.__version__
-    expected = os.environ.get("KVSPEC_EXPECT_VLLM")  # set by scripts/test.sh's 0.33 pass
+    expected = os.environ.get("KVSPEC_EXPECT_VLLM")  # set by each pass of scripts/test.sh
     if expected:
         assert vllm.__version__.startswith(expected)
 
@@ -58,9 +58,9 @@ def test_connector_refuses_at_construction_on_another_vllm(
 
     from kvspec_traits.vllm_connector import TraitsNixlConnector
 
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
     # The check comes first: nothing of the (here absent) configuration is touched.
-    with pytest.raises(UnsupportedVllmVersionError, match=r"vLLM 0\.34\.0 is installed"):
+    with pytest.raises(UnsupportedVllmVersionError, match=r"vLLM 0\.35\.0 is installed"):
         TraitsNixlConnector(cast(Any, None), cast(Any, None), cast(Any, None))
 
 

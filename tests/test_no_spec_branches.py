@@ -1,6 +1,7 @@
 """The library's own rule, checked with its own audit: outside the adapters, no module of
 kvspec-traits branches on a vLLM spec class (isinstance, type(...) is, class-keyed dicts,
-match patterns, through aliases and class tuples)."""
+match patterns, through aliases and class tuples). This is the one test of that rule: the
+connector, the NIXL shim and the audit are all under src/kvspec_traits."""
 
 from __future__ import annotations
 

@@ -99,8 +99,32 @@ def _rebind() -> None:
     _binding["rebound"] = rebound
 
 
+def _lift_the_model_runners_triton_check() -> None:
+    """vLLM 0.34's CPU platform refuses every config on x86 without triton-cpu
+    (``check_and_update_config``: "vLLM on x86 CPUs requires Triton (triton-cpu)"), a
+    need of its model runner. triton-cpu is not on PyPI, and the NIXL tests run no model,
+    so the check reads True while a config is checked, and only there, for both subjects
+    alike. On 0.32/0.33 (no such check) this changes nothing."""
+    import vllm.triton_utils as triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    if triton_utils.HAS_TRITON:
+        return
+    check = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def lifted(cls: Any, vllm_config: Any) -> None:
+        triton_utils.HAS_TRITON = True
+        try:
+            check(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = False
+
+    CpuPlatform.check_and_update_config = classmethod(lifted)  # type: ignore[method-assign, assignment]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cpu_test: vLLM's marker for CPU-runnable tests")
+    _lift_the_model_runners_triton_check()
     if SUBJECT == "traits":
         _rebind()
 

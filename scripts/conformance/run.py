@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-SERIES = {"0.32": "0.32.0", "0.33": "0.33.0"}
+SERIES = {"0.32": "0.32.0", "0.33": "0.33.0", "0.34": "0.34.0"}
 UNIT = "tests/v1/kv_connector/unit"
 FILES = (
     "test_nixl_desc_geometry.py",

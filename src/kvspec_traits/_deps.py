@@ -17,7 +17,7 @@ from kvspec_traits._errors import MissingDependencyError
 
 __all__ = ["SUPPORTED_VLLM_SERIES", "needs"]
 
-SUPPORTED_VLLM_SERIES: Final = ("0.32", "0.33")
+SUPPORTED_VLLM_SERIES: Final = ("0.32", "0.33", "0.34")
 """vLLM release series kvspec-traits is tested against (the connector checks it)."""
 
 _VLLM: Final = (

@@ -352,7 +352,9 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self.dst_num_blocks[self.engine_id] = self.num_blocks
         self.dst_region_num_blocks[self.engine_id] = self._xfer_region_num_blocks()
         self.dst_region_group_ids[self.engine_id] = self.region_group_ids
-        self.dst_uses_region_group_mapping[self.engine_id] = self._uses_region_group_mapping
+        if hasattr(self, "dst_uses_region_group_mapping"):  # vLLM 0.32/0.33
+            self.dst_uses_region_group_mapping[self.engine_id] = (
+                self._uses_region_group_mapping)
         self.dst_region_mem_types[self.engine_id] = self.region_mem_types
 
         self.src_xfer_handles_by_block_size[self.block_size], self.src_blocks_data = (
@@ -386,6 +388,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             region_members=self.region_members,
             packed_member_layouts=packed,
             kvspec_traits_fingerprint=self.traits_fingerprint.canonical(),
+            **self._layer_group_ids(),
         )
         if self.compat_hash is None:
             raise RuntimeError("compatibility hash was not computed")
@@ -394,9 +397,19 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             agent_metadata_bytes=msgspec.msgpack.Encoder().encode(agent_metadata),
         )
 
+    def _layer_group_ids(self) -> dict[str, dict[str, int]]:
+        """vLLM 0.34's metadata names each region member's transfer group."""
+        if "layer_group_ids" not in {f.name for f in dataclasses.fields(NixlAgentMetadata)}:
+            return {}
+        by_layer = self.kv_cache_config.transfer_group_index_by_layer
+        return {"layer_group_ids": {name: by_layer[name] for names in self.region_members
+                                    for name in names}}
+
     def _xfer_region_num_blocks(self) -> list[int]:
-        if self._transfer_layer_region_indices:
-            return [self.region_num_blocks[i] for i in self._transfer_layer_region_indices]
+        # vLLM 0.33 narrows them to the transfer layers' regions; 0.34 has no such list.
+        indices: list[int] = getattr(self, "_transfer_layer_region_indices", [])
+        if indices:
+            return [self.region_num_blocks[i] for i in indices]
         return list(self.region_num_blocks)
 
     def _apply_plan(self, plan: RegionPlan) -> None:
@@ -437,9 +450,17 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         if self._has_mamba:
             # vLLM counts state descriptors per logical block in every region.
             self.region_num_blocks = [self.num_blocks] * self.num_regions
+        # vLLM 0.33 tracks region members only where it routes by layer name; 0.34
+        # always does.
+        tracks = getattr(self, "_tracks_region_layers", None)
         region_layers = ([list(r.layers) for r in regions]
-                         if self._tracks_region_layers() else [])
+                         if tracks is None or tracks() else [])
         self._set_region_layers(region_layers)
+        if hasattr(self, "_group_region_indices"):
+            # vLLM 0.34: per transfer group, its regions in region order.
+            self._group_region_indices = [
+                [r.index for r in regions if group in r.group_ids] or None
+                for group in range(len(self.kv_cache_config.transfer_groups))]
         if self.pp_size > 1 and not self._requires_layer_name_routing():
             start, end = self.model_config.get_layers_start_end_indices(
                 self.vllm_config.parallel_config)
