@@ -595,6 +595,9 @@ def test_public_names_are_sorted_and_exported() -> None:
     assert all(hasattr(shim, name) for name in shim.__all__)
 
 
+# vLLM 0.34's _compute_desc_ids takes (regions, keys) pairs and always goes group by
+# group (0.32 goes region-major when every region is shared); installed is 0.32.
+@pytest.mark.vllm032_only
 @pytest.mark.parametrize("family", ["llama_gqa", "deepseek_v32", "gpt_oss", "llama4",
                                     "deepseek_v4"])
 def test_desc_ids_equal_upstream_compute_desc_ids(family: str) -> None:
