@@ -30,10 +30,13 @@ from kvspec_traits.nixl import (
     BlockIdShapeError,
     BlockIdTypeError,
     DuplicateBlockIdError,
+    HandshakeMismatchError,
     MalformedMetadataError,
     RegionPlan,
     TraitsNixlAgent,
     block_desc_ids,
+    check_handshake,
+    check_peer_layout,
     decode_fingerprint,
     decode_metadata,
     encode_metadata,
@@ -176,16 +179,31 @@ def test_hostile_fingerprint_is_a_named_error_on_the_connector_path(text: object
         worker.check_remote_fingerprint(peer)  # type: ignore[arg-type]
 
 
-def test_true_geometry_of_every_family_passes() -> None:
-    """The checks refuse nothing our planner produces (every family, TP 1 and 2,
-    kernel-split views, packed rows) and no peer of another block count."""
-    for family in sorted(layouts.FAMILIES):
+@pytest.mark.parametrize("family", sorted(layouts.FAMILIES))
+def test_true_geometry_of_every_family_passes(family: str) -> None:
+    """The checks refuse nothing our planner produces: every family, packed rows or
+    not, every pair of TP 1 / TP 2 ranks and of 8 / 13 blocks whose handshake
+    matches (the placement check compares structure, not addresses or counts)."""
+    for packed in (False, True):
+        plans, keep = [], []
         for tp in (1, 2):
-            for packed in (False, True):
-                config, caches = layouts.build(family, NB, tp=tp)
-                plan = plan_regions(caches, config, tp_size=tp, packed_rows=packed)
-                meta = decode_metadata(encode_metadata(plan, "p", b"md"))
-                assert meta.regions == peer_regions(plan)
+            for num_blocks in (NB, 13):
+                config, caches = layouts.build(family, num_blocks, tp=tp)
+                keep.append(caches)
+                plans += [plan_regions(caches, config, tp_size=tp, tp_rank=rank,
+                                       packed_rows=packed) for rank in range(tp)]
+        checked = 0
+        for producer in plans:
+            meta = decode_metadata(encode_metadata(producer, "p", b"md"))
+            assert meta.regions == peer_regions(producer)
+            for consumer in plans:
+                try:
+                    check_handshake(consumer, meta.fingerprint)
+                except HandshakeMismatchError:
+                    continue  # a TP change this layout cannot make
+                check_peer_layout(consumer, meta)
+                checked += 1
+        assert checked >= len(plans) * 2
 
 
 # -- item 6: forged geometry with real agents ---------------------------------------------
