@@ -53,9 +53,11 @@ from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
 from kvspec_traits.nixl import (
     HandshakeMismatchError,
     MalformedMetadataError,
+    PeerRegion,
     PlanFingerprint,
     RegionPlan,
     check_handshake,
+    check_peer_geometry,
     decode_fingerprint,
     plan_regions,
 )
@@ -509,7 +511,10 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         agent metadata decoded. A layout mismatch raises
         :class:`~kvspec_traits.nixl.HandshakeMismatchError` naming the region and every
         differing trait; a peer without a fingerprint raises
-        :class:`PeerWithoutTraitsError`; one that is not a fingerprint,
+        :class:`PeerWithoutTraitsError`; one that is not a fingerprint, or whose region
+        addresses contradict it (block length other than the page it implies at the
+        peer's TP size, overlapping blocks, past 64 bits; see
+        :func:`~kvspec_traits.nixl.check_peer_geometry`),
         :class:`~kvspec_traits.nixl.MalformedMetadataError`.
         """
         if self.traits_fingerprint is None:
@@ -528,8 +533,34 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             logger.error("%s: refusing NIXL peer %s (engine %s): %s", CONNECTOR_NAME, peer,
                          agent_metadata.engine_id, err)
             raise
+        # The same layout, claimed: now the addresses the peer sends must be what that
+        # layout implies, before vLLM builds a descriptor from them.
+        try:
+            check_peer_geometry(remote, _peer_regions(agent_metadata), remote.tp_size)
+        except MalformedMetadataError as exc:
+            logger.error("%s: refusing NIXL peer %s (engine %s): %s", CONNECTOR_NAME, peer,
+                         agent_metadata.engine_id, exc)
+            raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
         logger.info("%s: peer %s has the same KV layout (fingerprint %s)", CONNECTOR_NAME,
                     peer, self.traits_fingerprint.digest[:16])
+
+
+def _peer_regions(meta: NixlAgentMetadata) -> list[PeerRegion]:
+    """The region geometry in vLLM's agent metadata (per-region lists of one length)."""
+    count = len(meta.kv_caches_base_addr)
+    num_blocks = meta.region_num_blocks or [meta.num_blocks] * count
+    mem_types = meta.region_mem_types or ["DRAM"] * count
+    lists: dict[str, list[Any]] = {"block_lens": meta.block_lens, "block_strides": meta.block_strides,
+             "region_num_blocks": num_blocks, "region_mem_types": mem_types}
+    uneven = {name: len(v) for name, v in lists.items() if len(v) != count}
+    if uneven:
+        raise MalformedMetadataError(
+            f"{count} region base addresses but per-region lists of other lengths: {uneven}")
+    return [PeerRegion(base_addr=base, block_len=length, block_stride=stride,
+                       num_blocks=blocks, device_id=meta.device_id, mem_type=mem)
+            for base, length, stride, blocks, mem in zip(
+                meta.kv_caches_base_addr, meta.block_lens, meta.block_strides, num_blocks,
+                mem_types, strict=True)]
 
 
 class TraitsNixlConnector(NixlBaseConnector):

@@ -1,0 +1,63 @@
+"""The connector treats the peer's region addresses as untrusted: once the peer's
+fingerprint matched ours, the geometry in its vLLM agent metadata must be what that
+fingerprint implies, or the handshake is refused before vLLM builds a descriptor.
+
+Real workers (tests/test_connector_differential.py's ``build``: vLLM's own worker beside
+ours over the same tensors, real NIXL agents); the peer's metadata is our own worker's,
+decoded as vLLM's handshake decodes it, then forged one field at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+import msgspec
+import pytest
+
+from kvspec_traits.nixl import MalformedMetadataError
+from kvspec_traits.vllm_connector._connector import TraitsNixlAgentMetadata
+from tests.test_connector_differential import AGREE, Built, build, distributed
+
+pytestmark = pytest.mark.timeout(600)
+__all__ = ["build", "distributed"]  # fixtures, imported for their names
+
+
+def _own_metadata(built: Built) -> TraitsNixlAgentMetadata:
+    payload = built.traits.xfer_handshake_metadata
+    return msgspec.msgpack.Decoder(TraitsNixlAgentMetadata).decode(
+        payload.agent_metadata_bytes)
+
+
+def _forged(meta: TraitsNixlAgentMetadata, **lists: Callable[[list[int]], list[int]]
+            ) -> TraitsNixlAgentMetadata:
+    return dataclasses.replace(meta, **{k: f(list(getattr(meta, k))) for k, f in lists.items()})
+
+
+FORGERIES: dict[str, tuple[dict[str, Callable[[list[int]], list[int]]], str]] = {
+    # Stride 0 would read block 0 of the producer for every block asked.
+    "stride_zero": ({"block_strides": lambda v: [0] * len(v)}, "block_stride 0 < block_len"),
+    # A block length other than the page: the peer would send half a page, or two.
+    "half_page": ({"block_lens": lambda v: [n // 2 for n in v]}, "but its fingerprint implies"),
+    # The last block past 2^64: no such address.
+    "past_64_bits": ({"kv_caches_base_addr": lambda v: [2**64 - 4096] * len(v)},
+                     "does not fit in 64 bits"),
+    # One base address fewer than regions: every list must describe every region.
+    "short_list": ({"kv_caches_base_addr": lambda v: v[:-1]}, "per-region lists"),
+}
+
+
+def test_the_honest_peer_passes(build: Callable[..., Built]) -> None:
+    built = build(AGREE["gqa"])
+    built.traits.check_remote_fingerprint(_own_metadata(built))
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_forged_geometry_is_refused_by_name(name: str, build: Callable[..., Built]) -> None:
+    built = build(AGREE["gqa"])
+    meta = _own_metadata(built)
+    forgery, message = FORGERIES[name]
+    # Hand-computed: the gqa family's pages are 128 tokens x K,V x 2 heads x 32 x 4 B
+    # (float32) = 65,536 B, one region per layer (two layers).
+    assert meta.block_lens == [128 * 2 * 2 * 32 * 4] * 2
+    with pytest.raises(MalformedMetadataError, match=message):
+        built.traits.check_remote_fingerprint(_forged(meta, **forgery))
