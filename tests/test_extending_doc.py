@@ -10,6 +10,7 @@ documented somewhere under docs/ or in the README.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -79,11 +80,27 @@ def test_the_walkthrough_runs_imported_first_with_decorator_and_entry_point(tmp_
             "assert fresh.adapters()[w.ScaledFullSpec] is w.adapt_scaled_full\n"
             "assert t == traits_of(w.spec)\n"
             "print(t.page_size_bytes, [c.name for c in t.components])\n"
+            # step 7: the audit sees the class, answered from representative_specs()
+            "import json, os\n"
+            "os.environ['KVSPEC_TRAITS_CACHE_DIR'] = 'audit-cache'\n"
+            "from kvspec_traits.audit import main\n"
+            "with open('user.py', 'w') as f:\n"
+            "    f.write('def scaled(spec):\\n    return isinstance(spec, ScaledFullSpec)\\n'\n"
+            "            'def full(spec):\\n    return type(spec) is FullAttentionSpec\\n')\n"
+            "assert main(['--json', '-o', 'audit.json', 'user.py']) == 0\n"
+            "doc = json.load(open('audit.json'))\n"
+            "print(json.dumps({s['check']: [s['no_representative'], s['skipped_subclasses']]\n"
+            "                  for s in doc['sites']}))\n"
         ),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     # 16 * 8 * (256 * 2 + 4)
-    assert proc.stdout.split("\n")[-2] == "66048 ['k', 'v', 'scale']"
+    assert proc.stdout.split("\n")[-3] == "66048 ['k', 'v', 'scale']"
+    # a site on ScaledFullSpec (answered: no_representative is empty), and the exact check
+    # on FullAttentionSpec skips it among vLLM's subclasses of FullAttentionSpec
+    sites = json.loads(proc.stdout.split("\n")[-2])
+    assert sites["isinstance(spec, ScaledFullSpec)"] == [[], []]
+    assert "ScaledFullSpec" in sites["type(spec) is FullAttentionSpec"][1]
 
 
 def test_the_walkthrough_passes_mypy_strict(tmp_path: Path) -> None:
