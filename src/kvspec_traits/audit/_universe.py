@@ -63,7 +63,8 @@ class ClassDefinitionLike(Protocol):
 
 
 class ClassSetsUnavailableError(RuntimeError):
-    """The class sets could not be computed: vLLM (or the catalog) failed to import."""
+    """The class sets could not be computed: vLLM (or the catalog) failed to import, or an
+    installed extension does not load."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
