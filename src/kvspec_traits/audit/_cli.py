@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvspec-traits audit",
         description="Find code that branches on vLLM KV cache spec classes, the trait each "
                     "branch asks for, and the spec classes it leaves out (docs/audit.md).")
+    from kvspec_traits import __version__
+
+    p.add_argument("--version", action="version", version=f"kvspec-traits {__version__}",
+                   help="print the kvspec-traits version and exit")
     p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
                    help="files or folders to scan (folders: every *.py below)")
     p.add_argument("--installed-vllm", nargs="?", const="", default=None, metavar="SUBPACKAGE",
