@@ -162,3 +162,21 @@ def test_an_extension_without_representatives_is_listed_and_changes_the_cache_ke
     assert built["classes"]["PaddedFullSpec"]["mro"][:2] == ["PaddedFullSpec",
                                                             "FullAttentionSpec"]
     assert built["classes"]["PaddedFullSpec"]["representatives"] == 0
+
+
+def test_an_extension_that_does_not_load_stops_the_audit_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Installed, but its module fails to import (so no class of it ever exists here).
+    _install(tmp_path / "site", "broken_ext", "raise ImportError('no such backend')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("KVSPEC_TRAITS_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "user.py").write_text("X = 1\n")
+    assert main([str(tmp_path / "user.py")]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("kvspec-traits audit: no class sets: an installed extension does "
+                          "not load (entry point 'broken_ext' = 'broken_ext:register'")
+    assert "no such backend" in err and "--no-extensions" in err
+    # vLLM's classes alone still work.
+    assert main(["--no-extensions", str(tmp_path / "user.py")]) == 0

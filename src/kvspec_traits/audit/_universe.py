@@ -281,8 +281,8 @@ def build_universe(*, extensions: bool = True) -> Universe:
         extension_entries = catalog.extension_specs() if extensions else []
     except AdapterPluginError as exc:
         raise ClassSetsUnavailableError(
-            f"an installed extension does not load ({exc}); fix or uninstall it, or pass "
-            f"--classes FILE saved where it loads") from exc
+            f"an installed extension does not load ({exc}); fix or uninstall it, or leave "
+            f"the extensions out with --no-extensions") from exc
     spec_classes = catalog.spec_classes()
     vllm_names = {cls.__qualname__ for cls in spec_classes}
     # An extension's class named like one of vLLM's is left out (the name is vLLM's).
