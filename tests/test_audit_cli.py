@@ -28,7 +28,9 @@ def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    status = main([str(a) for a in argv])
+    # vLLM's classes alone: the pinned sets do not depend on the installed extensions
+    # (tests/test_audit_extensions.py covers those).
+    status = main(["--no-extensions", *(str(a) for a in argv)])
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -150,7 +152,7 @@ def test_a_missing_target_is_a_file_error(capsys: pytest.CaptureFixture[str],
     assert "absent.py: no such file or folder" in out
 
 
-def test_a_deep_and_wide_tree_is_scanned_without_recursion(
+def test_a_deep_and_wide_tree_is_scanned_with_every_subfolder(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     deep = tmp_path
     for _ in range(300):
@@ -223,6 +225,15 @@ def test_scanning_with_saved_class_sets_does_not_import_vllm(
                           check=True, timeout=120, env=env)
     assert done.stdout.splitlines()[-1] == "STATUS 1 none"
     assert "MISSES SlidingWindowMLASpec" in done.stdout
+
+
+def test_save_classes_alone_saves_them_and_exits_0(capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path) -> None:
+    # docs/audit.md, "Wiring it into CI": `kvspec-traits audit --save-classes classes.json`
+    saved = tmp_path / "classes.json"
+    assert _run(capsys, "--save-classes", saved) == (0, "", "")
+    assert json.loads(saved.read_text())["answers"]["is_mla"]["SlidingWindowMLASpec"] == [
+        "True"]
 
 
 def test_class_sets_are_cached_between_runs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -38,7 +38,7 @@ def _trees(path: Path) -> list[dict[str, Any]]:
 
 def test_the_fixtures_meet_the_targets() -> None:
     (tree,) = _trees(FIXTURES / "hand_checked.json")
-    universe = load_universe()
+    universe = load_universe(extensions=False)  # the hand counts are of vLLM's classes
     result = audit_paths([FIXTURES / t for t in tree["targets"]], universe, display_root=FIXTURES)
     s = score(tree, reported_sites(result, FIXTURES))
     assert s.unchecked == ()

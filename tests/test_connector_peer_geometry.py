@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -24,13 +26,16 @@ __all__ = ["build", "distributed"]  # fixtures, imported for their names
 
 def _own_metadata(built: Built) -> TraitsNixlAgentMetadata:
     payload = built.traits.xfer_handshake_metadata
+    if payload is None:
+        raise RuntimeError("the worker registered no caches")
     return msgspec.msgpack.Decoder(TraitsNixlAgentMetadata).decode(
         payload.agent_metadata_bytes)
 
 
 def _forged(meta: TraitsNixlAgentMetadata, **lists: Callable[[list[int]], list[int]]
             ) -> TraitsNixlAgentMetadata:
-    return dataclasses.replace(meta, **{k: f(list(getattr(meta, k))) for k, f in lists.items()})
+    changes: dict[str, Any] = {k: f(list(getattr(meta, k))) for k, f in lists.items()}
+    return dataclasses.replace(meta, **changes)
 
 
 FORGERIES: dict[str, tuple[dict[str, Callable[[list[int]], list[int]]], str]] = {

@@ -3,18 +3,23 @@ package with a ``kvspec_traits.adapters`` entry point (a dist-info on ``sys.path
 imported before anything else of kvspec-traits ran, it registers by decorator and by
 entry point in one module, resolves its spec, and passes mypy strict.
 
-Also here: the same cycle in its smallest form, and every public name of the core
-documented somewhere under docs/ or in the README.
+Also here: the same cycle in its smallest form; every public name of the core, the
+NIXL shim, the audit and the vLLM connector documented somewhere under docs/ or in the
+README; and every ``name(params)`` of the API tables matching the code's signature.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,11 +84,27 @@ def test_the_walkthrough_runs_imported_first_with_decorator_and_entry_point(tmp_
             "assert fresh.adapters()[w.ScaledFullSpec] is w.adapt_scaled_full\n"
             "assert t == traits_of(w.spec)\n"
             "print(t.page_size_bytes, [c.name for c in t.components])\n"
+            # step 7: the audit sees the class, answered from representative_specs()
+            "import json, os\n"
+            "os.environ['KVSPEC_TRAITS_CACHE_DIR'] = 'audit-cache'\n"
+            "from kvspec_traits.audit import main\n"
+            "with open('user.py', 'w') as f:\n"
+            "    f.write('def scaled(spec):\\n    return isinstance(spec, ScaledFullSpec)\\n'\n"
+            "            'def full(spec):\\n    return type(spec) is FullAttentionSpec\\n')\n"
+            "assert main(['--json', '-o', 'audit.json', 'user.py']) == 0\n"
+            "doc = json.load(open('audit.json'))\n"
+            "print(json.dumps({s['check']: [s['no_representative'], s['skipped_subclasses']]\n"
+            "                  for s in doc['sites']}))\n"
         ),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     # 16 * 8 * (256 * 2 + 4)
-    assert proc.stdout.split("\n")[-2] == "66048 ['k', 'v', 'scale']"
+    assert proc.stdout.split("\n")[-3] == "66048 ['k', 'v', 'scale']"
+    # a site on ScaledFullSpec (answered: no_representative is empty), and the exact check
+    # on FullAttentionSpec skips it among vLLM's subclasses of FullAttentionSpec
+    sites = json.loads(proc.stdout.split("\n")[-2])
+    assert sites["isinstance(spec, ScaledFullSpec)"] == [[], []]
+    assert "ScaledFullSpec" in sites["type(spec) is FullAttentionSpec"][1]
 
 
 def test_the_walkthrough_passes_mypy_strict(tmp_path: Path) -> None:
@@ -174,14 +195,105 @@ def test_decorator_and_entry_point_in_one_module_imported_first(
     assert proc.stdout.split("\n")[-2] == f"1088 1088 {early}"
 
 
-CORE_MODULES = ["kvspec_traits", "kvspec_traits.helpers", "kvspec_traits.catalog"]
+PUBLIC_MODULES = [
+    "kvspec_traits",
+    "kvspec_traits.helpers",
+    "kvspec_traits.catalog",
+    "kvspec_traits.nixl",
+    "kvspec_traits.audit",
+    "kvspec_traits.vllm_connector",
+]
 
 
-@pytest.mark.parametrize("module", CORE_MODULES)
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
 def test_every_public_name_is_documented(module: str) -> None:
     docs = "\n".join(
         p.read_text() for p in [*sorted((REPO / "docs").rglob("*.md")), REPO / "README.md"]
     )
     names = importlib.import_module(module).__all__
-    undocumented = [n for n in names if f"`{n}" not in docs and f"{n}(" not in docs]
-    assert undocumented == [], f"{module}: document these in docs/api.md or another page"
+    # named in code style on its own (`Region`, not only inside `RegionPlan`), or called
+    undocumented = [n for n in names
+                    if not re.search(rf"`(?:[\w.]+\.)?{n}(?:[`(.\[]| /)", docs)
+                    and f"{n}(" not in docs]
+    assert undocumented == [], (
+        f"{module}: document these in docs/api.md, nixl.md, audit.md or vllm.md")
+
+
+def _signature_mismatches(table: str, owner: Any) -> list[str]:
+    """Every `name(params)` in the first cell of a table row, against the signature of
+    ``owner.name`` (defaults compared as literals)."""
+    bad = []
+    for row in re.findall(r"^\| (.*?) \|", table, flags=re.M):
+        for name, params in re.findall(r"`(\w+)\((.*?)\)`", row):
+            doc = ast.parse(f"def f({params}): pass").body[0]
+            assert isinstance(doc, ast.FunctionDef)
+            args = doc.args
+            written = [(a.arg, "positional") for a in args.args] + [
+                ("*" + a.arg, "positional") for a in [args.vararg] if a] + [
+                (a.arg, "keyword") for a in args.kwonlyargs] + [
+                ("**" + a.arg, "keyword") for a in [args.kwarg] if a]
+            defaults = dict(zip([a.arg for a in args.args][len(args.args) - len(args.defaults):],
+                                args.defaults, strict=True))
+            defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults,
+                                                      strict=True) if d is not None})
+            obj = getattr(owner, name, None)
+            if obj is None:
+                bad.append(f"{name}: not in {owner.__name__}")
+                continue
+            sig = inspect.signature(obj)
+            star: dict[Any, str] = {inspect.Parameter.VAR_POSITIONAL: "*",
+                                    inspect.Parameter.VAR_KEYWORD: "**"}
+            actual = [(star.get(p.kind, "") + p.name,
+                       "keyword" if p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) else "positional")
+                      for p in sig.parameters.values() if p.name not in ("self", "cls")]
+            if written != actual:
+                bad.append(f"{name}({params}): the code has {actual}")
+                continue
+            for p in sig.parameters.values():
+                has = p.default is not inspect.Parameter.empty
+                if has != (p.name in defaults) or (has and _literal(defaults[p.name]) not in (
+                        p.default, ...)):  # `...` or an expression: a default, not checked
+                    bad.append(f"{name}: {p.name}'s default is {p.default!r} in the code")
+    return bad
+
+
+def _literal(node: ast.expr) -> object:
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return ...
+
+
+class _Modules:
+    """Looks a name up in several modules, in order."""
+
+    def __init__(self, *names: str) -> None:
+        self.modules = [importlib.import_module(n) for n in names]
+        self.__name__ = " or ".join(names)
+
+    def __getattr__(self, name: str) -> Any:
+        for module in self.modules:
+            if name in module.__all__:
+                return getattr(module, name)
+        return None
+
+
+@pytest.mark.parametrize(("page", "modules"), [
+    ("api.md", ("kvspec_traits", "kvspec_traits.helpers", "kvspec_traits.catalog")),
+    ("audit.md", ("kvspec_traits.audit",)),
+    ("vllm.md", ("kvspec_traits.vllm_connector",)),
+])
+def test_the_api_tables_match_the_signatures(page: str, modules: tuple[str, ...]) -> None:
+    text = (REPO / "docs" / page).read_text()
+    tables = "\n".join(line for line in text.splitlines() if line.startswith("| `"))
+    assert _signature_mismatches(tables, _Modules(*modules)) == []
+
+
+def test_the_nixl_api_tables_match_the_signatures() -> None:
+    nixl = importlib.import_module("kvspec_traits.nixl")
+    text = (REPO / "docs" / "nixl.md").read_text()
+    api = text.split("## Public API\n", 1)[1].split("\n## ", 1)[0]
+    functions, methods = api.split("`TraitsNixlAgent` methods:", 1)
+    assert _signature_mismatches(functions, nixl) == []
+    assert _signature_mismatches(methods, nixl.TraitsNixlAgent) == []
+    assert len(re.findall(r"`\w+\(", api)) >= 25  # the tables were found

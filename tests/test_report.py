@@ -89,6 +89,23 @@ def test_report_json_has_every_trait_of_every_row() -> None:
     assert rows["DeepSeek-V4 compressed MLA (ratio 4)"]["traits"]["per_token_bytes"] == 146
 
 
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import tomllib
+    from pathlib import Path
+
+    from kvspec_traits import __version__
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert __version__ == project["project"]["version"]
+    proc = _run("--version")  # as a user runs it
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"kvspec-traits {__version__}\n",
+                                                           "")
+    with pytest.raises(SystemExit) as done:
+        main(["audit", "--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"kvspec-traits {__version__}\n"
+
+
 def test_no_command_prints_help_and_exits_2() -> None:
     assert main([]) == 2
 

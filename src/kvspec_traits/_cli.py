@@ -229,7 +229,11 @@ def _print_fields(fields: Sequence[_Fields]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvspec_traits import __version__
+
     parser = argparse.ArgumentParser(prog="kvspec-traits", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the kvspec-traits version and exit")
     sub = parser.add_subparsers(dest="command")
     rep = sub.add_parser("report", help="traits of every vLLM KV spec class, verified")
     rep.add_argument("--json", action="store_true", help="machine-readable output")

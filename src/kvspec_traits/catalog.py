@@ -4,23 +4,44 @@ Each entry builds the spec the way a vLLM model's ``get_kv_cache_spec`` builds i
 arguments are copied from the model code named in ``source``; sizes are those of the named
 model at TP 1). The report, the audit's class sets and the tests all draw from here.
 Importing this module imports vLLM.
+
+Installed extensions (packages in the ``kvspec_traits.adapters`` entry-point group) add
+their spec classes (:func:`extension_spec_classes`) and, optionally, representatives of
+them (:func:`extension_specs`).
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from importlib.metadata import entry_points
+from typing import Any, Final
 
 from kvspec_traits._deps import needs
+from kvspec_traits._errors import AdapterPluginError
+from kvspec_traits._registry import ENTRY_POINT_GROUP, Registry
 
 with needs("kvspec_traits.catalog (real specs of every vLLM KV cache spec class)"):
     import torch
     from vllm.v1 import kv_cache_interface as kvi
     from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_quant_mode
 
-__all__ = ["CatalogEntry", "refused_specs", "representative_specs", "spec_classes"]
+__all__ = [
+    "REPRESENTATIVES_HOOK",
+    "CatalogEntry",
+    "extension_spec_classes",
+    "extension_specs",
+    "refused_specs",
+    "representative_specs",
+    "spec_classes",
+]
+
+REPRESENTATIVES_HOOK: Final = "representative_specs"
+"""The optional function an extension's entry-point module defines: called without
+arguments, it returns real instances of the extension's spec classes (see
+:func:`extension_specs`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,3 +203,48 @@ def refused_specs() -> list[CatalogEntry]:
     return [CatalogEntry(label="abstract KVCacheSpec", model="-",
                          source="vllm/v1/kv_cache_interface.py",
                          spec=KVCacheSpec(block_size=16))]
+
+
+def extension_spec_classes(registry: Registry | None = None) -> list[type[KVCacheSpec]]:
+    """The spec classes installed extensions register adapters for, sorted by module and
+    name: those ``registry`` (default: a new ``Registry()``, built-ins and the
+    ``kvspec_traits.adapters`` entry points loaded) has an adapter for and the built-ins
+    have not. Loads the entry points: :class:`~kvspec_traits.AdapterPluginError` when one
+    fails."""
+    loaded = (Registry(name="extensions") if registry is None else registry).adapters()
+    builtin = Registry(entry_points=False, name="built-ins").adapters()
+    found: list[type[KVCacheSpec]] = [c for c in loaded if c not in builtin]
+    return sorted(found, key=lambda c: (c.__module__, c.__qualname__))
+
+
+def extension_specs() -> list[CatalogEntry]:
+    """Representative specs the installed extensions provide, in entry-point order.
+
+    The module of a ``kvspec_traits.adapters`` entry point (``my_package`` for
+    ``my_package:register``) may define ``representative_specs()``
+    (:data:`REPRESENTATIVES_HOOK`), returning real instances of its spec classes; an
+    extension without it provides none. Imports those modules:
+    :class:`~kvspec_traits.AdapterPluginError` when one fails to import or its function
+    raises.
+    """
+    out: list[CatalogEntry] = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        where = f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r}"
+        try:
+            module = importlib.import_module(ep.module)
+        except Exception as exc:
+            raise AdapterPluginError(ep.name, f"{where} failed to import: {exc!r}") from exc
+        hook = getattr(module, REPRESENTATIVES_HOOK, None)
+        if not callable(hook):
+            continue
+        dist = ep.dist.name if ep.dist is not None else ep.name
+        try:
+            specs = list(hook())
+        except Exception as exc:
+            raise AdapterPluginError(
+                ep.name, f"{ep.module}.{REPRESENTATIVES_HOOK}() of {where} raised "
+                f"{exc!r}; fix or uninstall that package") from exc
+        out.extend(CatalogEntry(label=f"{dist} representative {i}", model=dist,
+                                source=f"{ep.module}.{REPRESENTATIVES_HOOK}", spec=spec)
+                   for i, spec in enumerate(specs, 1))
+    return out

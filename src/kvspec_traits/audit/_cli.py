@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvspec-traits audit",
         description="Find code that branches on vLLM KV cache spec classes, the trait each "
                     "branch asks for, and the spec classes it leaves out (docs/audit.md).")
+    from kvspec_traits import __version__
+
+    p.add_argument("--version", action="version", version=f"kvspec-traits {__version__}",
+                   help="print the kvspec-traits version and exit")
     p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
                    help="files or folders to scan (folders: every *.py below)")
     p.add_argument("--installed-vllm", nargs="?", const="", default=None, metavar="SUBPACKAGE",
@@ -66,7 +70,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="read the class sets from FILE (written by --save-classes) instead "
                         "of the installed vLLM")
     p.add_argument("--save-classes", type=Path, metavar="FILE",
-                   help="write the class sets used to FILE")
+                   help="write the class sets used to FILE (alone: save them and exit)")
+    p.add_argument("--no-extensions", action="store_true",
+                   help="class sets of vLLM alone: leave out the spec classes of installed "
+                        "extensions (the kvspec_traits.adapters entry points)")
     p.add_argument("--refresh-classes", action="store_true",
                    help="recompute the class sets from vLLM even if the cache is fresh")
     p.add_argument("--show-classes", action="store_true",
@@ -122,22 +129,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the audit; returns the exit status (see ``EXIT_*``; 0: clean)."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     err = sys.stderr
-    if not args.paths and args.installed_vllm is None and not args.show_classes:
-        err.write("kvspec-traits audit: nothing to scan: give PATH ... or --installed-vllm\n")
+    scan = bool(args.paths) or args.installed_vllm is not None
+    if not scan and not args.show_classes and args.save_classes is None:
+        err.write("kvspec-traits audit: nothing to scan: give PATH ... or --installed-vllm "
+                  "(or --save-classes FILE to save the class sets alone)\n")
         return EXIT_USAGE
     try:
         if args.classes is not None:
             universe = Universe.from_json(json.loads(args.classes.read_text(encoding="utf-8")))
         else:
-            universe = load_universe(refresh=args.refresh_classes)
+            universe = load_universe(refresh=args.refresh_classes,
+                                     extensions=not args.no_extensions)
     except (ClassSetsUnavailableError, OSError, ValueError, KeyError) as exc:
         err.write(f"kvspec-traits audit: no class sets: {exc}\n")
         return EXIT_USAGE
     if args.save_classes is not None:
-        args.save_classes.write_text(json.dumps(universe.to_json(), indent=1), encoding="utf-8")
+        try:
+            args.save_classes.write_text(json.dumps(universe.to_json(), indent=1),
+                                         encoding="utf-8")
+        except OSError as exc:
+            err.write(f"kvspec-traits audit: cannot save the class sets: {exc}\n")
+            return EXIT_USAGE
     out: TextIO = sys.stdout
     if args.show_classes:
         _show_classes(universe, out)
+        return 0
+    if not scan:  # --save-classes alone: the sets are saved, nothing to scan
         return 0
     targets: list[Path] = list(args.paths)
     display_root: Path | None = None

@@ -1,7 +1,8 @@
 """Finding, reading and parsing the files to scan, without ever stopping on a bad one.
 
-Folders are walked without recursion (deep trees cannot exhaust the stack), symlinked
-folders are followed once (a symlink loop is visited once), and a file that cannot be
+A folder is scanned with all its subfolders, walked with a stack of its own rather than
+by recursion (deep trees cannot exhaust Python's stack); symlinked folders are followed
+and each folder is visited once (a symlink loop ends there), and a file that cannot be
 read or parsed becomes a :class:`FileError` while the scan goes on.
 """
 

@@ -323,6 +323,9 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
                   f"code names")
     if unknown and verdict == "ok":
         reason += f"; names {', '.join(unknown)} (unknown traits: adds fields)"
+    if no_rep and verdict == "ok":
+        reason += (f"; {', '.join(no_rep)} has no representative: its traits are unknown to "
+                   f"the audit")
     if raw.others and verdict != "miss":
         reason += f"; also tests {', '.join(raw.others)}, no spec class the audit knows"
     return Site(path=path, raw=raw, branch_classes=tuple(sorted(as_written)), answer=answer,

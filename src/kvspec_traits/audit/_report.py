@@ -98,7 +98,8 @@ def summary(result: AuditResult) -> dict[str, int]:
 def render_table(result: AuditResult, out: TextIO) -> None:
     """Sites grouped by file: files with misses first, misses first within a file."""
     u = result.universe
-    out.write(f"{TOOL_NAME}: class sets of vLLM {u.vllm_version}\n")
+    with_ext = f" and {', '.join(u.extensions)}" if u.extensions else ""
+    out.write(f"{TOOL_NAME}: class sets of vLLM {u.vllm_version}{with_ext}\n")
     by_file: dict[str, list[Site]] = {}
     for site in result.sites:
         by_file.setdefault(site.path, []).append(site)
@@ -126,6 +127,8 @@ def render_table(result: AuditResult, out: TextIO) -> None:
                           f"has ({', '.join(sorted(u.group_attributes)) or 'its members'})\n")
             if site.verdict == "unknown-class":
                 out.write(f"{pad}UNKNOWN CLASS: {', '.join(site.unknown)}\n")
+            if site.no_representative:
+                out.write(f"{pad}NO REPRESENTATIVE: {', '.join(site.no_representative)}\n")
             out.write(f"{pad}trait: {_answer_text(site)}\n")
             out.write(f"{pad}verdict: {site.verdict} ({site.confidence}): {site.reason}\n")
     if result.errors:
@@ -187,6 +190,7 @@ def render_json(result: AuditResult) -> dict[str, Any]:
     return {
         "tool": TOOL_NAME, "version": __version__,
         "vllm": {"version": u.vllm_version, "path": u.vllm_path},
+        "extensions": list(u.extensions),
         "summary": summary(result),
         "sites": [site_json(s) for s in result.sites],
         "errors": _errors_json(result.errors),

@@ -1,11 +1,15 @@
-"""The spec classes of the installed vLLM and each class's answer to every trait question.
+"""The spec classes of the installed vLLM and of the installed extensions, and each class's
+answer to every trait question.
 
 This is the only part of the audit that imports vLLM, and only on a cache miss: through
 :mod:`kvspec_traits.catalog` (the answers come from the adapters applied to the catalog's
 representative real specs), and for vLLM's own ``get_kv_cache_spec_kind`` (so
 ``KVCacheSpecKind`` comparisons are read with vLLM's mapping from classes to kinds). The
-result is plain data (class names, MRO names, value labels, kinds) cached as JSON, so
-scanning never imports vLLM and never compares classes.
+installed extensions (the ``kvspec_traits.adapters`` entry points) are loaded the way a
+registry loads them: their spec classes join the class tree, with the answers of the
+representatives they provide, or none. The result is plain data (class names, MRO names,
+value labels, kinds) cached as JSON, so scanning never imports vLLM and never compares
+classes.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from kvspec_traits._errors import AdapterPluginError
+from kvspec_traits._registry import ENTRY_POINT_GROUP
 from kvspec_traits.audit._questions import QUESTIONS
 
 __all__ = [
@@ -33,6 +40,7 @@ __all__ = [
     "Universe",
     "build_universe",
     "default_cache_dir",
+    "installed_extensions",
     "installed_vllm_dir",
     "load_universe",
 ]
@@ -55,7 +63,8 @@ class ClassDefinitionLike(Protocol):
 
 
 class ClassSetsUnavailableError(RuntimeError):
-    """The class sets could not be computed: vLLM (or the catalog) failed to import."""
+    """The class sets could not be computed: vLLM (or the catalog) failed to import, or an
+    installed extension does not load."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +100,9 @@ class Universe:
     kinds: Mapping[str, frozenset[str]] = field(default_factory=dict)
     """``get_kv_cache_spec_kind``'s answer (a ``KVCacheSpecKind`` member name) for each
     class's representatives; empty where vLLM has no such function."""
+    extensions: tuple[str, ...] = ()
+    """The installed extensions whose classes are in :attr:`classes`, as
+    ``"name version"`` (see :func:`installed_extensions`)."""
 
     @property
     def out_of_tree(self) -> frozenset[str]:
@@ -185,6 +197,7 @@ class Universe:
             "group_attributes": sorted(self.group_attributes),
             "sources": {p: list(s) for p, s in self.sources.items()},
             "kinds": {n: sorted(v) for n, v in self.kinds.items()},
+            "extensions": list(self.extensions),
         }
 
     @classmethod
@@ -205,6 +218,7 @@ class Universe:
             group_attributes=frozenset(data.get("group_attributes", ())),
             sources={p: (int(s[0]), int(s[1])) for p, s in data.get("sources", {}).items()},
             kinds={n: frozenset(v) for n, v in data.get("kinds", {}).items()},
+            extensions=tuple(str(e) for e in data.get("extensions", ())),
         )
 
 
@@ -220,6 +234,17 @@ def installed_vllm_dir() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
+def installed_extensions() -> tuple[str, ...]:
+    """The installed packages publishing adapters in the ``kvspec_traits.adapters``
+    entry-point group, as sorted ``"name version"`` strings, read from their metadata
+    (nothing is imported)."""
+    found = set()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist
+        found.add(f"{dist.name} {dist.version}" if dist is not None else f"{ep.value} ?")
+    return tuple(sorted(found))
+
+
 def _stat(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
@@ -228,10 +253,14 @@ def _stat(path: str) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_size
 
 
-def build_universe() -> Universe:
+def build_universe(*, extensions: bool = True) -> Universe:
     """Import vLLM through the catalog and compute every class's answers.
 
-    Raises :class:`ClassSetsUnavailableError` if vLLM or the catalog cannot be imported.
+    With ``extensions`` (the default) the installed extensions' entry points are loaded
+    and their spec classes join the sets: with the answers of the representatives their
+    entry-point module's ``representative_specs()`` returns, or with none (a check on one
+    then lists it under ``no_representative``). Raises :class:`ClassSetsUnavailableError`
+    if vLLM or the catalog cannot be imported, or an extension does not load.
     """
     try:
         from kvspec_traits import catalog  # the one way the audit imports vLLM
@@ -240,18 +269,37 @@ def build_universe() -> Universe:
             f"cannot import vLLM to compute the spec class sets ({type(exc).__name__}: "
             f"{exc}); run the audit in the environment where vLLM is installed, or pass "
             f"--classes FILE saved there with --save-classes FILE") from exc
-    from kvspec_traits import GroupTraits, traits_of
+    from kvspec_traits import GroupTraits, Registry
     from kvspec_traits._traits import KVLayoutTraits
 
+    # A registry of its own (the built-ins and the installed extensions' entry points), so
+    # adapters registered elsewhere in this process do not change the class sets.
+    registry = Registry(entry_points=extensions, name="audit class sets")
+    traits_of = registry.traits_of
+    try:
+        extension_classes = catalog.extension_spec_classes(registry) if extensions else []
+        extension_entries = catalog.extension_specs() if extensions else []
+    except AdapterPluginError as exc:
+        raise ClassSetsUnavailableError(
+            f"an installed extension does not load ({exc}); fix or uninstall it, or leave "
+            f"the extensions out with --no-extensions") from exc
     spec_classes = catalog.spec_classes()
-    by_type = {cls: cls.__qualname__ for cls in spec_classes}
+    vllm_names = {cls.__qualname__ for cls in spec_classes}
+    # An extension's class named like one of vLLM's is left out (the name is vLLM's).
+    added = [cls for cls in extension_classes if cls.__qualname__ not in vllm_names]
+    added_names = {cls.__qualname__ for cls in added}
+    by_type = {cls: cls.__qualname__ for cls in [*spec_classes, *added]}
+    entries = [*catalog.representative_specs(),
+               # only instances of the extensions' own classes: vLLM's classes keep the
+               # catalog's representatives
+               *(e for e in extension_entries if type(e.spec).__qualname__ in added_names)]
     reps: dict[str, int] = {}
     groups: set[str] = set()
     group_attributes: set[str] = set()
     answers: dict[str, dict[str, set[str]]] = {q.name: {} for q in QUESTIONS}
     kinds: dict[str, set[str]] = {}
     kind_of = _kind_function()
-    for entry in catalog.representative_specs():
+    for entry in entries:
         spec = entry.spec
         name = type(spec).__qualname__
         try:
@@ -269,13 +317,15 @@ def build_universe() -> Universe:
         for q in QUESTIONS:
             answers[q.name].setdefault(name, set()).add(q.read(traits))
     sources: dict[str, tuple[int, int]] = {}
-    for cls in spec_classes:
-        src = inspect.getsourcefile(cls)
-        st = _stat(src) if src else None
-        if src and st:
-            sources[src] = st
-    for mod in (catalog,):
-        src = inspect.getsourcefile(mod)
+    # The files defining the classes, the catalog and the extensions' representatives.
+    hook_modules = {e.source.rpartition(".")[0] for e in extension_entries}
+    watched: list[Any] = [*by_type, catalog,
+                          *(sys.modules[m] for m in sorted(hook_modules) if m in sys.modules)]
+    for obj in watched:
+        try:
+            src = inspect.getsourcefile(obj)
+        except TypeError:  # defined in C: no file
+            continue
         st = _stat(src) if src else None
         if src and st:
             sources[src] = st
@@ -294,6 +344,7 @@ def build_universe() -> Universe:
         group_attributes=frozenset(group_attributes),
         sources=sources,
         kinds={n: frozenset(v) for n, v in kinds.items()},
+        extensions=installed_extensions() if extensions else (),
     )
 
 
@@ -348,16 +399,22 @@ def _library_stamp() -> str:
     return h.hexdigest()[:16]
 
 
-def _cache_file(cache_dir: Path, vdir: Path | None) -> Path:
-    key = hashlib.sha256(f"{vdir}|{_library_stamp()}".encode()).hexdigest()[:16]
+def _cache_file(cache_dir: Path, vdir: Path | None, extensions: tuple[str, ...]) -> Path:
+    # Installing, upgrading or removing an extension changes the key: its classes are in
+    # the sets.
+    key = hashlib.sha256(
+        f"{vdir}|{_library_stamp()}|{';'.join(extensions)}".encode()).hexdigest()[:16]
     return cache_dir / f"audit-classes-{key}.json"
 
 
-def load_universe(*, cache_dir: Path | None = None, refresh: bool = False) -> Universe:
-    """The class sets of the vLLM Python would import, from the cache when it is fresh.
+def load_universe(*, cache_dir: Path | None = None, refresh: bool = False,
+                  extensions: bool = True) -> Universe:
+    """The class sets of the vLLM Python would import and of the installed extensions
+    (without ``extensions``: of vLLM alone), from the cache when it is fresh.
 
-    The cache is keyed by the vLLM directory and the kvspec-traits sources, and is stale
-    when any file defining a spec class changed (size or mtime). ``refresh`` rebuilds.
+    The cache is keyed by the vLLM directory, the kvspec-traits sources and the installed
+    extensions (name and version), and is stale when any file defining a spec class
+    changed (size or mtime). ``refresh`` rebuilds.
     Raises :class:`ClassSetsUnavailableError` when it must be built and vLLM is missing.
     """
     vdir = installed_vllm_dir()
@@ -365,14 +422,16 @@ def load_universe(*, cache_dir: Path | None = None, refresh: bool = False) -> Un
         raise ClassSetsUnavailableError(
             "no vLLM package found on sys.path: the audit computes which classes each trait "
             "covers from the installed vLLM; install it, or pass --classes FILE")
-    path = _cache_file(cache_dir or default_cache_dir(), vdir)
+    installed = installed_extensions() if extensions else ()
+    path = _cache_file(cache_dir or default_cache_dir(), vdir, installed)
     if not refresh:
         cached = _read_cache(path)
-        if cached is not None and cached.vllm_path == str(vdir) and all(
+        if cached is not None and cached.vllm_path == str(vdir) and \
+                cached.extensions == installed and all(
             _stat(p) == s for p, s in cached.sources.items()
         ):
             return cached
-    universe = build_universe()
+    universe = build_universe(extensions=extensions)
     _write_cache(path, universe)
     return universe
 

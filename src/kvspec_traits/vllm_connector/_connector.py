@@ -550,8 +550,9 @@ def _peer_regions(meta: NixlAgentMetadata) -> list[PeerRegion]:
     count = len(meta.kv_caches_base_addr)
     num_blocks = meta.region_num_blocks or [meta.num_blocks] * count
     mem_types = meta.region_mem_types or ["DRAM"] * count
-    lists: dict[str, list[Any]] = {"block_lens": meta.block_lens, "block_strides": meta.block_strides,
-             "region_num_blocks": num_blocks, "region_mem_types": mem_types}
+    lists: dict[str, list[Any]] = {
+        "block_lens": meta.block_lens, "block_strides": meta.block_strides,
+        "region_num_blocks": num_blocks, "region_mem_types": mem_types}
     uneven = {name: len(v) for name, v in lists.items() if len(v) != count}
     if uneven:
         raise MalformedMetadataError(

@@ -5,18 +5,27 @@ stored as int8 with one float32 scale per token. Its page math differs from its 
 ``MLAAttentionSpec``, so kvspec-traits refuses to answer for it with the parent's adapter;
 this package supplies the adapter and publishes it in the ``kvspec_traits.adapters``
 entry-point group (see ``pyproject.toml``), so every registry picks it up.
+``representative_specs()`` gives ``kvspec-traits audit`` real instances to learn the class's
+traits from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 from kvspec_traits import LayoutTraits, Registry, register_adapter
 from kvspec_traits.helpers import attention_traits
 
-__all__ = ["SCALE_BYTES", "ScaledLatentSpec", "adapt_scaled_latent", "register"]
+__all__ = [
+    "SCALE_BYTES",
+    "ScaledLatentSpec",
+    "adapt_scaled_latent",
+    "register",
+    "representative_specs",
+]
 
 SCALE_BYTES = 4  # one float32 scale per token
 
@@ -40,3 +49,10 @@ def adapt_scaled_latent(spec: ScaledLatentSpec) -> LayoutTraits:
 def register(registry: Registry) -> None:
     """Entry point of the ``kvspec_traits.adapters`` group: called once per registry."""
     register_adapter(ScaledLatentSpec, adapt_scaled_latent, registry=registry)
+
+
+def representative_specs() -> list[ScaledLatentSpec]:
+    """Real instances of this package's spec classes, for ``kvspec-traits audit``'s class
+    sets (the optional hook next to the entry point): a DeepSeek-sized latent."""
+    return [ScaledLatentSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
+                             dtype=torch.int8)]
