@@ -21,8 +21,8 @@ report: setup  ## the main job: traits and fields of every vLLM KV spec class (V
 test: setup  ## lint, typing, and the whole test suite (on vLLM 0.32, the 0.33 and 0.34 modules)
 	bash scripts/test.sh
 
-conformance: setup  ## vLLM's own NIXL connector tests, upstream vs TraitsNixlConnector (0.32, 0.33)
-	KVSPEC_PASSES="conformance032 conformance033" bash scripts/test.sh
+conformance: setup  ## vLLM's own NIXL connector tests, upstream vs TraitsNixlConnector (0.32-0.34)
+	KVSPEC_PASSES="conformance032 conformance033 conformance034" bash scripts/test.sh
 
 typing: setup  ## mypy strict over src, tests, examples, benchmarks
 	$(PY) -m mypy

