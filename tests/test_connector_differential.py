@@ -70,6 +70,7 @@ from kvspec_traits import traits_of
 from kvspec_traits.nixl import HandshakeMismatchError
 from kvspec_traits.vllm_connector import CONNECTOR_NAME
 from kvspec_traits.vllm_connector._connector import (
+    REQUIRE_TRAITS_PEER,
     PeerWithoutTraitsError,
     TraitsNixlConnectorWorker,
 )
@@ -587,12 +588,25 @@ def test_handshake_refuses_another_layout_with_the_named_diff(
             assert added.call_count == 1
             with pytest.raises(HandshakeMismatchError) as refused:
                 handshake(other_port, other.traits)
-            with pytest.raises(PeerWithoutTraitsError,
-                               match=f"sent no kvspec-traits.*{CONNECTOR_NAME}"):
-                handshake(upstream_port, gqa.upstream)
+            # A peer running upstream's NixlConnector sends upstream's metadata (no
+            # fingerprint): accepted as upstream accepts it (vLLM's compatibility hash
+            # matched), refused by name when kvspec_require_traits_peer is set.
+            agents = handshake(upstream_port, gqa.upstream)
+            assert isinstance(agents, tuple) and agents[0] == {(0, 0): "agent"}
+            assert added.call_count == 2
+            transfer_config = gqa.traits.vllm_config.kv_transfer_config
+            assert transfer_config is not None
+            extra = transfer_config.kv_connector_extra_config
+            extra[REQUIRE_TRAITS_PEER] = True
+            try:
+                with pytest.raises(PeerWithoutTraitsError,
+                                   match=f"sent no kvspec-traits.*{CONNECTOR_NAME}"):
+                    handshake(upstream_port, gqa.upstream)
+            finally:
+                del extra[REQUIRE_TRAITS_PEER]
             with pytest.raises(RuntimeError, match="compatibility hash mismatch"):
                 handshake(foreign_port, gqa.traits)
-            assert added.call_count == 1  # no refused peer was added
+            assert added.call_count == 2  # no refused peer was added
     finally:
         for stop in (stop_same, stop_other, stop_upstream, stop_foreign):
             stop.set()

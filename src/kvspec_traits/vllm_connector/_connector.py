@@ -24,7 +24,7 @@ import json
 import math
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import torch
@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LayoutFacts",
+    "REQUIRE_TRAITS_PEER",
     "PeerWithoutTraitsError",
     "TraitsNixlAgentMetadata",
     "TraitsNixlConnector",
@@ -99,6 +100,9 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
 # field is optional, so the decode keeps the peer's fingerprint for the check that
 # follows it; for every other reader the value is the same metadata.
 setattr(_bw, "NixlAgentMetadata", TraitsNixlAgentMetadata)  # noqa: B010 (not re-exported)
+REQUIRE_TRAITS_PEER: Final = "kvspec_require_traits_peer"
+"""``kv_connector_extra_config`` key: true refuses NIXL peers that send no kvspec-traits
+fingerprint (upstream's ``NixlConnector``) with :class:`PeerWithoutTraitsError`."""
 # The peer address of the handshake running on this thread (handshakes run on vLLM's
 # background executor), for the refusal messages.
 _handshake_peer = threading.local()
@@ -113,7 +117,9 @@ class PeerWithoutTraitsError(RuntimeError):
         super().__init__(
             f"KV layout handshake refused: the NIXL peer at {peer} sent no kvspec-traits "
             f"layout fingerprint. Run both prefill and decode with "
-            f"kv_connector \"{CONNECTOR_NAME}\" (or both with upstream \"NixlConnector\")."
+            f"kv_connector \"{CONNECTOR_NAME}\" (or both with upstream \"NixlConnector\"), "
+            f"or drop kv_connector_extra_config \"kvspec_require_traits_peer\" to accept "
+            f"upstream peers on vLLM's compatibility hash alone."
         )
 
 
@@ -481,6 +487,11 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         super()._validate_remote_parallel_config(agent_metadata)
         self.check_remote_fingerprint(agent_metadata)
 
+    def _require_traits_peer(self) -> bool:
+        config = self.vllm_config.kv_transfer_config
+        return config is not None and bool(
+            config.get_from_extra_config(REQUIRE_TRAITS_PEER, False))
+
     def check_remote_fingerprint(self, agent_metadata: NixlAgentMetadata) -> None:
         """Compare the peer's per-region traits fingerprint with ours.
 
@@ -496,7 +507,18 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         peer = getattr(_handshake_peer, "name", None) or "unknown address"
         fingerprint = getattr(agent_metadata, "kvspec_traits_fingerprint", None)
         if fingerprint is None:
-            raise PeerWithoutTraitsError(peer)
+            # The peer sent upstream's NixlAgentMetadata: it runs vLLM's NixlConnector,
+            # which this connector is a drop-in for. vLLM's checks (the compatibility
+            # hash above, the geometry checks of add_remote_agent) guard the pair, as
+            # between two upstream connectors; the opt-in below refuses such peers.
+            if self._require_traits_peer():
+                raise PeerWithoutTraitsError(peer)
+            logger.warning("%s: NIXL peer %s (engine %s) runs upstream's NixlConnector "
+                           "(no kvspec-traits fingerprint); its layout is checked by "
+                           "vLLM's compatibility hash only. Set kv_connector_extra_config "
+                           "%s=true to refuse such peers.", CONNECTOR_NAME, peer,
+                           agent_metadata.engine_id, REQUIRE_TRAITS_PEER)
+            return
         try:
             decoded = json.loads(fingerprint)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
