@@ -316,7 +316,8 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                             registry=self._traits_registry, kernel_blocks=True,
                             kernel_ratio=self._physical_blocks_per_logical_kv_block,
                             # vLLM orders CSA-linear regions as the caches come.
-                            model_order=not self._is_csa_linear)
+                            model_order=not self._is_csa_linear,
+                            whole_rows=not self._is_csa_linear)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV caches with NIXL, regions planned from traits."""
