@@ -181,6 +181,11 @@ def main() -> int:
             status = 2
             continue
         data = json.loads(report.read_text())
+        if subject == "upstream" and data["binding"].get("ours_imported"):
+            print(f"!! upstream shard {index} imported kvspec_traits' connector module: "
+                  f"its outcomes are not upstream's alone")
+            status = 2
+            continue
         outcomes[subject].update(data["outcomes"])
         bindings[subject].append(data["binding"])
     if status:

@@ -94,6 +94,21 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
 
     kvspec_traits_fingerprint: bytes | None = None
 
+    def __eq__(self, other: object) -> bool:
+        # Against upstream's own class (what vLLM's code and tests decode with), equal
+        # when every field upstream knows is: the fingerprint is ours alone, and the
+        # handshake decodes into this subclass, so a strict class check would make the
+        # same peer metadata unequal to itself as upstream reads it.
+        if type(other) is NixlAgentMetadata:
+            return all(getattr(self, f.name) == getattr(other, f.name)
+                       for f in dataclasses.fields(NixlAgentMetadata))
+        if isinstance(other, TraitsNixlAgentMetadata):
+            return all(getattr(self, f.name) == getattr(other, f.name)
+                       for f in dataclasses.fields(self))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it extends
+
 
 # vLLM's handshake decodes the peer's agent metadata as base_worker.NixlAgentMetadata
 # (after its compatibility-hash check). That name is made this subclass, whose one extra
