@@ -100,7 +100,9 @@ def main() -> int:
         raise SystemExit(f"usage: run.py {{{','.join(SERIES)}}} [--summarize]")
     series = args[0]
     version = SERIES[series]
-    tests_root = REPO / ".cache" / f"vllm-tests-{version}"
+    # Resolved: with .cache/ a link (a worktree sharing another checkout's trees), pytest
+    # would name tests relative to the link's target, not "tests/v1/...".
+    tests_root = (REPO / ".cache" / f"vllm-tests-{version}").resolve()
     if not (tests_root / UNIT).is_dir():
         print(f"!! {tests_root / UNIT} is missing: run scripts/bootstrap.sh", file=sys.stderr)
         return 2
