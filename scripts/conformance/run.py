@@ -8,7 +8,8 @@ Upstream's outcomes depend only on vLLM, its tests and this harness, so they are
 ~/.cache/kvspec-traits/conformance/ under a key of those (KVSPEC_CONFORMANCE_FRESH=1
 reruns them). Both subjects run at the same time, each in its own pytest process (no xdist), each
 split into ``KVSPEC_CONFORMANCE_SHARDS`` processes (default 1) by test file, each with its
-own NIXL side-channel port (from ``KVSPEC_CONFORMANCE_PORT_BASE``, default 25600). Prints both
+own NIXL side-channel port (from ``KVSPEC_CONFORMANCE_PORT_BASE``, default 25600, one
+range per series and subject). Prints both
 counts per file, the tests that pass upstream and do not pass with ours, and the time each
 run took. Exit status: 0 when every such test is on the expected-difference list
 (expected_differences.toml, for this series) and no entry of that list passes with ours;
@@ -143,7 +144,9 @@ def main() -> int:
             # time, and a test whose listener finds vLLM's default port taken by the other
             # run waits for it forever (set_xfer_handshake_metadata has no timeout), until
             # pytest-timeout's 600 s.
-            port = port_base + 1000 * SUBJECTS.index(subject) + 100 * index
+            # (make test runs the series at once too: each series its own range.)
+            port = (port_base + 2000 * list(SERIES).index(series)
+                    + 1000 * SUBJECTS.index(subject) + 100 * index)
             env = dict(
                 base_env,
                 KVSPEC_CONFORMANCE_SUBJECT=subject,
