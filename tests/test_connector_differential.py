@@ -22,6 +22,7 @@ backend's dtype and block size, as a server's would.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import pathlib
@@ -71,7 +72,9 @@ from kvspec_traits import traits_of
 from kvspec_traits.nixl import HandshakeMismatchError
 from kvspec_traits.vllm_connector import CONNECTOR_NAME
 from kvspec_traits.vllm_connector._connector import (
+    REQUIRE_TRAITS_PEER,
     PeerWithoutTraitsError,
+    TraitsNixlAgentMetadata,
     TraitsNixlConnectorWorker,
 )
 from tests.mla_backends import (
@@ -595,7 +598,9 @@ def test_handshake_refuses_another_layout_with_the_named_diff(
     the named diff, a peer without a fingerprint refused saying how to fix it, and a
     peer whose compatibility hash differs refused by vLLM's check before anything of
     its metadata is decoded (it is not even metadata here)."""
+    import msgspec
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlAgentMetadata,
         NixlHandshakePayload,
     )
 
@@ -620,14 +625,40 @@ def test_handshake_refuses_another_layout_with_the_named_diff(
             agents = handshake(same_port, gqa.traits)
             assert isinstance(agents, tuple) and agents[0] == {(0, 0): "agent"}
             assert added.call_count == 1
+            # What vLLM's handshake hands add_remote_agent keeps the peer's fingerprint
+            # and still equals the peer's metadata as upstream's class decodes it (vLLM's
+            # test_kv_transfer_handshake compares the two).
+            received = added.call_args.args[0]
+            payload = gqa.traits.xfer_handshake_metadata
+            assert payload is not None
+            sent = payload.agent_metadata_bytes
+            as_upstream = msgspec.msgpack.decode(sent, type=NixlAgentMetadata)
+            assert type(received) is TraitsNixlAgentMetadata
+            assert received.kvspec_traits_fingerprint is not None
+            assert type(as_upstream) is NixlAgentMetadata
+            assert received == as_upstream and as_upstream == received
+            assert received != dataclasses.replace(as_upstream, num_blocks=NB + 1)
             with pytest.raises(HandshakeMismatchError) as refused:
                 handshake(other_port, other.traits)
-            with pytest.raises(PeerWithoutTraitsError,
-                               match=f"sent no kvspec-traits.*{CONNECTOR_NAME}"):
-                handshake(upstream_port, gqa.upstream)
+            # A peer running upstream's NixlConnector sends upstream's metadata (no
+            # fingerprint): accepted as upstream accepts it (vLLM's compatibility hash
+            # matched), refused by name when kvspec_require_traits_peer is set.
+            agents = handshake(upstream_port, gqa.upstream)
+            assert isinstance(agents, tuple) and agents[0] == {(0, 0): "agent"}
+            assert added.call_count == 2
+            transfer_config = gqa.traits.vllm_config.kv_transfer_config
+            assert transfer_config is not None
+            extra = transfer_config.kv_connector_extra_config
+            extra[REQUIRE_TRAITS_PEER] = True
+            try:
+                with pytest.raises(PeerWithoutTraitsError,
+                                   match=f"sent no kvspec-traits.*{CONNECTOR_NAME}"):
+                    handshake(upstream_port, gqa.upstream)
+            finally:
+                del extra[REQUIRE_TRAITS_PEER]
             with pytest.raises(RuntimeError, match="compatibility hash mismatch"):
                 handshake(foreign_port, gqa.traits)
-            assert added.call_count == 1  # no refused peer was added
+            assert added.call_count == 2  # no refused peer was added
     finally:
         for stop in (stop_same, stop_other, stop_upstream, stop_foreign):
             stop.set()

@@ -129,12 +129,26 @@ def pytest_configure(config: pytest.Config) -> None:
         _rebind()
 
 
+class _Ours:
+    """Stands for one of our classes by its qualified name, so the upstream subject never
+    imports our connector module (importing it rebinds base_worker.NixlAgentMetadata,
+    which would change what upstream's own handshake decodes)."""
+
+    def __init__(self, replacement: str) -> None:
+        self.qualname = f"kvspec_traits.vllm_connector._connector.{replacement}"
+
+    def matches(self, value: object) -> bool:
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}" \
+            == self.qualname
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvspec_traits.vllm_connector import _connector as ours
-
-    expected = {name: getattr(ours, replacement) for name, replacement in REBOUND.items()}
+    expected = {name: _Ours(replacement) for name, replacement in REBOUND.items()}
+    if SUBJECT == "upstream" and "kvspec_traits.vllm_connector._connector" in sys.modules:
+        pytest.exit("conformance binding (upstream): kvspec_traits' connector module was "
+                    "imported, so upstream's run is not upstream's alone", returncode=3)
     checked: dict[str, list[str]] = {}
     wrong: list[str] = []
     seen: set[str] = set()
@@ -147,15 +161,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             if name not in vars(module):
                 continue
             checked.setdefault(module.__name__, []).append(name)
-            is_ours = vars(module)[name] is ours_cls
+            is_ours = ours_cls.matches(vars(module)[name])
             if is_ours != (SUBJECT == "traits"):
                 wrong.append(f"{module.__name__}.{name} = {vars(module)[name]!r}")
     for qualified in _binding.get("rebound", []):
         module_name, _, name = qualified.rpartition(".")
-        if getattr(sys.modules[module_name], name) is not expected[name]:
+        if not expected[name].matches(getattr(sys.modules[module_name], name)):
             wrong.append(f"{qualified} was rebound and changed back")
     factory_cls = KVConnectorFactory.get_connector_class_by_name("NixlConnector")
-    if (factory_cls is expected["NixlConnector"]) != (SUBJECT == "traits"):
+    if expected["NixlConnector"].matches(factory_cls) != (SUBJECT == "traits"):
         wrong.append(f"KVConnectorFactory 'NixlConnector' = {factory_cls!r}")
     _binding["modules_checked"] = checked
     _binding["factory_NixlConnector"] = f"{factory_cls.__module__}.{factory_cls.__qualname__}"
@@ -190,6 +204,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def _write_report(*, partial: bool) -> None:
     path = os.environ.get("KVSPEC_CONFORMANCE_REPORT")
+    # Upstream's run must never load our connector (its import rebinds a base_worker name).
+    _binding["ours_imported"] = "kvspec_traits.vllm_connector._connector" in sys.modules
     _binding["traits_workers_constructed"] = _constructed[0]
     if path:
         tmp = Path(path + ".tmp")

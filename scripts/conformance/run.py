@@ -9,7 +9,9 @@ with ours bound in their place, on one vLLM series.
 Upstream's outcomes depend only on vLLM, its tests and this harness, so they are kept in
 ~/.cache/kvspec-traits/conformance/ under a key of those (KVSPEC_CONFORMANCE_FRESH=1
 reruns them). Both subjects run at the same time, each in its own pytest process (no xdist), each
-split into ``KVSPEC_CONFORMANCE_SHARDS`` processes (default 1) by test file. Prints both
+split into ``KVSPEC_CONFORMANCE_SHARDS`` processes (default 1) by test file, each with its
+own NIXL side-channel port (from ``KVSPEC_CONFORMANCE_PORT_BASE``, default 25600, one
+range per series and subject). Prints both
 counts per file, the tests that pass upstream and do not pass with ours, and the time each
 run took. Exit status: 0 when every such test is on the expected-difference list
 (expected_differences.toml, for this series) and no entry of that list passes with ours;
@@ -101,7 +103,9 @@ def main() -> int:
         raise SystemExit(f"usage: run.py {{{','.join(SERIES)}}} [--summarize]")
     series = args[0]
     version = SERIES[series]
-    tests_root = REPO / ".cache" / f"vllm-tests-{version}"
+    # Resolved: with .cache/ a link (a worktree sharing another checkout's trees), pytest
+    # would name tests relative to the link's target, not "tests/v1/...".
+    tests_root = (REPO / ".cache" / f"vllm-tests-{version}").resolve()
     if not (tests_root / UNIT).is_dir():
         print(f"!! {tests_root / UNIT} is missing: run scripts/bootstrap.sh", file=sys.stderr)
         return 2
@@ -120,6 +124,7 @@ def main() -> int:
     python = str(REPO / ".venv" / "bin" / "python")
     runs: list[tuple[str, int, subprocess.Popen[bytes], Path, float]] = []
     count = int(os.environ.get("KVSPEC_CONFORMANCE_SHARDS", "1"))
+    port_base = int(os.environ.get("KVSPEC_CONFORMANCE_PORT_BASE", "25600"))
     # Upstream's outcomes depend only on vLLM, its tests and this harness: kept per that
     # key outside the checkout (like the wheels), so a second run measures only ours.
     cached = upstream_cache(series, tests_root)
@@ -137,8 +142,18 @@ def main() -> int:
             report = out_dir / f"{subject}-{index}.json"
             report.unlink(missing_ok=True)
             log = (out_dir / f"{subject}-{index}.log").open("wb")
+            # Each pytest process its own NIXL side-channel port: the runs go at the same
+            # time, and a test whose listener finds vLLM's default port taken by the other
+            # run waits for it forever (set_xfer_handshake_metadata has no timeout), until
+            # pytest-timeout's 600 s.
+            # (make test runs the series at once too: each series its own range.)
+            port = (port_base + 2000 * list(SERIES).index(series)
+                    + 1000 * SUBJECTS.index(subject) + 100 * index)
             env = dict(
-                base_env, KVSPEC_CONFORMANCE_SUBJECT=subject, KVSPEC_CONFORMANCE_REPORT=str(report)
+                base_env,
+                KVSPEC_CONFORMANCE_SUBJECT=subject,
+                KVSPEC_CONFORMANCE_REPORT=str(report),
+                VLLM_NIXL_SIDE_CHANNEL_PORT=str(port),
             )
             cmd = [
                 python,
@@ -183,6 +198,11 @@ def main() -> int:
             status = 2
             continue
         data = json.loads(report.read_text())
+        if subject == "upstream" and data["binding"].get("ours_imported"):
+            print(f"!! upstream shard {index} imported kvspec_traits' connector module: "
+                  f"its outcomes are not upstream's alone")
+            status = 2
+            continue
         outcomes[subject].update(data["outcomes"])
         bindings[subject].append(data["binding"])
     if status:

@@ -363,6 +363,7 @@ def plan_regions(
     kernel_blocks: bool = False,
     kernel_ratio: int | None = None,
     model_order: bool = True,
+    whole_rows: bool | None = None,
 ) -> RegionPlan:
     """Plan the NIXL regions of one rank's KV cache.
 
@@ -390,6 +391,15 @@ def plan_regions(
     as whole pages ``ratio`` kernel blocks apart (so a state can share a region with
     split attention pages). A paged view that is not split by that ratio raises
     :class:`UnsupportedLayoutError` (its kernel descriptors would address other blocks).
+
+    A paged view whose block is not one dense page of its spec's size (layers
+    interleaved inside a block, as BHLNC puts them; a page padded past its content) in
+    a block-major storage (``num_blocks`` rows of the view's block stride, plus less
+    than a row) is planned as the whole storage row, as vLLM registers it: one region
+    per storage whose block is the row, shared by every such layer, never split by
+    heads. vLLM does not do this for CSA-linear models (a ring-buffer layer present),
+    whose shared rows it registers per owner: the default (``whole_rows=None``) follows
+    that from the traits; ``True``/``False`` force it.
 
     Regions follow model-layer order (:func:`region_sort_key`); ``model_order=False``
     keeps the order of ``kv_caches`` instead, as vLLM's worker does for CSA-linear
@@ -420,6 +430,8 @@ def plan_regions(
         kernel_ratio = _paged_ratio(kv_caches, layer_traits, layer_blocks, n_blocks)
     if kernel_ratio is not None and (kernel_ratio < 1 or not kernel_blocks):
         raise ValueError(f"kernel_ratio {kernel_ratio} needs kernel_blocks=True and >= 1")
+    if whole_rows is None:
+        whole_rows = not any(t.token_scope is TokenScope.RING for t in layer_traits.values())
     by_storage: dict[tuple[int, str], list[_Piece]] = {}
     registrations: dict[tuple[int, str], MemoryRange] = {}
     for layer in sorted(kv_caches, key=region_sort_key) if model_order else kv_caches:
@@ -436,7 +448,7 @@ def plan_regions(
         by_storage.setdefault(key, []).extend(
             _layer_pieces(layer, cache, traits, layer_groups[layer],
                           layer_blocks.get(layer, n_blocks), kernel_blocks,
-                          kernel_ratio))
+                          kernel_ratio, registrations[key] if whole_rows else None))
 
     pieces: dict[tuple[int, str], list[_Piece]] = {}
     for key, storage_pieces in by_storage.items():
@@ -570,8 +582,11 @@ def _paged_ratio(kv_caches: Mapping[str, torch.Tensor],
 
 def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group_id: int,
                   num_blocks: int, kernel_blocks: bool = False,
-                  kernel_ratio: int | None = None) -> Iterable[_Piece]:
-    """The region(s) of one layer's cache view."""
+                  kernel_ratio: int | None = None,
+                  storage: MemoryRange | None = None) -> Iterable[_Piece]:
+    """The region(s) of one layer's cache view. With ``storage`` (the allocation the
+    view lies in), a paged view whose block is not one dense page, in a block-major
+    storage, is the whole storage row (vLLM's rule)."""
     mem_type, device_id = _mem_type(cache), _device_id(cache)
     page = traits.page_size_bytes
     is_state = _is_state(traits)
@@ -642,7 +657,16 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
         raise UnsupportedLayoutError(
             layer, f"page of {page} bytes does not split into {ratio} kernel blocks")
     block_len, blocks = page // ratio, num_blocks * ratio
-    if _dense(sizes, strides, itemsize):
+    page_dense = _dense(sizes, strides, itemsize)
+    if (storage is not None and not (page_dense and prod(sizes) * itemsize == block_len)
+            and 0 <= storage.length - blocks * stride0 < stride0
+            and storage.base <= cache.data_ptr() < storage.base + stride0):
+        # The view's block is not one dense page (layers interleaved inside a block,
+        # BHLNC; or a page padded past its content, DeepSeek-V4 rows) in a storage of
+        # `blocks` rows: the region is the whole row, shared by every layer of the
+        # storage, as vLLM registers it. Moving the row moves each member's block.
+        return [piece(storage.base, stride0, stride0, blocks, False)]
+    if page_dense:
         if blocks > 1 and block_len > stride0:
             raise UnsupportedLayoutError(
                 layer, f"pages of {block_len} bytes overlap at block stride {stride0}")

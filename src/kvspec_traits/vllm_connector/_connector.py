@@ -23,7 +23,7 @@ import dataclasses
 import math
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import torch
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LayoutFacts",
+    "REQUIRE_TRAITS_PEER",
     "PeerWithoutTraitsError",
     "TraitsNixlAgentMetadata",
     "TraitsNixlConnector",
@@ -95,12 +96,30 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
 
     kvspec_traits_fingerprint: bytes | None = None
 
+    def __eq__(self, other: object) -> bool:
+        # Against upstream's own class (what vLLM's code and tests decode with), equal
+        # when every field upstream knows is: the fingerprint is ours alone, and the
+        # handshake decodes into this subclass, so a strict class check would make the
+        # same peer metadata unequal to itself as upstream reads it.
+        if type(other) is NixlAgentMetadata:
+            return all(getattr(self, f.name) == getattr(other, f.name)
+                       for f in dataclasses.fields(NixlAgentMetadata))
+        if isinstance(other, TraitsNixlAgentMetadata):
+            return all(getattr(self, f.name) == getattr(other, f.name)
+                       for f in dataclasses.fields(self))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it extends
+
 
 # vLLM's handshake decodes the peer's agent metadata as base_worker.NixlAgentMetadata
 # (after its compatibility-hash check). That name is made this subclass, whose one extra
 # field is optional, so the decode keeps the peer's fingerprint for the check that
 # follows it; for every other reader the value is the same metadata.
 setattr(_bw, "NixlAgentMetadata", TraitsNixlAgentMetadata)  # noqa: B010 (not re-exported)
+REQUIRE_TRAITS_PEER: Final = "kvspec_require_traits_peer"
+"""``kv_connector_extra_config`` key: true refuses NIXL peers that send no kvspec-traits
+fingerprint (upstream's ``NixlConnector``) with :class:`PeerWithoutTraitsError`."""
 # The peer address of the handshake running on this thread (handshakes run on vLLM's
 # background executor), for the refusal messages.
 _handshake_peer = threading.local()
@@ -115,7 +134,9 @@ class PeerWithoutTraitsError(RuntimeError):
         super().__init__(
             f"KV layout handshake refused: the NIXL peer at {peer} sent no kvspec-traits "
             f"layout fingerprint. Run both prefill and decode with "
-            f"kv_connector \"{CONNECTOR_NAME}\" (or both with upstream \"NixlConnector\")."
+            f"kv_connector \"{CONNECTOR_NAME}\" (or both with upstream \"NixlConnector\"), "
+            f"or drop kv_connector_extra_config \"kvspec_require_traits_peer\" to accept "
+            f"upstream peers on vLLM's compatibility hash alone."
         )
 
 
@@ -312,7 +333,8 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                             registry=self._traits_registry, kernel_blocks=True,
                             kernel_ratio=self._physical_blocks_per_logical_kv_block,
                             # vLLM orders CSA-linear regions as the caches come.
-                            model_order=not self._is_csa_linear)
+                            model_order=not self._is_csa_linear,
+                            whole_rows=not self._is_csa_linear)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV caches with NIXL, regions planned from traits."""
@@ -504,6 +526,11 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         super()._validate_remote_parallel_config(agent_metadata)
         self.check_remote_fingerprint(agent_metadata)
 
+    def _require_traits_peer(self) -> bool:
+        config = self.vllm_config.kv_transfer_config
+        return config is not None and bool(
+            config.get_from_extra_config(REQUIRE_TRAITS_PEER, False))
+
     def check_remote_fingerprint(self, agent_metadata: NixlAgentMetadata) -> None:
         """Compare the peer's per-region traits fingerprint with ours.
 
@@ -522,7 +549,18 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         peer = getattr(_handshake_peer, "name", None) or "unknown address"
         fingerprint = getattr(agent_metadata, "kvspec_traits_fingerprint", None)
         if fingerprint is None:
-            raise PeerWithoutTraitsError(peer)
+            # The peer sent upstream's NixlAgentMetadata: it runs vLLM's NixlConnector,
+            # which this connector is a drop-in for. vLLM's checks (the compatibility
+            # hash above, the geometry checks of add_remote_agent) guard the pair, as
+            # between two upstream connectors; the opt-in below refuses such peers.
+            if self._require_traits_peer():
+                raise PeerWithoutTraitsError(peer)
+            logger.warning("%s: NIXL peer %s (engine %s) runs upstream's NixlConnector "
+                           "(no kvspec-traits fingerprint); its layout is checked by "
+                           "vLLM's compatibility hash only. Set kv_connector_extra_config "
+                           "%s=true to refuse such peers.", CONNECTOR_NAME, peer,
+                           agent_metadata.engine_id, REQUIRE_TRAITS_PEER)
+            return
         try:  # hostile JSON (deep, huge integers, not UTF-8) is a named error too
             remote = decode_fingerprint(fingerprint)
         except MalformedMetadataError as exc:
