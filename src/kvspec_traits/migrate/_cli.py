@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="print edits, skips and refused files as JSON")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip paths matching GLOB (repeatable)")
+    p.add_argument("--strict", action="store_true",
+                   help="also leave sites whose traits query answers otherwise for a class "
+                        "of another page kind (see docs/migration.md)")
     p.add_argument("--quiet", action="store_true", help="do not list the sites left alone")
     return p
 
@@ -61,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ClassSetsUnavailableError as exc:
         print(f"kvspec-traits migrate: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    plan = plan_migration(args.paths, universe, exclude=args.exclude)
+    plan = plan_migration(args.paths, universe, exclude=args.exclude, strict=args.strict)
     refused = list(plan.refused)
     if args.write:
         late = write_plan(plan)

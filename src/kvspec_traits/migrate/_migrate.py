@@ -47,6 +47,9 @@ class FilePlan:
         notes = [f"# kvspec-traits: {self.display}:{e.line} fixes a miss "
                  f"(the original leaves out {', '.join(e.missing)}): {e.before} -> {e.after}\n"
                  for e in self.edits if e.fixes_miss]
+        notes += [f"# kvspec-traits: {self.display}:{e.line} answers otherwise for "
+                  f"{', '.join(e.differs_on)} (another page kind; not compared by the "
+                  f"audit)\n" for e in self.edits if e.differs_on]
         body = difflib.unified_diff(self.before.splitlines(keepends=True),
                                     self.after.splitlines(keepends=True),
                                     fromfile=f"a/{self.display}", tofile=f"b/{self.display}")
@@ -87,10 +90,11 @@ def _display(path: Path) -> str:
 
 
 def plan_migration(targets: Sequence[Path], universe: Universe, *,
-                   exclude: Sequence[str] = (),
+                   exclude: Sequence[str] = (), strict: bool = False,
                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> MigrationPlan:
     """Audit ``targets`` and rewrite, in memory, every site with an exact trait question
-    (and every miss, which the question fixes). Nothing is written."""
+    (and every miss, which the question fixes). Nothing is written. ``strict`` leaves
+    the sites whose query answers otherwise for a class of another page kind."""
     roots = [t.resolve() for t in targets]
     result = audit_paths(roots, universe, exclude=exclude, max_file_bytes=max_file_bytes,
                          display_root=Path("/"))
@@ -116,8 +120,14 @@ def plan_migration(targets: Sequence[Path], universe: Universe, *,
             continue
         edits: list[Edit] = []
         for site in sites:
-            planned = plan_site(site, index)
-            if isinstance(planned, Edit):
+            planned = plan_site(site, index, universe)
+            if isinstance(planned, Edit) and strict and planned.differs_on:
+                plan.skips.append(Skip(
+                    path=display, line=planned.line, text=planned.before,
+                    verdict=planned.verdict,
+                    reason=f"--strict: {planned.after} answers otherwise for "
+                           f"{', '.join(planned.differs_on)} (another page kind)"))
+            elif isinstance(planned, Edit):
                 edits.append(planned)
             else:
                 plan.skips.append(planned)

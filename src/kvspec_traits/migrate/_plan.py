@@ -13,7 +13,7 @@ import ast
 from dataclasses import dataclass
 from typing import Final
 
-from kvspec_traits.audit import Site
+from kvspec_traits.audit import Site, Universe
 from kvspec_traits.audit._questions import question_named
 
 __all__ = ["REWRITTEN_FORMS", "Edit", "Skip", "Span", "plan_site"]
@@ -54,12 +54,14 @@ class Edit:
     missing: tuple[str, ...]
     spans: tuple[Span, ...]
     chain: bool
+    differs_on: tuple[str, ...] = ()
 
     def as_json(self) -> dict[str, object]:
         return {"path": self.path, "line": self.line, "before": self.before,
                 "after": self.after, "trait": self.trait, "value": self.value,
                 "match": self.match, "verdict": self.verdict, "fixes_miss": self.fixes_miss,
-                "missing": list(self.missing)}
+                "missing": list(self.missing),
+                "differs_on": list(self.differs_on)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,7 +189,24 @@ def _locate(site: Site, index: SourceIndex) -> tuple[list[ast.expr], bool] | Non
     return None
 
 
-def plan_site(site: Site, index: SourceIndex) -> Edit | Skip:
+def _differs_on(site: Site, u: Universe, negated: bool) -> tuple[str, ...]:
+    # Concrete classes, other than the ones the site misses, for which the traits query
+    # answers otherwise than the check as written: classes of another page kind, which
+    # the audit leaves out of the comparison (docs/audit.md) and the code reaches on paths
+    # of its own. Classes whose representatives disagree on the trait are not counted.
+    answer = site.answer
+    if answer is None:
+        return ()
+    concrete = u.concrete
+    branch = frozenset(site.branch_classes)
+    old = concrete - branch if site.raw.negated else branch
+    have = frozenset(n for n in concrete if u.values(answer.trait, n) == {answer.value})
+    varies = frozenset(n for n in concrete if len(u.values(answer.trait, n)) > 1)
+    new = concrete - have if negated else have
+    return tuple(sorted((old ^ new) - varies - set(site.missing)))
+
+
+def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip:
     """The edit that rewrites ``site`` into its traits question, or why it is left."""
     why = _why_not(site)
     if why is not None:
@@ -218,4 +237,4 @@ def plan_site(site: Site, index: SourceIndex) -> Edit | Skip:
                 trait=answer.trait, value=answer.value, match=answer.match,
                 verdict=site.verdict, fixes_miss=site.verdict == "miss",
                 missing=site.missing, spans=tuple(_span(m, index.lines) for m in members),
-                chain=chain)
+                chain=chain, differs_on=_differs_on(site, universe, negated))
