@@ -115,7 +115,8 @@ def plan_migration(targets: Sequence[Path], universe: Universe, *,
         except (UnicodeDecodeError, SyntaxError, ValueError, cst.ParserSyntaxError) as exc:
             plan.refused.append(Refusal(path=display, error=f"cannot parse: {exc}"))
             plan.skips.extend(Skip(path=display, line=s.raw.line, text=s.raw.text,
-                                   verdict=s.verdict, reason="the file does not parse")
+                                   verdict=s.verdict, reason="the file does not parse",
+                                   match=s.answer.match if s.answer else "")
                               for s in sites)
             continue
         edits: list[Edit] = []
@@ -124,7 +125,7 @@ def plan_migration(targets: Sequence[Path], universe: Universe, *,
             if isinstance(planned, Edit) and strict and planned.differs_on:
                 plan.skips.append(Skip(
                     path=display, line=planned.line, text=planned.before,
-                    verdict=planned.verdict,
+                    verdict=planned.verdict, match=planned.match,
                     reason=f"--strict: {planned.after} answers otherwise for "
                            f"{', '.join(planned.differs_on)} (another page kind)"))
             elif isinstance(planned, Edit):
@@ -133,7 +134,8 @@ def plan_migration(targets: Sequence[Path], universe: Universe, *,
                 plan.skips.append(planned)
         after, applied = rewrite_module(text, edits)
         plan.skips.extend(Skip(path=display, line=e.line, text=e.before, verdict=e.verdict,
-                               reason="LibCST did not find the check's span")
+                               reason="LibCST did not find the check's span",
+                               match=e.match)
                           for e in edits if e not in applied)
         if applied and after != text:
             plan.files.append(FilePlan(path=path, display=display, sha256=_sha(data),

@@ -73,15 +73,18 @@ class Skip:
     text: str
     verdict: str
     reason: str
+    match: str = ""
+    """The audit's answer match (``exact``, ``near``, ``closest``; empty: no answer)."""
 
     def as_json(self) -> dict[str, object]:
         return {"path": self.path, "line": self.line, "text": self.text,
-                "verdict": self.verdict, "reason": self.reason}
+                "verdict": self.verdict, "match": self.match, "reason": self.reason}
 
 
 def _skip(site: Site, reason: str) -> Skip:
     return Skip(path=site.path, line=site.raw.line, text=site.raw.text,
-                verdict=site.verdict, reason=reason)
+                verdict=site.verdict, reason=reason,
+                match=site.answer.match if site.answer else "")
 
 
 def _why_not(site: Site) -> str | None:
