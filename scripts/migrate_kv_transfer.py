@@ -126,7 +126,7 @@ def _demo(m: Measured) -> None:
           f"{isinstance(swa, MLAAttentionSpec)}  (the miss)")
     for line in after:
         expr = line.partition("=")[2].strip()
-        value = eval(expr, {"traits_of": traits_of, "layer_spec": swa})  # the migrated line, on a real spec
+        value = eval(expr, {"traits_of": traits_of, "layer_spec": swa})  # the migrated line
         print(f"after:  {line}")
         print(f"        on SlidingWindowMLASpec: {value}")
 
