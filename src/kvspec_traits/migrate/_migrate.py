@@ -12,7 +12,7 @@ import libcst as cst
 
 from kvspec_traits.audit import Site, Universe, audit_paths
 from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES
-from kvspec_traits.migrate._plan import Edit, Skip, SourceIndex, plan_site
+from kvspec_traits.migrate._plan import Edit, Skip, SourceIndex, keep_context, plan_site
 from kvspec_traits.migrate._rewrite import rewrite_module
 
 __all__ = ["FilePlan", "MigrationPlan", "Refusal", "plan_migration", "write_plan"]
@@ -120,8 +120,8 @@ def plan_migration(targets: Sequence[Path], universe: Universe, *,
                               for s in sites)
             continue
         edits: list[Edit] = []
-        for site in sites:
-            planned = plan_site(site, index, universe)
+        pairs = [(site, plan_site(site, index, universe)) for site in sites]
+        for planned in keep_context(pairs):
             if isinstance(planned, Edit) and strict and planned.differs_on:
                 plan.skips.append(Skip(
                     path=display, line=planned.line, text=planned.before,

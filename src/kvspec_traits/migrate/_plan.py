@@ -16,7 +16,7 @@ from typing import Final
 from kvspec_traits.audit import Site, Universe
 from kvspec_traits.audit._questions import question_named
 
-__all__ = ["REWRITTEN_FORMS", "Edit", "Skip", "Span", "plan_site"]
+__all__ = ["REWRITTEN_FORMS", "Edit", "Skip", "Span", "keep_context", "plan_site"]
 
 REWRITTEN_FORMS: Final = frozenset({"isinstance", "type-compare"})
 """Forms asked of an instance: ``isinstance(x, C)`` and ``type(x) is C``. The others ask
@@ -241,3 +241,41 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
                 verdict=site.verdict, fixes_miss=site.verdict == "miss",
                 missing=site.missing, spans=tuple(_span(m, index.lines) for m in members),
                 chain=chain, differs_on=_differs_on(site, universe, negated))
+
+
+def _rests_on(left: Site, other: Site) -> bool:
+    # Whether `left`'s verdict uses `other` as context: an if/elif/exit/assert test on
+    # the same subject at other's line, or an explicit exit in the same function that
+    # handles classes left's check misses (what makes `type(s) is C` deliberate).
+    raw, oth = left.raw, other.raw
+    if oth.subject != raw.subject or oth is raw:
+        return False
+    if any(c.line in range(oth.line, oth.end_line + 1) for c in raw.constraints):
+        return True
+    return oth.function == raw.function and bool(set(oth.classes) & set(raw.exited_on))
+
+
+def keep_context(planned: list[tuple[Site, Edit | Skip]]) -> list[Edit | Skip]:
+    """Leave the checks that a site left alone rests on.
+
+    A site with a trait answer that is left (deliberate, near, possible miss) was judged
+    with the class checks around it; rewriting those into traits queries would hide them
+    from the audit, and a second run would judge (and rewrite) the site otherwise. So such
+    checks stay, which keeps the migration idempotent and the deliberate site deliberate.
+    """
+    out = [p for _, p in planned]
+    changed = True
+    while changed:
+        changed = False
+        left = [site for (site, _), p in zip(planned, out, strict=True)
+                if isinstance(p, Skip) and site.answer is not None
+                and site.answer.match in ("exact", "near")]
+        for i, ((site, _), p) in enumerate(zip(planned, out, strict=True)):
+            if not isinstance(p, Edit):
+                continue
+            holder = next((s for s in left if _rests_on(s, site)), None)
+            if holder is not None:
+                out[i] = _skip(site, f"kept: the verdict on line {holder.raw.line} "
+                                     f"({holder.verdict}) rests on this check")
+                changed = True
+    return out
