@@ -124,6 +124,10 @@ def _demo(m: Measured) -> None:
     print(f"before: {SEED_LINE}")
     print(f"        on SlidingWindowMLASpec: "
           f"{isinstance(swa, MLAAttentionSpec)}  (the miss)")
+    for e in m.plan.edits:
+        if e.before == SEED_LINE.partition(" = ")[2]:
+            print(f"migrate: {SEED_FILE}:{e.line} fixes a miss (the original leaves out "
+                  f"{', '.join(e.missing)}): {e.before} -> {e.after}")
     for line in after:
         expr = line.partition("=")[2].strip()
         value = eval(expr, {"traits_of": traits_of, "layer_spec": swa})  # the migrated line
@@ -147,8 +151,8 @@ def main() -> int:
         print()
     elif args.demo:
         _demo(m)
-        print(f"(whole tree: {m.exact_rewritten}/{m.exact_sites} exact-match sites "
-              f"rewritten; migrated copy in {m.root})")
+        print(f"(whole tree, seed restored: {m.exact_rewritten}/{m.exact_sites} exact-match "
+              f"sites rewritten, {m.misses_fixed} misses fixed; migrated copy in {m.root})")
     else:
         _report(m)
     return 0
