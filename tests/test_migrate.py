@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -207,3 +209,13 @@ def test_json_lists_edits_and_skips(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert out["skips"][0]["reason"].startswith("no trait question")
     assert out["written"] is False and out["refused"] == []
     assert "traits_of" not in path.read_text()  # a dry run writes nothing
+
+
+def test_without_libcst_says_what_to_install() -> None:
+    code = ("import sys\nsys.modules['libcst'] = None\n"
+            "from kvspec_traits._cli import main\nsys.exit(main(['migrate', '.']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 2
+    assert "pip install 'kvspec-traits[migrate]'" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -239,8 +239,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["migrate"]:
-        migrate_main: Callable[[list[str]], int] = importlib.import_module(
-            "kvspec_traits.migrate").main
+        from kvspec_traits._errors import MissingDependencyError
+
+        try:
+            migrate_main: Callable[[list[str]], int] = importlib.import_module(
+                "kvspec_traits.migrate").main
+        except MissingDependencyError as exc:  # no LibCST: say what to install
+            print(f"kvspec-traits migrate: {exc}", file=sys.stderr)
+            return 2
         return migrate_main(argv[1:])
     if argv[:1] == ["audit"]:
         # Imported by name: the audit package loads only for this sub-command.
