@@ -119,11 +119,12 @@ def _demo(m: Measured) -> None:
              if line.strip().startswith("is_mla_region = ")]
     swa = next(e.spec for e in representative_specs()
                if type(e.spec).__name__ == "SlidingWindowMLASpec")
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    from vllm.v1 import kv_cache_interface
 
+    seed = eval(SEED_LINE.partition(" = ")[2],  # the seed line's own expression
+                {**vars(kv_cache_interface), "layer_spec": swa})
     print(f"before: {SEED_LINE}")
-    print(f"        on SlidingWindowMLASpec: "
-          f"{isinstance(swa, MLAAttentionSpec)}  (the miss)")
+    print(f"        on SlidingWindowMLASpec: {seed}  (the miss)")
     for e in m.plan.edits:
         if e.before == SEED_LINE.partition(" = ")[2]:
             print(f"migrate: {SEED_FILE}:{e.line} fixes a miss (the original leaves out "
