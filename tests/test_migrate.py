@@ -91,7 +91,8 @@ def _load(path: Path, name: str) -> ModuleType:
 
 def test_diff_per_form(universe: Universe, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["migrate", str(FIXTURE)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     for name, before, after in FORMS:
         assert f"\n-{before}\n" in out, name
         assert f"\n+{after}\n" in out, name
@@ -103,7 +104,8 @@ def test_diff_per_form(universe: Universe, capsys: pytest.CaptureFixture[str]) -
     head = out.split("\n--- a/")[0]
     assert ("forms.py:52 fixes a miss (the original leaves out SlidingWindowMLASpec): "
             "isinstance(layer_spec, MLAAttentionSpec) -> traits_of(layer_spec).is_mla") in head
-    assert "would rewrite 9 in 1 files (1 fixing a miss); left 0" in out
+    assert "would rewrite 9 in 1 files (1 fixing a miss); left 0" in captured.err
+    assert out.startswith("# kvspec-traits: ")  # stdout is the patch alone
 
 
 @pytest.mark.parametrize("name", [f[0] for f in FORMS])
@@ -177,8 +179,8 @@ def test_refuses_a_file_that_does_not_parse(tmp_path: Path,
             "def g(:\n")
     path.write_text(text)
     assert cli_main(["migrate", "--write", str(path)]) == EXIT_REFUSED
-    out = capsys.readouterr().out
-    assert "# refused" in out and "cannot parse" in out
+    err = capsys.readouterr().err
+    assert "# refused" in err and "cannot parse" in err
     assert path.read_text() == text
 
 

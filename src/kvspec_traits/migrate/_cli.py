@@ -1,9 +1,9 @@
 """``kvspec-traits migrate PATH...``: rewrite branches on spec classes into traits queries.
 
 Dry run by default: prints a unified diff (headed by one ``# kvspec-traits: ... fixes a
-miss`` line per rewritten miss), then the sites left alone with why. ``--write`` applies
-the diff; ``--json`` prints the edits, skips and refused files instead. See
-docs/migration.md.
+miss`` line per rewritten miss) on stdout, and the sites left alone with why on stderr.
+``--write`` applies the diff; ``--json`` prints the edits, skips and refused files
+instead. See docs/migration.md.
 """
 
 from __future__ import annotations
@@ -81,10 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.write:
             for f in plan.files:
                 sys.stdout.write(f.diff())
+        # stdout is the patch alone (`migrate src > fix.patch; git apply fix.patch`)
         if not args.quiet:
             for s in plan.skips:
-                print(f"# left {s.path}:{s.line}: {s.text}  [{s.reason}]")
+                print(f"# left {s.path}:{s.line}: {s.text}  [{s.reason}]", file=sys.stderr)
         for r in refused:
-            print(f"# refused {r.path}: {r.error}")
-        print(_summary(plan, wrote=args.write))
+            print(f"# refused {r.path}: {r.error}", file=sys.stderr)
+        print(_summary(plan, wrote=args.write), file=sys.stderr)
     return EXIT_REFUSED if refused else 0
