@@ -221,3 +221,17 @@ def test_without_libcst_says_what_to_install() -> None:
     assert done.returncode == 2
     assert "pip install 'kvspec-traits[migrate]'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_dry_run_is_a_patch_that_git_applies(tmp_path: Path, migrated: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    shutil.copy(FIXTURE, work / "forms.py")
+    # the display path is relative to the working directory: run from `work`
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work)
+        assert cli_main(["migrate", "forms.py"]) == 0
+        (work / "fix.patch").write_text(capsys.readouterr().out)
+        subprocess.run(["git", "apply", "-p1", "fix.patch"], cwd=work, check=True)
+    assert (work / "forms.py").read_text() == migrated.read_text()  # what --write wrote
