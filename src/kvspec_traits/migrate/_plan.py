@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from itertools import product
 from typing import Final
 
 from kvspec_traits.audit import Site, Universe
-from kvspec_traits.audit._questions import question_named
+from kvspec_traits.audit._questions import KIND_TRAITS, question_named
 
 __all__ = ["REWRITTEN_FORMS", "Edit", "Skip", "Span", "keep_context", "plan_site"]
 
@@ -192,21 +193,33 @@ def _locate(site: Site, index: SourceIndex) -> tuple[list[ast.expr], bool] | Non
     return None
 
 
-def _differs_on(site: Site, u: Universe, negated: bool) -> tuple[str, ...]:
+def _kind(u: Universe, name: str, trait: str) -> frozenset[tuple[str, ...]]:
+    # The page kinds of a class, as the audit scopes a comparison (_infer._candidates).
+    values = [sorted(u.values(t, name)) for t in KIND_TRAITS if t != trait]
+    return frozenset(product(*values))
+
+
+def _differs_on(site: Site, u: Universe, negated: bool) -> tuple[tuple[str, ...],
+                                                                  tuple[str, ...]]:
     # Concrete classes, other than the ones the site misses, for which the traits query
-    # answers otherwise than the check as written: classes of another page kind, which
-    # the audit leaves out of the comparison (docs/audit.md) and the code reaches on paths
-    # of its own. Classes whose representatives disagree on the trait are not counted.
+    # answers otherwise than the check as written, split into classes of another page
+    # kind (which the audit leaves out of the comparison, docs/audit.md, and the code
+    # reaches on paths of their own) and classes of the branch's own kind (the query
+    # would change what the branch does). Classes whose representatives disagree on the
+    # trait are not counted.
     answer = site.answer
     if answer is None:
-        return ()
+        return (), ()
     concrete = u.concrete
     branch = frozenset(site.branch_classes)
     old = concrete - branch if site.raw.negated else branch
     have = frozenset(n for n in concrete if u.values(answer.trait, n) == {answer.value})
     varies = frozenset(n for n in concrete if len(u.values(answer.trait, n)) > 1)
     new = concrete - have if negated else have
-    return tuple(sorted((old ^ new) - varies - set(site.missing)))
+    differ = (old ^ new) - varies - set(site.missing)
+    kinds = frozenset(k for n in branch for k in _kind(u, n, answer.trait))
+    own = {n for n in differ if _kind(u, n, answer.trait) & kinds}
+    return tuple(sorted(differ - own)), tuple(sorted(own))
 
 
 def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip:
@@ -236,11 +249,15 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
     if "\n" in written:
         written = ast.unparse(subject)
     after = question.expression(written, answer.value, negated=negated)
+    other_kind, own_kind = _differs_on(site, universe, negated)
+    if own_kind:
+        return _skip(site, f"{after} would answer otherwise for {', '.join(own_kind)}, "
+                           f"of the branch's own page kind")
     return Edit(path=site.path, line=site.raw.line, before=site.raw.text, after=after,
                 trait=answer.trait, value=answer.value, match=answer.match,
                 verdict=site.verdict, fixes_miss=site.verdict == "miss",
                 missing=site.missing, spans=tuple(_span(m, index.lines) for m in members),
-                chain=chain, differs_on=_differs_on(site, universe, negated))
+                chain=chain, differs_on=other_kind)
 
 
 def _rests_on(left: Site, other: Site) -> bool:
