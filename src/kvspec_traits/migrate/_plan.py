@@ -239,13 +239,13 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
         return _skip(site, "no instance expression in the check")
     question = question_named(answer.trait)
     # The audit wrote answer.expression on raw.subject; pick the polarity it used.
-    written = raw_subject = site.raw.subject or "spec"
+    raw_subject = site.raw.subject or "spec"
     negated = next((n for n in (False, True)
                     if question.expression(raw_subject, answer.value, negated=n)
                     == answer.expression), None)
     if negated is None:
         return _skip(site, f"unexpected answer expression {answer.expression!r}")
-    written = _source_of(subject, index.lines)
+    written = _source_of(subject, index.lines)  # the subject as the source spells it
     if "\n" in written:
         written = ast.unparse(subject)
     after = question.expression(written, answer.value, negated=negated)
