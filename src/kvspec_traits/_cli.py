@@ -1,4 +1,4 @@
-"""The ``kvspec-traits`` command: ``report`` (the main job) and ``audit``."""
+"""The ``kvspec-traits`` command: ``report`` (the main job), ``audit`` and ``migrate``."""
 
 from __future__ import annotations
 
@@ -239,7 +239,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("audit", help="find branches on KV spec classes in connector code",
                    add_help=False)
+    sub.add_parser("migrate", help="rewrite branches on KV spec classes into traits queries",
+                   add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["migrate"]:
+        from kvspec_traits._errors import MissingDependencyError
+
+        try:
+            migrate_main: Callable[[list[str]], int] = importlib.import_module(
+                "kvspec_traits.migrate").main
+        except MissingDependencyError as exc:  # no LibCST: say what to install
+            print(f"kvspec-traits migrate: {exc}", file=sys.stderr)
+            return 2
+        return migrate_main(argv[1:])
     if argv[:1] == ["audit"]:
         # Imported by name: the audit package loads only for this sub-command.
         audit_main: Callable[[list[str]], int] = importlib.import_module(

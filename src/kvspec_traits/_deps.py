@@ -40,6 +40,7 @@ _INSTALL: Final = {
     "nixl_cu13": _NIXL,
     "msgspec": "Install the vLLM extra: `pip install 'kvspec-traits[vllm]'`.",
     "zmq": "Install the vLLM extra: `pip install 'kvspec-traits[vllm]'`.",
+    "libcst": "Install the migrate extra: `pip install 'kvspec-traits[migrate]'`.",
 }
 
 

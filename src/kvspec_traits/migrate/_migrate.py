@@ -1,0 +1,169 @@
+"""The migration as functions: plan (audit, locate, rewrite in memory), show, write."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libcst as cst
+
+from kvspec_traits.audit import Site, Universe, audit_paths
+from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES
+from kvspec_traits.migrate._plan import Edit, Skip, SourceIndex, keep_context, plan_site
+from kvspec_traits.migrate._rewrite import rewrite_module
+
+__all__ = ["FilePlan", "MigrationPlan", "Refusal", "plan_migration", "write_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A file not rewritten (it fails to parse, changed since it was read, ...)."""
+
+    path: str
+    error: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"path": self.path, "error": self.error}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FilePlan:
+    """One file: its text and hash as read, its text after the edits."""
+
+    path: Path
+    display: str
+    sha256: str
+    before: str
+    after: str
+    edits: tuple[Edit, ...]
+
+    def diff(self) -> str:
+        """A unified diff (``a/``, ``b/`` prefixes), headed by one ``# kvspec-traits:``
+        line per edit that fixes a miss (``patch`` and ``git apply`` skip lines before
+        ``---``)."""
+        notes = [f"# kvspec-traits: {self.display}:{e.line} fixes a miss "
+                 f"(the original leaves out {', '.join(e.missing)}): {e.before} -> {e.after}\n"
+                 for e in self.edits if e.fixes_miss]
+        notes += [f"# kvspec-traits: {self.display}:{e.line} answers otherwise for "
+                  f"{', '.join(e.differs_on)} (another page kind; not compared by the "
+                  f"audit)\n" for e in self.edits if e.differs_on]
+        body = difflib.unified_diff(self.before.splitlines(keepends=True),
+                                    self.after.splitlines(keepends=True),
+                                    fromfile=f"a/{self.display}", tofile=f"b/{self.display}")
+        lines = [line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+                 for line in body]
+        return "".join(notes + lines)
+
+
+@dataclass(slots=True)
+class MigrationPlan:
+    """Every file with edits, every site left alone, every file refused."""
+
+    files: list[FilePlan] = field(default_factory=list)
+    skips: list[Skip] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
+    sites: int = 0
+
+    @property
+    def edits(self) -> list[Edit]:
+        return [e for f in self.files for e in f.edits]
+
+    def as_json(self) -> dict[str, object]:
+        return {"sites": self.sites, "edits": [e.as_json() for e in self.edits],
+                "skips": [s.as_json() for s in self.skips],
+                "refused": [r.as_json() for r in self.refused],
+                "files_changed": [f.display for f in self.files]}
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _display(path: Path) -> str:
+    try:
+        return path.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def plan_migration(targets: Sequence[Path], universe: Universe, *,
+                   exclude: Sequence[str] = (), strict: bool = False,
+                   max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> MigrationPlan:
+    """Audit ``targets`` and rewrite, in memory, every site with an exact trait question
+    (and every miss, which the question fixes). Nothing is written. ``strict`` leaves
+    the sites whose query answers otherwise for a class of another page kind."""
+    roots = [t.resolve() for t in targets]
+    result = audit_paths(roots, universe, exclude=exclude, max_file_bytes=max_file_bytes,
+                         display_root=Path("/"))
+    plan = MigrationPlan(sites=len(result.sites))
+    plan.refused.extend(Refusal(path=_display(Path("/") / e.path), error=e.error)
+                        for e in result.errors)
+    by_file: dict[Path, list[Site]] = {}
+    for site in result.sites:
+        by_file.setdefault(Path("/") / site.path, []).append(site)
+    for path, sites in by_file.items():
+        display = _display(path)
+        sites = [_with_path(s, display) for s in sites]
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+            index = SourceIndex(text)
+            cst.parse_module(text)
+        except (UnicodeDecodeError, SyntaxError, ValueError, cst.ParserSyntaxError) as exc:
+            plan.refused.append(Refusal(path=display, error=f"cannot parse: {exc}"))
+            plan.skips.extend(Skip(path=display, line=s.raw.line, text=s.raw.text,
+                                   verdict=s.verdict, reason="the file does not parse",
+                                   match=s.answer.match if s.answer else "")
+                              for s in sites)
+            continue
+        edits: list[Edit] = []
+        pairs = [(site, plan_site(site, index, universe)) for site in sites]
+        for planned in keep_context(pairs):
+            if isinstance(planned, Edit) and strict and planned.differs_on:
+                plan.skips.append(Skip(
+                    path=display, line=planned.line, text=planned.before,
+                    verdict=planned.verdict, match=planned.match,
+                    reason=f"--strict: {planned.after} answers otherwise for "
+                           f"{', '.join(planned.differs_on)} (another page kind)"))
+            elif isinstance(planned, Edit):
+                edits.append(planned)
+            else:
+                plan.skips.append(planned)
+        after, applied = rewrite_module(text, edits)
+        plan.skips.extend(Skip(path=display, line=e.line, text=e.before, verdict=e.verdict,
+                               reason="LibCST did not find the check's span",
+                               match=e.match)
+                          for e in edits if e not in applied)
+        if applied and after != text:
+            plan.files.append(FilePlan(path=path, display=display, sha256=_sha(data),
+                                       before=text, after=after, edits=applied))
+    plan.skips.sort(key=lambda s: (s.path, s.line))
+    return plan
+
+
+def _with_path(site: Site, display: str) -> Site:
+    import dataclasses
+
+    return dataclasses.replace(site, path=display)
+
+
+def write_plan(plan: MigrationPlan) -> list[Refusal]:
+    """Write every planned file whose content is still what was read; the others are
+    refused (returned, and left as they are)."""
+    refused: list[Refusal] = []
+    for f in plan.files:
+        try:
+            now = f.path.read_bytes()
+        except OSError as exc:
+            refused.append(Refusal(path=f.display, error=f"cannot read again: {exc}"))
+            continue
+        if _sha(now) != f.sha256:
+            refused.append(Refusal(path=f.display,
+                                   error="changed since it was read; not rewritten "
+                                         "(run migrate again)"))
+            continue
+        f.path.write_bytes(f.after.encode("utf-8"))
+    return refused

@@ -1,0 +1,237 @@
+"""``kvspec-traits migrate`` on fixtures: every rewrite form's diff text, the rewritten code's
+answers on every catalog spec (real vLLM spec instances), idempotence, formatting and
+comments, and the files it must refuse to rewrite."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvspec_traits._cli import main as cli_main
+from kvspec_traits.audit import Universe, load_universe
+from kvspec_traits.catalog import representative_specs
+from kvspec_traits.migrate import EXIT_REFUSED, plan_migration, write_plan
+
+FIXTURE = Path(__file__).parent / "fixtures" / "migrate" / "forms.py"
+
+RECURRENT = "traits_of(spec).token_scope is TokenScope.RECURRENT_STATE"
+# (function, the line as written, the line after migrating)
+FORMS: list[tuple[str, str, str]] = [
+    ("one_class", "    return isinstance(spec, MambaSpec)", f"    return {RECURRENT}"),
+    ("class_tuple",
+     "    return isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))"
+     "  # one latent per token",
+     "    return traits_of(spec).is_mla  # one latent per token"),
+    ("module_alias", "    return isinstance(spec, kvi.MambaSpec)", f"    return {RECURRENT}"),
+    ("negation", "    if not isinstance(spec, MambaSpec):  # attention-like pages",
+     "    if traits_of(spec).token_scope is not TokenScope.RECURRENT_STATE:"
+     "  # attention-like pages"),
+    ("or_chain",
+     "    return isinstance(spec, MLAAttentionSpec) or isinstance(spec, SlidingWindowMLASpec)",
+     "    return traits_of(spec).is_mla"),
+    ("and_chain", "    return (not isinstance(spec, MLAAttentionSpec)",
+     "    return (not traits_of(spec).is_mla)"),
+    ("mixed_chain", "    return spec.block_size > 0 and isinstance(spec, MambaSpec)",
+     f"    return spec.block_size > 0 and {RECURRENT}"),
+    ("exact_type", "    return type(spec) is MambaSpec", f"    return {RECURRENT}"),
+    ("seed", "    is_mla_region = isinstance(layer_spec, MLAAttentionSpec)",
+     "    is_mla_region = traits_of(layer_spec).is_mla"),
+]
+
+# Where the traits query answers otherwise than the class check, by the adapters' traits
+# (hand-checked against vllm/v1/kv_cache_interface.py's class tree):
+# - CircularBufferSpec (an AttentionSpec ring of compressor state) and HiSparseHot/Resident
+#   (KVCacheSpec subclasses) store one latent per token, so their traits say is_mla, but
+#   none subclasses MLAAttentionSpec or SlidingWindowMLASpec. They are another page kind
+#   (not transferable / no slot mapping), which the audit compares separately; the edit
+#   names them in ``differs_on`` and the diff header says so.
+# - UniformTypeKVCacheSpecs (a group of DeepSeek-V3 MLA layers in the catalog): traits_of
+#   answers for the members; isinstance on the wrapper says False.
+OTHER_KIND = {"CircularBufferSpec", "HiSparseHotSpec", "HiSparseResidentSpec"}
+IS_MLA_DIFFERS = OTHER_KIND | {"UniformTypeKVCacheSpecs"}
+DIFFERS: dict[str, set[str]] = {
+    "class_tuple": IS_MLA_DIFFERS, "or_chain": IS_MLA_DIFFERS, "and_chain": IS_MLA_DIFFERS,
+    # the seed line misses SlidingWindowMLASpec (DeepSeek-V4's compressor caches): fixed
+    "seed": IS_MLA_DIFFERS | {"SlidingWindowMLASpec"},
+}
+FIXED = {"seed": {"SlidingWindowMLASpec"}}
+
+
+@pytest.fixture(scope="module")
+def universe() -> Universe:
+    return load_universe()
+
+
+@pytest.fixture(scope="module")
+def migrated(tmp_path_factory: pytest.TempPathFactory, universe: Universe) -> Path:
+    target = tmp_path_factory.mktemp("migrate") / "forms.py"
+    shutil.copy(FIXTURE, target)
+    plan = plan_migration([target], universe)
+    if write_plan(plan):
+        raise RuntimeError("the fixture copy was refused")
+    return target
+
+
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_diff_per_form(universe: Universe, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["migrate", str(FIXTURE)]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    for name, before, after in FORMS:
+        assert f"\n-{before}\n" in out, name
+        assert f"\n+{after}\n" in out, name
+    assert "\n+from kvspec_traits import TokenScope, traits_of\n" in out
+    assert out.count("import TokenScope, traits_of") == 1
+    # the chain's second line goes into the first
+    assert "\n-            and not isinstance(spec, SlidingWindowMLASpec))\n" in out
+    # the miss is named before the diff's `---` line (patch ignores it)
+    head = out.split("\n--- a/")[0]
+    assert ("forms.py:52 fixes a miss (the original leaves out SlidingWindowMLASpec): "
+            "isinstance(layer_spec, MLAAttentionSpec) -> traits_of(layer_spec).is_mla") in head
+    assert "would rewrite 9 in 1 files (1 fixing a miss); left 0" in captured.err
+    assert out.startswith("# kvspec-traits: ")  # stdout is the patch alone
+
+
+@pytest.mark.parametrize("name", [f[0] for f in FORMS])
+def test_same_answers_on_every_catalog_spec(name: str, migrated: Path) -> None:
+    before: Callable[[object], bool] = getattr(_load(FIXTURE, "forms_before"), name)
+    after: Callable[[object], bool] = getattr(_load(migrated, "forms_after"), name)
+    entries = representative_specs()
+    differ = {type(e.spec).__name__ for e in entries if before(e.spec) != after(e.spec)}
+    assert differ == DIFFERS.get(name, set())
+    for e in entries:  # where the original missed a class, the rewrite is right
+        if type(e.spec).__name__ in FIXED.get(name, set()):
+            assert after(e.spec) is True
+
+
+def test_edits_name_the_classes_answered_otherwise(universe: Universe) -> None:
+    plan = plan_migration([FIXTURE], universe)
+    by_line = {e.line: e for e in plan.edits}
+    assert set(by_line[21].differs_on) == OTHER_KIND  # class_tuple
+    assert by_line[17].differs_on == ()  # one_class: MambaSpec is the recurrent state
+    strict = plan_migration([FIXTURE], universe, strict=True)
+    assert len(strict.edits) == 5
+    assert {s.line for s in strict.skips} == {21, 35, 39, 52}
+
+
+def test_idempotent(migrated: Path, universe: Universe) -> None:
+    text = migrated.read_text()
+    again = plan_migration([migrated], universe)
+    assert again.files == [] and again.edits == []
+    assert write_plan(again) == []
+    assert migrated.read_text() == text
+
+
+SOURCE = '''\
+from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
+
+def f(spec, flag):
+    # keep this comment
+    if   isinstance( spec , MambaSpec ) :   # and this one
+        pass
+    same = isinstance(spec, MambaSpec) == flag   # a comparison operand keeps its meaning
+    x = (isinstance(spec, MLAAttentionSpec))
+    return [ 1 ,2 ]  # untouched
+'''
+EXPECTED = '''\
+from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
+from kvspec_traits import TokenScope, traits_of
+
+def f(spec, flag):
+    # keep this comment
+    if   traits_of(spec).token_scope is TokenScope.RECURRENT_STATE :   # and this one
+        pass
+    same = (traits_of(spec).token_scope is TokenScope.RECURRENT_STATE) == flag   # a comparison operand keeps its meaning
+    x = (traits_of(spec).is_mla)
+    return [ 1 ,2 ]  # untouched
+'''  # noqa: E501
+
+
+def test_formatting_and_comments_survive(tmp_path: Path, universe: Universe) -> None:
+    path = tmp_path / "odd.py"
+    path.write_text(SOURCE)
+    plan = plan_migration([path], universe)
+    assert write_plan(plan) == []
+    assert path.read_text() == EXPECTED
+
+
+def test_refuses_a_file_that_does_not_parse(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "broken.py"
+    text = ("from vllm.v1.kv_cache_interface import MambaSpec\n"
+            "def f(spec):\n    return isinstance(spec, MambaSpec)\n"
+            "def g(:\n")
+    path.write_text(text)
+    assert cli_main(["migrate", "--write", str(path)]) == EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert "# refused" in err and "cannot parse" in err
+    assert path.read_text() == text
+
+
+def test_refuses_a_file_changed_since_it_was_read(tmp_path: Path, universe: Universe) -> None:
+    path = tmp_path / "racing.py"
+    shutil.copy(FIXTURE, path)
+    plan = plan_migration([path], universe)
+    assert len(plan.edits) == 9
+    edited = path.read_text() + "\n# someone else's edit\n"
+    path.write_text(edited)
+    refused = write_plan(plan)
+    assert [r.error for r in refused] == [
+        "changed since it was read; not rewritten (run migrate again)"]
+    assert path.read_text() == edited
+
+
+def test_json_lists_edits_and_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "mixed.py"
+    path.write_text("from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec\n"
+                    "def f(spec):\n"
+                    "    return isinstance(spec, MambaSpec), isinstance(spec, AttentionSpec)\n")
+    assert cli_main(["migrate", "--json", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(e["line"], e["before"], e["after"]) for e in out["edits"]] == [
+        (3, "isinstance(spec, MambaSpec)", RECURRENT)]
+    assert [(s["line"], s["text"]) for s in out["skips"]] == [
+        (3, "isinstance(spec, AttentionSpec)")]
+    assert out["skips"][0]["reason"].startswith("no trait question")
+    assert out["written"] is False and out["refused"] == []
+    assert "traits_of" not in path.read_text()  # a dry run writes nothing
+
+
+def test_without_libcst_says_what_to_install() -> None:
+    code = ("import sys\nsys.modules['libcst'] = None\n"
+            "from kvspec_traits._cli import main\nsys.exit(main(['migrate', '.']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 2
+    assert "pip install 'kvspec-traits[migrate]'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_dry_run_is_a_patch_that_git_applies(tmp_path: Path, migrated: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    shutil.copy(FIXTURE, work / "forms.py")
+    # the display path is relative to the working directory: run from `work`
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work)
+        assert cli_main(["migrate", "forms.py"]) == 0
+        (work / "fix.patch").write_text(capsys.readouterr().out)
+        subprocess.run(["git", "apply", "-p1", "fix.patch"], cwd=work, check=True)
+    assert (work / "forms.py").read_text() == migrated.read_text()  # what --write wrote
