@@ -33,6 +33,7 @@ from kvspec_traits import traits_of
 from kvspec_traits.nixl import UnsupportedLayoutError, plan_regions
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from tests.mla_backends import CPU_MLA
+from tests.test_connector_kernel_blocks import _one_row_per_block
 from tests.test_connector_differential import DSV2, LBHNC, _construct, _vllm_config, distributed
 
 pytestmark = pytest.mark.timeout(600)
@@ -158,7 +159,8 @@ def test_state_pages_split_across_interleaved_kernel_rows(
     upstream._ssm_region_indices = [0, 1]
     upstream.block_stride_per_layer = [row, row]
     upstream._ple_region_index = None
-    descs = upstream._build_mamba_local([views[0].data_ptr(), views[1].data_ptr()])
+    descs = _one_row_per_block(
+        upstream._build_mamba_local([views[0].data_ptr(), views[1].data_ptr()]))
     per_region = len(descs) // 2
 
     def covered(region: int, block: int) -> set[int]:
