@@ -66,3 +66,21 @@ def test_forged_geometry_is_refused_by_name(name: str, build: Callable[..., Buil
     assert meta.block_lens == [128 * 2 * 2 * 32 * 4] * 2
     with pytest.raises(MalformedMetadataError, match=message):
         built.traits.check_remote_fingerprint(_forged(meta, **forgery))
+
+
+def _upstream_peer(meta: TraitsNixlAgentMetadata) -> TraitsNixlAgentMetadata:
+    """The same worker as upstream's NixlConnector would advertise it: no fingerprint."""
+    return dataclasses.replace(meta, kvspec_traits_fingerprint=None)
+
+
+def test_a_peer_without_fingerprint_is_accepted_only_with_sane_addresses(
+        build: Callable[..., Built]) -> None:
+    # Upstream's NixlConnector sends no fingerprint; it is accepted as upstream accepts
+    # it (vLLM's compatibility hash came first), but its addresses are still checked.
+    built = build(AGREE["gqa"])
+    meta = _upstream_peer(_own_metadata(built))
+    built.traits.check_remote_fingerprint(meta)
+    for name in ("stride_zero", "past_64_bits", "short_list"):
+        forgery, message = FORGERIES[name]
+        with pytest.raises(MalformedMetadataError, match=message):
+            built.traits.check_remote_fingerprint(_forged(meta, **forgery))

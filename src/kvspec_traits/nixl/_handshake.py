@@ -44,6 +44,7 @@ __all__ = [
     "check_handshake",
     "check_peer_geometry",
     "check_peer_layout",
+    "check_region_bounds",
     "decode_fingerprint",
     "decode_metadata",
     "encode_metadata",
@@ -371,13 +372,26 @@ def check_peer_geometry(fingerprint: PlanFingerprint, regions: Sequence[PeerRegi
             f"{len(regions)} regions but {len(fingerprint.regions)} fingerprint records")
     for index, (record, region) in enumerate(zip(fingerprint.regions, regions, strict=True)):
         page = _record_page(record, index, tp_size)
-        where = f"region {index} ({record.get('name')!r})"
         if region.block_len != page:
             raise MalformedMetadataError(
-                f"{where}: block_len {region.block_len} but its fingerprint implies "
-                f"{page} bytes per block at TP {tp_size}")
-        if region.num_blocks < 1:
-            raise MalformedMetadataError(f"{where}: num_blocks {region.num_blocks}")
+                f"region {index} ({record.get('name')!r}): block_len {region.block_len} "
+                f"but its fingerprint implies {page} bytes per block at TP {tp_size}")
+    check_region_bounds(regions, [str(r.get("name")) for r in fingerprint.regions])
+
+
+def check_region_bounds(regions: Sequence[PeerRegion],
+                        names: Sequence[str] | None = None) -> None:
+    """Refuse region geometry that addresses nothing sane, whatever layout it claims:
+    a block of at least one byte, at least one block, a stride of at least one block
+    (blocks do not overlap; stride 0 would read block 0 for every block), and the last
+    byte addressable in 64 bits. :class:`MalformedMetadataError` names the region and
+    the values. :func:`check_peer_geometry` runs it after the fingerprint's checks; the
+    connector runs it alone for a peer that sent no fingerprint."""
+    for index, region in enumerate(regions):
+        where = f"region {index}" + (f" ({names[index]!r})" if names is not None else "")
+        if region.block_len < 1 or region.num_blocks < 1:
+            raise MalformedMetadataError(
+                f"{where}: block_len {region.block_len}, num_blocks {region.num_blocks}")
         if region.num_blocks > 1 and region.block_stride < region.block_len:
             raise MalformedMetadataError(
                 f"{where}: block_stride {region.block_stride} < block_len "
@@ -385,7 +399,7 @@ def check_peer_geometry(fingerprint: PlanFingerprint, regions: Sequence[PeerRegi
         end = region.base_addr + max(region.block_stride * region.num_blocks,
                                      region.block_stride * (region.num_blocks - 1)
                                      + region.block_len)
-        if end >= _U64_END or region.device_id >= _U64_END:
+        if region.base_addr < 0 or end >= _U64_END or not 0 <= region.device_id < _U64_END:
             raise MalformedMetadataError(
                 f"{where}: base {region.base_addr} + stride {region.block_stride} x "
                 f"{region.num_blocks} blocks does not fit in 64 bits")

@@ -58,6 +58,7 @@ from kvspec_traits.nixl import (
     RegionPlan,
     check_handshake,
     check_peer_geometry,
+    check_region_bounds,
     decode_fingerprint,
     plan_regions,
 )
@@ -555,6 +556,12 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             # between two upstream connectors; the opt-in below refuses such peers.
             if self._require_traits_peer():
                 raise PeerWithoutTraitsError(peer)
+            # No layout to check its addresses against; they must still address
+            # something sane before vLLM builds descriptors from them.
+            try:
+                check_region_bounds(_peer_regions(agent_metadata))
+            except MalformedMetadataError as exc:
+                raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
             logger.warning("%s: NIXL peer %s (engine %s) runs upstream's NixlConnector "
                            "(no kvspec-traits fingerprint); its layout is checked by "
                            "vLLM's compatibility hash only. Set kv_connector_extra_config "
