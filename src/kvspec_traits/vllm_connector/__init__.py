@@ -18,11 +18,15 @@ from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
 __all__ = [
     "CONNECTOR_NAME",
     "MODULE_PATH",
+    "REQUIRE_TRAITS_PEER",
     "SUPPORTED_VLLM_SERIES",
+    "PeerWithoutTraitsError",
     "TraitsNixlAgentMetadata",
     "TraitsNixlConnector",
     "TraitsNixlConnectorWorker",
+    "UnsupportedPipelineParallelError",
     "UnsupportedVllmVersionError",
+    "UpstreamDisagreesError",
     "check_vllm_version",
     "register_with_vllm",
 ]
@@ -33,9 +37,20 @@ _IMPL: Final = "kvspec_traits.vllm_connector._connector"
 
 if TYPE_CHECKING:
     from kvspec_traits.vllm_connector._connector import (
+        REQUIRE_TRAITS_PEER,
+        PeerWithoutTraitsError,
+        TraitsNixlAgentMetadata,
         TraitsNixlConnector,
         TraitsNixlConnectorWorker,
+        UnsupportedPipelineParallelError,
+        UpstreamDisagreesError,
     )
+
+# Defined beside the worker (they need vLLM); loaded on first access, like the classes.
+_LAZY: Final = frozenset({
+    "TraitsNixlConnector", "TraitsNixlConnectorWorker", "TraitsNixlAgentMetadata",
+    "PeerWithoutTraitsError", "UnsupportedPipelineParallelError", "UpstreamDisagreesError",
+    "REQUIRE_TRAITS_PEER"})
 
 
 class UnsupportedVllmVersionError(RuntimeError):
@@ -89,8 +104,7 @@ def register_with_vllm() -> None:
 
 def __getattr__(name: str) -> Any:
     # vLLM's factory does getattr(import_module(kv_connector_module_path), kv_connector).
-    if name in ("TraitsNixlConnector", "TraitsNixlConnectorWorker",
-                "TraitsNixlAgentMetadata"):
+    if name in _LAZY:
         import importlib
 
         with needs(f"{CONNECTOR_NAME} (kvspec_traits.vllm_connector)"):
