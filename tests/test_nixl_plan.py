@@ -174,6 +174,28 @@ def test_ring_sharing_base_with_swa_mla_keeps_the_longer_block() -> None:
         assert region.group_id == SHARED_REGION_GROUP_ID
 
 
+def test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart() -> None:
+    """vLLM 0.34 keys regions by (base, block_len): the ring and the SWA-MLA page at one
+    base are two regions, each moving its own page (SWA 65664 B, ring 32768 B, as the
+    test above computes them), at the same base and stride, in model order."""
+    specs = layouts.deepseek_v4_specs(1)
+    ring, swa = specs["ring"][0], specs["swa"][0]
+    for first, second in ((ring, swa), (swa, ring)):
+        config, caches = _alias_groups(first, second)
+        plan = plan_regions(caches, config, split_by_block_len=True)
+        assert len(plan.regions) == 2
+        by_name = {r.name: r for r in plan.regions}
+        assert by_name[ring[0]].block_len == 32768
+        assert by_name[swa[0]].block_len == 65664
+        assert len({r.base_addr for r in plan.regions}) == 1
+        assert len({r.block_stride for r in plan.regions}) == 1
+        assert by_name[ring[0]].scratch and not by_name[swa[0]].scratch
+        # Each region is its own group's (no shared-region group id).
+        assert {r.group_id for r in plan.regions} == {0, 1}
+        assert plan.region_names == [ring[0], swa[0]]  # model order
+        assert plan.num_descs == 2 * NB
+
+
 def test_mamba_registered_first_does_not_make_an_mla_region_head_sharded() -> None:
     """vLLM bug class: a Mamba-style layer (DeepSeek-V4's replicated PLE conv state)
     registered first decided the region's replication. Both members are REPLICATED by
