@@ -36,6 +36,7 @@ from kvspec_traits.nixl import (
     MissingLayerError,
     MissingPeerError,
     Read,
+    RegionConflictError,
     RegionPlan,
     UnsupportedLayoutError,
     block_desc_ids,
@@ -194,6 +195,34 @@ def test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart() -> None:
         assert {r.group_id for r in plan.regions} == {0, 1}
         assert plan.region_names == [ring[0], swa[0]]  # model order
         assert plan.num_descs == 2 * NB
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC])
+def test_pages_of_other_head_counts_at_one_base(layout: KVCacheLayout) -> None:
+    """MiMo-V2-Flash's shape: full-attention layers of 4 KV heads (block 32) and
+    sliding-window layers of 8 (block 16) page to equal bytes (vLLM's page_size_bytes:
+    2 x 32 x 4 x 64 x 2 B = 2 x 16 x 8 x 64 x 2 B = 32768) and alias one base. Heads
+    outermost in the page (LBHNC), one region whose block splits into gcd(4, 8) = 4
+    slices holding whole heads of both; tokens outermost (LBNHC), no byte slice holds
+    whole heads of both, so the region is refused by name."""
+    full = ("model.layers.0.attn", kvi.FullAttentionSpec(
+        block_size=32, num_kv_heads=4, head_size=64, dtype=torch.float16))
+    window = ("model.layers.1.attn", kvi.SlidingWindowSpec(
+        block_size=16, num_kv_heads=8, head_size=64, dtype=torch.float16,
+        sliding_window=128))
+    assert (default_registry.traits_of(full[1]).page_size_bytes
+            == default_registry.traits_of(window[1]).page_size_bytes == 32768)
+    config, caches = _alias_groups(full, window, layout)
+    if layout is KVCacheLayout.LBNHC:
+        with pytest.raises(RegionConflictError, match="num_head_slots"):
+            plan_regions(caches, config)
+        return
+    plan = plan_regions(caches, config)
+    assert len(plan.regions) == 1
+    region = plan.regions[0]
+    assert region.layers == (full[0], window[0])
+    assert region.block_len == 32768 and region.num_head_slots == 4
+    assert not region.replicated and region.head_major
 
 
 def test_mamba_registered_first_does_not_make_an_mla_region_head_sharded() -> None:

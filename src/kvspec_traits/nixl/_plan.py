@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from math import prod
+from math import gcd, prod
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -124,7 +124,9 @@ class Region:
     dtypes: tuple[str, ...]
     kv_quant_modes: tuple[str, ...]
     num_head_slots: int | None
-    """Head slots of a head-sharded region on this rank (``None`` if replicated)."""
+    """Head slots of a head-sharded region on this rank (``None`` if replicated). Members
+    with other head counts, all heads-outermost: the gcd of theirs (the byte slices of a
+    block that hold whole heads of every member)."""
     head_major: bool
     """A head slice of one block is one contiguous byte run (heads outermost in the
     page), which is what splitting a block by heads across TP ranks needs."""
@@ -784,9 +786,17 @@ def _region(index: int, members: list[_Piece]) -> Region:
     replicated = layout is TPLayout.REPLICATED
     heads: int | None = None
     if paged and not replicated:
-        heads = _agree(name, layers, "num_head_slots",
-                       {m.layer: m.traits.num_head_slots for m in paged
-                        if m.traits.tp_layout is not TPLayout.REPLICATED})
+        slots = {m.layer: m.traits.num_head_slots for m in paged
+                 if m.traits.tp_layout is not TPLayout.REPLICATED}
+        if len(set(slots.values())) > 1 and all(
+                m.head_major and m.traits.kv_head_contiguous for m in paged):
+            # Pages of other head counts at one base (MiMo-V2: full layers of 4 KV heads
+            # and window layers of 8, paged to equal bytes), each heads-outermost: a
+            # block splits into gcd(slots) byte slices that each hold whole heads of
+            # every member, which is what a TP split reads.
+            heads = gcd(*slots.values())
+        else:
+            heads = _agree(name, layers, "num_head_slots", slots)
     group_ids = tuple(sorted({m.group_id for m in members}))
     return Region(
         index=index,
