@@ -246,6 +246,24 @@ def test_mamba_registered_first_does_not_make_an_mla_region_head_sharded() -> No
         assert plan.state_region_indices == []
 
 
+def test_split_by_block_len_gives_a_wider_replicated_state_its_own_region() -> None:
+    """vLLM 0.34 (CSA-linear PLE): a replicated state page (4 x 1024 x 2 B bf16 = 8192 B,
+    MambaSpec's page) wider than the MLA page at its base (block 4 x 576 x 2 B = 4608 B)
+    registers as its own region, so its blocks move the whole state page; keyed by base
+    only (0.32/0.33) the two share one region."""
+    ple = MambaSpec(block_size=4, shapes=((4, 1024),), dtypes=(torch.bfloat16,),
+                    tp_replicated=True)
+    mla = MLAAttentionSpec(block_size=4, num_kv_heads=1, max_tp_shards=1, head_size=576,
+                           dtype=torch.bfloat16)
+    config, caches = _alias_groups(("model.layers.0.a_ple", ple), ("model.layers.0.attn", mla))
+    plan = plan_regions(caches, config, split_by_block_len=True)
+    assert [(r.name, r.block_len) for r in plan.regions] == [
+        ("model.layers.0.a_ple", 8192), ("model.layers.0.attn", 4608)]
+    assert len(set(plan.base_addresses)) == 1
+    assert plan.replicated_state_region_indices == [0]
+    assert len(plan_regions(caches, config).regions) == 1
+
+
 def test_replicated_page_sharing_a_sharded_state_refuses_a_tp_change() -> None:
     """An MLA page and a TP-sharded Mamba state on one base: the region is replicated
     (its paged member decides), but each rank's blocks hold that rank's shard of the
