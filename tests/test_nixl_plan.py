@@ -36,6 +36,7 @@ from kvspec_traits.nixl import (
     MissingLayerError,
     MissingPeerError,
     Read,
+    RegionConflictError,
     RegionPlan,
     UnsupportedLayoutError,
     block_desc_ids,
@@ -174,6 +175,56 @@ def test_ring_sharing_base_with_swa_mla_keeps_the_longer_block() -> None:
         assert region.group_id == SHARED_REGION_GROUP_ID
 
 
+def test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart() -> None:
+    """vLLM 0.34 keys regions by (base, block_len): the ring and the SWA-MLA page at one
+    base are two regions, each moving its own page (SWA 65664 B, ring 32768 B, as the
+    test above computes them), at the same base and stride, in model order."""
+    specs = layouts.deepseek_v4_specs(1)
+    ring, swa = specs["ring"][0], specs["swa"][0]
+    for first, second in ((ring, swa), (swa, ring)):
+        config, caches = _alias_groups(first, second)
+        plan = plan_regions(caches, config, split_by_block_len=True)
+        assert len(plan.regions) == 2
+        by_name = {r.name: r for r in plan.regions}
+        assert by_name[ring[0]].block_len == 32768
+        assert by_name[swa[0]].block_len == 65664
+        assert len({r.base_addr for r in plan.regions}) == 1
+        assert len({r.block_stride for r in plan.regions}) == 1
+        assert by_name[ring[0]].scratch and not by_name[swa[0]].scratch
+        # Each region is its own group's (no shared-region group id).
+        assert {r.group_id for r in plan.regions} == {0, 1}
+        assert plan.region_names == [ring[0], swa[0]]  # model order
+        assert plan.num_descs == 2 * NB
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC])
+def test_pages_of_other_head_counts_at_one_base(layout: KVCacheLayout) -> None:
+    """MiMo-V2-Flash's shape: full-attention layers of 4 KV heads (block 32) and
+    sliding-window layers of 8 (block 16) page to equal bytes (vLLM's page_size_bytes:
+    2 x 32 x 4 x 64 x 2 B = 2 x 16 x 8 x 64 x 2 B = 32768) and alias one base. Heads
+    outermost in the page (LBHNC), one region whose block splits into gcd(4, 8) = 4
+    slices holding whole heads of both; tokens outermost (LBNHC), no byte slice holds
+    whole heads of both, so the region is refused by name."""
+    full = ("model.layers.0.attn", kvi.FullAttentionSpec(
+        block_size=32, num_kv_heads=4, head_size=64, dtype=torch.float16))
+    window = ("model.layers.1.attn", kvi.SlidingWindowSpec(
+        block_size=16, num_kv_heads=8, head_size=64, dtype=torch.float16,
+        sliding_window=128))
+    assert (default_registry.traits_of(full[1]).page_size_bytes
+            == default_registry.traits_of(window[1]).page_size_bytes == 32768)
+    config, caches = _alias_groups(full, window, layout)
+    if layout is KVCacheLayout.LBNHC:
+        with pytest.raises(RegionConflictError, match="num_head_slots"):
+            plan_regions(caches, config)
+        return
+    plan = plan_regions(caches, config)
+    assert len(plan.regions) == 1
+    region = plan.regions[0]
+    assert region.layers == (full[0], window[0])
+    assert region.block_len == 32768 and region.num_head_slots == 4
+    assert not region.replicated and region.head_major
+
+
 def test_mamba_registered_first_does_not_make_an_mla_region_head_sharded() -> None:
     """vLLM bug class: a Mamba-style layer (DeepSeek-V4's replicated PLE conv state)
     registered first decided the region's replication. Both members are REPLICATED by
@@ -193,6 +244,24 @@ def test_mamba_registered_first_does_not_make_an_mla_region_head_sharded() -> No
         assert region.block_len == 64 * 576 * 2  # the MLA page is the longer
         assert plan.replicated_state_region_indices == [0]
         assert plan.state_region_indices == []
+
+
+def test_split_by_block_len_gives_a_wider_replicated_state_its_own_region() -> None:
+    """vLLM 0.34 (CSA-linear PLE): a replicated state page (4 x 1024 x 2 B bf16 = 8192 B,
+    MambaSpec's page) wider than the MLA page at its base (block 4 x 576 x 2 B = 4608 B)
+    registers as its own region, so its blocks move the whole state page; keyed by base
+    only (0.32/0.33) the two share one region."""
+    ple = MambaSpec(block_size=4, shapes=((4, 1024),), dtypes=(torch.bfloat16,),
+                    tp_replicated=True)
+    mla = MLAAttentionSpec(block_size=4, num_kv_heads=1, max_tp_shards=1, head_size=576,
+                           dtype=torch.bfloat16)
+    config, caches = _alias_groups(("model.layers.0.a_ple", ple), ("model.layers.0.attn", mla))
+    plan = plan_regions(caches, config, split_by_block_len=True)
+    assert [(r.name, r.block_len) for r in plan.regions] == [
+        ("model.layers.0.a_ple", 8192), ("model.layers.0.attn", 4608)]
+    assert len(set(plan.base_addresses)) == 1
+    assert plan.replicated_state_region_indices == [0]
+    assert len(plan_regions(caches, config).regions) == 1
 
 
 def test_replicated_page_sharing_a_sharded_state_refuses_a_tp_change() -> None:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from math import prod
+from math import gcd, prod
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -124,7 +124,9 @@ class Region:
     dtypes: tuple[str, ...]
     kv_quant_modes: tuple[str, ...]
     num_head_slots: int | None
-    """Head slots of a head-sharded region on this rank (``None`` if replicated)."""
+    """Head slots of a head-sharded region on this rank (``None`` if replicated). Members
+    with other head counts, all heads-outermost: the gcd of theirs (the byte slices of a
+    block that hold whole heads of every member)."""
     head_major: bool
     """A head slice of one block is one contiguous byte run (heads outermost in the
     page), which is what splitting a block by heads across TP ranks needs."""
@@ -134,6 +136,10 @@ class Region:
     replicated_state: bool = False
     """Has a TP-replicated recurrent-state member (vLLM's PLE state of CSA-linear
     models), next to or instead of a TP-sharded one."""
+    packed_members: tuple[tuple[str, int, int], ...] = ()
+    """``(layer, offset, page bytes)`` of each member registered as part of a whole
+    block row (``packed_member_rows``): where its page sits in the row (vLLM's
+    ``packed_member_layouts``)."""
     kv_head_contiguous: bool = True
     """Every paged member keeps each KV head's slots together
     (:attr:`~kvspec_traits.KVLayoutTraits.kv_head_contiguous`): the order of the head
@@ -347,6 +353,8 @@ class _Piece:
     device_id: int
     head_major: bool
     head_segment: tuple[int, int] | None
+    row_member: tuple[int, int] | None = None
+    """``(offset, page bytes)`` of the layer's page in a whole-row piece."""
 
 
 def plan_regions(
@@ -364,6 +372,8 @@ def plan_regions(
     kernel_ratio: int | None = None,
     model_order: bool = True,
     whole_rows: bool | None = None,
+    split_by_block_len: bool = False,
+    packed_member_rows: bool = False,
 ) -> RegionPlan:
     """Plan the NIXL regions of one rank's KV cache.
 
@@ -379,6 +389,13 @@ def plan_regions(
     descriptor per block instead of one per page, at the cost of moving every page of
     the row. Storages with a recurrent-state member keep one region per page. A row
     region is never split by heads (:attr:`Region.head_major` is False).
+
+    ``packed_member_rows=True`` registers whole block rows for the pages that are the
+    same on every TP rank, as vLLM 0.33+ does for block-outermost MLA caches: when every
+    view shares one storage and one block stride, each replicated, token-paged,
+    latent (MLA) view of a block-major storage becomes a region of whole rows at the
+    storage's base (block length = stride), and :attr:`Region.packed_members` says
+    where its page sits in the row. Other views keep their own pages.
 
     Views whose rows are kernel blocks (vLLM's kernel block splitting: ``num_blocks *
     ratio`` rows) are planned in manager blocks, the ids requests carry.
@@ -404,6 +421,12 @@ def plan_regions(
     Regions follow model-layer order (:func:`region_sort_key`); ``model_order=False``
     keeps the order of ``kv_caches`` instead, as vLLM's worker does for CSA-linear
     (ring-buffer) models, whose region indices its descriptor code relies on.
+
+    Views at one base address share a region; ``split_by_block_len=True`` keys regions by
+    base address and block length instead, as vLLM 0.34 does: overlaid groups paging the
+    same bytes with different page sizes (a compressor ring over an MLA page) are then
+    separate regions, each moving its own page, where by default they share one region
+    that moves the longest page.
 
     Raises :class:`RegionConflictError` when layers sharing a region disagree on a
     fact the transfer needs, :class:`UnsupportedLayoutError` for a tensor that is not
@@ -450,12 +473,19 @@ def plan_regions(
                           layer_blocks.get(layer, n_blocks), kernel_blocks,
                           kernel_ratio, registrations[key] if whole_rows else None))
 
-    pieces: dict[tuple[int, str], list[_Piece]] = {}
+    shared_rows = packed_member_rows and len(registrations) == 1 and len(
+        {kv_caches[layer].stride(0) * kv_caches[layer].element_size()
+         for layer in kv_caches if layer in layer_traits}) == 1
+    pieces: dict[tuple[int, str, int], list[_Piece]] = {}
     for key, storage_pieces in by_storage.items():
         if packed_rows:
             storage_pieces = _as_rows(storage_pieces, registrations[key])
+        if shared_rows:
+            storage_pieces = [_as_member_row(p, registrations[key]) for p in storage_pieces]
         for piece in storage_pieces:
-            pieces.setdefault((piece.base, piece.mem_type), []).append(piece)
+            region_key = (piece.base, piece.mem_type,
+                          piece.block_len if split_by_block_len else 0)
+            pieces.setdefault(region_key, []).append(piece)
 
     regions = tuple(_region(index, members) for index, members in enumerate(pieces.values()))
     for region in regions:
@@ -706,6 +736,25 @@ def _as_rows(pieces: list[_Piece], storage: MemoryRange) -> list[_Piece]:
                    head_segment=None) for p in pieces]
 
 
+def _as_member_row(piece: _Piece, storage: MemoryRange) -> _Piece:
+    """``piece`` as a whole-row piece remembering where its page sits, if it is a
+    replicated latent token page of a block-major storage; else ``piece``."""
+    traits = piece.traits
+    stride = piece.block_stride
+    offset = piece.base - storage.base
+    if not (traits.is_mla and traits.tp_layout is TPLayout.REPLICATED
+            and traits.token_scope not in (TokenScope.RING, TokenScope.RECURRENT_STATE)
+            and piece.head_segment is None
+            and 0 <= storage.length - piece.num_blocks * stride < stride
+            and offset >= 0 and offset + piece.block_len <= stride):
+        return piece
+    return _Piece(layer=piece.layer, traits=traits, group_id=piece.group_id,
+                  base=storage.base, block_len=stride, block_stride=stride,
+                  num_blocks=piece.num_blocks, mem_type=piece.mem_type,
+                  device_id=piece.device_id, head_major=False, head_segment=None,
+                  row_member=(offset, piece.block_len))
+
+
 def _agree(region: str, layers: Sequence[str], trait: str, values: Mapping[str, _T]) -> _T:
     """The members' common value of ``trait``; RegionConflictError if they differ."""
     distinct = set(values.values())
@@ -761,9 +810,17 @@ def _region(index: int, members: list[_Piece]) -> Region:
     replicated = layout is TPLayout.REPLICATED
     heads: int | None = None
     if paged and not replicated:
-        heads = _agree(name, layers, "num_head_slots",
-                       {m.layer: m.traits.num_head_slots for m in paged
-                        if m.traits.tp_layout is not TPLayout.REPLICATED})
+        slots = {m.layer: m.traits.num_head_slots for m in paged
+                 if m.traits.tp_layout is not TPLayout.REPLICATED}
+        if len(set(slots.values())) > 1 and all(
+                m.head_major and m.traits.kv_head_contiguous for m in paged):
+            # Pages of other head counts at one base (MiMo-V2: full layers of 4 KV heads
+            # and window layers of 8, paged to equal bytes), each heads-outermost: a
+            # block splits into gcd(slots) byte slices that each hold whole heads of
+            # every member, which is what a TP split reads.
+            heads = gcd(*slots.values())
+        else:
+            heads = _agree(name, layers, "num_head_slots", slots)
     group_ids = tuple(sorted({m.group_id for m in members}))
     return Region(
         index=index,
@@ -797,6 +854,8 @@ def _region(index: int, members: list[_Piece]) -> Region:
         head_major=all(m.head_major and m.traits.kv_head_contiguous for m in paged),
         head_segment=first.head_segment,
         replicated_state=replicated_state,
+        packed_members=tuple((m.layer, *m.row_member) for m in members
+                             if m.row_member is not None),
         kv_head_contiguous=all(m.traits.kv_head_contiguous for m in paged),
     )
 

@@ -72,11 +72,13 @@ __all__ = [
     "LayoutFacts",
     "REQUIRE_TRAITS_PEER",
     "PeerWithoutTraitsError",
+    "SeriesQuirks",
     "TraitsNixlAgentMetadata",
     "TraitsNixlConnector",
     "TraitsNixlConnectorWorker",
     "UpstreamDisagreesError",
     "layout_facts",
+    "series_quirks",
 ]
 
 # Under "vllm." so vLLM's log configuration (handler, level, VLLM_LOGGING_*) applies.
@@ -240,6 +242,38 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
     )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SeriesQuirks:
+    """Where vLLM series register the same layout differently: the one place the
+    connector branches on the installed vLLM series (every other decision comes from
+    traits and the planner's region facts)."""
+
+    series: str
+    regions_keyed_by_block_len: bool
+    """vLLM 0.34 keys a region by (base address, block length): overlaid groups paging
+    the same bytes with different page sizes are separate regions. 0.32/0.33 key by
+    base address only (one region, moving the longest page)."""
+    packed_mla_rows: bool
+    """vLLM 0.33+ pull workers register a block-outermost (``*B*`` first) MLA cache as
+    whole block rows, one descriptor per block, and advertise each layer's page in the
+    row (``packed_member_layouts``); 0.32 does so for push workers only."""
+
+
+def series_quirks(version: str | None = None) -> SeriesQuirks:
+    """The :class:`SeriesQuirks` of vLLM ``version`` (default: the imported vLLM)."""
+    if version is None:
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "0"))
+    major_minor = tuple(int(p) for p in version.split("+", 1)[0].split(".")[:2]
+                        if p.isdigit())
+    return SeriesQuirks(
+        series=".".join(str(p) for p in major_minor),
+        regions_keyed_by_block_len=major_minor >= (0, 34),
+        packed_mla_rows=major_minor >= (0, 33),
+    )
+
+
 class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     """vLLM's pull-mode NIXL worker with its layout decisions taken from traits."""
 
@@ -248,6 +282,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     region_plan: RegionPlan | None = None
     traits_fingerprint: PlanFingerprint | None = None
     _traits_registry: Registry = default_registry
+    _quirks: SeriesQuirks = series_quirks()
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str,
                  kv_cache_config: KVCacheConfig, *, registry: Registry | None = None
@@ -335,7 +370,19 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                             kernel_ratio=self._physical_blocks_per_logical_kv_block,
                             # vLLM orders CSA-linear regions as the caches come.
                             model_order=not self._is_csa_linear,
-                            whole_rows=not self._is_csa_linear)
+                            whole_rows=not self._is_csa_linear,
+                            split_by_block_len=self._quirks.regions_keyed_by_block_len,
+                            packed_member_rows=self._packs_member_rows())
+
+    def _packs_member_rows(self) -> bool:
+        """Whether whole block rows are registered for the latent pages (vLLM 0.33+:
+        a block-outermost layout, with no recurrent state, PP 1; the planner then
+        checks the views share one storage and stride, and takes the replicated
+        latent token pages)."""
+        facts = self._layout_facts()
+        return (self._quirks.packed_mla_rows and facts.mla and not facts.has_state
+                and bool(getattr(self, "_has_packed_cache", False))
+                and self.pp_size == 1)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV caches with NIXL, regions planned from traits."""
@@ -502,7 +549,9 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         if hasattr(self, "_get_head_sharded_draft_regions"):
             self._head_sharded_draft_regions = self._get_head_sharded_draft_regions()
         if hasattr(self, "_packed_member_layouts"):
-            self._packed_member_layouts: dict[str, tuple[int, int]] = {}
+            self._packed_member_layouts: dict[str, tuple[int, int]] = {
+                layer: (offset, length) for r in regions
+                for layer, offset, length in r.packed_members}
 
     # -- handshake ----------------------------------------------------------------------
 

@@ -1,0 +1,169 @@
+"""Where vLLM series register the same layout differently (the connector's
+``SeriesQuirks``), on the real workers and real NIXL agents of the series under test.
+
+- 0.34 keys a region by (base address, block length): a compressor ring overlaying a
+  sliding-window MLA page at one base is two regions, each moving its own page
+  (0.32/0.33: one region).
+- 0.33+ pull workers register a block-outermost (BLHNC) MLA cache as whole block rows,
+  one descriptor per block, and advertise each layer's page in the row
+  (``packed_member_layouts``); 0.32 keeps one region per layer page.
+
+Each case compares ours with upstream's worker field by field, then moves a request's
+blocks through vLLM's own receive path between two of our workers and checks every byte.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import vllm
+from vllm.config import set_current_vllm_config
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+from kvspec_traits import traits_of
+from kvspec_traits.vllm_connector._connector import (
+    SeriesQuirks,
+    TraitsNixlConnectorWorker,
+    series_quirks,
+)
+from tests.mla_backends import CPU_MLA
+from tests.nixl_helpers import layouts
+from tests.test_connector_differential import (
+    BLHNC,
+    DSV2,
+    RING_SWA_MLA,
+    Built,
+    Family,
+    _construct,
+    _dsv4_specs,
+    _mla,
+    _vllm_config,
+    build,
+    by_base,
+    compared_fields,
+    distributed,
+)
+from tests.test_connector_kernel_blocks import _read
+
+pytestmark = pytest.mark.timeout(600)
+__all__ = ["build", "distributed"]  # fixtures, imported for their names
+
+NB = 6
+SERIES = ".".join(vllm.__version__.split(".")[:2])
+PACKED_MLA = Family(lambda: _mla(CPU_MLA), BLHNC, DSV2, CPU_MLA)
+
+
+def test_series_quirks_per_series() -> None:
+    assert series_quirks("0.32.0") == SeriesQuirks(
+        series="0.32", regions_keyed_by_block_len=False, packed_mla_rows=False)
+    assert series_quirks("0.33.0+cpu") == SeriesQuirks(
+        series="0.33", regions_keyed_by_block_len=False, packed_mla_rows=True)
+    assert series_quirks("0.34.0") == SeriesQuirks(
+        series="0.34", regions_keyed_by_block_len=True, packed_mla_rows=True)
+    assert series_quirks().series == SERIES
+
+
+@pytest.fixture
+def pair(distributed: None, tiny_models: pathlib.Path) -> Iterator[Callable[..., Any]]:
+    """``pair(family)``: a producer and a consumer TraitsNixlConnectorWorker, each over its
+    own allocation of the family's layout, caches registered; shut down afterwards."""
+    made: list[Any] = []
+
+    def _pair(family: Family) -> tuple[Any, dict[str, torch.Tensor], Any,
+                                       dict[str, torch.Tensor], list[KVCacheGroupSpec]]:
+        out: list[Any] = []
+        groups = family.groups()
+        for engine in ("producer", "consumer"):
+            vllm_config = _vllm_config(tiny_models / family.model, family.layout,
+                                       family.mla_backend)
+            config = layouts.kv_cache_config(groups, NB, family.layout)
+            caches = layouts.allocate(config, family.layout)
+            with set_current_vllm_config(vllm_config):
+                worker = _construct(lambda: TraitsNixlConnectorWorker(
+                    vllm_config, engine, config))  # noqa: B023
+                made.append(worker)
+                worker.register_kv_caches(caches)
+            out += [worker, caches]
+        return (*out, groups)
+
+    yield _pair
+    for worker in made:
+        worker.shutdown()
+
+
+def _same_as_upstream(built: Built) -> None:
+    up, ours = built.upstream, built.traits
+    diff = {name: (getattr(up, name), getattr(ours, name)) for name in compared_fields()
+            if getattr(up, name) != getattr(ours, name)}
+    assert diff == {}
+    assert by_base(up) == by_base(ours)
+    assert getattr(up, "_packed_member_layouts", {}) == getattr(ours, "_packed_member_layouts", {})
+
+
+def _read_and_check(pair: Callable[..., Any], family: Family) -> None:
+    """Read blocks [2, 5] of every group of P into [4, 1] of D: exactly those blocks'
+    bytes of every layer arrive, nothing else of D changes."""
+    producer, p_caches, consumer, d_caches, groups = pair(family)
+    layouts.fill_pattern(p_caches, seed=11)
+    before = layouts.backing(d_caches).clone()
+    local = tuple([4, 1] for _ in groups)
+    _read(consumer, producer, local, [[2, 5] for _ in groups])
+    after = layouts.backing(d_caches)
+    changed = torch.zeros(after.numel(), dtype=torch.bool)
+    base = after.data_ptr()
+    for group in groups:
+        for layer in group.layer_names:
+            p_view, d_view = p_caches[layer], d_caches[layer]
+            for dst, src in ((4, 2), (1, 5)):
+                got = d_view[dst].contiguous().view(torch.uint8).flatten()
+                want = p_view[src].contiguous().view(torch.uint8).flatten()
+                assert torch.equal(got, want), (layer, dst, src)
+                start = d_view[dst].data_ptr() - base
+                changed[start:start + got.numel()] = True
+    assert torch.equal(after[~changed], before[~changed])
+
+
+def test_ring_over_swa_mla_matches_upstream_and_moves_every_byte(
+        build: Callable[..., Built], pair: Callable[..., Any]) -> None:
+    """A ring (32768 B page, traits_of below) and an SWA-MLA cache at one base in BLHNC
+    rows of 32768 B: on 0.34 (regions keyed by base and block length) ours registers
+    what upstream does, and a read moves every page of both (the planner test
+    test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart covers pages of
+    other lengths at one base)."""
+    ring_page = traits_of(_dsv4_specs()["compressor.ring"]).page_size_bytes
+    built = build(RING_SWA_MLA)
+    ours = built.traits
+    assert max(ours.block_len_per_layer) == ring_page
+    if series_quirks().regions_keyed_by_block_len:
+        up = built.upstream
+        for name in ("block_len_per_layer", "block_stride_per_layer", "region_num_blocks",
+                     "region_group_ids", "region_names", "num_regions", "num_descs"):
+            assert getattr(up, name) == getattr(ours, name), name
+    _read_and_check(pair, RING_SWA_MLA)
+
+
+def test_packed_mla_rows(build: Callable[..., Built], pair: Callable[..., Any]) -> None:
+    """Two MLA layers, BLHNC: a block row is layer 0's page then layer 1's
+    (page = block 16 x 576 x 4 B float32 = 36864 B, vLLM's MLA page_size_bytes with
+    CPU_MLA's block and dtype; the row 2 pages). On 0.33+ one region of whole rows,
+    each layer's page advertised at offset 0 and 36864; on 0.32 a region per page."""
+    built = build(PACKED_MLA)
+    names = list(built.config.kv_cache_groups[0].layer_names)
+    page = traits_of(built.config.kv_cache_groups[0].kv_cache_spec).page_size_bytes
+    assert page == CPU_MLA.block_size * 576 * torch.tensor([], dtype=CPU_MLA.torch_dtype
+                                                           ).element_size()
+    ours = built.traits
+    if series_quirks().packed_mla_rows:
+        assert ours.num_regions == 1
+        assert ours.block_len_per_layer == [2 * page]
+        assert ours.num_descs == built.config.num_blocks
+        assert ours._packed_member_layouts == {names[0]: (0, page), names[1]: (page, page)}
+    else:
+        assert ours.num_regions == 2
+        assert ours.block_len_per_layer == [page, page]
+    _same_as_upstream(built)
+    _read_and_check(pair, PACKED_MLA)
