@@ -2,7 +2,8 @@
 (scripts/migrate_kv_transfer.py), and the seed line restored into a copy of NIXL's worker.
 
 The counts below are the installed vLLM 0.32's (EXPECTED has 0.33's and 0.34's): 92
-spec-class sites, 51 of them exact trait matches (the audit's verdicts), 47 of those rewritten; of the 4 left, 3 ask a class rather
+spec-class sites, 51 of them exact trait matches (the audit's verdicts), 47 of those
+rewritten; of the 4 left, 3 ask a class rather
 than an instance (``issubclass(spec_type, MambaSpec)``, ``spec_type is CircularBufferSpec``,
 ``get_representative_spec_type(g) is CircularBufferSpec``) and 1 is the explicit exit a
 deliberate exact-type check rests on. docs/migration.md quotes them.
