@@ -208,7 +208,7 @@ def test_bare_venv_cli_commands_say_a_sentence_and_exit_2(bare: Path) -> None:
     assert report.stderr.strip() in readme
     assert audit.stderr.strip() in readme
     refusal = _run(bare, "-c", "from kvspec_traits.vllm_connector import "
-                   "UnsupportedVllmVersionError as E; print(E('0.34.0'))", cwd=bare.parent)
+                   "UnsupportedVllmVersionError as E; print(E('0.35.0'))", cwd=bare.parent)
     assert refusal.stdout.split(" (kv_connector")[0] in readme
 
 
