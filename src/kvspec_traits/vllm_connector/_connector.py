@@ -370,7 +370,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                             kernel_ratio=self._physical_blocks_per_logical_kv_block,
                             # vLLM orders CSA-linear regions as the caches come.
                             model_order=not self._is_csa_linear,
-                            whole_rows=not self._is_csa_linear,
+                            whole_rows=not (self._is_csa_linear or self._has_mamba),
                             split_by_block_len=self._quirks.regions_keyed_by_block_len,
                             packed_member_rows=self._packs_member_rows())
 
