@@ -7,7 +7,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,3 +49,12 @@ def tiny_models() -> Path:
     for recipe in module.MODELS.values():
         module.build_model(recipe, out)
     return out
+
+
+@pytest.fixture
+def agents() -> Iterator[Any]:
+    """Real NIXL agents a test makes (append them); closed after the test."""
+    made: list[Any] = []
+    yield made
+    for agent in made:
+        agent.close()

@@ -12,7 +12,6 @@ import os
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from collections.abc import Iterator  # NIXL reads its log level at import
 
 import pytest
 import torch
@@ -31,14 +30,6 @@ from kvspec_traits.nixl import (
 from tests.nixl_helpers import checks, layouts
 
 NB = 16
-
-
-@pytest.fixture
-def agents() -> Iterator[list[TraitsNixlAgent]]:
-    made: list[TraitsNixlAgent] = []
-    yield made
-    for agent in made:
-        agent.close()
 
 
 def _agent(pool: list[TraitsNixlAgent]) -> TraitsNixlAgent:

@@ -49,14 +49,6 @@ from tests.nixl_helpers import checks, layouts
 NB = 8
 
 
-@pytest.fixture
-def agents() -> Iterator[list[TraitsNixlAgent]]:
-    made: list[TraitsNixlAgent] = []
-    yield made
-    for agent in made:
-        agent.close()
-
-
 def _agent(pool: list[TraitsNixlAgent]) -> TraitsNixlAgent:
     agent = TraitsNixlAgent()
     pool.append(agent)

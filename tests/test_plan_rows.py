@@ -11,9 +11,8 @@ import os
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from collections.abc import Callable, Iterator  # NIXL reads its log level at import
+from collections.abc import Callable  # NIXL reads its log level at import
 
-import pytest
 import torch
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -30,14 +29,6 @@ from kvspec_traits.nixl import RegionPlan, TraitsNixlAgent, plan_regions
 from tests.nixl_helpers import layouts
 
 NB = 8
-
-
-@pytest.fixture
-def agents() -> Iterator[list[TraitsNixlAgent]]:
-    made: list[TraitsNixlAgent] = []
-    yield made
-    for agent in made:
-        agent.close()
 
 
 Layout = tuple[KVCacheConfig, dict[str, torch.Tensor]]
