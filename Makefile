@@ -27,8 +27,9 @@ conformance: setup  ## vLLM's own NIXL connector tests, upstream vs TraitsNixlCo
 typing: setup  ## mypy strict over src, tests, examples, benchmarks
 	$(PY) -m mypy
 
-lint: setup  ## ruff
+lint: setup  ## ruff check and ruff format --check
 	$(PY) -m ruff check src tests examples benchmarks scripts
+	$(PY) -m ruff format --check src tests examples benchmarks scripts
 
 bench: setup  ## benchmarks: ratios against a baseline measured in the same run
 	$(PY) benchmarks/bench_traits.py

@@ -53,8 +53,14 @@ def _parse_all(files: list[Path]) -> None:
 def _command(args: list[str], env: dict[str, str]) -> float:
     # CPU seconds of one `kvspec-traits audit` process, interpreter start-up included.
     start = _children_cpu()
-    subprocess.run([sys.executable, "-m", "kvspec_traits.audit", *args], check=False,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "kvspec_traits.audit", *args],
+        check=False,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        timeout=600,
+    )
     return _children_cpu() - start
 
 
@@ -73,8 +79,10 @@ def main() -> int:
         baseline = _best(lambda: _parse_all(files), repeat=2)
         command = min(_command(["--installed-vllm", "-o", os.devnull], env) for _ in range(2))
     ratio = audit / baseline
-    print(f"vLLM {universe.vllm_version} at {root}: {len(files)} files, "
-          f"{result.files_parsed} parsed by the audit, {len(result.sites)} sites")
+    print(
+        f"vLLM {universe.vllm_version} at {root}: {len(files)} files, "
+        f"{result.files_parsed} parsed by the audit, {len(result.sites)} sites"
+    )
     print(f"{'measurement (CPU seconds, best of 2-3)':<58} {'seconds':>8} {'x baseline':>11}")
     rows = [
         ("baseline: read + ast.parse every file", baseline),

@@ -66,8 +66,10 @@ LAYERS, BLOCKS, TARGET = 60, 10_000, 1.0
 
 def _plan() -> RegionPlan:
     specs = layouts.deepseek_v4_specs(LAYERS)
-    groups = [KVCacheGroupSpec(layer_names=[n for n, _ in members],
-                               kv_cache_spec=members[0][1]) for members in specs.values()]
+    groups = [
+        KVCacheGroupSpec(layer_names=[n for n, _ in members], kv_cache_spec=members[0][1])
+        for members in specs.values()
+    ]
     config = layouts.kv_cache_config(groups, 2, KVCacheLayout.BLHNC)
     plan = plan_regions(layouts.allocate(config, KVCacheLayout.BLHNC), config)
     regions = tuple(dataclasses.replace(r, num_blocks=BLOCKS) for r in plan.regions)
@@ -75,9 +77,15 @@ def _plan() -> RegionPlan:
 
 
 def _peer(plan: RegionPlan) -> RemotePeer:
-    meta = PeerMetadata(agent_name="producer", tp_rank=0, tp_size=1, num_blocks=BLOCKS,
-                        fingerprint=plan.fingerprint(), regions=peer_regions(plan),
-                        agent_metadata=b"md")
+    meta = PeerMetadata(
+        agent_name="producer",
+        tp_rank=0,
+        tp_size=1,
+        num_blocks=BLOCKS,
+        fingerprint=plan.fingerprint(),
+        regions=peer_regions(plan),
+        agent_metadata=b"md",
+    )
     return RemotePeer(meta)
 
 
@@ -97,8 +105,8 @@ def _upstream(plan: RegionPlan) -> Any:
 
 
 def _request(rng: np.random.Generator, per_group: int) -> list[list[int]]:
-    ids = rng.permutation(BLOCKS)[:4 * per_group].tolist()
-    return [ids[g * per_group:(g + 1) * per_group] for g in range(4)]
+    ids = rng.permutation(BLOCKS)[: 4 * per_group].tolist()
+    return [ids[g * per_group : (g + 1) * per_group] for g in range(4)]
 
 
 def _best(fns: list[Callable[[], object]], reps: int, inner: int) -> list[float]:
@@ -120,10 +128,14 @@ def main(argv: list[str]) -> int:
     worker = _upstream(plan)
     counts, gids = plan.region_num_blocks, plan.region_group_ids
     rng = np.random.default_rng(0)
-    print(f"# Per-request descriptor ids, DeepSeek-V4 layout: {LAYERS} layers, "
-          f"{len(plan.regions)} regions, {plan.num_groups} groups, {BLOCKS} blocks")
-    print(f"{'blocks/group':>12} {'descs':>9} | {'upstream us':>11} {'ours us':>9} | "
-          f"{'ours/upstream':>13} | {'items+merge us':>14} {'/upstream':>9}")
+    print(
+        f"# Per-request descriptor ids, DeepSeek-V4 layout: {LAYERS} layers, "
+        f"{len(plan.regions)} regions, {plan.num_groups} groups, {BLOCKS} blocks"
+    )
+    print(
+        f"{'blocks/group':>12} {'descs':>9} | {'upstream us':>11} {'ours us':>9} | "
+        f"{'ours/upstream':>13} | {'items+merge us':>14} {'/upstream':>9}"
+    )
     reads = _ReadCache(plan, 1, peer.meta.regions)
     remotes = {0: peer.meta.regions}
     worst = 0.0
@@ -131,21 +143,33 @@ def main(argv: list[str]) -> int:
     for per_group in sizes:
         local, remote = _request(rng, per_group), _request(rng, per_group)
 
-        def upstream(local: list[list[int]] = local,
-                     remote: list[list[int]] = remote) -> tuple[Any, Any]:
+        def upstream(
+            local: list[list[int]] = local, remote: list[list[int]] = remote
+        ) -> tuple[Any, Any]:
             # As NixlPullConnectorWorker._read_blocks calls it.
             remote_ids = worker._compute_desc_ids(
-                block_ids=remote, dst_num_blocks=BLOCKS, block_size_ratio=None,
-                physical_blocks_per_logical=1, region_num_blocks=counts,
-                region_group_ids=gids, uses_region_group_mapping=True)
+                block_ids=remote,
+                dst_num_blocks=BLOCKS,
+                block_size_ratio=None,
+                physical_blocks_per_logical=1,
+                region_num_blocks=counts,
+                region_group_ids=gids,
+                uses_region_group_mapping=True,
+            )
             local_ids = worker._compute_desc_ids(
-                block_ids=local, dst_num_blocks=BLOCKS, block_size_ratio=1,
-                physical_blocks_per_logical=1, region_num_blocks=counts,
-                region_group_ids=gids, uses_region_group_mapping=True)
+                block_ids=local,
+                dst_num_blocks=BLOCKS,
+                block_size_ratio=1,
+                physical_blocks_per_logical=1,
+                region_num_blocks=counts,
+                region_group_ids=gids,
+                uses_region_group_mapping=True,
+            )
             return local_ids, remote_ids
 
-        def ours(local: list[list[int]] = local,
-                 remote: list[list[int]] = remote) -> tuple[Any, Any, int]:
+        def ours(
+            local: list[list[int]] = local, remote: list[list[int]] = remote
+        ) -> tuple[Any, Any, int]:
             return prepped_desc_ids(plan, peer, local, remote)
 
         up_local, up_remote = upstream()
@@ -153,23 +177,34 @@ def main(argv: list[str]) -> int:
         if not (np.array_equal(up_local, our_local) and np.array_equal(up_remote, our_remote)):
             print(f"MISMATCH at {per_group} blocks per group: ours differs from upstream")
             return 1
-        def items(local: list[list[int]] = local,
-                  remote: list[list[int]] = remote) -> list[Any]:
+
+        def items(local: list[list[int]] = local, remote: list[list[int]] = remote) -> list[Any]:
             # What read_blocks(mode="merged") builds per request.
-            return [merge_runs(i) for i in _transfer_items(
-                plan, remotes, _Request(local, plan.num_groups, "local"),
-                _Request(remote, plan.num_groups, "remote"), reads)]
+            return [
+                merge_runs(i)
+                for i in _transfer_items(
+                    plan,
+                    remotes,
+                    _Request(local, plan.num_groups, "local"),
+                    _Request(remote, plan.num_groups, "remote"),
+                    reads,
+                )
+            ]
 
         inner = max(1, 20_000 // (per_group * len(plan.regions) // 60 + 1))
-        t_up, t_ours = _best([upstream, ours], reps=3 if quick else 15,
-                             inner=max(1, inner // (10 if quick else 1)))
-        (t_items,) = _best([items], reps=2 if quick else 5,
-                           inner=max(1, inner // (20 if quick else 4)))
+        t_up, t_ours = _best(
+            [upstream, ours], reps=3 if quick else 15, inner=max(1, inner // (10 if quick else 1))
+        )
+        (t_items,) = _best(
+            [items], reps=2 if quick else 5, inner=max(1, inner // (20 if quick else 4))
+        )
         ratio = t_ours / t_up
         worst = max(worst, ratio)
-        print(f"{per_group:>12} {our_local.size:>9} | {t_up * 1e6:>11.1f} "
-              f"{t_ours * 1e6:>9.1f} | {ratio:>12.2f}x | {t_items * 1e6:>14.1f} "
-              f"{t_items / t_up:>8.2f}x")
+        print(
+            f"{per_group:>12} {our_local.size:>9} | {t_up * 1e6:>11.1f} "
+            f"{t_ours * 1e6:>9.1f} | {ratio:>12.2f}x | {t_items * 1e6:>14.1f} "
+            f"{t_items / t_up:>8.2f}x"
+        )
     verdict = "meets" if worst <= TARGET else "MISSES"
     print(f"worst ours/upstream: {worst:.2f}x ({verdict} the {TARGET:.1f}x target)")
     return 0 if worst <= TARGET else 1

@@ -59,17 +59,40 @@ TARGET = 0.8
 def _v4_groups(layers: int) -> list[KVCacheGroupSpec]:
     """DeepSeek-V4's four cache kinds with small pages (distinct sizes, as in the model,
     so only the layer-0 caches share a base)."""
-    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=38,
-                           dtype=torch.bfloat16, tokens_per_state=4)  # 4 states x 76 B
-    swa = SlidingWindowMLASpec(block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=13,
-                               dtype=torch.bfloat16, sliding_window=128)  # 416 B
-    ring = CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=7, head_size_v=0,
-                              dtype=torch.float32)  # 224 B
-    indexer = MLAAttentionSpec(block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=33,
-                               dtype=torch.uint8, tokens_per_state=4)  # 132 B
+    mla = MLAAttentionSpec(
+        block_size=16,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=38,
+        dtype=torch.bfloat16,
+        tokens_per_state=4,
+    )  # 4 states x 76 B
+    swa = SlidingWindowMLASpec(
+        block_size=16,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=13,
+        dtype=torch.bfloat16,
+        sliding_window=128,
+    )  # 416 B
+    ring = CircularBufferSpec(
+        block_size=8, num_kv_heads=1, head_size=7, head_size_v=0, dtype=torch.float32
+    )  # 224 B
+    indexer = MLAAttentionSpec(
+        block_size=16,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=33,
+        dtype=torch.uint8,
+        tokens_per_state=4,
+    )  # 132 B
     out = []
-    for kind, spec in (("mla", mla), ("compressor.swa", swa), ("compressor.ring", ring),
-                       ("indexer.k_cache", indexer)):
+    for kind, spec in (
+        ("mla", mla),
+        ("compressor.swa", swa),
+        ("compressor.ring", ring),
+        ("indexer.k_cache", indexer),
+    ):
         names = [f"model.layers.{i}.attn.{kind}" for i in range(layers)]
         out.append(KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec))
     return out
@@ -94,9 +117,11 @@ def _traced(fn: Callable[[], object], reps: int = 3) -> tuple[float, int, object
 
 def bench_planning(points: list[tuple[int, int]]) -> dict[tuple[int, int], dict[str, float]]:
     print("\n## Planning + descriptors, DeepSeek-V4-shaped (4 caches per layer, BLHNC)")
-    print(f"{'layers':>6} {'blocks':>6} {'regions':>7} | {'plan ms':>8} {'peak KiB':>8} | "
-          f"{'Nx5 ms':>7} | {'ids ms':>7} {'ids MiB':>8} | {'items+merge ms':>14} "
-          f"{'peak MiB':>8} {'descs':>9} {'merged':>6}")
+    print(
+        f"{'layers':>6} {'blocks':>6} {'regions':>7} | {'plan ms':>8} {'peak KiB':>8} | "
+        f"{'Nx5 ms':>7} | {'ids ms':>7} {'ids MiB':>8} | {'items+merge ms':>14} "
+        f"{'peak MiB':>8} {'descs':>9} {'merged':>6}"
+    )
     return {(layers, blocks): _plan_point(layers, blocks) for layers, blocks in points}
 
 
@@ -116,15 +141,21 @@ def _plan_point(layers: int, blocks: int) -> dict[str, float]:
 
     items_s, items_peak, _ = _traced(items)
     per_block, merged = items()
-    print(f"{layers:>6} {blocks:>6} {len(plan.regions):>7} | {plan_s * 1e3:>8.2f} "
-          f"{plan_peak / 1024:>8.0f} | {descs_s * 1e3:>7.3f} | {ids_s * 1e3:>7.2f} "
-          f"{ids_peak / 2**20:>8.1f} | {items_s * 1e3:>14.1f} {items_peak / 2**20:>8.1f} "
-          f"{per_block:>9} {merged:>6}")
+    print(
+        f"{layers:>6} {blocks:>6} {len(plan.regions):>7} | {plan_s * 1e3:>8.2f} "
+        f"{plan_peak / 1024:>8.0f} | {descs_s * 1e3:>7.3f} | {ids_s * 1e3:>7.2f} "
+        f"{ids_peak / 2**20:>8.1f} | {items_s * 1e3:>14.1f} {items_peak / 2**20:>8.1f} "
+        f"{per_block:>9} {merged:>6}"
+    )
     return {"plan": plan_s, "ids": ids_s, "items": items_s, "peak": items_peak}
 
 
-def _ratio(results: dict[tuple[int, int], dict[str, float]], key: str,
-           a: tuple[int, int], b: tuple[int, int]) -> str:
+def _ratio(
+    results: dict[tuple[int, int], dict[str, float]],
+    key: str,
+    a: tuple[int, int],
+    b: tuple[int, int],
+) -> str:
     if a not in results or b not in results:
         return "n/a"
     return f"{results[a][key] / results[b][key]:.2f}"
@@ -137,20 +168,23 @@ def _request(num_blocks: int) -> list[int]:
 
 def bench_transfer(total_bytes: int, reps: int) -> list[tuple[int, float]]:
     print("\n## Request read: NIXL (UCX, DRAM, in-process) vs numpy copy of the same blocks")
-    print(f"{'block':>7} {'blocks':>6} | {'numpy idx ms':>12} {'numpy runs ms':>13} | "
-          f"{'mode':>9} {'NIXL ms':>8} {'descs':>6} {'per-block':>9} | "
-          f"{'x numpy idx':>11} {'x numpy runs':>12}")
+    print(
+        f"{'block':>7} {'blocks':>6} | {'numpy idx ms':>12} {'numpy runs ms':>13} | "
+        f"{'mode':>9} {'NIXL ms':>8} {'descs':>6} {'per-block':>9} | "
+        f"{'x numpy idx':>11} {'x numpy runs':>12}"
+    )
     ratios = []
     for block_len, heads, head_size in ((4096, 1, 64), (65536, 8, 128), (1 << 20, 16, 1024)):
-        ratios.append((block_len, _transfer_point(block_len, heads, head_size, total_bytes,
-                                                  reps)))
+        ratios.append((block_len, _transfer_point(block_len, heads, head_size, total_bytes, reps)))
     return ratios
 
 
-def _transfer_point(block_len: int, heads: int, head_size: int, total_bytes: int,
-                    reps: int) -> float:
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=head_size,
-                             dtype=torch.bfloat16)
+def _transfer_point(
+    block_len: int, heads: int, head_size: int, total_bytes: int, reps: int
+) -> float:
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=heads, head_size=head_size, dtype=torch.bfloat16
+    )
     if spec.page_size_bytes != block_len:
         raise RuntimeError(f"page {spec.page_size_bytes} != {block_len}")
     num_blocks = max(16, 8 * (total_bytes // block_len) // 7)
@@ -190,9 +224,11 @@ def _transfer_point(block_len: int, heads: int, head_size: int, total_bytes: int
         if not np.array_equal(dst[idx], src[idx]):
             raise RuntimeError(f"{mode}: bytes differ after the read")
         t = min(samples)
-        print(f"{block_len // 1024:>5}Ki {len(ids):>6} | {t_idx * 1e3:>12.2f} "
-              f"{t_runs * 1e3:>13.2f} | {mode:>9} {t * 1e3:>8.2f} {result.descriptors:>6} "
-              f"{result.per_block_descriptors:>9} | {t_idx / t:>11.2f} {t_runs / t:>12.2f}")
+        print(
+            f"{block_len // 1024:>5}Ki {len(ids):>6} | {t_idx * 1e3:>12.2f} "
+            f"{t_runs * 1e3:>13.2f} | {mode:>9} {t * 1e3:>8.2f} {result.descriptors:>6} "
+            f"{result.per_block_descriptors:>9} | {t_idx / t:>11.2f} {t_runs / t:>12.2f}"
+        )
         if mode == "merged":
             merged_ratio = t_idx / t
     consumer.close()
@@ -215,16 +251,23 @@ def main() -> int:
         points = [(15, 10_000), (30, 10_000), (60, 10_000), (60, 2_500), (60, 5_000)]
         total, reps = 64 << 20, 7
     results = bench_planning(points)
-    big, half_layers, half_blocks = ((60, 10_000), (30, 10_000), (60, 5_000)) if not quick \
+    big, half_layers, half_blocks = (
+        ((60, 10_000), (30, 10_000), (60, 5_000))
+        if not quick
         else ((16, 1000), (8, 1000), (16, 500))
-    print(f"\nlinearity (2x layers): plan {_ratio(results, 'plan', big, half_layers)}x, "
-          f"ids {_ratio(results, 'ids', big, half_layers)}x, "
-          f"items {_ratio(results, 'items', big, half_layers)}x, "
-          f"peak {_ratio(results, 'peak', big, half_layers)}x")
-    print(f"linearity (2x blocks): plan {_ratio(results, 'plan', big, half_blocks)}x, "
-          f"ids {_ratio(results, 'ids', big, half_blocks)}x, "
-          f"items {_ratio(results, 'items', big, half_blocks)}x, "
-          f"peak {_ratio(results, 'peak', big, half_blocks)}x")
+    )
+    print(
+        f"\nlinearity (2x layers): plan {_ratio(results, 'plan', big, half_layers)}x, "
+        f"ids {_ratio(results, 'ids', big, half_layers)}x, "
+        f"items {_ratio(results, 'items', big, half_layers)}x, "
+        f"peak {_ratio(results, 'peak', big, half_layers)}x"
+    )
+    print(
+        f"linearity (2x blocks): plan {_ratio(results, 'plan', big, half_blocks)}x, "
+        f"ids {_ratio(results, 'ids', big, half_blocks)}x, "
+        f"items {_ratio(results, 'items', big, half_blocks)}x, "
+        f"peak {_ratio(results, 'peak', big, half_blocks)}x"
+    )
     ratios = bench_transfer(total, reps)
     print()
     ok = True
@@ -232,8 +275,10 @@ def main() -> int:
         gated = block_len >= 65536
         verdict = ("PASS" if ratio >= TARGET else "FAIL") if gated else "info"
         ok &= ratio >= TARGET or not gated
-        print(f"merged NIXL read at {block_len // 1024} KiB blocks: {ratio:.2f}x the numpy "
-              f"index copy (target >= {TARGET}x from 64 KiB): {verdict}")
+        print(
+            f"merged NIXL read at {block_len // 1024} KiB blocks: {ratio:.2f}x the numpy "
+            f"index copy (target >= {TARGET}x from 64 KiB): {verdict}"
+        )
     return 0 if ok else 1
 
 

@@ -34,8 +34,9 @@ def _ns(stmt: str, env: dict[str, object], number: int, repeat: int = 15) -> flo
     return min(times) / number * 1e9
 
 
-def _ns_interleaved(stmts: list[str], env: dict[str, object], number: int = 10_000,
-                    rounds: int = 300) -> list[float]:
+def _ns_interleaved(
+    stmts: list[str], env: dict[str, object], number: int = 10_000, rounds: int = 300
+) -> list[float]:
     """ns per call of each statement, the min over many short windows taken in turn, so
     the baseline and the candidates see the same load (the machine is shared)."""
     timers = [timeit.Timer(stmt, globals=env) for stmt in stmts]
@@ -47,24 +48,28 @@ def _ns_interleaved(stmts: list[str], env: dict[str, object], number: int = 10_0
 
 
 def main() -> int:
-    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
-                            dtype=torch.bfloat16)
+    spec = MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.bfloat16
+    )
     gqa = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     traits_of = kvspec_traits.traits_of
     env: dict[str, object] = {
-        "spec": spec, "gqa": gqa, "traits_of": traits_of,
-        "MLAS": MLAAttentionSpec, "SWMLA": SlidingWindowMLASpec,
+        "spec": spec,
+        "gqa": gqa,
+        "traits_of": traits_of,
+        "MLAS": MLAAttentionSpec,
+        "SWMLA": SlidingWindowMLASpec,
     }
     traits_of(spec)
     traits_of(gqa)
     base, warm, warm_attr = _ns_interleaved(
-        ["isinstance(spec, (MLAS, SWMLA))", "traits_of(spec)", "traits_of(spec).is_mla"], env)
+        ["isinstance(spec, (MLAS, SWMLA))", "traits_of(spec)", "traits_of(spec).is_mla"], env
+    )
     vllm_page = _ns("spec.page_size_bytes", env, 20_000)
     n = 200_000
     # A group spec holds a dict, so it is answered from a snapshot compared on every call
     # (a mutated group is answered afresh), off the id() warm path: DeepSeek-V3's 61 layers.
-    layers: dict[str, KVCacheSpec] = {f"model.layers.{i}.self_attn.attn": spec
-                                      for i in range(61)}
+    layers: dict[str, KVCacheSpec] = {f"model.layers.{i}.self_attn.attn": spec for i in range(61)}
     group = UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=layers)
     env["group"] = group
     traits_of(group)
@@ -76,8 +81,10 @@ def main() -> int:
         fresh = kvspec_traits.Registry().copy()
         fresh.adapters()
         cold_each.append(_ns("fresh.traits_of(s)", {"fresh": fresh, "s": entry.spec}, 1, 1))
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, warm path: "
-          f"pure Python ({type(traits_of).__qualname__})")
+    print(
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, warm path: "
+        f"pure Python ({type(traits_of).__qualname__})"
+    )
     print(f"{'operation':<48} {'ns/call':>9} {'x isinstance':>13}")
     rows = [
         ("isinstance(spec, (MLAAttentionSpec, SWMLASpec))", base),

@@ -58,20 +58,27 @@ _LLAMA = {
 }
 
 MODELS: dict[str, ModelRecipe] = {
-    "llama": ModelRecipe(name="llama", architecture="LlamaForCausalLM", config=_LLAMA,
-                         seed=1234),
+    "llama": ModelRecipe(name="llama", architecture="LlamaForCausalLM", config=_LLAMA, seed=1234),
     # Same hidden size and layer count, another KV head size: a decode server of this model
     # paired with a prefill server of "llama" must be refused at the handshake.
-    "llama-hd16": ModelRecipe(name="llama-hd16", architecture="LlamaForCausalLM",
-                              config={**_LLAMA, "num_attention_heads": 8, "head_dim": 16},
-                              seed=1234),
+    "llama-hd16": ModelRecipe(
+        name="llama-hd16",
+        architecture="LlamaForCausalLM",
+        config={**_LLAMA, "num_attention_heads": 8, "head_dim": 16},
+        seed=1234,
+    ),
     # Hybrid: layer 0 full attention, layer 1 a 64-token sliding window (vLLM's Llama
     # reads `layer_types`), so vLLM builds a full and a sliding-window cache group.
-    "llama-swa": ModelRecipe(name="llama-swa", architecture="LlamaForCausalLM",
-                             config={**_LLAMA, "layer_types": ["full_attention",
-                                                               "sliding_attention"],
-                                     "sliding_window": 64},
-                             seed=1234),
+    "llama-swa": ModelRecipe(
+        name="llama-swa",
+        architecture="LlamaForCausalLM",
+        config={
+            **_LLAMA,
+            "layer_types": ["full_attention", "sliding_attention"],
+            "sliding_window": 64,
+        },
+        seed=1234,
+    ),
     "deepseek-v2": ModelRecipe(
         name="deepseek-v2",
         architecture="DeepseekV2ForCausalLM",
@@ -107,13 +114,13 @@ def default_out_dir() -> Path:
 
 
 _WORDS = (
-        "the of and to in is that for it as with was on be by this are from at or an have "
-        "not they which one you had but all their there can has more were been when will "
-        "data model cache block token layer head value key prefill decode server request "
-        "transfer memory page state window ring latent attention tensor vector python code "
-        "def return class import if else for while yield lambda none true false self list "
-        "dict set tuple string number zero one two three four five six seven eight nine ten "
-        "quick brown fox jumps over lazy dog hello world once upon a time story river city"
+    "the of and to in is that for it as with was on be by this are from at or an have "
+    "not they which one you had but all their there can has more were been when will "
+    "data model cache block token layer head value key prefill decode server request "
+    "transfer memory page state window ring latent attention tensor vector python code "
+    "def return class import if else for while yield lambda none true false self list "
+    "dict set tuple string number zero one two three four five six seven eight nine ten "
+    "quick brown fox jumps over lazy dog hello world once upon a time story river city"
 )
 
 
@@ -138,8 +145,10 @@ def _corpus(seed: int = 7, lines: int = 6000) -> Iterator[str]:
 
 
 def _stamp(recipe: ModelRecipe) -> str:
-    payload = json.dumps({"v": _RECIPE_VERSION, "vocab": _VOCAB_SIZE, "std": _WEIGHT_STD,
-                          **asdict(recipe)}, sort_keys=True)
+    payload = json.dumps(
+        {"v": _RECIPE_VERSION, "vocab": _VOCAB_SIZE, "std": _WEIGHT_STD, **asdict(recipe)},
+        sort_keys=True,
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -157,8 +166,13 @@ def _train_tokenizer(folder: Path) -> int:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", model_max_length=1024)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=1024,
+    )
     fast.save_pretrained(folder)
     return int(tok.get_vocab_size())
 
@@ -181,9 +195,16 @@ def build_model(recipe: ModelRecipe, out_dir: Path) -> Path:
     try:
         vocab = _train_tokenizer(tmp)
         config_cls: Callable[..., Any] = getattr(
-            transformers, recipe.architecture.replace("ForCausalLM", "Config"))
-        config = config_cls(vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-                            dtype="float32", **recipe.config)
+            transformers, recipe.architecture.replace("ForCausalLM", "Config")
+        )
+        config = config_cls(
+            vocab_size=vocab,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+            dtype="float32",
+            **recipe.config,
+        )
         model_cls = getattr(transformers, recipe.architecture)
         torch.manual_seed(recipe.seed)
         model = model_cls(config)

@@ -29,13 +29,13 @@ from pathlib import Path
 from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration, write_plan
 
-__all__ = ["SEED_FILE", "SEED_LINE", "Measured", "installed_tree", "migrate_copy",
-           "restore_seed"]
+__all__ = ["SEED_FILE", "SEED_LINE", "Measured", "installed_tree", "migrate_copy", "restore_seed"]
 
 SEED_FILE = "kv_connector/v1/nixl/base_worker.py"
 SEED_LINE = "is_mla_region = isinstance(layer_spec, MLAAttentionSpec)"
 _FIXED_SEED = re.compile(
-    r"is_mla_region = isinstance\(\s*layer_spec, \(MLAAttentionSpec, SlidingWindowMLASpec\)\s*\)")
+    r"is_mla_region = isinstance\(\s*layer_spec, \(MLAAttentionSpec, SlidingWindowMLASpec\)\s*\)"
+)
 
 
 def installed_tree() -> Path:
@@ -70,10 +70,16 @@ class Measured:
         return self.exact_rewritten / self.exact_sites if self.exact_sites else 1.0
 
     def as_json(self) -> dict[str, object]:
-        return {"root": str(self.root), "sites": self.plan.sites,
-                "rewritten": len(self.plan.edits), "exact_sites": self.exact_sites,
-                "exact_rewritten": self.exact_rewritten, "ratio": round(self.ratio, 3),
-                "misses_fixed": self.misses_fixed, **self.plan.as_json()}
+        return {
+            "root": str(self.root),
+            "sites": self.plan.sites,
+            "rewritten": len(self.plan.edits),
+            "exact_sites": self.exact_sites,
+            "exact_rewritten": self.exact_rewritten,
+            "ratio": round(self.ratio, 3),
+            "misses_fixed": self.misses_fixed,
+            **self.plan.as_json(),
+        }
 
 
 def migrate_copy(out: Path, *, seed: bool = False) -> Measured:
@@ -82,8 +88,7 @@ def migrate_copy(out: Path, *, seed: bool = False) -> Measured:
     root = out / "kv_transfer"
     if root.exists():
         shutil.rmtree(root)
-    shutil.copytree(installed_tree(), root,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(installed_tree(), root, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     if seed and restore_seed(root) == 0:
         raise SystemExit(f"the fixed is_mla_region line is not in {SEED_FILE}")
     plan = plan_migration([root], load_universe())
@@ -94,17 +99,25 @@ def migrate_copy(out: Path, *, seed: bool = False) -> Measured:
     # are near matches, counted apart).
     exact_edits = sum(1 for e in plan.edits if e.match == "exact")
     exact_left = sum(1 for s in plan.skips if s.match == "exact")
-    return Measured(root=root, plan=plan, exact_sites=exact_edits + exact_left,
-                    exact_rewritten=exact_edits,
-                    misses_fixed=sum(e.fixes_miss for e in plan.edits))
+    return Measured(
+        root=root,
+        plan=plan,
+        exact_sites=exact_edits + exact_left,
+        exact_rewritten=exact_edits,
+        misses_fixed=sum(e.fixes_miss for e in plan.edits),
+    )
 
 
 def _report(m: Measured) -> None:
     p = m.plan
-    print(f"migrated {m.root}: {p.sites} spec-class sites; rewrote {len(p.edits)} in "
-          f"{len(p.files)} files")
-    print(f"exact-match sites rewritten: {m.exact_rewritten}/{m.exact_sites} "
-          f"({100 * m.ratio:.0f}%, target 80%); misses fixed: {m.misses_fixed}")
+    print(
+        f"migrated {m.root}: {p.sites} spec-class sites; rewrote {len(p.edits)} in "
+        f"{len(p.files)} files"
+    )
+    print(
+        f"exact-match sites rewritten: {m.exact_rewritten}/{m.exact_sites} "
+        f"({100 * m.ratio:.0f}%, target 80%); misses fixed: {m.misses_fixed}"
+    )
     print(f"left ({len(p.skips)}):")
     for s in p.skips:
         where = s.path.rpartition("kv_transfer/")[2]
@@ -115,20 +128,28 @@ def _demo(m: Measured) -> None:
     from kvspec_traits import traits_of
     from kvspec_traits.catalog import representative_specs
 
-    after = [line.strip() for line in (m.root / SEED_FILE).read_text().splitlines()
-             if line.strip().startswith("is_mla_region = ")]
-    swa = next(e.spec for e in representative_specs()
-               if type(e.spec).__name__ == "SlidingWindowMLASpec")
+    after = [
+        line.strip()
+        for line in (m.root / SEED_FILE).read_text().splitlines()
+        if line.strip().startswith("is_mla_region = ")
+    ]
+    swa = next(
+        e.spec for e in representative_specs() if type(e.spec).__name__ == "SlidingWindowMLASpec"
+    )
     from vllm.v1 import kv_cache_interface
 
-    seed = eval(SEED_LINE.partition(" = ")[2],  # the seed line's own expression
-                {**vars(kv_cache_interface), "layer_spec": swa})
+    seed = eval(
+        SEED_LINE.partition(" = ")[2],  # the seed line's own expression
+        {**vars(kv_cache_interface), "layer_spec": swa},
+    )
     print(f"before: {SEED_LINE}")
     print(f"        on SlidingWindowMLASpec: {seed}  (the miss)")
     for e in m.plan.edits:
         if e.before == SEED_LINE.partition(" = ")[2]:
-            print(f"migrate: {SEED_FILE}:{e.line} fixes a miss (the original leaves out "
-                  f"{', '.join(e.missing)}): {e.before} -> {e.after}")
+            print(
+                f"migrate: {SEED_FILE}:{e.line} fixes a miss (the original leaves out "
+                f"{', '.join(e.missing)}): {e.before} -> {e.after}"
+            )
     for line in after:
         expr = line.partition("=")[2].strip()
         value = eval(expr, {"traits_of": traits_of, "layer_spec": swa})  # the migrated line
@@ -137,8 +158,9 @@ def _demo(m: Measured) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, help="where to put the migrated kv_transfer/")
     p.add_argument("--seed", action="store_true", help="restore the seed line first")
     p.add_argument("--demo", action="store_true", help="show the seed line before/after")
@@ -152,8 +174,10 @@ def main() -> int:
         print()
     elif args.demo:
         _demo(m)
-        print(f"(whole tree, seed restored: {m.exact_rewritten}/{m.exact_sites} exact-match "
-              f"sites rewritten, {m.misses_fixed} misses fixed; migrated copy in {m.root})")
+        print(
+            f"(whole tree, seed restored: {m.exact_rewritten}/{m.exact_sites} exact-match "
+            f"sites rewritten, {m.misses_fixed} misses fixed; migrated copy in {m.root})"
+        )
     else:
         _report(m)
     return 0

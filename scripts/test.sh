@@ -39,7 +39,8 @@ start() {
 }
 
 lint() {
-  "$PY" -m ruff check src tests examples benchmarks scripts && "$PY" -m mypy
+  "$PY" -m ruff check src tests examples benchmarks scripts &&
+    "$PY" -m ruff format --check src tests examples benchmarks scripts && "$PY" -m mypy
 }
 # pytest_on VERSION [PYTHONPATH-PREFIX] [extra marker]: the suite on one vLLM series.
 pytest_on() {

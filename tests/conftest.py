@@ -39,7 +39,8 @@ def tiny_models() -> Path:
     module = sys.modules.get(name)
     if module is None:
         spec = importlib.util.spec_from_file_location(
-            name, REPO / "scripts" / "make_tiny_models.py")
+            name, REPO / "scripts" / "make_tiny_models.py"
+        )
         if spec is None or spec.loader is None:
             raise RuntimeError("scripts/make_tiny_models.py is missing")
         module = importlib.util.module_from_spec(spec)

@@ -49,29 +49,58 @@ def _check(t: KVLayoutTraits, **expected: object) -> None:
 def test_llama_gqa() -> None:
     t = traits_of(CATALOG["Llama-3 8B GQA"])
     # 8 KV heads * (128 K + 128 V) * 2 B = 4096 B/token; 16 tokens -> 65536 B
-    _check(t, is_mla=False, tp_layout=TPLayout.HEAD_SHARDED, tp_shards=None,
-           token_scope=TokenScope.FULL, window_tokens=None, num_head_slots=8,
-           tokens_per_state=1, states_per_block=16, state_bytes=512,
-           per_token_bytes=4096, unpadded_page_size_bytes=65536, page_size_bytes=65536,
-           dtype="bfloat16", kv_quant_mode="NONE", transferable=True,
-           prefix_cacheable=True, uses_slot_mapping=True)
+    _check(
+        t,
+        is_mla=False,
+        tp_layout=TPLayout.HEAD_SHARDED,
+        tp_shards=None,
+        token_scope=TokenScope.FULL,
+        window_tokens=None,
+        num_head_slots=8,
+        tokens_per_state=1,
+        states_per_block=16,
+        state_bytes=512,
+        per_token_bytes=4096,
+        unpadded_page_size_bytes=65536,
+        page_size_bytes=65536,
+        dtype="bfloat16",
+        kv_quant_mode="NONE",
+        transferable=True,
+        prefix_cacheable=True,
+        uses_slot_mapping=True,
+    )
     assert [(c.name, c.shape, c.nbytes) for c in t.components] == [
-        ("k", (8, 16, 128), 8 * 16 * 128 * 2), ("v", (8, 16, 128), 8 * 16 * 128 * 2)]
+        ("k", (8, 16, 128), 8 * 16 * 128 * 2),
+        ("v", (8, 16, 128), 8 * 16 * 128 * 2),
+    ]
 
 
 def test_llama_fp8_kv_halves_the_page() -> None:
     t = traits_of(CATALOG["Llama-3 8B GQA, fp8 KV"])
     # 8 * (128 + 128) * 1 B = 2048 B/token
-    _check(t, per_token_bytes=2048, page_size_bytes=32768, dtype="float8_e4m3fn",
-           kv_quant_mode="FP8_PER_TENSOR")
+    _check(
+        t,
+        per_token_bytes=2048,
+        page_size_bytes=32768,
+        dtype="float8_e4m3fn",
+        kv_quant_mode="FP8_PER_TENSOR",
+    )
 
 
 def test_deepseek_v3_mla_fp8_ds_mla_is_656_bytes_per_token_and_replicated() -> None:
     t = traits_of(CATALOG["DeepSeek-V3 MLA fp8_ds_mla"])
     # state_content_bytes=656 packs 512 NoPE fp8 + 4 scales * 4 B + 64 RoPE * 2 B; 64 tokens
-    _check(t, is_mla=True, tp_layout=TPLayout.REPLICATED, tp_shards=1,
-           per_token_bytes=656, page_size_bytes=64 * 656, num_head_slots=1,
-           dtype="uint8", kv_quant_mode="FP8_PER_TENSOR")
+    _check(
+        t,
+        is_mla=True,
+        tp_layout=TPLayout.REPLICATED,
+        tp_shards=1,
+        per_token_bytes=656,
+        page_size_bytes=64 * 656,
+        num_head_slots=1,
+        dtype="uint8",
+        kv_quant_mode="FP8_PER_TENSOR",
+    )
     assert [(c.name, c.dtype, c.nbytes) for c in t.components] == [("packed", "uint8", 41984)]
 
 
@@ -85,27 +114,54 @@ def test_deepseek_v3_mla_bf16_is_not_sized_as_mha() -> None:
 def test_deepseek_v32_indexer() -> None:
     t = traits_of(CATALOG["DeepSeek-V3.2 indexer"])
     # head_dim 128 + 128 // 128 * 4 scale bytes = 132 uint8 per token
-    _check(t, is_mla=True, tp_layout=TPLayout.REPLICATED, per_token_bytes=132,
-           page_size_bytes=64 * 132, token_scope=TokenScope.FULL)
+    _check(
+        t,
+        is_mla=True,
+        tp_layout=TPLayout.REPLICATED,
+        per_token_bytes=132,
+        page_size_bytes=64 * 132,
+        token_scope=TokenScope.FULL,
+    )
 
 
 def test_deepseek_v4_compressed_mla_pads_to_576_and_counts_fractional_tokens() -> None:
     t = traits_of(CATALOG["DeepSeek-V4 compressed MLA (ratio 4)"])
     # 64 tokens / 4 per state = 16 states * 584 B = 9344 B; ceil(9344 / 576) * 576 = 17 * 576
-    _check(t, is_mla=True, tp_layout=TPLayout.REPLICATED, tokens_per_state=4,
-           states_per_block=16, state_bytes=584, unpadded_page_size_bytes=9344,
-           page_size_bytes=9792, per_token_bytes=146)
+    _check(
+        t,
+        is_mla=True,
+        tp_layout=TPLayout.REPLICATED,
+        tokens_per_state=4,
+        states_per_block=16,
+        state_bytes=584,
+        unpadded_page_size_bytes=9344,
+        page_size_bytes=9792,
+        per_token_bytes=146,
+    )
 
 
 def test_deepseek_v4_per_token_bytes_is_exact_when_a_state_covers_128_tokens() -> None:
-    spec = kvi.MLAAttentionSpec(block_size=256, num_kv_heads=1, max_tp_shards=1,
-                                head_size=512, dtype=torch.uint8, tokens_per_state=128,
-                                cache_dtype_str="fp8_ds_mla", state_content_bytes=584,
-                                alignment=576, model_version="deepseek_v4")
+    spec = kvi.MLAAttentionSpec(
+        block_size=256,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=512,
+        dtype=torch.uint8,
+        tokens_per_state=128,
+        cache_dtype_str="fp8_ds_mla",
+        state_content_bytes=584,
+        alignment=576,
+        model_version="deepseek_v4",
+    )
     t = traits_of(spec)
     # 584 B per state / 128 tokens = 73/16 B per token; 2 states = 1168 -> 3 * 576 = 1728
-    _check(t, per_token_bytes=Fraction(73, 16), states_per_block=2,
-           unpadded_page_size_bytes=1168, page_size_bytes=1728)
+    _check(
+        t,
+        per_token_bytes=Fraction(73, 16),
+        states_per_block=2,
+        unpadded_page_size_bytes=1168,
+        page_size_bytes=1728,
+    )
 
 
 def test_deepseek_v4_swa_mla_compressor_is_mla_and_replicated() -> None:
@@ -114,47 +170,80 @@ def test_deepseek_v4_swa_mla_compressor_is_mla_and_replicated() -> None:
     # (head_size_v == 0) and max_tp_shards == 1.
     t = traits_of(CATALOG["DeepSeek-V4 SWA-MLA compressor state"])
     # 4 tokens * 2048 fp32 = 32768 B, already a multiple of the 512 B alignment
-    _check(t, is_mla=True, tp_layout=TPLayout.REPLICATED, tp_shards=1,
-           token_scope=TokenScope.SLIDING_WINDOW, window_tokens=8, block_size=4,
-           per_token_bytes=8192, page_size_bytes=32768)
+    _check(
+        t,
+        is_mla=True,
+        tp_layout=TPLayout.REPLICATED,
+        tp_shards=1,
+        token_scope=TokenScope.SLIDING_WINDOW,
+        window_tokens=8,
+        block_size=4,
+        per_token_bytes=8192,
+        page_size_bytes=32768,
+    )
 
 
 def test_deepseek_v4_sparse_swa_cache() -> None:
     t = traits_of(CATALOG["DeepSeek-V4 sparse SWA cache"])
     # 64 * 584 = 37376; ceil(37376 / 576) = 65 -> 37440
-    _check(t, is_mla=True, tp_layout=TPLayout.REPLICATED, window_tokens=128,
-           unpadded_page_size_bytes=37376, page_size_bytes=37440, per_token_bytes=584)
+    _check(
+        t,
+        is_mla=True,
+        tp_layout=TPLayout.REPLICATED,
+        window_tokens=128,
+        unpadded_page_size_bytes=37376,
+        page_size_bytes=37440,
+        per_token_bytes=584,
+    )
 
 
 def test_ring_buffer() -> None:
     t = traits_of(CATALOG["DeepSeek-V4.1 compressor ring"])
     # one 1024-wide fp32 key row per token, no V: 4096 B; ring of 8 rows = 32768 B
-    _check(t, is_mla=True, tp_layout=TPLayout.REPLICATED, token_scope=TokenScope.RING,
-           window_tokens=8, page_size_bytes=32768, per_token_bytes=4096,
-           prefix_cacheable=False, uses_slot_mapping=False, transferable=True)
+    _check(
+        t,
+        is_mla=True,
+        tp_layout=TPLayout.REPLICATED,
+        token_scope=TokenScope.RING,
+        window_tokens=8,
+        page_size_bytes=32768,
+        per_token_bytes=4096,
+        prefix_cacheable=False,
+        uses_slot_mapping=False,
+        transferable=True,
+    )
 
 
 def test_gpt_oss_sliding_window_and_llama4_chunked() -> None:
     sw = traits_of(CATALOG["gpt-oss sliding window"])
     # 8 * (64 + 64) * 2 B = 2048 B/token
-    _check(sw, is_mla=False, tp_layout=TPLayout.HEAD_SHARDED,
-           token_scope=TokenScope.SLIDING_WINDOW, window_tokens=128, per_token_bytes=2048)
+    _check(
+        sw,
+        is_mla=False,
+        tp_layout=TPLayout.HEAD_SHARDED,
+        token_scope=TokenScope.SLIDING_WINDOW,
+        window_tokens=128,
+        per_token_bytes=2048,
+    )
     ch = traits_of(CATALOG["Llama-4 chunked local"])
     _check(ch, token_scope=TokenScope.CHUNKED, window_tokens=8192, per_token_bytes=4096)
 
 
 def test_full_attention_with_a_kernel_window_still_keeps_every_token() -> None:
-    spec = kvi.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                 dtype=torch.float16, sliding_window=256)
+    spec = kvi.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=256
+    )
     _check(traits_of(spec), token_scope=TokenScope.FULL, window_tokens=None)
 
 
 def test_bounded_head_sharding_reports_its_shard_count() -> None:
-    spec = kvi.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                 dtype=torch.float16, max_tp_shards=4)
+    spec = kvi.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, max_tp_shards=4
+    )
     _check(traits_of(spec), tp_layout=TPLayout.HEAD_SHARDED, tp_shards=4)
-    one = kvi.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                dtype=torch.float16, max_tp_shards=1)
+    one = kvi.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, max_tp_shards=1
+    )
     # max_tp_shards == 1: every rank beyond the first holds a replica
     _check(traits_of(one), tp_layout=TPLayout.REPLICATED, tp_shards=1, is_mla=False)
 
@@ -162,22 +251,31 @@ def test_bounded_head_sharding_reports_its_shard_count() -> None:
 def test_mamba_gdn_state_and_replicated_conv_state() -> None:
     gdn = traits_of(CATALOG["Qwen3.5 GDN state"])
     # conv 3 * 8192 * 2 B = 49152; SSM 32 * 128 * 128 * 4 B = 2097152
-    _check(gdn, is_mla=False, tp_layout=TPLayout.STATE_SHARDED, tp_shards=None,
-           token_scope=TokenScope.RECURRENT_STATE, tokens_per_state=None,
-           per_token_bytes=None, states_per_block=1, page_size_bytes=49152 + 2097152,
-           dtype=None)
+    _check(
+        gdn,
+        is_mla=False,
+        tp_layout=TPLayout.STATE_SHARDED,
+        tp_shards=None,
+        token_scope=TokenScope.RECURRENT_STATE,
+        tokens_per_state=None,
+        per_token_bytes=None,
+        states_per_block=1,
+        page_size_bytes=49152 + 2097152,
+        dtype=None,
+    )
     assert [(c.name, c.shape, c.dtype, c.nbytes) for c in gdn.components] == [
         ("state0", (3, 8192), "bfloat16", 49152),
-        ("state1", (32, 128, 128), "float32", 2097152)]
+        ("state1", (32, 128, 128), "float32", 2097152),
+    ]
     ple = traits_of(CATALOG["replicated PLE conv state"])
     # 3 * 2048 * 2 B
-    _check(ple, tp_layout=TPLayout.REPLICATED, tp_shards=1, page_size_bytes=12288,
-           dtype="bfloat16")
+    _check(ple, tp_layout=TPLayout.REPLICATED, tp_shards=1, page_size_bytes=12288, dtype="bfloat16")
 
 
 def test_mamba_padding_is_kept_apart_from_content() -> None:
-    spec = kvi.MambaSpec(block_size=64, shapes=((4, 100),), dtypes=(torch.float32,),
-                         page_size_padded=4096)
+    spec = kvi.MambaSpec(
+        block_size=64, shapes=((4, 100),), dtypes=(torch.float32,), page_size_padded=4096
+    )
     # 4 * 100 * 4 B = 1600 B of state in a 4096 B page
     _check(traits_of(spec), unpadded_page_size_bytes=1600, page_size_bytes=4096)
 
@@ -194,25 +292,44 @@ def test_cross_attention_encoder_only_and_hidden_states() -> None:
 
 
 def test_pooled_cross_attention_has_fractional_tokens_per_state() -> None:
-    spec = kvi.CrossAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                  dtype=torch.float16, tokens_per_state=Fraction(1, 2))
+    spec = kvi.CrossAttentionSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float16,
+        tokens_per_state=Fraction(1, 2),
+    )
     t = traits_of(spec)
     # two states per token: 32 states; 2 * (64 + 64) * 2 B = 512 B per state, 1024 per token
     _check(t, states_per_block=32, per_token_bytes=1024, page_size_bytes=32 * 512)
 
 
 def test_rswa_sink_and_bare_attention() -> None:
-    _check(traits_of(CATALOG["R-SWA (reference sliding window)"]),
-           token_scope=TokenScope.PROMPT_AND_WINDOW, window_tokens=1024)
+    _check(
+        traits_of(CATALOG["R-SWA (reference sliding window)"]),
+        token_scope=TokenScope.PROMPT_AND_WINDOW,
+        window_tokens=1024,
+    )
     _check(traits_of(CATALOG["static sink attention"]), token_scope=TokenScope.FULL)
-    _check(traits_of(CATALOG["bare AttentionSpec"]), token_scope=TokenScope.FULL,
-           per_token_bytes=4 * 128 * 2)
+    _check(
+        traits_of(CATALOG["bare AttentionSpec"]),
+        token_scope=TokenScope.FULL,
+        per_token_bytes=4 * 128 * 2,
+    )
 
 
 def test_hisparse_pages_are_never_transferred() -> None:
-    for label, scope in (("HiSparse hot cache", TokenScope.SPARSE_HOT),
-                         ("HiSparse resident pages", TokenScope.SPARSE_RESIDENT)):
+    for label, scope in (
+        ("HiSparse hot cache", TokenScope.SPARSE_HOT),
+        ("HiSparse resident pages", TokenScope.SPARSE_RESIDENT),
+    ):
         t = traits_of(CATALOG[label])
         # an opaque copy of a 64-token fp8_ds_mla page: 64 * 656 B
-        _check(t, token_scope=scope, transferable=False, page_size_bytes=41984,
-               per_token_bytes=656, prefix_cacheable=False)
+        _check(
+            t,
+            token_scope=scope,
+            transferable=False,
+            page_size_bytes=41984,
+            per_token_bytes=656,
+            prefix_cacheable=False,
+        )

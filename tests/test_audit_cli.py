@@ -36,7 +36,8 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, st
 
 
 def test_fail_on_miss_fails_the_before_line_and_passes_the_after_line(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     status, out, _ = _run(capsys, BEFORE, "--fail-on-miss")
     assert status == EXIT_MISSES
     assert "MISSES SlidingWindowMLASpec" in out
@@ -52,14 +53,16 @@ def test_misses_alone_do_not_fail_without_the_flag(capsys: pytest.CaptureFixture
 
 def test_table_lists_files_with_misses_first(capsys: pytest.CaptureFixture[str]) -> None:
     _, out, _ = _run(capsys, AFTER, BEFORE, FIXTURES / "wrapper.py")
-    headers = [line.split("  (")[0] for line in out.splitlines() if line.endswith(")")
-               and "site" in line]
+    headers = [
+        line.split("  (")[0] for line in out.splitlines() if line.endswith(")") and "site" in line
+    ]
     # likely real misses first, then other warnings (the group wrapper), then the rest
     assert [Path(h).name for h in headers] == ["seed_before.py", "wrapper.py", "seed_after.py"]
     assert out.rstrip().endswith(
         "4 sites in 3 files; 1 with misses, 0 possible, 0 deliberate, 0 exact type checks "
         "skipping subclasses, "
-        "1 group wrapper not unwrapped; 3 files seen, 3 parsed, 0 could not be scanned")
+        "1 group wrapper not unwrapped; 3 files seen, 3 parsed, 0 could not be scanned"
+    )
 
 
 def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,13 +72,23 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["summary"]["sites"] == 1
     assert doc["summary"]["sites_with_misses"] == 1
     (site,) = doc["sites"]
-    assert {k: site[k] for k in ("line", "column", "function", "form", "classes", "missing",
-                                 "rule")} == {
-        "line": 7, "column": 21, "function": "register_kv_caches", "form": "isinstance",
-        "classes": ["MLAAttentionSpec"], "missing": ["SlidingWindowMLASpec"], "rule": "KVT002"}
+    assert {
+        k: site[k] for k in ("line", "column", "function", "form", "classes", "missing", "rule")
+    } == {
+        "line": 7,
+        "column": 21,
+        "function": "register_kv_caches",
+        "form": "isinstance",
+        "classes": ["MLAAttentionSpec"],
+        "missing": ["SlidingWindowMLASpec"],
+        "rule": "KVT002",
+    }
     assert site["answer"]["expression"] == "traits_of(layer_spec).is_mla"
     assert site["answer"]["value_classes"] == [
-        "HiddenStateCacheSpec", "MLAAttentionSpec", "SlidingWindowMLASpec"]
+        "HiddenStateCacheSpec",
+        "MLAAttentionSpec",
+        "SlidingWindowMLASpec",
+    ]
     assert doc["errors"] == []
 
 
@@ -87,13 +100,23 @@ def test_sarif_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     assert doc["version"] == "2.1.0"
     (run,) = doc["runs"]
     assert [r["id"] for r in run["tool"]["driver"]["rules"]] == [
-        "KVT001", "KVT002", "KVT003", "KVT004"]
-    by_file = {Path(r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]).name:
-               r for r in run["results"]}
+        "KVT001",
+        "KVT002",
+        "KVT003",
+        "KVT004",
+    ]
+    by_file = {
+        Path(r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]).name: r
+        for r in run["results"]
+    }
     assert (by_file["seed_before.py"]["ruleId"], by_file["seed_before.py"]["level"]) == (
-        "KVT002", "warning")
+        "KVT002",
+        "warning",
+    )
     assert (by_file["seed_after.py"]["ruleId"], by_file["seed_after.py"]["level"]) == (
-        "KVT001", "note")
+        "KVT001",
+        "note",
+    )
     region = by_file["seed_before.py"]["locations"][0]["physicalLocation"]["region"]
     assert region == {"startLine": 7, "startColumn": 21, "endLine": 7}
     assert "Misses SlidingWindowMLASpec." in by_file["seed_before.py"]["message"]["text"]
@@ -102,11 +125,11 @@ def test_sarif_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
 
 def _bad_tree(root: Path) -> None:
     (root / "good.py").write_text(BEFORE.read_text())
-    (root / "syntax.py").write_text("from vllm.v1.kv_cache_interface import MambaSpec\n"
-                                    "def f(:\n")
+    (root / "syntax.py").write_text("from vllm.v1.kv_cache_interface import MambaSpec\ndef f(:\n")
     (root / "binary.py").write_bytes(b"MambaSpec\x00\x01\x02")
-    (root / "big.py").write_text("from vllm.v1.kv_cache_interface import MambaSpec\n"
-                                 + "x = 1\n" * 50_000)
+    (root / "big.py").write_text(
+        "from vllm.v1.kv_cache_interface import MambaSpec\n" + "x = 1\n" * 50_000
+    )
     (root / "dangling.py").symlink_to(root / "no-such-file.py")
     loop = root / "pkg"
     loop.mkdir()
@@ -116,23 +139,26 @@ def _bad_tree(root: Path) -> None:
     (root / "badutf.py").write_bytes(imp + b's = "\xff"\n')
     (root / "nested.py").write_bytes(imp + b"x = " + b"-" * 100_000 + b"1\n")
     # Scanned fine: a declared encoding, and old Mac line ends (no line pruning then).
-    (root / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\n" + imp
-                                    + b's = "\xe9"\nok = isinstance(s, MambaSpec)\n')
+    (root / "latin.py").write_bytes(
+        b"# -*- coding: latin-1 -*-\n" + imp + b's = "\xe9"\nok = isinstance(s, MambaSpec)\n'
+    )
     (root / "cr.py").write_bytes(imp.replace(b"\n", b"\r") + b"ok = isinstance(s, MambaSpec)\r")
 
 
 def test_unreadable_files_are_reported_and_the_scan_goes_on(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     _bad_tree(tmp_path)
-    status, out, err = _run(capsys, tmp_path, "--json", "--max-file-bytes", "200000",
-                            "--fail-on-miss")
+    status, out, err = _run(
+        capsys, tmp_path, "--json", "--max-file-bytes", "200000", "--fail-on-miss"
+    )
     assert status == EXIT_FILE_ERRORS | EXIT_MISSES
     assert "Traceback" not in err
     doc = json.loads(out)
     errors = {Path(e["path"]).name: e["error"] for e in doc["errors"]}
     assert errors == {
         "badutf.py": "cannot parse: line 2: (unicode error) 'utf-8' codec can't decode byte "
-                     "0xff in position 0: invalid start byte",
+        "0xff in position 0: invalid start byte",
         "big.py": "300049 bytes, over the 200000-byte limit (raise it with --max-file-bytes)",
         "binary.py": "binary file (contains NUL bytes), not Python source",
         "dangling.py": "broken symlink (its target does not exist)",
@@ -140,20 +166,25 @@ def test_unreadable_files_are_reported_and_the_scan_goes_on(
         "syntax.py": "cannot parse: line 2: invalid syntax",
     }
     assert [(Path(s["path"]).name, s["line"]) for s in doc["sites"]] == [
-        ("cr.py", 2), ("good.py", 7), ("latin.py", 4)]
+        ("cr.py", 2),
+        ("good.py", 7),
+        ("latin.py", 4),
+    ]
     # The loop pkg/again -> .. is followed once: each file is seen once.
     assert doc["summary"]["files_seen"] == 8
 
 
-def test_a_missing_target_is_a_file_error(capsys: pytest.CaptureFixture[str],
-                                          tmp_path: Path) -> None:
+def test_a_missing_target_is_a_file_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     status, out, _ = _run(capsys, tmp_path / "absent.py", AFTER)
     assert status == EXIT_FILE_ERRORS
     assert "absent.py: no such file or folder" in out
 
 
 def test_a_deep_and_wide_tree_is_scanned_with_every_subfolder(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     deep = tmp_path
     for _ in range(300):
         deep = deep / "d"
@@ -172,13 +203,28 @@ def test_a_deep_and_wide_tree_is_scanned_with_every_subfolder(
 
 
 def test_exclude_skips_matching_files(capsys: pytest.CaptureFixture[str]) -> None:
-    status, out, _ = _run(capsys, FIXTURES, "--exclude", "seed_*", "--exclude", "pkg",
-                          "--exclude", "oot", "--exclude", "*flow.py",
-                          "--exclude", "more_*", "--json")
+    status, out, _ = _run(
+        capsys,
+        FIXTURES,
+        "--exclude",
+        "seed_*",
+        "--exclude",
+        "pkg",
+        "--exclude",
+        "oot",
+        "--exclude",
+        "*flow.py",
+        "--exclude",
+        "more_*",
+        "--json",
+    )
     doc = json.loads(out)
     assert status == 0
     assert sorted({Path(s["path"]).name for s in doc["sites"]}) == [
-        "aliases.py", "forms.py", "wrapper.py"]
+        "aliases.py",
+        "forms.py",
+        "wrapper.py",
+    ]
 
 
 def test_nothing_to_scan_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -202,38 +248,49 @@ def test_installed_vllm_subpackage_by_folder_name(capsys: pytest.CaptureFixture[
 
 
 def test_show_classes_prints_each_trait_value_with_its_classes(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     status, out, _ = _run(capsys, "--show-classes")
     assert status == 0
     line = next(x for x in out.splitlines() if x.startswith("  True") and "MLAAttentionSpec" in x)
     assert line.split(None, 1)[1] == (
         "CircularBufferSpec, HiSparseHotSpec, HiSparseResidentSpec, HiddenStateCacheSpec, "
-        "MLAAttentionSpec, SlidingWindowMLASpec")
+        "MLAAttentionSpec, SlidingWindowMLASpec"
+    )
 
 
 def test_scanning_with_saved_class_sets_does_not_import_vllm(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     saved = tmp_path / "classes.json"
     assert _run(capsys, AFTER, "--save-classes", saved)[0] == 0
-    code = ("import sys\n"
-            "from kvspec_traits.audit import main\n"
-            f"status = main(['--classes', {str(saved)!r}, {str(BEFORE)!r}, '--fail-on-miss'])\n"
-            "heavy = sorted(m for m in ('vllm', 'torch') if m in sys.modules)\n"
-            "print('STATUS', status, ','.join(heavy) or 'none')\n")
+    code = (
+        "import sys\n"
+        "from kvspec_traits.audit import main\n"
+        f"status = main(['--classes', {str(saved)!r}, {str(BEFORE)!r}, '--fail-on-miss'])\n"
+        "heavy = sorted(m for m in ('vllm', 'torch') if m in sys.modules)\n"
+        "print('STATUS', status, ','.join(heavy) or 'none')\n"
+    )
     env = dict(os.environ, KVSPEC_TRAITS_CACHE_DIR=str(tmp_path / "unused-cache"))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env=env,
+    )
     assert done.stdout.splitlines()[-1] == "STATUS 1 none"
     assert "MISSES SlidingWindowMLASpec" in done.stdout
 
 
-def test_save_classes_alone_saves_them_and_exits_0(capsys: pytest.CaptureFixture[str],
-                                                  tmp_path: Path) -> None:
+def test_save_classes_alone_saves_them_and_exits_0(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     # docs/audit.md, "Wiring it into CI": `kvspec-traits audit --save-classes classes.json`
     saved = tmp_path / "classes.json"
     assert _run(capsys, "--save-classes", saved) == (0, "", "")
-    assert json.loads(saved.read_text())["answers"]["is_mla"]["SlidingWindowMLASpec"] == [
-        "True"]
+    assert json.loads(saved.read_text())["answers"]["is_mla"]["SlidingWindowMLASpec"] == ["True"]
 
 
 def test_class_sets_are_cached_between_runs(capsys: pytest.CaptureFixture[str]) -> None:
@@ -244,8 +301,9 @@ def test_class_sets_are_cached_between_runs(capsys: pytest.CaptureFixture[str]) 
     assert doc["answers"]["is_mla"]["SlidingWindowMLASpec"] == ["True"]
 
 
-def test_the_report_example_in_the_docs_is_current(capsys: pytest.CaptureFixture[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_report_example_in_the_docs_is_current(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     docs = (Path(__file__).parents[1] / "docs" / "audit.md").read_text()
     example = docs.split("## Reading the report\n\n```text\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(FIXTURES)

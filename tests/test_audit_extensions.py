@@ -46,8 +46,8 @@ def _audit(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 
 
 def test_an_installed_extensions_classes_are_sites_with_their_representatives_answers(
-        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-        tmp_path: Path) -> None:
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("KVSPEC_TRAITS_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "connector.py").write_text(CONNECTOR)
     doc = _audit(capsys, str(tmp_path / "connector.py"))
@@ -57,18 +57,20 @@ def test_an_installed_extensions_classes_are_sites_with_their_representatives_an
     exact = by_check["type(spec) is MLAAttentionSpec"]
     # ScaledLatentSpec is a spec class of this audit: a site, answered from the example's
     # representative_specs() (a ScaledLatentSpec resolves through the example's adapter).
-    assert (latent["branch_classes"], latent["no_representative"]) == (
-        ["ScaledLatentSpec"], [])
+    assert (latent["branch_classes"], latent["no_representative"]) == (["ScaledLatentSpec"], [])
     assert latent["verdict"] == "ok"
     # It derives from MLAAttentionSpec and its adapter says is_mla = True (attention_traits
     # of an MLA spec), so an exact check on MLAAttentionSpec skips and misses it, with the
     # other MLA classes of vLLM 0.32: HiddenStateCacheSpec (a subclass), and
     # SlidingWindowMLASpec (same page kind, is_mla = True).
     assert exact["skipped_subclasses"] == ["HiddenStateCacheSpec", "ScaledLatentSpec"]
-    assert exact["missing"] == ["HiddenStateCacheSpec", "ScaledLatentSpec",
-                                "SlidingWindowMLASpec"]
+    assert exact["missing"] == ["HiddenStateCacheSpec", "ScaledLatentSpec", "SlidingWindowMLASpec"]
     assert exact["answer"]["value_classes"] == [
-        "HiddenStateCacheSpec", "MLAAttentionSpec", "ScaledLatentSpec", "SlidingWindowMLASpec"]
+        "HiddenStateCacheSpec",
+        "MLAAttentionSpec",
+        "ScaledLatentSpec",
+        "SlidingWindowMLASpec",
+    ]
 
     # --no-extensions: vLLM's classes alone; the example's class is no spec class then.
     alone = _audit(capsys, "--no-extensions", str(tmp_path / "connector.py"))
@@ -125,11 +127,13 @@ def _install(site: Path, package: str, source: str) -> None:
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
-        f"[kvspec_traits.adapters]\n{package} = {package}:register\n")
+        f"[kvspec_traits.adapters]\n{package} = {package}:register\n"
+    )
 
 
 def test_an_extension_without_representatives_is_listed_and_changes_the_cache_key(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     from kvspec_traits.audit import load_universe
 
     cache = tmp_path / "cache"
@@ -140,13 +144,25 @@ def test_an_extension_without_representatives_is_listed_and_changes_the_cache_ke
     site = tmp_path / "site"
     _install(site, "padded_ext", PLUGIN)
     (tmp_path / "user.py").write_text(PLUGIN_USER)
-    code = ("import sys\n"
-            "from kvspec_traits.audit import main\n"
-            "sys.exit(main(['--json', '-o', 'report.json', 'user.py']))\n")
-    env = dict(os.environ, KVSPEC_TRAITS_CACHE_DIR=str(cache),
-               PYTHONPATH=os.pathsep.join([str(site), *sys.path]))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, check=False, env=env, cwd=tmp_path)
+    code = (
+        "import sys\n"
+        "from kvspec_traits.audit import main\n"
+        "sys.exit(main(['--json', '-o', 'report.json', 'user.py']))\n"
+    )
+    env = dict(
+        os.environ,
+        KVSPEC_TRAITS_CACHE_DIR=str(cache),
+        PYTHONPATH=os.pathsep.join([str(site), *sys.path]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     doc = json.loads((tmp_path / "report.json").read_text())
     assert "padded_ext 0.1" in doc["extensions"]
@@ -154,19 +170,21 @@ def test_an_extension_without_representatives_is_listed_and_changes_the_cache_ke
     # A spec class of the audit, in its class tree, but with no instance to answer from:
     # reported, with the class under no_representative, and no trait claimed.
     assert (found["check"], found["no_representative"], found["answer"]) == (
-        "isinstance(spec, PaddedFullSpec)", ["PaddedFullSpec"], None)
+        "isinstance(spec, PaddedFullSpec)",
+        ["PaddedFullSpec"],
+        None,
+    )
     assert "PaddedFullSpec has no representative" in found["reason"]
     after = set(cache.glob("audit-classes-*.json")) - {before}
     assert len(after) == 1  # installing the extension changed the key: a new build
     built = json.loads(after.pop().read_text())
-    assert built["classes"]["PaddedFullSpec"]["mro"][:2] == ["PaddedFullSpec",
-                                                            "FullAttentionSpec"]
+    assert built["classes"]["PaddedFullSpec"]["mro"][:2] == ["PaddedFullSpec", "FullAttentionSpec"]
     assert built["classes"]["PaddedFullSpec"]["representatives"] == 0
 
 
 def test_an_extension_that_does_not_load_stops_the_audit_naming_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # Installed, but its module fails to import (so no class of it ever exists here).
     _install(tmp_path / "site", "broken_ext", "raise ImportError('no such backend')\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
@@ -175,8 +193,10 @@ def test_an_extension_that_does_not_load_stops_the_audit_naming_it(
     assert main([str(tmp_path / "user.py")]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.startswith("kvspec-traits audit: no class sets: an installed extension does "
-                          "not load (entry point 'broken_ext' = 'broken_ext:register'")
+    assert err.startswith(
+        "kvspec-traits audit: no class sets: an installed extension does "
+        "not load (entry point 'broken_ext' = 'broken_ext:register'"
+    )
     assert "no such backend" in err and "--no-extensions" in err
     # vLLM's classes alone still work.
     assert main(["--no-extensions", str(tmp_path / "user.py")]) == 0

@@ -13,63 +13,143 @@ from kvspec_traits.audit._questions import QUESTIONS
 T, F = "True", "False"
 # class: (mro, {question: value or set of values}); kind = (transferable, uses_slot_mapping)
 _TABLE: dict[str, tuple[tuple[str, ...], dict[str, str | set[str]]]] = {
-    "Attn": (("Attn", "Base"), dict(is_mla=F, token_scope="TokenScope.FULL",
-                                    tp_layout="TPLayout.HEAD_SHARDED", windowed=F)),
-    "Full": (("Full", "Attn", "Base"), dict(is_mla=F, token_scope="TokenScope.FULL",
-                                            tp_layout="TPLayout.HEAD_SHARDED", windowed=F)),
-    "Latent": (("Latent", "Full", "Attn", "Base"),
-               dict(is_mla=T, token_scope="TokenScope.FULL", tp_layout="TPLayout.REPLICATED",
-                    windowed=F)),
-    "LatentChild": (("LatentChild", "Latent", "Full", "Attn", "Base"),
-                    dict(is_mla=T, token_scope="TokenScope.FULL",
-                         tp_layout="TPLayout.REPLICATED", windowed=F)),
-    "Win": (("Win", "Attn", "Base"), dict(is_mla=F, token_scope="TokenScope.SLIDING_WINDOW",
-                                          tp_layout="TPLayout.HEAD_SHARDED", windowed=T)),
-    "WinLatent": (("WinLatent", "Win", "Attn", "Base"),
-                  dict(is_mla=T, token_scope="TokenScope.SLIDING_WINDOW",
-                       tp_layout="TPLayout.REPLICATED", windowed=T)),
-    "Sink": (("Sink", "Full", "Attn", "Base"), dict(is_mla=F, token_scope="TokenScope.FULL",
-                                                    tp_layout="TPLayout.HEAD_SHARDED",
-                                                    windowed=F)),
-    "Chunk": (("Chunk", "Attn", "Base"), dict(is_mla=F, token_scope="TokenScope.CHUNKED",
-                                              tp_layout="TPLayout.HEAD_SHARDED", windowed=T)),
-    "Ring": (("Ring", "Attn", "Base"),
-             dict(is_mla=T, token_scope="TokenScope.RING", tp_layout="TPLayout.REPLICATED",
-                  windowed=T, uses_slot_mapping=F, prefix_cacheable=F)),
-    "Hot": (("Hot", "Base"), dict(is_mla=T, token_scope="TokenScope.SPARSE_HOT",
-                                  tp_layout="TPLayout.REPLICATED", windowed=F, transferable=F,
-                                  uses_slot_mapping=F, prefix_cacheable=F)),
-    "State": (("State", "Base"),
-              dict(is_mla=F, token_scope="TokenScope.RECURRENT_STATE",
-                   tp_layout={"TPLayout.REPLICATED", "TPLayout.STATE_SHARDED"}, windowed=F)),
+    "Attn": (
+        ("Attn", "Base"),
+        dict(
+            is_mla=F, token_scope="TokenScope.FULL", tp_layout="TPLayout.HEAD_SHARDED", windowed=F
+        ),
+    ),
+    "Full": (
+        ("Full", "Attn", "Base"),
+        dict(
+            is_mla=F, token_scope="TokenScope.FULL", tp_layout="TPLayout.HEAD_SHARDED", windowed=F
+        ),
+    ),
+    "Latent": (
+        ("Latent", "Full", "Attn", "Base"),
+        dict(is_mla=T, token_scope="TokenScope.FULL", tp_layout="TPLayout.REPLICATED", windowed=F),
+    ),
+    "LatentChild": (
+        ("LatentChild", "Latent", "Full", "Attn", "Base"),
+        dict(is_mla=T, token_scope="TokenScope.FULL", tp_layout="TPLayout.REPLICATED", windowed=F),
+    ),
+    "Win": (
+        ("Win", "Attn", "Base"),
+        dict(
+            is_mla=F,
+            token_scope="TokenScope.SLIDING_WINDOW",
+            tp_layout="TPLayout.HEAD_SHARDED",
+            windowed=T,
+        ),
+    ),
+    "WinLatent": (
+        ("WinLatent", "Win", "Attn", "Base"),
+        dict(
+            is_mla=T,
+            token_scope="TokenScope.SLIDING_WINDOW",
+            tp_layout="TPLayout.REPLICATED",
+            windowed=T,
+        ),
+    ),
+    "Sink": (
+        ("Sink", "Full", "Attn", "Base"),
+        dict(
+            is_mla=F, token_scope="TokenScope.FULL", tp_layout="TPLayout.HEAD_SHARDED", windowed=F
+        ),
+    ),
+    "Chunk": (
+        ("Chunk", "Attn", "Base"),
+        dict(
+            is_mla=F,
+            token_scope="TokenScope.CHUNKED",
+            tp_layout="TPLayout.HEAD_SHARDED",
+            windowed=T,
+        ),
+    ),
+    "Ring": (
+        ("Ring", "Attn", "Base"),
+        dict(
+            is_mla=T,
+            token_scope="TokenScope.RING",
+            tp_layout="TPLayout.REPLICATED",
+            windowed=T,
+            uses_slot_mapping=F,
+            prefix_cacheable=F,
+        ),
+    ),
+    "Hot": (
+        ("Hot", "Base"),
+        dict(
+            is_mla=T,
+            token_scope="TokenScope.SPARSE_HOT",
+            tp_layout="TPLayout.REPLICATED",
+            windowed=F,
+            transferable=F,
+            uses_slot_mapping=F,
+            prefix_cacheable=F,
+        ),
+    ),
+    "State": (
+        ("State", "Base"),
+        dict(
+            is_mla=F,
+            token_scope="TokenScope.RECURRENT_STATE",
+            tp_layout={"TPLayout.REPLICATED", "TPLayout.STATE_SHARDED"},
+            windowed=F,
+        ),
+    ),
 }
 _DEFAULTS = dict(transferable=T, uses_slot_mapping=T, prefix_cacheable=T)
 
 
 def _universe() -> Universe:
-    classes = {name: ClassInfo(name=name, module="fake", mro=mro, representatives=1)
-               for name, (mro, _) in _TABLE.items()}
+    classes = {
+        name: ClassInfo(name=name, module="fake", mro=mro, representatives=1)
+        for name, (mro, _) in _TABLE.items()
+    }
     classes["Base"] = ClassInfo(name="Base", module="fake", mro=("Base",), representatives=0)
-    classes["Group"] = ClassInfo(name="Group", module="fake", mro=("Group", "Base"),
-                                 representatives=1, group=True)
+    classes["Group"] = ClassInfo(
+        name="Group", module="fake", mro=("Group", "Base"), representatives=1, group=True
+    )
     answers: dict[str, dict[str, frozenset[str]]] = {q.name: {} for q in QUESTIONS}
     for name, (_, values) in _TABLE.items():
         for q in QUESTIONS:
             value = values.get(q.name, _DEFAULTS.get(q.name))
             assert value is not None, (name, q.name)
             answers[q.name][name] = frozenset({value} if isinstance(value, str) else value)
-    return Universe(vllm_version="test", vllm_path="", classes=classes, answers=answers,
-                    group_attributes=frozenset({"members"}))
+    return Universe(
+        vllm_version="test",
+        vllm_path="",
+        classes=classes,
+        answers=answers,
+        group_attributes=frozenset({"members"}),
+    )
 
 
 U = _universe()
 
 
-def _site(*classes: str, form: str = "isinstance", negated: bool = False,
-          exact: bool = False, unwraps: bool | None = None) -> RawSite:
-    return RawSite(line=1, col=0, end_line=1, function="f", form=form, subject="spec",
-                   text="...", written="...", classes=classes, negated=negated, exact=exact,
-                   unwraps=unwraps)
+def _site(
+    *classes: str,
+    form: str = "isinstance",
+    negated: bool = False,
+    exact: bool = False,
+    unwraps: bool | None = None,
+) -> RawSite:
+    return RawSite(
+        line=1,
+        col=0,
+        end_line=1,
+        function="f",
+        form=form,
+        subject="spec",
+        text="...",
+        written="...",
+        classes=classes,
+        negated=negated,
+        exact=exact,
+        unwraps=unwraps,
+    )
 
 
 def test_isinstance_takes_subclasses_and_misses_same_kind_classes_only() -> None:
@@ -100,7 +180,10 @@ def test_a_class_whose_representatives_disagree_is_left_out_of_that_trait() -> N
     site = infer(_site("State"), U)
     assert site.answer is not None
     assert (site.answer.trait, site.answer.value, site.answer.match) == (
-        "token_scope", "TokenScope.RECURRENT_STATE", "exact")
+        "token_scope",
+        "TokenScope.RECURRENT_STATE",
+        "exact",
+    )
     mla = infer(_site("Latent", "WinLatent"), U).answer
     assert mla is not None
     # tp_layout REPLICATED fits as exactly as is_mla once State is left out, but State

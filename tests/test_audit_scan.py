@@ -14,16 +14,27 @@ from kvspec_traits.audit._files import module_name
 from kvspec_traits.audit._scan import relevant_lines
 from kvspec_traits.audit._universe import installed_vllm_dir
 
-KNOWN = frozenset({"KVCacheSpec", "MambaSpec", "MLAAttentionSpec", "SlidingWindowMLASpec",
-                   "UniformTypeKVCacheSpecs"})
+KNOWN = frozenset(
+    {
+        "KVCacheSpec",
+        "MambaSpec",
+        "MLAAttentionSpec",
+        "SlidingWindowMLASpec",
+        "UniformTypeKVCacheSpecs",
+    }
+)
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 
 
-def _sites(source: str, *, module: str = "",
-           exports: Mapping[str, Mapping[str, tuple[str, ...]]] | None = None,
-           ) -> list[tuple[int, str, str, tuple[str, ...], bool]]:
-    found = scan_module(ast.parse(source), module=module, known=KNOWN, exports=exports,
-                        source=source.encode())
+def _sites(
+    source: str,
+    *,
+    module: str = "",
+    exports: Mapping[str, Mapping[str, tuple[str, ...]]] | None = None,
+) -> list[tuple[int, str, str, tuple[str, ...], bool]]:
+    found = scan_module(
+        ast.parse(source), module=module, known=KNOWN, exports=exports, source=source.encode()
+    )
     return [(s.line, s.form, s.subject, s.classes, s.negated) for s in found]
 
 
@@ -53,8 +64,10 @@ def test_relative_imports_resolve_against_the_package() -> None:
         "def f(s):\n"
         "    return isinstance(s, LATENT) or isinstance(s, local.STATE)\n"
     )
-    exports = {"pkg.sets": {"LATENT": ("MLAAttentionSpec",)},
-               "pkg.sub.sets": {"STATE": ("MambaSpec",)}}
+    exports = {
+        "pkg.sets": {"LATENT": ("MLAAttentionSpec",)},
+        "pkg.sub.sets": {"STATE": ("MambaSpec",)},
+    }
     found = _sites(src, module="pkg.sub.user", exports=exports)
     assert found == [(4, "isinstance", "s", ("MLAAttentionSpec", "MambaSpec"), False)]
     # Through a module alias alone, on a line naming no spec class or imported set.
@@ -114,8 +127,12 @@ def test_wrapper_check_unwraps_when_the_branch_reads_a_member_field() -> None:
         "        return s.page_size_bytes\n"
         "    return inner\n"
     )
-    found = scan_module(ast.parse(src), known=KNOWN, groups=frozenset({"UniformTypeKVCacheSpecs"}),
-                        group_attributes=frozenset({"kv_cache_specs", "first_spec"}))
+    found = scan_module(
+        ast.parse(src),
+        known=KNOWN,
+        groups=frozenset({"UniformTypeKVCacheSpecs"}),
+        group_attributes=frozenset({"kv_cache_specs", "first_spec"}),
+    )
     assert [(s.line, s.unwraps) for s in found] == [(3, True), (4, False)]
 
 
@@ -136,11 +153,18 @@ def test_code_after_a_negated_early_exit_wrapper_check_is_guarded_by_it() -> Non
         "        return s.page_size_bytes\n"
         "    return s.kv_cache_specs\n"
     )
-    found = scan_module(ast.parse(src), known=KNOWN, groups=frozenset({"UniformTypeKVCacheSpecs"}),
-                        group_attributes=frozenset({"kv_cache_specs", "first_spec"}))
+    found = scan_module(
+        ast.parse(src),
+        known=KNOWN,
+        groups=frozenset({"UniformTypeKVCacheSpecs"}),
+        group_attributes=frozenset({"kv_cache_specs", "first_spec"}),
+    )
     # After `if isinstance(s, U): return`, the rest runs for non-groups only: not counted.
     assert [(s.function, s.unwraps) for s in found] == [
-        ("members", True), ("first", True), ("positive", False)]
+        ("members", True),
+        ("first", True),
+        ("positive", False),
+    ]
 
 
 def test_relevant_lines_finds_every_token_occurrence() -> None:
@@ -158,19 +182,26 @@ def _vllm_files() -> list[Path]:
 @pytest.mark.parametrize("group", ["fixtures", "vllm kv_transfer"])
 def test_line_pruning_finds_exactly_what_a_full_walk_finds(group: str) -> None:
     files = sorted(FIXTURES.rglob("*.py")) if group == "fixtures" else _vllm_files()
-    known = KNOWN | {"FullAttentionSpec", "AttentionSpec", "SlidingWindowSpec",
-                     "CircularBufferSpec", "HiddenStateCacheSpec", "ChunkedLocalAttentionSpec"}
+    known = KNOWN | {
+        "FullAttentionSpec",
+        "AttentionSpec",
+        "SlidingWindowSpec",
+        "CircularBufferSpec",
+        "HiddenStateCacheSpec",
+        "ChunkedLocalAttentionSpec",
+    }
     total = 0
     for path in files:
         data = path.read_bytes()
         tree = ast.parse(data)
         module, is_package = module_name(path)
-        pruned = scan_module(tree, module=module, is_package=is_package, known=known,
-                             source=data)
+        pruned = scan_module(tree, module=module, is_package=is_package, known=known, source=data)
         full = scan_module(tree, module=module, is_package=is_package, known=known)
         # only the source has comments: the "subclass-comment" flag needs it
-        pruned = [replace(s, context=tuple(c for c in s.context if c != "subclass-comment"))
-                  for s in pruned]
+        pruned = [
+            replace(s, context=tuple(c for c in s.context if c != "subclass-comment"))
+            for s in pruned
+        ]
         assert pruned == full, path
         total += len(full)
     assert total > (20 if group == "fixtures" else 80)

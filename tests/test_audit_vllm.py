@@ -50,24 +50,33 @@ MISSES = {
     "0.34": {(_OFFLOAD + "canonical_mapping.py", 282, ("SlidingWindowMLASpec",))},
 }
 DELIBERATE = {
-    "0.32": {(_OFFLOAD + "config.py", 203), (_OFFLOAD + "config.py", 235),
-             ("vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py", 1552)},
-    "0.33": {(_OFFLOAD + "config.py", 241), (_OFFLOAD + "config.py", 273),
-             ("vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py", 1552)},
+    "0.32": {
+        (_OFFLOAD + "config.py", 203),
+        (_OFFLOAD + "config.py", 235),
+        ("vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py", 1552),
+    },
+    "0.33": {
+        (_OFFLOAD + "config.py", 241),
+        (_OFFLOAD + "config.py", 273),
+        ("vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py", 1552),
+    },
     "0.34": {(_OFFLOAD + "config.py", 223), (_OFFLOAD + "config.py", 255)},
 }
 # The one check negated inside an and-chain, per series: what it asks about together.
 _MORIIO = "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py"
-_OFFLOAD_CHAIN = (_OFFLOAD + "config.py", ("FullAttentionSpec",), ("MLAAttentionSpec",),
-                  ("FullAttentionSpec", "RSWASpec", "SinkFullAttentionSpec"))
+_OFFLOAD_CHAIN = (
+    _OFFLOAD + "config.py",
+    ("FullAttentionSpec",),
+    ("MLAAttentionSpec",),
+    ("FullAttentionSpec", "RSWASpec", "SinkFullAttentionSpec"),
+)
 NEGATED_IN_CHAIN = {
     "0.32": _OFFLOAD_CHAIN,
     "0.33": _OFFLOAD_CHAIN,
     # moriio_connector.py: `isinstance(g.kv_cache_spec, SlidingWindowSpec) and not
     # isinstance(g.kv_cache_spec, SlidingWindowMLASpec)`; 0.34's offloading config
     # no longer negates.
-    "0.34": (_MORIIO, ("SlidingWindowSpec",), ("SlidingWindowMLASpec",),
-             ("SlidingWindowSpec",)),
+    "0.34": (_MORIIO, ("SlidingWindowSpec",), ("SlidingWindowMLASpec",), ("SlidingWindowSpec",)),
 }
 NIXL_WORKER = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py"
 FIXED_LINE = "isinstance(layer_spec, (MLAAttentionSpec, SlidingWindowMLASpec))"
@@ -84,8 +93,7 @@ def universe(tmp_path_factory: pytest.TempPathFactory) -> Universe:
 def kv_transfer(universe: Universe) -> AuditResult:
     root = installed_vllm_dir()
     assert root is not None
-    return audit_paths([root / "distributed" / "kv_transfer"], universe,
-                       display_root=root.parent)
+    return audit_paths([root / "distributed" / "kv_transfer"], universe, display_root=root.parent)
 
 
 def test_class_sets_come_from_the_vllm_under_test(universe: Universe) -> None:
@@ -117,12 +125,15 @@ def test_a_negated_class_in_an_and_chain_is_no_miss(kv_transfer: AuditResult) ->
     path, classes, excluded, branch = NEGATED_IN_CHAIN[VERSION]
     assert site.path == path
     assert (site.raw.classes, site.raw.excluded, site.branch_classes, site.missing) == (
-        classes, excluded, branch, ())
+        classes,
+        excluded,
+        branch,
+        (),
+    )
 
 
 def test_fixed_nixl_mla_line_is_not_a_miss(kv_transfer: AuditResult) -> None:
-    (site,) = [s for s in kv_transfer.sites
-               if s.path == NIXL_WORKER and s.raw.text == FIXED_LINE]
+    (site,) = [s for s in kv_transfer.sites if s.path == NIXL_WORKER and s.raw.text == FIXED_LINE]
     assert site.raw.function == "NixlBaseConnectorWorker.register_kv_caches"
     assert site.answer is not None
     assert (site.answer.trait, site.answer.match) == ("is_mla", "exact")
@@ -132,8 +143,10 @@ def test_fixed_nixl_mla_line_is_not_a_miss(kv_transfer: AuditResult) -> None:
 def test_offloading_group_bytes_wrapper_check_is_reported(kv_transfer: AuditResult) -> None:
     (site,) = [s for s in kv_transfer.sites if s.wrapper_not_unwrapped]
     assert (site.path, site.raw.function, site.raw.text) == (
-        _OFFLOAD + "config.py", "_group_kv_bytes_per_block",
-        "isinstance(spec, UniformTypeKVCacheSpecs)")
+        _OFFLOAD + "config.py",
+        "_group_kv_bytes_per_block",
+        "isinstance(spec, UniformTypeKVCacheSpecs)",
+    )
 
 
 def test_the_audit_package_names_no_spec_class_and_imports_no_vllm() -> None:
@@ -155,8 +168,14 @@ def test_the_audit_package_names_no_spec_class_and_imports_no_vllm() -> None:
                 if name in names:
                     offenders.append(f"{path.name}:{node.lineno} {name}")
             elif isinstance(node, ast.Import | ast.ImportFrom):
-                modules = [a.name for a in node.names] if isinstance(node, ast.Import) \
+                modules = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
                     else [node.module or ""]
-                offenders += [f"{path.name}:{node.lineno} import {m}" for m in modules
-                              if m.split(".")[0] == "vllm"]
+                )
+                offenders += [
+                    f"{path.name}:{node.lineno} import {m}"
+                    for m in modules
+                    if m.split(".")[0] == "vllm"
+                ]
     assert offenders == []

@@ -122,11 +122,16 @@ def _mla(backend: MLABackend, cache_dtype: str = "auto") -> list[KVCacheGroupSpe
     """DeepSeek-V2/V3 as ``backend`` serves it: its block size, and a KV cache in the
     model's dtype ("auto") or fp8_ds_mla bytes."""
     ds = cache_dtype == "fp8_ds_mla"
-    spec = MLAAttentionSpec(block_size=backend.block_size, num_kv_heads=1, max_tp_shards=1,
-                            head_size=576, dtype=torch.uint8 if ds else backend.torch_dtype,
-                            cache_dtype_str=cache_dtype,
-                            kv_quant_mode=get_kv_quant_mode(cache_dtype),
-                            state_content_bytes=656 if ds else None)
+    spec = MLAAttentionSpec(
+        block_size=backend.block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=576,
+        dtype=torch.uint8 if ds else backend.torch_dtype,
+        cache_dtype_str=cache_dtype,
+        kv_quant_mode=get_kv_quant_mode(cache_dtype),
+        state_content_bytes=656 if ds else None,
+    )
     return [_g(_layers("model.layers.{}.self_attn.attn", range(2)), spec)]
 
 
@@ -138,32 +143,48 @@ def _mla_indexer(backend: MLABackend) -> list[KVCacheGroupSpec]:
     for i in range(2):
         specs[f"model.layers.{i}.self_attn.attn"] = _mla(backend)[0].kv_cache_spec
         specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-            block_size=backend.block_size, num_kv_heads=1, max_tp_shards=1, head_size=132,
-            dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
-    return [_g(list(specs), UniformTypeKVCacheSpecs(block_size=backend.block_size,
-                                                    kv_cache_specs=specs))]
+            block_size=backend.block_size,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=132,
+            dtype=torch.uint8,
+            cache_role=SparseCacheRole.INDEXER,
+        )
+    return [
+        _g(
+            list(specs),
+            UniformTypeKVCacheSpecs(block_size=backend.block_size, kv_cache_specs=specs),
+        )
+    ]
 
 
 def _sliding_hybrid() -> list[KVCacheGroupSpec]:
     """gpt-oss: full and sliding-window layers alternate; two aliasing groups."""
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=F32)
-    swa = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=F32,
-                            sliding_window=128)
-    return [_g(_layers("model.layers.{}.attn", [0, 2]), full),
-            _g(_layers("model.layers.{}.attn", [1, 3]), swa)]
+    swa = SlidingWindowSpec(
+        block_size=32, num_kv_heads=2, head_size=64, dtype=F32, sliding_window=128
+    )
+    return [
+        _g(_layers("model.layers.{}.attn", [0, 2]), full),
+        _g(_layers("model.layers.{}.attn", [1, 3]), swa),
+    ]
 
 
 def _chunked_local() -> list[KVCacheGroupSpec]:
     """Llama-4: three chunked-local layers per global one."""
-    local = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=F32,
-                                      attention_chunk_size=256)
+    local = ChunkedLocalAttentionSpec(
+        block_size=32, num_kv_heads=2, head_size=64, dtype=F32, attention_chunk_size=256
+    )
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=F32)
-    return [_g(_layers("model.layers.{}.attn", [0, 1, 2]), local),
-            _g(_layers("model.layers.{}.attn", [3]), full)]
+    return [
+        _g(_layers("model.layers.{}.attn", [0, 1, 2]), local),
+        _g(_layers("model.layers.{}.attn", [3]), full),
+    ]
 
 
-def _state_hybrid(shapes: tuple[tuple[int, ...], ...], names: str, kind: str
-                  ) -> list[KVCacheGroupSpec]:
+def _state_hybrid(
+    shapes: tuple[tuple[int, ...], ...], names: str, kind: str
+) -> list[KVCacheGroupSpec]:
     """Recurrent-state layers (GDN or Mamba1) with one attention layer in four; the
     attention block grows until its page holds the state, which is padded to it."""
     state = 4 * sum(math.prod(s) for s in shapes)
@@ -173,11 +194,17 @@ def _state_hybrid(shapes: tuple[tuple[int, ...], ...], names: str, kind: str
     attn = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=F32)
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-    mamba = MambaSpec(block_size=block, shapes=shapes, dtypes=(F32,) * len(shapes),
-                      page_size_padded=attn.page_size_bytes,
-                      mamba_type=MambaAttentionBackendEnum[kind])
-    return [_g(_layers("model.layers.{}." + names, [0, 1, 2]), mamba),
-            _g(_layers("model.layers.{}.self_attn.attn", [3]), attn)]
+    mamba = MambaSpec(
+        block_size=block,
+        shapes=shapes,
+        dtypes=(F32,) * len(shapes),
+        page_size_padded=attn.page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum[kind],
+    )
+    return [
+        _g(_layers("model.layers.{}." + names, [0, 1, 2]), mamba),
+        _g(_layers("model.layers.{}.self_attn.attn", [3]), attn),
+    ]
 
 
 def _dsv4_specs() -> dict[str, KVCacheSpec]:
@@ -185,32 +212,56 @@ def _dsv4_specs() -> dict[str, KVCacheSpec]:
     compressed fp8 MLA (4 tokens per state), the SWA-MLA compressor state, the CSA ring
     buffer and the compressed indexer cache."""
     return {
-        "mla": MLAAttentionSpec(block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=512,
-                                dtype=torch.uint8, tokens_per_state=4,
-                                cache_dtype_str="fp8_ds_mla", alignment=576,
-                                model_version="deepseek_v4",
-                                kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
-                                state_content_bytes=584),
-        "compressor.swa": SlidingWindowMLASpec(block_size=16, num_kv_heads=1, max_tp_shards=1,
-                                               head_size=512, dtype=torch.bfloat16,
-                                               sliding_window=128, alignment=576),
-        "compressor.ring": CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=1024,
-                                              head_size_v=0, dtype=F32),
-        "indexer.k_cache": MLAAttentionSpec(block_size=16, num_kv_heads=1, max_tp_shards=1,
-                                            head_size=132, dtype=torch.uint8,
-                                            tokens_per_state=4, alignment=576),
+        "mla": MLAAttentionSpec(
+            block_size=16,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=512,
+            dtype=torch.uint8,
+            tokens_per_state=4,
+            cache_dtype_str="fp8_ds_mla",
+            alignment=576,
+            model_version="deepseek_v4",
+            kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+            state_content_bytes=584,
+        ),
+        "compressor.swa": SlidingWindowMLASpec(
+            block_size=16,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=512,
+            dtype=torch.bfloat16,
+            sliding_window=128,
+            alignment=576,
+        ),
+        "compressor.ring": CircularBufferSpec(
+            block_size=8, num_kv_heads=1, head_size=1024, head_size_v=0, dtype=F32
+        ),
+        "indexer.k_cache": MLAAttentionSpec(
+            block_size=16,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=132,
+            dtype=torch.uint8,
+            tokens_per_state=4,
+            alignment=576,
+        ),
     }
 
 
 def _dsv4() -> list[KVCacheGroupSpec]:
-    return [_g(_layers("model.layers.{}.attn." + name, range(2)), spec)
-            for name, spec in _dsv4_specs().items()]
+    return [
+        _g(_layers("model.layers.{}.attn." + name, range(2)), spec)
+        for name, spec in _dsv4_specs().items()
+    ]
 
 
 def _ring_and_swa_mla() -> list[KVCacheGroupSpec]:
     specs = _dsv4_specs()
-    return [_g(["model.layers.0.attn.compressor.ring"], specs["compressor.ring"]),
-            _g(["model.layers.0.attn.compressor.swa"], specs["compressor.swa"])]
+    return [
+        _g(["model.layers.0.attn.compressor.ring"], specs["compressor.ring"]),
+        _g(["model.layers.0.attn.compressor.swa"], specs["compressor.swa"]),
+    ]
 
 
 LLAMA, DSV2 = "llama", "deepseek-v2"
@@ -223,11 +274,13 @@ AGREE: dict[str, Family] = {
     "sliding_window_hybrid": Family(_sliding_hybrid, LBHNC, LLAMA),
     "chunked_local_hybrid": Family(_chunked_local, LBHNC, LLAMA),
     # Qwen3.5 GDN: conv [Q, K, V] (2 x 320 + 128 wide, 3 rows), state (4, 32, 32).
-    "gdn_hybrid": Family(lambda: _state_hybrid(((768, 3), (4, 32, 32)), "linear_attn",
-                                               "GDN_ATTN"), LBHNC, LLAMA),
+    "gdn_hybrid": Family(
+        lambda: _state_hybrid(((768, 3), (4, 32, 32)), "linear_attn", "GDN_ATTN"), LBHNC, LLAMA
+    ),
     # Jamba's Mamba1: conv (d_inner, 3), state (d_inner, 16).
-    "mamba1_hybrid": Family(lambda: _state_hybrid(((128, 3), (128, 16)), "mamba", "MAMBA1"),
-                            LBHNC, LLAMA),
+    "mamba1_hybrid": Family(
+        lambda: _state_hybrid(((128, 3), (128, 16)), "mamba", "MAMBA1"), LBHNC, LLAMA
+    ),
 }
 MLA_AGREE: dict[str, Callable[[MLABackend], list[KVCacheGroupSpec]]] = {
     "mla": _mla,
@@ -265,8 +318,12 @@ def distributed(tiny_models: pathlib.Path) -> None:
     if not ps.model_parallel_is_initialized():  # type: ignore[no-untyped-call]  # vLLM
         with set_current_vllm_config(_vllm_config(tiny_models / LLAMA, LBHNC, None)):
             ps.init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, backend="gloo",
-                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            )
             ps.initialize_model_parallel(1, 1)
 
 
@@ -279,8 +336,9 @@ class Built:
     vllm_config: VllmConfig
 
 
-def _vllm_config(model: pathlib.Path, layout: KVCacheLayout,
-                 mla_backend: MLABackend | None) -> VllmConfig:
+def _vllm_config(
+    model: pathlib.Path, layout: KVCacheLayout, mla_backend: MLABackend | None
+) -> VllmConfig:
     dtype, block_size = F32, 16
     attention = AttentionConfig()
     if mla_backend is not None:
@@ -290,14 +348,17 @@ def _vllm_config(model: pathlib.Path, layout: KVCacheLayout,
     cache.kv_cache_layout = layout.name  # resolved by the engine core in a real server
     with _model_runner_triton_check_lifted():
         return VllmConfig(
-            model_config=ModelConfig(model=str(model), dtype=dtype, max_model_len=512,
-                                     enforce_eager=True),
+            model_config=ModelConfig(
+                model=str(model), dtype=dtype, max_model_len=512, enforce_eager=True
+            ),
             cache_config=cache,
             attention_config=attention,
             kv_transfer_config=KVTransferConfig(
                 kv_connector="TraitsNixlConnector",
                 kv_connector_module_path="kvspec_traits.vllm_connector",
-                kv_role="kv_both", kv_buffer_device="cpu"),
+                kv_role="kv_both",
+                kv_buffer_device="cpu",
+            ),
         )
 
 
@@ -332,24 +393,24 @@ def _construct(make: Callable[[], Any]) -> Any:
 
 
 @pytest.fixture
-def build(distributed: None, tiny_models: pathlib.Path,
-          monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Built]]:
+def build(
+    distributed: None, tiny_models: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., Built]]:
     """``build(family, upstream_cls=...)``: both workers over the same config and tensors,
     caches registered; shut down afterwards."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")  # vLLM's Mamba transfer needs it
     made: list[Any] = []
 
-    def _build(family: Family, upstream_cls: type[NixlPullConnectorWorker]
-               = NixlPullConnectorWorker) -> Built:
-        vllm_config = _vllm_config(tiny_models / family.model, family.layout,
-                                   family.mla_backend)
+    def _build(
+        family: Family, upstream_cls: type[NixlPullConnectorWorker] = NixlPullConnectorWorker
+    ) -> Built:
+        vllm_config = _vllm_config(tiny_models / family.model, family.layout, family.mla_backend)
         config = layouts.kv_cache_config(family.groups(), NB, family.layout)
         caches = layouts.allocate(config, family.layout)
         with set_current_vllm_config(vllm_config):
             upstream = _construct(lambda: upstream_cls(vllm_config, "upstream", config))
             made.append(upstream)
-            traits = _construct(lambda: TraitsNixlConnectorWorker(vllm_config, "traits",
-                                                                  config))
+            traits = _construct(lambda: TraitsNixlConnectorWorker(vllm_config, "traits", config))
             made.append(traits)
             upstream.register_kv_caches(caches)
             traits.register_kv_caches(caches)
@@ -357,7 +418,8 @@ def build(distributed: None, tiny_models: pathlib.Path,
             # The backend that checked the block size is the one this case is about.
             for worker in (upstream, traits):
                 assert worker.backend_name == family.mla_backend.name, (
-                    f"{family.mla_backend.label}: the worker selected {worker.backend_name}")
+                    f"{family.mla_backend.label}: the worker selected {worker.backend_name}"
+                )
         return Built(config, caches, upstream, traits, vllm_config)
 
     yield _build
@@ -367,20 +429,43 @@ def build(distributed: None, tiny_models: pathlib.Path,
 
 # -- what is compared -----------------------------------------------------------------------
 
-REGION_FIELDS = ("block_len_per_layer", "block_stride_per_layer", "region_num_blocks",
-                 "region_group_ids", "region_names", "_region_is_mla", "region_mem_types")
-WORKER_FIELDS = ("num_regions", "num_descs", "block_size", "num_blocks",
-                 "_physical_blocks_per_logical_kv_block", "_has_mamba", "_is_hma_required",
-                 "_is_csa_linear", "_ple_group_index", "_ssm_region_indices",
-                 "_scratch_region_indices", "_ple_region_index", "_ple_block_len",
-                 "_mamba_ssm_size", "_uses_region_group_mapping", "_mixed_mem_types",
-                 "_group_region_indices", "region_members")
+REGION_FIELDS = (
+    "block_len_per_layer",
+    "block_stride_per_layer",
+    "region_num_blocks",
+    "region_group_ids",
+    "region_names",
+    "_region_is_mla",
+    "region_mem_types",
+)
+WORKER_FIELDS = (
+    "num_regions",
+    "num_descs",
+    "block_size",
+    "num_blocks",
+    "_physical_blocks_per_logical_kv_block",
+    "_has_mamba",
+    "_is_hma_required",
+    "_is_csa_linear",
+    "_ple_group_index",
+    "_ssm_region_indices",
+    "_scratch_region_indices",
+    "_ple_region_index",
+    "_ple_block_len",
+    "_mamba_ssm_size",
+    "_uses_region_group_mapping",
+    "_mixed_mem_types",
+    "_group_region_indices",
+    "region_members",
+)
 # Fields a vLLM series does not have: 0.34 dropped the scratch-region list (it pairs
 # regions by their members instead), the group-mapping flag, and added the per-group
 # region lists.
-SERIES_LACKS = {"0.32": {"_group_region_indices"},
-                "0.33": {"_group_region_indices"},
-                "0.34": {"_scratch_region_indices", "_uses_region_group_mapping"}}
+SERIES_LACKS = {
+    "0.32": {"_group_region_indices"},
+    "0.33": {"_group_region_indices"},
+    "0.34": {"_scratch_region_indices", "_uses_region_group_mapping"},
+}
 
 
 def compared_fields() -> tuple[str, ...]:
@@ -403,12 +488,14 @@ def by_base(worker: NixlPullConnectorWorker) -> dict[int, dict[str, Any]]:
     origin = next(iter(worker.device_kv_caches.values())).untyped_storage().data_ptr()
     scratch = set(book.get("_scratch_region_indices", ()))
     return {
-        base: {"block_len": book["block_len_per_layer"][i],
-               "block_stride": book["block_stride_per_layer"][i],
-               "num_blocks": book["region_num_blocks"][i],
-               "group_id": book["region_group_ids"][i],
-               "replicated": book["_region_is_mla"][i],
-               "scratch": i in scratch}
+        base: {
+            "block_len": book["block_len_per_layer"][i],
+            "block_stride": book["block_stride_per_layer"][i],
+            "num_blocks": book["region_num_blocks"][i],
+            "group_id": book["region_group_ids"][i],
+            "replicated": book["_region_is_mla"][i],
+            "scratch": i in scratch,
+        }
         for i, base in ((i, b - origin) for i, b in enumerate(book["base_addresses"]))
     }
 
@@ -419,8 +506,9 @@ def offset(built: Built, layer: str) -> int:
 
 
 def _diff(a: dict[Any, Any], b: dict[Any, Any]) -> dict[Any, tuple[Any, Any]]:
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=str)
-            if a.get(k) != b.get(k)}
+    return {
+        k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k)
+    }
 
 
 # -- the checks -----------------------------------------------------------------------------
@@ -430,8 +518,7 @@ def _assert_identical_bookkeeping(built: Built) -> None:
     up, ours = bookkeeping(built.upstream), bookkeeping(built.traits)
     assert _diff(up, ours) == {}
     # The registered local descriptors (what every transfer indexes) are identical too.
-    np.testing.assert_array_equal(built.upstream.src_blocks_data,
-                                  built.traits.src_blocks_data)
+    np.testing.assert_array_equal(built.upstream.src_blocks_data, built.traits.src_blocks_data)
     assert up["num_regions"] > 0
     # Both handshakes carry the same geometry; ours adds the fingerprint.
     assert built.traits.traits_fingerprint is not None
@@ -439,8 +526,7 @@ def _assert_identical_bookkeeping(built: Built) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(AGREE))
-def test_region_bookkeeping_identical_to_upstream(name: str, build: Callable[..., Built]
-                                                  ) -> None:
+def test_region_bookkeeping_identical_to_upstream(name: str, build: Callable[..., Built]) -> None:
     _assert_identical_bookkeeping(build(AGREE[name]))
 
 
@@ -452,18 +538,17 @@ MLA_PAGE_BYTES = {"CPU_MLA": 16 * 576 * 4, "AMX_MLA": 32 * 576 * 2}
 @pytest.mark.parametrize("backend", mla_backend_params())
 @pytest.mark.parametrize("name", sorted(MLA_AGREE))
 def test_mla_region_bookkeeping_identical_to_upstream(
-        name: str, backend: MLABackend, build: Callable[..., Built]) -> None:
+    name: str, backend: MLABackend, build: Callable[..., Built]
+) -> None:
     built = build(_mla_family(name, backend))
     _assert_identical_bookkeeping(built)
     assert built.traits.block_size == backend.block_size, backend.label
     if name == "mla":
-        assert built.traits.block_len_per_layer == [MLA_PAGE_BYTES[backend.name]] * 2, (
-            backend.label)
+        assert built.traits.block_len_per_layer == [MLA_PAGE_BYTES[backend.name]] * 2, backend.label
 
 
 @pytest.mark.parametrize("name", sorted(MLA_AGREE))
-def test_mla_bookkeeping_where_vllm_selects_amx_mla(name: str, build: Callable[..., Built]
-                                                    ) -> None:
+def test_mla_bookkeeping_where_vllm_selects_amx_mla(name: str, build: Callable[..., Built]) -> None:
     """On any CPU: vLLM's selection made to see AMX tiles (tests/mla_backends.py), so the
     workers select AMX_MLA as on an AMX server and check its kernel block sizes against
     the AMX case's pages. Registering memory runs no attention kernel; only the
@@ -474,19 +559,21 @@ def test_mla_bookkeeping_where_vllm_selects_amx_mla(name: str, build: Callable[.
     assert built.traits.block_size == AMX_MLA.block_size
 
 
-def test_the_old_mla_settings_fail_where_vllm_selects_amx_mla(build: Callable[..., Built]
-                                                              ) -> None:
+def test_the_old_mla_settings_fail_where_vllm_selects_amx_mla(build: Callable[..., Built]) -> None:
     """The negative control: float32 pages of 16 tokens, the backend left to vLLM (what
     this test served MLA with before), fail on AMX machines with the bug report's error."""
     old = MLABackend(name="AMX_MLA", dtype="float32", block_size=16, requested=False)
-    with amx_detection_forced(True), pytest.raises(
-            ValueError, match=r"No common block size for 16 \(AMX_MLA: \[MultipleOf\(32\)\]\)"):
+    with (
+        amx_detection_forced(True),
+        pytest.raises(
+            ValueError, match=r"No common block size for 16 \(AMX_MLA: \[MultipleOf\(32\)\]\)"
+        ),
+    ):
         build(_mla_family("mla", old))
 
 
 @upstream_032
-def test_deepseek_v4_differs_only_where_upstream_is_wrong(build: Callable[..., Built]
-                                                          ) -> None:
+def test_deepseek_v4_differs_only_where_upstream_is_wrong(build: Callable[..., Built]) -> None:
     """DeepSeek-V4 (BLHNC: every block row holds the four caches of a layer, and the
     four groups' layer-0 views start at the same byte).
 
@@ -509,8 +596,12 @@ def test_deepseek_v4_differs_only_where_upstream_is_wrong(build: Callable[..., B
     ring1 = offset(built, "model.layers.1.attn.compressor.ring")
     specs = _dsv4_specs()
     pages = {n: traits_of(s).page_size_bytes for n, s in specs.items()}
-    assert pages == {"mla": 2880, "compressor.swa": 16704, "compressor.ring": 32768,
-                     "indexer.k_cache": 576}
+    assert pages == {
+        "mla": 2880,
+        "compressor.swa": 16704,
+        "compressor.ring": 32768,
+        "indexer.k_cache": 576,
+    }
 
     diffs = {base: _diff(up[base], ours[base]) for base in up if up[base] != ours[base]}
     assert diffs == {
@@ -518,15 +609,23 @@ def test_deepseek_v4_differs_only_where_upstream_is_wrong(build: Callable[..., B
         ring1: {"replicated": (False, True)},
     }
     # Everything upstream decides from the whole plan agrees.
-    wide = ("num_regions", "num_descs", "block_size", "_has_mamba", "_is_hma_required",
-            "_is_csa_linear", "_ple_region_index")
+    wide = (
+        "num_regions",
+        "num_descs",
+        "block_size",
+        "_has_mamba",
+        "_is_hma_required",
+        "_is_csa_linear",
+        "_ple_region_index",
+    )
     book_up, book_ours = bookkeeping(built.upstream), bookkeeping(built.traits)
     assert {k: book_up[k] for k in wide} == {k: book_ours[k] for k in wide}
 
 
 @upstream_032
 def test_pre_fix_deepseek_v4_mla_check_and_the_traits_answer(
-        build: Callable[..., Built], monkeypatch: pytest.MonkeyPatch) -> None:
+    build: Callable[..., Built], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Before vLLM listed ``SlidingWindowMLASpec`` next to ``MLAAttentionSpec``, the
     worker asked ``isinstance(layer_spec, MLAAttentionSpec)`` alone, and DeepSeek-V4's
     SWA-MLA compressor regions became head-sharded. Reproduce that with upstream's own
@@ -544,7 +643,8 @@ def test_pre_fix_deepseek_v4_mla_check_and_the_traits_answer(
     assert new[swa_only]["replicated"] is True
     assert ours[swa_only]["replicated"] is True
     assert {b: r["replicated"] for b, r in ours.items()} == {
-        b: r["replicated"] for b, r in by_base(fixed.traits).items()}
+        b: r["replicated"] for b, r in by_base(fixed.traits).items()
+    }
 
 
 @upstream_032
@@ -567,14 +667,16 @@ def test_ring_and_swa_mla_sharing_a_region(build: Callable[..., Built]) -> None:
     # Same region otherwise.
     up, ours = by_base(built.upstream), by_base(built.traits)
     assert {b: {k: v for k, v in r.items() if k != "block_len"} for b, r in up.items()} == {
-        b: {k: v for k, v in r.items() if k != "block_len"} for b, r in ours.items()}
+        b: {k: v for k, v in r.items() if k != "block_len"} for b, r in ours.items()
+    }
 
 
 # -- the fingerprint in the handshake -------------------------------------------------------
 
 
-def _serve_handshake(worker: NixlPullConnectorWorker, payload: object = None
-                     ) -> tuple[int, threading.Event]:
+def _serve_handshake(
+    worker: NixlPullConnectorWorker, payload: object = None
+) -> tuple[int, threading.Event]:
     """Serve ``worker``'s handshake payload (or ``payload``) with upstream's own
     side-channel listener."""
     import msgspec
@@ -585,14 +687,15 @@ def _serve_handshake(worker: NixlPullConnectorWorker, payload: object = None
     ready, stop = threading.Event(), threading.Event()
     thread = threading.Thread(
         target=NixlBaseConnectorScheduler._nixl_handshake_listener,
-        args=(encoded, ready, stop, "127.0.0.1", port), daemon=True)
+        args=(encoded, ready, stop, "127.0.0.1", port),
+        daemon=True,
+    )
     thread.start()
     ready.wait(10)
     return port, stop
 
 
-def test_handshake_refuses_another_layout_with_the_named_diff(
-        build: Callable[..., Built]) -> None:
+def test_handshake_refuses_another_layout_with_the_named_diff(build: Callable[..., Built]) -> None:
     """Through vLLM's own handshake (its socket, its compatibility-hash check, its
     metadata decode), then the fingerprint: same layout accepted, another refused with
     the named diff, a peer without a fingerprint refused saying how to fix it, and a
@@ -605,12 +708,21 @@ def test_handshake_refuses_another_layout_with_the_named_diff(
     )
 
     gqa = build(AGREE["gqa"])
-    other = build(Family(lambda: [_g(_layers("model.layers.{}.self_attn.attn", range(2)),
-                                     FullAttentionSpec(block_size=128, num_kv_heads=2,
-                                                       head_size=64, dtype=F32))],
-                         LBHNC, LLAMA))
-    foreign = NixlHandshakePayload(compatibility_hash="not-ours",
-                                   agent_metadata_bytes=b"not agent metadata")
+    other = build(
+        Family(
+            lambda: [
+                _g(
+                    _layers("model.layers.{}.self_attn.attn", range(2)),
+                    FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=F32),
+                )
+            ],
+            LBHNC,
+            LLAMA,
+        )
+    )
+    foreign = NixlHandshakePayload(
+        compatibility_hash="not-ours", agent_metadata_bytes=b"not agent metadata"
+    )
     same_port, stop_same = _serve_handshake(gqa.traits)
     other_port, stop_other = _serve_handshake(other.traits)
     upstream_port, stop_upstream = _serve_handshake(gqa.upstream)
@@ -620,8 +732,7 @@ def test_handshake_refuses_another_layout_with_the_named_diff(
         return gqa.traits._nixl_handshake("127.0.0.1", port, 1, peer.engine_id)
 
     try:
-        with patch.object(gqa.traits, "add_remote_agent",
-                          return_value="agent") as added:
+        with patch.object(gqa.traits, "add_remote_agent", return_value="agent") as added:
             agents = handshake(same_port, gqa.traits)
             assert isinstance(agents, tuple) and agents[0] == {(0, 0): "agent"}
             assert added.call_count == 1
@@ -651,8 +762,9 @@ def test_handshake_refuses_another_layout_with_the_named_diff(
             extra = transfer_config.kv_connector_extra_config
             extra[REQUIRE_TRAITS_PEER] = True
             try:
-                with pytest.raises(PeerWithoutTraitsError,
-                                   match=f"sent no kvspec-traits.*{CONNECTOR_NAME}"):
+                with pytest.raises(
+                    PeerWithoutTraitsError, match=f"sent no kvspec-traits.*{CONNECTOR_NAME}"
+                ):
                     handshake(upstream_port, gqa.upstream)
             finally:
                 del extra[REQUIRE_TRAITS_PEER]
@@ -671,7 +783,8 @@ def test_handshake_refuses_another_layout_with_the_named_diff(
 
 
 def test_pipeline_parallel_peers_are_refused_before_any_connection(
-        build: Callable[..., Built]) -> None:
+    build: Callable[..., Built],
+) -> None:
     from kvspec_traits.vllm_connector._connector import UnsupportedPipelineParallelError
 
     gqa = build(AGREE["gqa"])
@@ -680,16 +793,17 @@ def test_pipeline_parallel_peers_are_refused_before_any_connection(
         gqa.traits._nixl_handshake("127.0.0.1", 1, 1, "remote-engine", 1, 2)
 
 
-def test_use_mla_comes_from_the_layers_not_the_model_config(
-        build: Callable[..., Built]) -> None:
+def test_use_mla_comes_from_the_layers_not_the_model_config(build: Callable[..., Built]) -> None:
     """MLA caches under a model config that says no MLA (a Llama config): upstream's
     worker takes use_mla from the config (False: it would transfer per head, with the
     config's head count); the traits worker from the layers (True). Under the matching
     config both say True."""
-    mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, max_tp_shards=1, head_size=576,
-                           dtype=F32)  # block 128: the CPU backend of a Llama config
-    built = build(Family(lambda: [_g(_layers("model.layers.{}.self_attn.attn", range(2)),
-                                     mla)], LBHNC, LLAMA))
+    mla = MLAAttentionSpec(
+        block_size=128, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=F32
+    )  # block 128: the CPU backend of a Llama config
+    built = build(
+        Family(lambda: [_g(_layers("model.layers.{}.self_attn.attn", range(2)), mla)], LBHNC, LLAMA)
+    )
     assert built.vllm_config.model_config.use_mla is False
     assert built.upstream.use_mla is False
     assert built.traits.use_mla is True

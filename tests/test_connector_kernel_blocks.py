@@ -76,8 +76,9 @@ def _attention() -> list[KVCacheGroupSpec]:
 
 
 def _mla_spec() -> MLAAttentionSpec:
-    return MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, max_tp_shards=1,
-                            head_size=576, dtype=F32)
+    return MLAAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=F32
+    )
 
 
 def _mla() -> list[KVCacheGroupSpec]:
@@ -87,17 +88,23 @@ def _mla() -> list[KVCacheGroupSpec]:
 def _kda_spec() -> MambaSpec:
     # GDN-style state (conv [Q, K, V] 768 wide, 3 rows; state (4, 32, 32)), padded to the
     # MLA page as vLLM unifies hybrid page sizes.
-    return MambaSpec(block_size=BLOCK, shapes=((768, 3), (4, 32, 32)), dtypes=(F32, F32),
-                     page_size_padded=_mla_spec().page_size_bytes,
-                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
+    return MambaSpec(
+        block_size=BLOCK,
+        shapes=((768, 3), (4, 32, 32)),
+        dtypes=(F32, F32),
+        page_size_padded=_mla_spec().page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+    )
 
 
 def _mla_kda() -> list[KVCacheGroupSpec]:
     """Kimi-Linear style: MLA plus two KDA groups, layer i of every group aliasing the
     same storage (vLLM's hybrid allocation)."""
-    return [_g(_layers("model.layers.{}.self_attn.attn", range(2)), _mla_spec()),
-            _g(_layers("model.layers.{}.kda_a", range(2)), _kda_spec()),
-            _g(_layers("model.layers.{}.kda_b", range(2)), _kda_spec())]
+    return [
+        _g(_layers("model.layers.{}.self_attn.attn", range(2)), _mla_spec()),
+        _g(_layers("model.layers.{}.kda_a", range(2)), _kda_spec()),
+        _g(_layers("model.layers.{}.kda_b", range(2)), _kda_spec()),
+    ]
 
 
 FAMILIES: dict[str, tuple[Callable[[], list[KVCacheGroupSpec]], str]] = {
@@ -109,28 +116,34 @@ FAMILIES: dict[str, tuple[Callable[[], list[KVCacheGroupSpec]], str]] = {
 
 def _kernels(groups: list[KVCacheGroupSpec]) -> list[int]:
     # vLLM splits attention groups into kernel blocks, never a state group.
-    return [g.kv_cache_spec.block_size if isinstance(g.kv_cache_spec, MambaSpec) else KERNEL
-            for g in groups]
+    return [
+        g.kv_cache_spec.block_size if isinstance(g.kv_cache_spec, MambaSpec) else KERNEL
+        for g in groups
+    ]
 
 
 @pytest.fixture
-def make(distributed: None, tiny_models: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-         ) -> Iterator[Callable[..., Any]]:
+def make(
+    distributed: None, tiny_models: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., Any]]:
     """``make(family, cls, engine_id)``: a worker over vLLM's kernel-block views, caches
     registered; shut down afterwards."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     made: list[Any] = []
 
-    def _make(family: str, cls: type[NixlPullConnectorWorker], engine_id: str
-              ) -> tuple[Any, dict[str, torch.Tensor]]:
+    def _make(
+        family: str, cls: type[NixlPullConnectorWorker], engine_id: str
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
         groups_of, model = FAMILIES[family]
         groups = groups_of()
         vllm_config = _vllm_config(tiny_models / model, LBHNC, CPU_MLA)
         vllm_config.cache_config.block_size = BLOCK
         config = layouts.kv_cache_config(groups, NB, LBHNC)
         caches = layouts.allocate(config, LBHNC, _kernels(groups))
-        with (set_current_vllm_config(vllm_config),
-              patch.object(base_worker, "select_common_block_size", return_value=KERNEL)):
+        with (
+            set_current_vllm_config(vllm_config),
+            patch.object(base_worker, "select_common_block_size", return_value=KERNEL),
+        ):
             worker = _construct(lambda: cls(vllm_config, engine_id, config))
             made.append(worker)
             worker.register_kv_caches(caches)
@@ -151,8 +164,11 @@ def _one_row_per_block(descs: np.ndarray) -> np.ndarray:
     stride, count: ``count`` blocks ``stride`` apart); 0.32/0.33 keep one row per block."""
     if descs.shape[1] == 3:
         return descs
-    rows = [(int(a) + i * int(stride), int(n), int(dev))
-            for a, n, dev, stride, count in descs for i in range(int(count))]
+    rows = [
+        (int(a) + i * int(stride), int(n), int(dev))
+        for a, n, dev, stride, count in descs
+        for i in range(int(count))
+    ]
     return np.array(rows, dtype=np.uint64).reshape(-1, 3)
 
 
@@ -168,44 +184,51 @@ def _state_bytes(spec: MambaSpec) -> int:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_kernel_block_descriptors_match_upstream_and_stay_inside(
-        family: str, make: Callable[..., Any]) -> None:
+    family: str, make: Callable[..., Any]
+) -> None:
     upstream, up_caches = make(family, NixlPullConnectorWorker, "upstream")
     ours, caches = make(family, TraitsNixlConnectorWorker, "traits")
     assert ours._physical_blocks_per_logical_kv_block == RATIO
     assert ours.block_size == KERNEL and ours.num_blocks == NB * RATIO
     # vLLM's descriptor-id code indexes these in kernel blocks: ours must be upstream's.
     # (Two allocations of the same layout: addresses compared as offsets into each.)
-    same = {name: (getattr(upstream, name), getattr(ours, name))
-            for name in compared_fields()}
+    same = {name: (getattr(upstream, name), getattr(ours, name)) for name in compared_fields()}
     assert {k: v for k, v in same.items() if v[0] != v[1]} == {}
-    np.testing.assert_array_equal(_relative(upstream.src_blocks_data, up_caches),
-                                  _relative(ours.src_blocks_data, caches))
+    np.testing.assert_array_equal(
+        _relative(upstream.src_blocks_data, up_caches), _relative(ours.src_blocks_data, caches)
+    )
     # Every descriptor inside the registered allocation.
     ranges = _registered(ours)
     descs = _one_row_per_block(ours.src_blocks_data).astype(np.int64)
-    inside = [any(lo <= int(a) and int(a) + int(n) <= hi for lo, hi in ranges)
-              for a, n, _ in descs]
+    inside = [any(lo <= int(a) and int(a) + int(n) <= hi for lo, hi in ranges) for a, n, _ in descs]
     assert all(inside) and len(descs) > 0
     # Hand-computed: a paged region's kernel page is the manager page / 4, there are
     # NB * 4 of them (vLLM's block_len_per_layer / num_blocks at kernel granularity).
-    page = traits_of(_mla_spec() if family != "attention" else _attention()[0]
-                     .kv_cache_spec).page_size_bytes
+    page = traits_of(
+        _mla_spec() if family != "attention" else _attention()[0].kv_cache_spec
+    ).page_size_bytes
     assert set(ours.block_len_per_layer) == {page // RATIO}
 
 
-def _read(consumer: Any, producer: Any, local: tuple[list[int], ...],
-          remote: list[list[int]]) -> None:
+def _read(
+    consumer: Any, producer: Any, local: tuple[list[int], ...], remote: list[list[int]]
+) -> None:
     """One request through vLLM's receive path: handshake, start_load_kv, poll."""
     port, stop = _serve_handshake(producer)
     try:
         metadata = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
         metadata.add_new_req_to_recv(
-            request_id="req", local_block_ids=local,
-            kv_transfer_params={"remote_block_ids": remote,
-                                "remote_engine_id": producer.engine_id,
-                                "remote_request_id": "prefill-req",
-                                "remote_host": "127.0.0.1", "remote_port": port,
-                                "tp_size": 1})
+            request_id="req",
+            local_block_ids=local,
+            kv_transfer_params={
+                "remote_block_ids": remote,
+                "remote_engine_id": producer.engine_id,
+                "remote_request_id": "prefill-req",
+                "remote_host": "127.0.0.1",
+                "remote_port": port,
+                "tp_size": 1,
+            },
+        )
         consumer.start_load_kv(metadata)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -224,13 +247,14 @@ def _read(consumer: Any, producer: Any, local: tuple[list[int], ...],
 
 def _manager_block(cache: torch.Tensor, block: int, ratio: int) -> torch.Tensor:
     """The bytes of manager block ``block`` of a (possibly kernel-split) view."""
-    rows = cache[block * ratio:(block + 1) * ratio]
+    rows = cache[block * ratio : (block + 1) * ratio]
     return rows.contiguous().view(torch.uint8).flatten()
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_kernel_block_read_moves_exactly_the_producers_blocks(
-        family: str, make: Callable[..., Any]) -> None:
+    family: str, make: Callable[..., Any]
+) -> None:
     producer, p_caches = make(family, TraitsNixlConnectorWorker, "producer")
     consumer, d_caches = make(family, TraitsNixlConnectorWorker, "consumer")
     layouts.fill_pattern(p_caches, seed=7)
@@ -268,15 +292,15 @@ def test_kernel_block_read_moves_exactly_the_producers_blocks(
                     n = _state_bytes(spec)
                     want, got = want[:n], got[:n]
                 assert torch.equal(got, want), (layer, d_block, p_block)
-                start = (d_view[d_block * ratio].data_ptr()
-                         - d_view.untyped_storage().data_ptr())
-                changed[start:start + got.numel()] = True
+                start = d_view[d_block * ratio].data_ptr() - d_view.untyped_storage().data_ptr()
+                changed[start : start + got.numel()] = True
     # Nothing outside the destination blocks was written, and all of them were.
     assert torch.equal(after[~changed], before[~changed])
     expected = 0
     for group, dst in zip(groups, local, strict=True):
         spec = group.kv_cache_spec
-        per_block = (_state_bytes(spec) if isinstance(spec, MambaSpec)
-                     else traits_of(spec).page_size_bytes)
+        per_block = (
+            _state_bytes(spec) if isinstance(spec, MambaSpec) else traits_of(spec).page_size_bytes
+        )
         expected += len(dst) * per_block * len(group.layer_names)
     assert int(changed.sum()) == expected

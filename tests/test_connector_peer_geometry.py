@@ -28,12 +28,12 @@ def _own_metadata(built: Built) -> TraitsNixlAgentMetadata:
     payload = built.traits.xfer_handshake_metadata
     if payload is None:
         raise RuntimeError("the worker registered no caches")
-    return msgspec.msgpack.Decoder(TraitsNixlAgentMetadata).decode(
-        payload.agent_metadata_bytes)
+    return msgspec.msgpack.Decoder(TraitsNixlAgentMetadata).decode(payload.agent_metadata_bytes)
 
 
-def _forged(meta: TraitsNixlAgentMetadata, **lists: Callable[[list[int]], list[int]]
-            ) -> TraitsNixlAgentMetadata:
+def _forged(
+    meta: TraitsNixlAgentMetadata, **lists: Callable[[list[int]], list[int]]
+) -> TraitsNixlAgentMetadata:
     changes: dict[str, Any] = {k: f(list(getattr(meta, k))) for k, f in lists.items()}
     return dataclasses.replace(meta, **changes)
 
@@ -44,8 +44,10 @@ FORGERIES: dict[str, tuple[dict[str, Callable[[list[int]], list[int]]], str]] = 
     # A block length other than the page: the peer would send half a page, or two.
     "half_page": ({"block_lens": lambda v: [n // 2 for n in v]}, "but its fingerprint implies"),
     # The last block past 2^64: no such address.
-    "past_64_bits": ({"kv_caches_base_addr": lambda v: [2**64 - 4096] * len(v)},
-                     "does not fit in 64 bits"),
+    "past_64_bits": (
+        {"kv_caches_base_addr": lambda v: [2**64 - 4096] * len(v)},
+        "does not fit in 64 bits",
+    ),
     # One base address fewer than regions: every list must describe every region.
     "short_list": ({"kv_caches_base_addr": lambda v: v[:-1]}, "per-region lists"),
 }
@@ -74,7 +76,8 @@ def _upstream_peer(meta: TraitsNixlAgentMetadata) -> TraitsNixlAgentMetadata:
 
 
 def test_a_peer_without_fingerprint_is_accepted_only_with_sane_addresses(
-        build: Callable[..., Built]) -> None:
+    build: Callable[..., Built],
+) -> None:
     # Upstream's NixlConnector sends no fingerprint; it is accepted as upstream accepts
     # it (vLLM's compatibility hash came first), but its addresses are still checked.
     built = build(AGREE["gqa"])

@@ -21,10 +21,17 @@ from kvspec_traits.vllm_connector import (
 
 def test_importing_the_plugin_module_imports_neither_vllm_nor_torch() -> None:
     # vLLM loads general plugins in every process it starts; the plugin must be light.
-    code = ("import sys, kvspec_traits.vllm_connector as c; c.CONNECTOR_NAME; "
-            "print(sorted(m for m in ('vllm', 'torch', 'nixl') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    code = (
+        "import sys, kvspec_traits.vllm_connector as c; c.CONNECTOR_NAME; "
+        "print(sorted(m for m in ('vllm', 'torch', 'nixl') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -52,8 +59,7 @@ def test_installed_vllm_is_supported() -> None:
         assert vllm.__version__.startswith(expected)
 
 
-def test_connector_refuses_at_construction_on_another_vllm(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_connector_refuses_at_construction_on_another_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm
 
     from kvspec_traits.vllm_connector import TraitsNixlConnector
@@ -69,14 +75,14 @@ def test_entry_point_registers_the_connector_by_name() -> None:
 
     from kvspec_traits.vllm_connector import TraitsNixlConnector
 
-    (ep,) = [e for e in entry_points(group="vllm.general_plugins")
-             if e.value.startswith(MODULE_PATH)]
+    (ep,) = [
+        e for e in entry_points(group="vllm.general_plugins") if e.value.startswith(MODULE_PATH)
+    ]
     assert ep.value == f"{MODULE_PATH}:register_with_vllm"
     hook = ep.load()
     hook()
     hook()  # vLLM may load plugins more than once per process: a no-op
-    assert KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME) is (
-        TraitsNixlConnector)
+    assert KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME) is (TraitsNixlConnector)
 
 
 def test_module_path_finds_the_connector_without_the_plugin() -> None:
@@ -85,6 +91,10 @@ def test_module_path_finds_the_connector_without_the_plugin() -> None:
 
     from kvspec_traits.vllm_connector import TraitsNixlConnector
 
-    config = KVTransferConfig(kv_connector=CONNECTOR_NAME, kv_connector_module_path=MODULE_PATH,
-                              kv_role="kv_consumer", kv_buffer_device="cpu")
+    config = KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_module_path=MODULE_PATH,
+        kv_role="kv_consumer",
+        kv_buffer_device="cpu",
+    )
     assert KVConnectorFactory.get_connector_class(config) is TraitsNixlConnector

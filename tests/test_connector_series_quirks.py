@@ -59,11 +59,14 @@ PACKED_MLA = Family(lambda: _mla(CPU_MLA), BLHNC, DSV2, CPU_MLA)
 
 def test_series_quirks_per_series() -> None:
     assert series_quirks("0.32.0") == SeriesQuirks(
-        series="0.32", regions_keyed_by_block_len=False, packed_mla_rows=False)
+        series="0.32", regions_keyed_by_block_len=False, packed_mla_rows=False
+    )
     assert series_quirks("0.33.0+cpu") == SeriesQuirks(
-        series="0.33", regions_keyed_by_block_len=False, packed_mla_rows=True)
+        series="0.33", regions_keyed_by_block_len=False, packed_mla_rows=True
+    )
     assert series_quirks("0.34.0") == SeriesQuirks(
-        series="0.34", regions_keyed_by_block_len=True, packed_mla_rows=True)
+        series="0.34", regions_keyed_by_block_len=True, packed_mla_rows=True
+    )
     assert series_quirks().series == SERIES
 
 
@@ -73,18 +76,19 @@ def pair(distributed: None, tiny_models: pathlib.Path) -> Iterator[Callable[...,
     own allocation of the family's layout, caches registered; shut down afterwards."""
     made: list[Any] = []
 
-    def _pair(family: Family) -> tuple[Any, dict[str, torch.Tensor], Any,
-                                       dict[str, torch.Tensor], list[KVCacheGroupSpec]]:
+    def _pair(
+        family: Family,
+    ) -> tuple[Any, dict[str, torch.Tensor], Any, dict[str, torch.Tensor], list[KVCacheGroupSpec]]:
         out: list[Any] = []
         groups = family.groups()
         for engine in ("producer", "consumer"):
-            vllm_config = _vllm_config(tiny_models / family.model, family.layout,
-                                       family.mla_backend)
+            vllm_config = _vllm_config(
+                tiny_models / family.model, family.layout, family.mla_backend
+            )
             config = layouts.kv_cache_config(groups, NB, family.layout)
             caches = layouts.allocate(config, family.layout)
             with set_current_vllm_config(vllm_config):
-                worker = _construct(lambda: TraitsNixlConnectorWorker(
-                    vllm_config, engine, config))  # noqa: B023
+                worker = _construct(lambda: TraitsNixlConnectorWorker(vllm_config, engine, config))  # noqa: B023
                 made.append(worker)
                 worker.register_kv_caches(caches)
             out += [worker, caches]
@@ -97,8 +101,11 @@ def pair(distributed: None, tiny_models: pathlib.Path) -> Iterator[Callable[...,
 
 def _same_as_upstream(built: Built) -> None:
     up, ours = built.upstream, built.traits
-    diff = {name: (getattr(up, name), getattr(ours, name)) for name in compared_fields()
-            if getattr(up, name) != getattr(ours, name)}
+    diff = {
+        name: (getattr(up, name), getattr(ours, name))
+        for name in compared_fields()
+        if getattr(up, name) != getattr(ours, name)
+    }
     assert diff == {}
     assert by_base(up) == by_base(ours)
     assert getattr(up, "_packed_member_layouts", {}) == getattr(ours, "_packed_member_layouts", {})
@@ -123,12 +130,13 @@ def _read_and_check(pair: Callable[..., Any], family: Family) -> None:
                 want = p_view[src].contiguous().view(torch.uint8).flatten()
                 assert torch.equal(got, want), (layer, dst, src)
                 start = d_view[dst].data_ptr() - base
-                changed[start:start + got.numel()] = True
+                changed[start : start + got.numel()] = True
     assert torch.equal(after[~changed], before[~changed])
 
 
 def test_ring_over_swa_mla_matches_upstream_and_moves_every_byte(
-        build: Callable[..., Built], pair: Callable[..., Any]) -> None:
+    build: Callable[..., Built], pair: Callable[..., Any]
+) -> None:
     """A ring (32768 B page, traits_of below) and an SWA-MLA cache at one base in BLHNC
     rows of 32768 B: on 0.34 (regions keyed by base and block length) ours registers
     what upstream does, and a read moves every page of both (the planner test
@@ -140,8 +148,15 @@ def test_ring_over_swa_mla_matches_upstream_and_moves_every_byte(
     assert max(ours.block_len_per_layer) == ring_page
     if series_quirks().regions_keyed_by_block_len:
         up = built.upstream
-        for name in ("block_len_per_layer", "block_stride_per_layer", "region_num_blocks",
-                     "region_group_ids", "region_names", "num_regions", "num_descs"):
+        for name in (
+            "block_len_per_layer",
+            "block_stride_per_layer",
+            "region_num_blocks",
+            "region_group_ids",
+            "region_names",
+            "num_regions",
+            "num_descs",
+        ):
             assert getattr(up, name) == getattr(ours, name), name
     _read_and_check(pair, RING_SWA_MLA)
 
@@ -154,8 +169,10 @@ def test_packed_mla_rows(build: Callable[..., Built], pair: Callable[..., Any]) 
     built = build(PACKED_MLA)
     names = list(built.config.kv_cache_groups[0].layer_names)
     page = traits_of(built.config.kv_cache_groups[0].kv_cache_spec).page_size_bytes
-    assert page == CPU_MLA.block_size * 576 * torch.tensor([], dtype=CPU_MLA.torch_dtype
-                                                           ).element_size()
+    assert (
+        page
+        == CPU_MLA.block_size * 576 * torch.tensor([], dtype=CPU_MLA.torch_dtype).element_size()
+    )
     ours = built.traits
     if series_quirks().packed_mla_rows:
         assert ours.num_regions == 1

@@ -25,10 +25,10 @@ def render_pages() -> dict[str, str]:
 def test_one_committed_page_per_trait_and_each_is_current() -> None:
     pages = render_pages()
     assert set(pages) == {f"{n}.md" for n in trait_names()} | {"README.md"}
-    stale = [f for f, text in pages.items()
-             if not (DOCS / f).exists() or (DOCS / f).read_text() != text]
-    assert stale == [], (
-        f"docs/traits is stale for {stale}: run `make docs`")
+    stale = [
+        f for f, text in pages.items() if not (DOCS / f).exists() or (DOCS / f).read_text() != text
+    ]
+    assert stale == [], f"docs/traits is stale for {stale}: run `make docs`"
 
 
 def test_every_trait_page_says_where_the_value_comes_from() -> None:

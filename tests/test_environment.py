@@ -23,8 +23,9 @@ def test_import_does_not_import_vllm_or_torch() -> None:
         "heavy = sorted(m for m in ('vllm', 'torch') if m in sys.modules)\n"
         "print(','.join(heavy) or 'none')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "none"
 
 
@@ -38,7 +39,8 @@ def test_vllm_is_imported_when_a_spec_is_first_resolved() -> None:
         "                         dtype=torch.float32)\n"
         "print(before, kvspec_traits.traits_of(spec).page_size_bytes)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
     # 16 tokens * 1 head * (8 + 8) * 4 bytes = 1024
     assert out.stdout.split()[-2:] == ["False", "1024"]

@@ -19,8 +19,9 @@ from kvspec_traits import (
 
 
 def _spec() -> ScaledLatentSpec:
-    return ScaledLatentSpec(block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=512,
-                            dtype=torch.int8)
+    return ScaledLatentSpec(
+        block_size=16, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.int8
+    )
 
 
 def test_the_extension_is_published_in_the_entry_point_group() -> None:
@@ -39,6 +40,10 @@ def test_the_default_registry_loads_it_and_verifies_it() -> None:
     t = traits_of(_spec())
     # 16 tokens * (512 int8 + 4 B scale) = 8256 B, one replicated latent
     assert (t.page_size_bytes, t.per_token_bytes, t.is_mla, t.tp_layout) == (
-        8256, 516, True, TPLayout.REPLICATED)
+        8256,
+        516,
+        True,
+        TPLayout.REPLICATED,
+    )
     assert [(c.name, c.nbytes) for c in t.components] == [("latent", 8192), ("scale", 64)]
     assert Registry().adapters()[ScaledLatentSpec] is adapt_scaled_latent

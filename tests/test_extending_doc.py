@@ -212,11 +212,14 @@ def test_every_public_name_is_documented(module: str) -> None:
     )
     names = importlib.import_module(module).__all__
     # named in code style on its own (`Region`, not only inside `RegionPlan`), or called
-    undocumented = [n for n in names
-                    if not re.search(rf"`(?:[\w.]+\.)?{n}(?:[`(.\[]| /)", docs)
-                    and f"{n}(" not in docs]
+    undocumented = [
+        n
+        for n in names
+        if not re.search(rf"`(?:[\w.]+\.)?{n}(?:[`(.\[]| /)", docs) and f"{n}(" not in docs
+    ]
     assert undocumented == [], (
-        f"{module}: document these in docs/api.md, nixl.md, audit.md or vllm.md")
+        f"{module}: document these in docs/api.md, nixl.md, audit.md or vllm.md"
+    )
 
 
 def _signature_mismatches(table: str, owner: Any) -> list[str]:
@@ -228,31 +231,51 @@ def _signature_mismatches(table: str, owner: Any) -> list[str]:
             doc = ast.parse(f"def f({params}): pass").body[0]
             assert isinstance(doc, ast.FunctionDef)
             args = doc.args
-            written = [(a.arg, "positional") for a in args.args] + [
-                ("*" + a.arg, "positional") for a in [args.vararg] if a] + [
-                (a.arg, "keyword") for a in args.kwonlyargs] + [
-                ("**" + a.arg, "keyword") for a in [args.kwarg] if a]
-            defaults = dict(zip([a.arg for a in args.args][len(args.args) - len(args.defaults):],
-                                args.defaults, strict=True))
-            defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults,
-                                                      strict=True) if d is not None})
+            written = (
+                [(a.arg, "positional") for a in args.args]
+                + [("*" + a.arg, "positional") for a in [args.vararg] if a]
+                + [(a.arg, "keyword") for a in args.kwonlyargs]
+                + [("**" + a.arg, "keyword") for a in [args.kwarg] if a]
+            )
+            defaults = dict(
+                zip(
+                    [a.arg for a in args.args][len(args.args) - len(args.defaults) :],
+                    args.defaults,
+                    strict=True,
+                )
+            )
+            defaults.update(
+                {
+                    a.arg: d
+                    for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+                    if d is not None
+                }
+            )
             obj = getattr(owner, name, None)
             if obj is None:
                 bad.append(f"{name}: not in {owner.__name__}")
                 continue
             sig = inspect.signature(obj)
-            star: dict[Any, str] = {inspect.Parameter.VAR_POSITIONAL: "*",
-                                    inspect.Parameter.VAR_KEYWORD: "**"}
-            actual = [(star.get(p.kind, "") + p.name,
-                       "keyword" if p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) else "positional")
-                      for p in sig.parameters.values() if p.name not in ("self", "cls")]
+            star: dict[Any, str] = {
+                inspect.Parameter.VAR_POSITIONAL: "*",
+                inspect.Parameter.VAR_KEYWORD: "**",
+            }
+            actual = [
+                (
+                    star.get(p.kind, "") + p.name,
+                    "keyword" if p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) else "positional",
+                )
+                for p in sig.parameters.values()
+                if p.name not in ("self", "cls")
+            ]
             if written != actual:
                 bad.append(f"{name}({params}): the code has {actual}")
                 continue
             for p in sig.parameters.values():
                 has = p.default is not inspect.Parameter.empty
-                if has != (p.name in defaults) or (has and _literal(defaults[p.name]) not in (
-                        p.default, ...)):  # `...` or an expression: a default, not checked
+                if has != (p.name in defaults) or (
+                    has and _literal(defaults[p.name]) not in (p.default, ...)
+                ):  # `...` or an expression: a default, not checked
                     bad.append(f"{name}: {p.name}'s default is {p.default!r} in the code")
     return bad
 
@@ -278,11 +301,14 @@ class _Modules:
         return None
 
 
-@pytest.mark.parametrize(("page", "modules"), [
-    ("api.md", ("kvspec_traits", "kvspec_traits.helpers", "kvspec_traits.catalog")),
-    ("audit.md", ("kvspec_traits.audit",)),
-    ("vllm.md", ("kvspec_traits.vllm_connector",)),
-])
+@pytest.mark.parametrize(
+    ("page", "modules"),
+    [
+        ("api.md", ("kvspec_traits", "kvspec_traits.helpers", "kvspec_traits.catalog")),
+        ("audit.md", ("kvspec_traits.audit",)),
+        ("vllm.md", ("kvspec_traits.vllm_connector",)),
+    ],
+)
 def test_the_api_tables_match_the_signatures(page: str, modules: tuple[str, ...]) -> None:
     text = (REPO / "docs" / page).read_text()
     tables = "\n".join(line for line in text.splitlines() if line.startswith("| `"))

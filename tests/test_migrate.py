@@ -26,24 +26,40 @@ RECURRENT = "traits_of(spec).token_scope is TokenScope.RECURRENT_STATE"
 # (function, the line as written, the line after migrating)
 FORMS: list[tuple[str, str, str]] = [
     ("one_class", "    return isinstance(spec, MambaSpec)", f"    return {RECURRENT}"),
-    ("class_tuple",
-     "    return isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))"
-     "  # one latent per token",
-     "    return traits_of(spec).is_mla  # one latent per token"),
+    (
+        "class_tuple",
+        "    return isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))"
+        "  # one latent per token",
+        "    return traits_of(spec).is_mla  # one latent per token",
+    ),
     ("module_alias", "    return isinstance(spec, kvi.MambaSpec)", f"    return {RECURRENT}"),
-    ("negation", "    if not isinstance(spec, MambaSpec):  # attention-like pages",
-     "    if traits_of(spec).token_scope is not TokenScope.RECURRENT_STATE:"
-     "  # attention-like pages"),
-    ("or_chain",
-     "    return isinstance(spec, MLAAttentionSpec) or isinstance(spec, SlidingWindowMLASpec)",
-     "    return traits_of(spec).is_mla"),
-    ("and_chain", "    return (not isinstance(spec, MLAAttentionSpec)",
-     "    return (not traits_of(spec).is_mla)"),
-    ("mixed_chain", "    return spec.block_size > 0 and isinstance(spec, MambaSpec)",
-     f"    return spec.block_size > 0 and {RECURRENT}"),
+    (
+        "negation",
+        "    if not isinstance(spec, MambaSpec):  # attention-like pages",
+        "    if traits_of(spec).token_scope is not TokenScope.RECURRENT_STATE:"
+        "  # attention-like pages",
+    ),
+    (
+        "or_chain",
+        "    return isinstance(spec, MLAAttentionSpec) or isinstance(spec, SlidingWindowMLASpec)",
+        "    return traits_of(spec).is_mla",
+    ),
+    (
+        "and_chain",
+        "    return (not isinstance(spec, MLAAttentionSpec)",
+        "    return (not traits_of(spec).is_mla)",
+    ),
+    (
+        "mixed_chain",
+        "    return spec.block_size > 0 and isinstance(spec, MambaSpec)",
+        f"    return spec.block_size > 0 and {RECURRENT}",
+    ),
     ("exact_type", "    return type(spec) is MambaSpec", f"    return {RECURRENT}"),
-    ("seed", "    is_mla_region = isinstance(layer_spec, MLAAttentionSpec)",
-     "    is_mla_region = traits_of(layer_spec).is_mla"),
+    (
+        "seed",
+        "    is_mla_region = isinstance(layer_spec, MLAAttentionSpec)",
+        "    is_mla_region = traits_of(layer_spec).is_mla",
+    ),
 ]
 
 # Where the traits query answers otherwise than the class check, by the adapters' traits
@@ -58,7 +74,9 @@ FORMS: list[tuple[str, str, str]] = [
 OTHER_KIND = {"CircularBufferSpec", "HiSparseHotSpec", "HiSparseResidentSpec"}
 IS_MLA_DIFFERS = OTHER_KIND | {"UniformTypeKVCacheSpecs"}
 DIFFERS: dict[str, set[str]] = {
-    "class_tuple": IS_MLA_DIFFERS, "or_chain": IS_MLA_DIFFERS, "and_chain": IS_MLA_DIFFERS,
+    "class_tuple": IS_MLA_DIFFERS,
+    "or_chain": IS_MLA_DIFFERS,
+    "and_chain": IS_MLA_DIFFERS,
     # the seed line misses SlidingWindowMLASpec (DeepSeek-V4's compressor caches): fixed
     "seed": IS_MLA_DIFFERS | {"SlidingWindowMLASpec"},
 }
@@ -102,8 +120,10 @@ def test_diff_per_form(universe: Universe, capsys: pytest.CaptureFixture[str]) -
     assert "\n-            and not isinstance(spec, SlidingWindowMLASpec))\n" in out
     # the miss is named before the diff's `---` line (patch ignores it)
     head = out.split("\n--- a/")[0]
-    assert ("forms.py:52 fixes a miss (the original leaves out SlidingWindowMLASpec): "
-            "isinstance(layer_spec, MLAAttentionSpec) -> traits_of(layer_spec).is_mla") in head
+    assert (
+        "forms.py:52 fixes a miss (the original leaves out SlidingWindowMLASpec): "
+        "isinstance(layer_spec, MLAAttentionSpec) -> traits_of(layer_spec).is_mla"
+    ) in head
     assert "would rewrite 9 in 1 files (1 fixing a miss); left 0" in captured.err
     assert out.startswith("# kvspec-traits: ")  # stdout is the patch alone
 
@@ -138,7 +158,7 @@ def test_idempotent(migrated: Path, universe: Universe) -> None:
     assert migrated.read_text() == text
 
 
-SOURCE = '''\
+SOURCE = """\
 from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
 
 def f(spec, flag):
@@ -148,8 +168,8 @@ def f(spec, flag):
     same = isinstance(spec, MambaSpec) == flag   # a comparison operand keeps its meaning
     x = (isinstance(spec, MLAAttentionSpec))
     return [ 1 ,2 ]  # untouched
-'''
-EXPECTED = '''\
+"""
+EXPECTED = """\
 from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
 from kvspec_traits import TokenScope, traits_of
 
@@ -160,7 +180,7 @@ def f(spec, flag):
     same = (traits_of(spec).token_scope is TokenScope.RECURRENT_STATE) == flag   # a comparison operand keeps its meaning
     x = (traits_of(spec).is_mla)
     return [ 1 ,2 ]  # untouched
-'''  # noqa: E501
+"""  # noqa: E501
 
 
 def test_formatting_and_comments_survive(tmp_path: Path, universe: Universe) -> None:
@@ -171,12 +191,15 @@ def test_formatting_and_comments_survive(tmp_path: Path, universe: Universe) -> 
     assert path.read_text() == EXPECTED
 
 
-def test_refuses_a_file_that_does_not_parse(tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_refuses_a_file_that_does_not_parse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "broken.py"
-    text = ("from vllm.v1.kv_cache_interface import MambaSpec\n"
-            "def f(spec):\n    return isinstance(spec, MambaSpec)\n"
-            "def g(:\n")
+    text = (
+        "from vllm.v1.kv_cache_interface import MambaSpec\n"
+        "def f(spec):\n    return isinstance(spec, MambaSpec)\n"
+        "def g(:\n"
+    )
     path.write_text(text)
     assert cli_main(["migrate", "--write", str(path)]) == EXIT_REFUSED
     err = capsys.readouterr().err
@@ -193,38 +216,45 @@ def test_refuses_a_file_changed_since_it_was_read(tmp_path: Path, universe: Univ
     path.write_text(edited)
     refused = write_plan(plan)
     assert [r.error for r in refused] == [
-        "changed since it was read; not rewritten (run migrate again)"]
+        "changed since it was read; not rewritten (run migrate again)"
+    ]
     assert path.read_text() == edited
 
 
 def test_json_lists_edits_and_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "mixed.py"
-    path.write_text("from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec\n"
-                    "def f(spec):\n"
-                    "    return isinstance(spec, MambaSpec), isinstance(spec, AttentionSpec)\n")
+    path.write_text(
+        "from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec\n"
+        "def f(spec):\n"
+        "    return isinstance(spec, MambaSpec), isinstance(spec, AttentionSpec)\n"
+    )
     assert cli_main(["migrate", "--json", str(path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [(e["line"], e["before"], e["after"]) for e in out["edits"]] == [
-        (3, "isinstance(spec, MambaSpec)", RECURRENT)]
+        (3, "isinstance(spec, MambaSpec)", RECURRENT)
+    ]
     assert [(s["line"], s["text"]) for s in out["skips"]] == [
-        (3, "isinstance(spec, AttentionSpec)")]
+        (3, "isinstance(spec, AttentionSpec)")
+    ]
     assert out["skips"][0]["reason"].startswith("no trait question")
     assert out["written"] is False and out["refused"] == []
     assert "traits_of" not in path.read_text()  # a dry run writes nothing
 
 
 def test_without_libcst_says_what_to_install() -> None:
-    code = ("import sys\nsys.modules['libcst'] = None\n"
-            "from kvspec_traits._cli import main\nsys.exit(main(['migrate', '.']))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=False)
+    code = (
+        "import sys\nsys.modules['libcst'] = None\n"
+        "from kvspec_traits._cli import main\nsys.exit(main(['migrate', '.']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 2
     assert "pip install 'kvspec-traits[migrate]'" in done.stderr
     assert "Traceback" not in done.stderr
 
 
-def test_the_dry_run_is_a_patch_that_git_applies(tmp_path: Path, migrated: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_dry_run_is_a_patch_that_git_applies(
+    tmp_path: Path, migrated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     work = tmp_path / "w"
     work.mkdir()
     shutil.copy(FIXTURE, work / "forms.py")

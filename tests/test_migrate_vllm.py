@@ -65,16 +65,21 @@ def test_rewrites_most_exact_match_sites(measured: Any) -> None:
     assert measured.plan.sites == sites
     assert (measured.exact_rewritten, measured.exact_sites) == (rewritten, exact)
     assert measured.ratio >= 0.8
-    left_exact = sorted(s.reason.partition(":")[0] for s in measured.plan.skips
-                        if s.match == "exact")
+    left_exact = sorted(
+        s.reason.partition(":")[0] for s in measured.plan.skips if s.match == "exact"
+    )
     # offloading/config.py's exit that makes `type(spec) is MLAAttentionSpec` before it
     # deliberate (exact MLA first, its subclasses refused after) stays a class check
     assert left_exact == kinds_left
     # every other branch left has no exact question, or the audit calls it deliberate
     for s in measured.plan.skips:
         assert s.reason, s
-    print("\n".join(f"left {s.path.rpartition('kv_transfer/')[2]}:{s.line}: {s.text} "
-                    f"[{s.reason}]" for s in measured.plan.skips))
+    print(
+        "\n".join(
+            f"left {s.path.rpartition('kv_transfer/')[2]}:{s.line}: {s.text} [{s.reason}]"
+            for s in measured.plan.skips
+        )
+    )
 
 
 def test_migrated_tree_compiles_and_is_stable(measured: Any, universe: Universe) -> None:
@@ -88,7 +93,8 @@ def test_migrated_tree_compiles_and_is_stable(measured: Any, universe: Universe)
 
 
 def test_seed_line_becomes_a_traits_query_true_for_sliding_window_mla(
-        tmp_path: Path, universe: Universe) -> None:
+    tmp_path: Path, universe: Universe
+) -> None:
     script = _script()
     root = tmp_path / "kv_transfer"
     nixl = root / Path(script.SEED_FILE).parent
@@ -107,13 +113,19 @@ def test_seed_line_becomes_a_traits_query_true_for_sliding_window_mla(
     assert write_plan(plan) == []
     assert "            is_mla_region = traits_of(layer_spec).is_mla\n" in path.read_text()
     # evaluated on the catalog's real SlidingWindowMLASpec instances (DeepSeek-V4)
-    swa = [e.spec for e in representative_specs()
-           if type(e.spec).__name__ == "SlidingWindowMLASpec"]
+    swa = [
+        e.spec for e in representative_specs() if type(e.spec).__name__ == "SlidingWindowMLASpec"
+    ]
     assert len(swa) == 2
     from vllm.v1 import kv_cache_interface
 
     seed = script.SEED_LINE.partition(" = ")[2]
     for spec in swa:
         assert eval(seed, {**vars(kv_cache_interface), "layer_spec": spec}) is False
-        assert eval("traits_of(layer_spec).is_mla",  # the migrated line's expression
-                    {"traits_of": traits_of, "layer_spec": spec}) is True
+        assert (
+            eval(
+                "traits_of(layer_spec).is_mla",  # the migrated line's expression
+                {"traits_of": traits_of, "layer_spec": spec},
+            )
+            is True
+        )

@@ -23,18 +23,20 @@ from kvspec_traits.nixl import (
 from tests.nixl_helpers import layouts
 
 
-def _plan(family: str, num_blocks: int = 8, tp: int = 1, rank: int = 0,
-          layers: int | None = None) -> RegionPlan:
+def _plan(
+    family: str, num_blocks: int = 8, tp: int = 1, rank: int = 0, layers: int | None = None
+) -> RegionPlan:
     fam = layouts.FAMILIES[family]
     groups = fam.groups(tp) if layers is None else getattr(layouts, family)(tp, layers)
     config = layouts.kv_cache_config(groups, num_blocks, fam.layout)
-    return plan_regions(layouts.allocate(config, fam.layout), config, tp_size=tp,
-                        tp_rank=rank)
+    return plan_regions(layouts.allocate(config, fam.layout), config, tp_size=tp, tp_rank=rank)
 
 
 def test_fingerprint_ignores_addresses_and_block_counts() -> None:
-    (config_a, caches_a), (config_b, caches_b) = (layouts.build("deepseek_v4", 8),
-                                                  layouts.build("deepseek_v4", 24))
+    (config_a, caches_a), (config_b, caches_b) = (
+        layouts.build("deepseek_v4", 8),
+        layouts.build("deepseek_v4", 24),
+    )
     a, b = plan_regions(caches_a, config_a), plan_regions(caches_b, config_b)
     assert a.base_addresses != b.base_addresses  # both allocations alive
     assert a.fingerprint() == b.fingerprint()
@@ -84,8 +86,9 @@ def test_replication_difference_is_refused() -> None:
     record = dict(mla.fingerprint().regions[1])
     record["replicated"] = False
     theirs = mla.fingerprint()
-    forged = type(theirs)(theirs.version, theirs.tp_size,
-                          (theirs.regions[0], record, theirs.regions[2]))
+    forged = type(theirs)(
+        theirs.version, theirs.tp_size, (theirs.regions[0], record, theirs.regions[2])
+    )
     with pytest.raises(HandshakeMismatchError, match="replicated: local=True remote=False"):
         check_handshake(mla, forged)
 
@@ -144,23 +147,46 @@ def _with_header(header: object, md: bytes = AGENT_MD) -> bytes:
     return struct.pack("<8sHII", b"KVSTNIXL", 1, len(body), len(md)) + body + md
 
 
-@pytest.mark.parametrize(("data", "reason"), [
-    (b"XXXXXXXX" + _wire()[8:], "bad magic"),
-    (_wire()[:8] + struct.pack("<H", 99) + _wire()[10:], "wire version 99"),
-    (_wire() + b"\x00", "trailing bytes"),
-    (struct.pack("<8sHII", b"KVSTNIXL", 1, 3, 1) + b"{x}" + b"m", "not JSON"),
-    (_with_header([1, 2]), "not a JSON object"),
-    (_with_header({"agent": ""}), "'agent'"),
-    (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 1}), "tp_rank 1 >= tp_size 1"),
-    (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 0, "regions": [[1, 2]]}),
-     "region 0"),
-    (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 0, "regions": [],
-                   "fingerprint": {"v": 1, "tp_size": 1, "regions": {}}}), "fingerprint"),
-    (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 0, "regions": [],
-                   "num_blocks": 1, "fingerprint": {"v": 1, "tp_size": 1, "regions": []}},
-                  b""), "no NIXL agent metadata"),
-    (struct.pack("<8sHII", b"KVSTNIXL", 1, 1 << 30, 0), "implausible"),
-])
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"XXXXXXXX" + _wire()[8:], "bad magic"),
+        (_wire()[:8] + struct.pack("<H", 99) + _wire()[10:], "wire version 99"),
+        (_wire() + b"\x00", "trailing bytes"),
+        (struct.pack("<8sHII", b"KVSTNIXL", 1, 3, 1) + b"{x}" + b"m", "not JSON"),
+        (_with_header([1, 2]), "not a JSON object"),
+        (_with_header({"agent": ""}), "'agent'"),
+        (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 1}), "tp_rank 1 >= tp_size 1"),
+        (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 0, "regions": [[1, 2]]}), "region 0"),
+        (
+            _with_header(
+                {
+                    "agent": "a",
+                    "tp_size": 1,
+                    "tp_rank": 0,
+                    "regions": [],
+                    "fingerprint": {"v": 1, "tp_size": 1, "regions": {}},
+                }
+            ),
+            "fingerprint",
+        ),
+        (
+            _with_header(
+                {
+                    "agent": "a",
+                    "tp_size": 1,
+                    "tp_rank": 0,
+                    "regions": [],
+                    "num_blocks": 1,
+                    "fingerprint": {"v": 1, "tp_size": 1, "regions": []},
+                },
+                b"",
+            ),
+            "no NIXL agent metadata",
+        ),
+        (struct.pack("<8sHII", b"KVSTNIXL", 1, 1 << 30, 0), "implausible"),
+    ],
+)
 def test_malformed_metadata_is_named(data: bytes, reason: str) -> None:
     with pytest.raises(MalformedMetadataError, match=reason):
         decode_metadata(data)

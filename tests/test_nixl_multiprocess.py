@@ -72,8 +72,9 @@ def _recv_frame(conn: socket.socket) -> bytes:
 def session() -> Iterator[Session]:
     server = socket.create_server(("127.0.0.1", 0))
     server.settimeout(HANDSHAKE_TIMEOUT_S)
-    child = subprocess.Popen([sys.executable, str(PRODUCER), str(server.getsockname()[1]),
-                              FAMILY, str(NB), str(SEED)])
+    child = subprocess.Popen(
+        [sys.executable, str(PRODUCER), str(server.getsockname()[1]), FAMILY, str(NB), str(SEED)]
+    )
     agent = None
     conn = None
     try:
@@ -102,8 +103,7 @@ def test_two_processes_transfer_byte_exact(session: Session) -> None:
     assert result.nbytes > 0
     expected_config, expected = layouts.build(FAMILY, NB)
     layouts.fill_pattern(expected, SEED)  # the producer's bytes (tp_rank 0)
-    compared = checks.assert_transferred(expected, session.caches, expected_config,
-                                         block_ids)
+    compared = checks.assert_transferred(expected, session.caches, expected_config, block_ids)
     assert compared > 0
 
 
@@ -126,7 +126,8 @@ def test_killed_producer_fails_the_read_in_bounded_time(session: Session) -> Non
     try:
         with pytest.raises(TransferFailedError) as info:  # noqa: PT012  # the ledger line is the point
             session.agent.read_blocks(  # every block, split over the 4 groups
-                session.stalled, [list(range(g, NB, 4)) for g in range(4)], timeout=60)
+                session.stalled, [list(range(g, NB, 4)) for g in range(4)], timeout=60
+            )
             received.update(range(NB))  # only reached if the read completed
     finally:
         killer.join()

@@ -53,8 +53,7 @@ from tests.nixl_helpers import layouts
 NB = 8
 
 
-def _plan(family: str, num_blocks: int = NB, tp: int = 1, rank: int = 0
-          ) -> tuple[RegionPlan, int]:
+def _plan(family: str, num_blocks: int = NB, tp: int = 1, rank: int = 0) -> tuple[RegionPlan, int]:
     config, caches = layouts.build(family, num_blocks, tp=tp)
     plan = plan_regions(caches, config, tp_size=tp, tp_rank=rank)
     return plan, plan.registrations[0].base
@@ -97,10 +96,13 @@ def test_llama_nhd_layout_is_not_head_major() -> None:
         tp_reads(plan.regions[0], local_tp=1, local_rank=0, remote_tp=2)
 
 
-@pytest.mark.parametrize(("family", "page"), [
-    ("deepseek_v3", 64 * 576 * 2),  # bf16 latent of 512 + 64 rope
-    ("deepseek_v3_fp8", 64 * 656),  # fp8_ds_mla: 656 opaque bytes per token
-])
+@pytest.mark.parametrize(
+    ("family", "page"),
+    [
+        ("deepseek_v3", 64 * 576 * 2),  # bf16 latent of 512 + 64 rope
+        ("deepseek_v3_fp8", 64 * 656),  # fp8_ds_mla: 656 opaque bytes per token
+    ],
+)
 def test_deepseek_v3_mla_is_replicated(family: str, page: int) -> None:
     plan, base = _plan(family)
     assert plan.block_lens == [page] * 3
@@ -116,11 +118,13 @@ def test_deepseek_v32_mla_plus_indexer() -> None:
     plan, base = _plan("deepseek_v32")
     mla, idx = 64 * 656, 64 * 132  # fp8_ds_mla latent; indexer 128 + 4 scale bytes
     assert plan.region_names == [
-        f"model.layers.{i}.self_attn.{c}" for i in range(3) for c in ("attn", "indexer.k_cache")]
+        f"model.layers.{i}.self_attn.{c}" for i in range(3) for c in ("attn", "indexer.k_cache")
+    ]
     assert plan.block_lens == [mla, idx] * 3
     # One UniformType group, one KVCacheTensor per spec: MLA layers, then indexers.
-    assert _offsets(plan, base) == [v for i in range(3)
-                                    for v in (i * NB * mla, 3 * NB * mla + i * NB * idx)]
+    assert _offsets(plan, base) == [
+        v for i in range(3) for v in (i * NB * mla, 3 * NB * mla + i * NB * idx)
+    ]
     assert plan.region_replicated == [True] * 6
 
 
@@ -132,8 +136,10 @@ def test_deepseek_v4_shared_row_takes_longest_page() -> None:
     plan, base = _plan("deepseek_v4")
     row = 2 * 65664
     r0 = plan.regions[0]
-    assert set(r0.layers) == {f"model.layers.0.attn.{c}" for c in
-                              ("compressor.ring", "compressor.swa", "indexer.k_cache", "mla")}
+    assert set(r0.layers) == {
+        f"model.layers.0.attn.{c}"
+        for c in ("compressor.ring", "compressor.swa", "indexer.k_cache", "mla")
+    }
     assert r0.base_addr == base and r0.block_stride == row
     # vLLM 0.32 keeps the block length of the last MLA-classed member registered at
     # the base; DeepSeek-V4 (a ring model) registers in kv_caches dict order, so that is
@@ -144,17 +150,25 @@ def test_deepseek_v4_shared_row_takes_longest_page() -> None:
     assert r0.replicated and r0.scratch
     assert set(r0.token_scopes) == {TokenScope.FULL, TokenScope.SLIDING_WINDOW, TokenScope.RING}
     rest = {r.name.rsplit(".", 1)[-1]: (r.base_addr - base, r.block_len) for r in plan.regions[1:]}
-    assert rest == {"ring": (32768, 32768), "swa": (65664, 65664), "k_cache": (2304, 2304),
-                    "mla": (9792, 9792)}
+    assert rest == {
+        "ring": (32768, 32768),
+        "swa": (65664, 65664),
+        "k_cache": (2304, 2304),
+        "mla": (9792, 9792),
+    }
     assert plan.scratch_region_indices == [0, 1]
     assert set(plan.block_strides) == {row}
 
 
-def _alias_groups(first: tuple[str, object], second: tuple[str, object],
-                  layout: KVCacheLayout = KVCacheLayout.BLHNC
-                  ) -> tuple[kvi.KVCacheConfig, dict[str, torch.Tensor]]:
-    groups = [KVCacheGroupSpec([first[0]], first[1]),  # type: ignore[arg-type]
-              KVCacheGroupSpec([second[0]], second[1])]  # type: ignore[arg-type]
+def _alias_groups(
+    first: tuple[str, object],
+    second: tuple[str, object],
+    layout: KVCacheLayout = KVCacheLayout.BLHNC,
+) -> tuple[kvi.KVCacheConfig, dict[str, torch.Tensor]]:
+    groups = [
+        KVCacheGroupSpec([first[0]], first[1]),  # type: ignore[arg-type]
+        KVCacheGroupSpec([second[0]], second[1]),  # type: ignore[arg-type]
+    ]
     config = layouts.kv_cache_config(groups, NB, layout)
     return config, layouts.allocate(config, layout)
 
@@ -205,13 +219,21 @@ def test_pages_of_other_head_counts_at_one_base(layout: KVCacheLayout) -> None:
     outermost in the page (LBHNC), one region whose block splits into gcd(4, 8) = 4
     slices holding whole heads of both; tokens outermost (LBNHC), no byte slice holds
     whole heads of both, so the region is refused by name."""
-    full = ("model.layers.0.attn", kvi.FullAttentionSpec(
-        block_size=32, num_kv_heads=4, head_size=64, dtype=torch.float16))
-    window = ("model.layers.1.attn", kvi.SlidingWindowSpec(
-        block_size=16, num_kv_heads=8, head_size=64, dtype=torch.float16,
-        sliding_window=128))
-    assert (default_registry.traits_of(full[1]).page_size_bytes
-            == default_registry.traits_of(window[1]).page_size_bytes == 32768)
+    full = (
+        "model.layers.0.attn",
+        kvi.FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.float16),
+    )
+    window = (
+        "model.layers.1.attn",
+        kvi.SlidingWindowSpec(
+            block_size=16, num_kv_heads=8, head_size=64, dtype=torch.float16, sliding_window=128
+        ),
+    )
+    assert (
+        default_registry.traits_of(full[1]).page_size_bytes
+        == default_registry.traits_of(window[1]).page_size_bytes
+        == 32768
+    )
     config, caches = _alias_groups(full, window, layout)
     if layout is KVCacheLayout.LBNHC:
         with pytest.raises(RegionConflictError, match="num_head_slots"):
@@ -229,10 +251,12 @@ def test_mamba_registered_first_does_not_make_an_mla_region_head_sharded() -> No
     """vLLM bug class: a Mamba-style layer (DeepSeek-V4's replicated PLE conv state)
     registered first decided the region's replication. Both members are REPLICATED by
     their traits, so the region is, in either order."""
-    ple = MambaSpec(block_size=64, shapes=((4, 1024),), dtypes=(torch.bfloat16,),
-                    tp_replicated=True)
-    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
-                           dtype=torch.bfloat16)
+    ple = MambaSpec(
+        block_size=64, shapes=((4, 1024),), dtypes=(torch.bfloat16,), tp_replicated=True
+    )
+    mla = MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.bfloat16
+    )
     a, b = ("model.layers.0.a_ple", ple), ("model.layers.0.attn", mla)
     for first, second in ((a, b), (b, a)):
         config, caches = _alias_groups(first, second)
@@ -251,14 +275,16 @@ def test_split_by_block_len_gives_a_wider_replicated_state_its_own_region() -> N
     MambaSpec's page) wider than the MLA page at its base (block 4 x 576 x 2 B = 4608 B)
     registers as its own region, so its blocks move the whole state page; keyed by base
     only (0.32/0.33) the two share one region."""
-    ple = MambaSpec(block_size=4, shapes=((4, 1024),), dtypes=(torch.bfloat16,),
-                    tp_replicated=True)
-    mla = MLAAttentionSpec(block_size=4, num_kv_heads=1, max_tp_shards=1, head_size=576,
-                           dtype=torch.bfloat16)
+    ple = MambaSpec(block_size=4, shapes=((4, 1024),), dtypes=(torch.bfloat16,), tp_replicated=True)
+    mla = MLAAttentionSpec(
+        block_size=4, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.bfloat16
+    )
     config, caches = _alias_groups(("model.layers.0.a_ple", ple), ("model.layers.0.attn", mla))
     plan = plan_regions(caches, config, split_by_block_len=True)
     assert [(r.name, r.block_len) for r in plan.regions] == [
-        ("model.layers.0.a_ple", 8192), ("model.layers.0.attn", 4608)]
+        ("model.layers.0.a_ple", 8192),
+        ("model.layers.0.attn", 4608),
+    ]
     assert len(set(plan.base_addresses)) == 1
     assert plan.replicated_state_region_indices == [0]
     assert len(plan_regions(caches, config).regions) == 1
@@ -270,10 +296,10 @@ def test_replicated_page_sharing_a_sharded_state_refuses_a_tp_change() -> None:
     state, so reading the whole block from one rank of another TP size would move half
     the state. Equal TP sizes read the same rank's block."""
     state = MambaSpec(block_size=64, shapes=((4, 1024),), dtypes=(torch.bfloat16,))
-    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
-                           dtype=torch.bfloat16)
-    config, caches = _alias_groups(("model.layers.0.attn", mla),
-                                   ("model.layers.0.mamba", state))
+    mla = MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.bfloat16
+    )
+    config, caches = _alias_groups(("model.layers.0.attn", mla), ("model.layers.0.mamba", state))
     (region,) = plan_regions(caches, config, tp_size=2, tp_rank=1).regions
     assert region.replicated and region.state
     assert region.state_tp_layout is TPLayout.STATE_SHARDED
@@ -283,7 +309,8 @@ def test_replicated_page_sharing_a_sharded_state_refuses_a_tp_change() -> None:
     with pytest.raises(UnsupportedLayoutError, match="recurrent state"):
         tp_reads(region, local_tp=2, local_rank=1, remote_tp=1)
     assert tp_reads(region, local_tp=2, local_rank=1, remote_tp=2) == (
-        Read(1, 0, 0, region.block_len),)
+        Read(1, 0, 0, region.block_len),
+    )
 
 
 def test_a_replicated_member_of_a_split_region_is_read_in_slices() -> None:
@@ -293,17 +320,19 @@ def test_a_replicated_member_of_a_split_region_is_read_in_slices() -> None:
     every rank holds the same latent bytes; the reverse (REPLICATE over heads) would
     read one rank's heads only."""
     gqa = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=288, dtype=torch.bfloat16)
-    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
-                           dtype=torch.bfloat16)
-    config, caches = _alias_groups(("model.layers.0.attn", mla), ("model.layers.0.gqa", gqa),
-                                   KVCacheLayout.LBHNC)
+    mla = MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.bfloat16
+    )
+    config, caches = _alias_groups(
+        ("model.layers.0.attn", mla), ("model.layers.0.gqa", gqa), KVCacheLayout.LBHNC
+    )
     (region,) = plan_regions(caches, config).regions
     # One KV head: every rank holds the same bytes of it, so the latent decides.
     assert region.replicated and region.tp_layout is TPLayout.REPLICATED
-    gqa2 = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=144,
-                             dtype=torch.bfloat16)
-    config, caches = _alias_groups(("model.layers.0.attn", mla),
-                                   ("model.layers.0.gqa", gqa2), KVCacheLayout.LBHNC)
+    gqa2 = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=144, dtype=torch.bfloat16)
+    config, caches = _alias_groups(
+        ("model.layers.0.attn", mla), ("model.layers.0.gqa", gqa2), KVCacheLayout.LBHNC
+    )
     (region,) = plan_regions(caches, config).regions
     assert not region.replicated and region.tp_layout is TPLayout.HEAD_SHARDED
     assert region.num_head_slots == 2  # the sharded member's
@@ -314,7 +343,8 @@ def test_gpt_oss_full_and_sliding_layers_share_regions() -> None:
     page = 16 * 8 * 128 * 2
     assert [r.layers for r in plan.regions] == [
         ("model.layers.0.attn", "model.layers.1.attn"),
-        ("model.layers.2.attn", "model.layers.3.attn")]
+        ("model.layers.2.attn", "model.layers.3.attn"),
+    ]
     assert _offsets(plan, base) == [0, NB * page]
     assert plan.region_group_ids == [SHARED_REGION_GROUP_ID] * 2
     assert plan.regions[0].token_scopes == (TokenScope.FULL, TokenScope.SLIDING_WINDOW)
@@ -324,23 +354,27 @@ def test_gpt_oss_full_and_sliding_layers_share_regions() -> None:
 def test_llama4_chunked_local() -> None:
     plan, _ = _plan("llama4")
     assert [r.layers for r in plan.regions] == [
-        ("model.layers.0.attn", "model.layers.3.attn"), ("model.layers.1.attn",),
-        ("model.layers.2.attn",)]
+        ("model.layers.0.attn", "model.layers.3.attn"),
+        ("model.layers.1.attn",),
+        ("model.layers.2.attn",),
+    ]
     assert plan.region_group_ids == [SHARED_REGION_GROUP_ID, 0, 0]
     assert plan.regions[1].token_scopes == (TokenScope.CHUNKED,)
     assert plan.block_lens == [65536] * 3
 
 
-@pytest.mark.parametrize(("family", "conv", "ssm"), [
-    ("qwen35", 6144 * 3 * 2, 16 * 128 * 128 * 2),  # GDN conv (3*2048, 3), ssm, bf16
-    ("jamba", 512 * 3 * 4, 512 * 16 * 4),  # Mamba1 conv (512, 3), ssm (512, 16), fp32
-])
+@pytest.mark.parametrize(
+    ("family", "conv", "ssm"),
+    [
+        ("qwen35", 6144 * 3 * 2, 16 * 128 * 128 * 2),  # GDN conv (3*2048, 3), ssm, bf16
+        ("jamba", 512 * 3 * 4, 512 * 16 * 4),  # Mamba1 conv (512, 3), ssm (512, 16), fp32
+    ],
+)
 def test_attention_plus_recurrent_state(family: str, conv: int, ssm: int) -> None:
     plan, _ = _plan(family)
     assert plan.state_region_indices == [0, 1, 2]
     for region in plan.regions:
-        assert [(c.offset, c.nbytes) for c in region.state_components] == [(0, conv),
-                                                                            (conv, ssm)]
+        assert [(c.offset, c.nbytes) for c in region.state_components] == [(0, conv), (conv, ssm)]
         assert region.block_len == region.block_stride  # Mamba page padded to attention's
     shared = plan.regions[0]  # the attention layer aliases the first Mamba layer
     assert shared.paged and shared.state and shared.tp_layout is TPLayout.HEAD_SHARDED
@@ -363,7 +397,8 @@ def test_untransferable_group_is_skipped() -> None:
     plan = plan_regions(caches, config)
     assert plan.skipped_layers == {
         "model.layers.1.attn": "its cache group has enable_kv_transfer=False",
-        "model.layers.3.attn": "its cache group has enable_kv_transfer=False"}
+        "model.layers.3.attn": "its cache group has enable_kv_transfer=False",
+    }
     assert plan.region_group_ids == [0, 0]
 
 
@@ -378,8 +413,7 @@ def test_layer_with_a_spec_but_no_tensor_is_refused() -> None:
         plan_regions(partial, config)
     assert info.value.layers == (lost,) and info.value.missing_from == "kv_caches"
     with pytest.raises(MissingLayerError):
-        plan_regions(partial, specs={lost: config.kv_cache_groups[0].kv_cache_spec},
-                     num_blocks=NB)
+        plan_regions(partial, specs={lost: config.kv_cache_groups[0].kv_cache_spec}, num_blocks=NB)
     extra = {**caches, "model.layers.9.shared": caches[lost]}
     plan = plan_regions(extra, config)
     assert plan.skipped_layers["model.layers.9.shared"] == "no KV cache spec for this layer"
@@ -402,16 +436,21 @@ def test_missing_inputs_are_named_errors() -> None:
     config, caches = layouts.build("gpt_oss", NB)
     specs = {layer: g.kv_cache_spec for g in config.kv_cache_groups for layer in g.layer_names}
     with pytest.raises(MissingLayerError, match="no entry in group_ids") as missing:
-        plan_regions(caches, specs=specs, num_blocks=NB,
-                     group_ids={"model.layers.0.attn": 0, "model.layers.2.attn": 0})
+        plan_regions(
+            caches,
+            specs=specs,
+            num_blocks=NB,
+            group_ids={"model.layers.0.attn": 0, "model.layers.2.attn": 0},
+        )
     assert missing.value.layers == ("model.layers.1.attn", "model.layers.3.attn")
 
 
 def test_specs_mapping_form_matches_config_form() -> None:
     config, caches = layouts.build("llama_gqa", NB)
     spec = config.kv_cache_groups[0].kv_cache_spec
-    assert plan_regions(caches, specs=dict.fromkeys(caches, spec), num_blocks=NB) == \
-        plan_regions(caches, config)
+    assert plan_regions(caches, specs=dict.fromkeys(caches, spec), num_blocks=NB) == plan_regions(
+        caches, config
+    )
 
 
 # -- descriptors -------------------------------------------------------------------------
@@ -453,11 +492,18 @@ def test_merge_runs_only_where_both_sides_are_contiguous() -> None:
     assert merge_runs(raw).nbytes == raw.nbytes
 
 
-@pytest.mark.parametrize(("local", "remote", "bad", "side"), [
-    ([-1], None, -1, "local"), ([NB], None, NB, "local"),
-    ([1], [-1], -1, "remote"), ([1], [NB], NB, "remote")])
-def test_block_ids_outside_a_region_are_named(local: list[int], remote: list[int] | None,
-                                              bad: int, side: str) -> None:
+@pytest.mark.parametrize(
+    ("local", "remote", "bad", "side"),
+    [
+        ([-1], None, -1, "local"),
+        ([NB], None, NB, "local"),
+        ([1], [-1], -1, "remote"),
+        ([1], [NB], NB, "remote"),
+    ],
+)
+def test_block_ids_outside_a_region_are_named(
+    local: list[int], remote: list[int] | None, bad: int, side: str
+) -> None:
     """A negative id would wrap to an address before the region (uint64); both
     descriptor paths check ids with one validator and name the region and the id."""
     plan, _ = _plan("llama_gqa")
@@ -476,12 +522,16 @@ def test_tp_reads_split_and_gather_by_heads() -> None:
     half = 32768
     # TP1 consumer gathers both halves; TP2 rank 1 reads the second half of the block.
     assert tp_reads(one.regions[0], local_tp=1, local_rank=0, remote_tp=2) == (
-        Read(0, 0, 0, half), Read(1, half, 0, half))
+        Read(0, 0, 0, half),
+        Read(1, half, 0, half),
+    )
     assert tp_reads(two.regions[0], local_tp=2, local_rank=1, remote_tp=1) == (
-        Read(0, 0, half, half),)
+        Read(0, 0, half, half),
+    )
     mla, _ = _plan("deepseek_v3", tp=2, rank=1)
     assert tp_reads(mla.regions[0], local_tp=2, local_rank=1, remote_tp=4) == (
-        Read(1, 0, 0, 73728),)
+        Read(1, 0, 0, 73728),
+    )
 
 
 def test_state_regions_refuse_a_tp_change() -> None:
@@ -496,22 +546,33 @@ SHIM = pathlib.Path(inspect.getfile(plan_regions)).parent
 
 
 def test_no_shim_module_branches_on_a_spec_class() -> None:
-    spec_classes = {name for name, obj in vars(kvi).items()
-                    if isinstance(obj, type) and issubclass(obj, kvi.KVCacheSpec)}
+    spec_classes = {
+        name
+        for name, obj in vars(kvi).items()
+        if isinstance(obj, type) and issubclass(obj, kvi.KVCacheSpec)
+    }
     assert {"MambaSpec", "MLAAttentionSpec", "CircularBufferSpec"} <= spec_classes
     for path in sorted(SHIM.glob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-        named = {a.name.rsplit(".", 1)[-1] for n in ast.walk(tree)
-                 if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names}
+        named = {
+            a.name.rsplit(".", 1)[-1]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom | ast.Import)
+            for a in n.names
+        }
         # The abstract base may annotate a parameter; no concrete class may appear.
         assert not (names | named) & (spec_classes - {"KVCacheSpec"}), path.name
         for call in ast.walk(tree):
-            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-                    and call.func.id in {"isinstance", "issubclass", "type"}):
-                assert not {n.id for n in ast.walk(call) if isinstance(n, ast.Name)
-                            } & spec_classes, f"{path.name}: {ast.unparse(call)}"
+            if (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Name)
+                and call.func.id in {"isinstance", "issubclass", "type"}
+            ):
+                assert (
+                    not {n.id for n in ast.walk(call) if isinstance(n, ast.Name)} & spec_classes
+                ), f"{path.name}: {ast.unparse(call)}"
         imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         runtime_vllm = [m for m in imports if m and m.startswith("vllm")]
         # vLLM appears only under TYPE_CHECKING (for annotations).
@@ -524,11 +585,14 @@ def test_no_shim_module_branches_on_a_spec_class() -> None:
 
 
 def test_importing_the_shim_imports_neither_nixl_nor_vllm_nor_torch() -> None:
-    code = ("import sys, kvspec_traits.nixl; "
-            "print(sorted(m for m in ('nixl', 'nixl._api', 'vllm', 'torch') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True)
+    code = (
+        "import sys, kvspec_traits.nixl; "
+        "print(sorted(m for m in ('nixl', 'nixl._api', 'vllm', 'torch') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -568,9 +632,14 @@ def test_every_decision_follows_the_registry() -> None:
         base = registry.traits_of(FullAttentionSpec(**fields))  # type: ignore[arg-type]
         if not isinstance(base, LayoutTraits):
             raise TypeError(base)
-        return dataclasses.replace(base, spec_name="_PluginLatentSpec",
-                                   tp_layout=TPLayout.REPLICATED, tp_shards=1,
-                                   token_scope=TokenScope.RING, window_tokens=16)
+        return dataclasses.replace(
+            base,
+            spec_name="_PluginLatentSpec",
+            tp_layout=TPLayout.REPLICATED,
+            tp_shards=1,
+            token_scope=TokenScope.RING,
+            window_tokens=16,
+        )
 
     spec = _PluginLatentSpec(**fields)  # type: ignore[arg-type]
     groups = [KVCacheGroupSpec(["model.layers.0.plugin"], spec)]
@@ -627,18 +696,20 @@ def test_kernel_block_splitting_plans_manager_blocks(family: str, kernel: int) -
 def test_untransferable_specs_get_no_region() -> None:
     """Cross-attention caches (encoder outputs) are not transferable by their traits:
     the layer is skipped with the reason, and region indices stay vLLM's."""
-    full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
-                             dtype=torch.bfloat16)
-    cross = CrossAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
-                               dtype=torch.bfloat16)
-    groups = [KVCacheGroupSpec(["model.decoder.layers.0.self_attn"], full),
-              KVCacheGroupSpec(["model.decoder.layers.0.encoder_attn"], cross)]
+    full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    cross = CrossAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    groups = [
+        KVCacheGroupSpec(["model.decoder.layers.0.self_attn"], full),
+        KVCacheGroupSpec(["model.decoder.layers.0.encoder_attn"], cross),
+    ]
     config = layouts.kv_cache_config(groups, NB, KVCacheLayout.LBHNC)
     plan = plan_regions(layouts.allocate(config, KVCacheLayout.LBHNC), config)
     assert plan.region_names == ["model.decoder.layers.0.self_attn"]
     assert plan.skipped_layers == {
-        "model.decoder.layers.0.encoder_attn":
-            "CrossAttentionSpec is not transferable (scope encoder)"}
+        "model.decoder.layers.0.encoder_attn": (
+            "CrossAttentionSpec is not transferable (scope encoder)"
+        )
+    }
 
 
 def test_skipped_layers_are_read_only() -> None:
@@ -667,8 +738,9 @@ def test_public_names_are_sorted_and_exported() -> None:
 # vLLM 0.34's _compute_desc_ids takes (regions, keys) pairs and always goes group by
 # group (0.32 goes region-major when every region is shared); installed is 0.32.
 @pytest.mark.vllm032_only
-@pytest.mark.parametrize("family", ["llama_gqa", "deepseek_v32", "gpt_oss", "llama4",
-                                    "deepseek_v4"])
+@pytest.mark.parametrize(
+    "family", ["llama_gqa", "deepseek_v32", "gpt_oss", "llama4", "deepseek_v4"]
+)
 def test_desc_ids_equal_upstream_compute_desc_ids(family: str) -> None:
     """Our descriptor ids are vLLM 0.32's own ``_compute_desc_ids`` output (its
     all-attention path, called on a worker holding only the attributes it reads),
@@ -693,8 +765,12 @@ def test_desc_ids_equal_upstream_compute_desc_ids(family: str) -> None:
     for counts in (None, [NB + 4] * len(plan.regions)):
         ours = block_desc_ids(plan, block_ids, region_num_blocks=counts)
         upstream = worker._compute_desc_ids(
-            block_ids=block_ids, dst_num_blocks=NB, block_size_ratio=None,
+            block_ids=block_ids,
+            dst_num_blocks=NB,
+            block_size_ratio=None,
             physical_blocks_per_logical=1,
             region_num_blocks=counts or plan.region_num_blocks,
-            region_group_ids=plan.region_group_ids, uses_region_group_mapping=mapped)
+            region_group_ids=plan.region_group_ids,
+            uses_region_group_mapping=mapped,
+        )
         assert ours.tolist() == upstream.tolist()

@@ -53,27 +53,28 @@ def test_request_blocks_arrive_byte_exact(family: str, agents: list[TraitsNixlAg
     per_block = sum(len(ids) for ids in block_ids)
     for mode in ("prepped", "per_block", "merged"):
         layouts.backing(caches_d).zero_()
-        result = consumer.read_blocks(peer, block_ids, mode=mode, timeout=20,
-                                      progress=producer.progress)
+        result = consumer.read_blocks(
+            peer, block_ids, mode=mode, timeout=20, progress=producer.progress
+        )
         assert checks.assert_transferred(caches_p, caches_d, config_d, block_ids) > 0
         # One descriptor per block per region, whichever group(s) the region serves.
         expected = sum(
-            per_block if r.group_id < 0 else len(block_ids[r.group_id])
-            for r in plan_d.regions)
+            per_block if r.group_id < 0 else len(block_ids[r.group_id]) for r in plan_d.regions
+        )
         assert result.per_block_descriptors == expected
         if mode == "merged":
             dense = all(r.block_len == r.block_stride for r in plan_d.regions)
             # Runs of 3 consecutive ids merge where a region's blocks abut; where
             # they do not, rows may still merge where one region's page ends at the
             # next row's first page (DeepSeek-V4 rows, read group by group).
-            assert result.descriptors < expected if dense else (
-                result.descriptors <= expected)
+            assert result.descriptors < expected if dense else (result.descriptors <= expected)
         else:
             assert result.descriptors == expected
 
 
 def test_mismatched_layout_is_refused_before_anything_is_written(
-        agents: list[TraitsNixlAgent]) -> None:
+    agents: list[TraitsNixlAgent],
+) -> None:
     config_p, caches_p = layouts.build("deepseek_v3_fp8", NB)
     config_d, caches_d = layouts.build("deepseek_v3", NB)
     layouts.fill_pattern(caches_p, seed=3)
@@ -114,8 +115,13 @@ def test_unknown_mode_is_refused(agents: list[TraitsNixlAgent]) -> None:
     consumer.register_plan(plan_regions(caches_d, config))
     peer = consumer.connect(producer.metadata())
     with pytest.raises(ValueError, match=r"'merge'.*'prepped', 'per_block', 'merged'"):
-        consumer.read_blocks(peer, [1], mode="merge",  # type: ignore[arg-type]
-                             timeout=5, progress=producer.progress)
+        consumer.read_blocks(
+            peer,
+            [1],
+            mode="merge",  # type: ignore[arg-type]
+            timeout=5,
+            progress=producer.progress,
+        )
 
 
 def test_refused_plan_leaves_the_agent_unchanged(agents: list[TraitsNixlAgent]) -> None:
@@ -123,8 +129,9 @@ def test_refused_plan_leaves_the_agent_unchanged(agents: list[TraitsNixlAgent]) 
     registered or the plan is kept, so the agent can still take a valid plan."""
     config, caches = layouts.build("llama_gqa", 4)
     plan = plan_regions(caches, config)
-    mixed = dataclasses.replace(plan, regions=(
-        dataclasses.replace(plan.regions[0], mem_type="VRAM"), *plan.regions[1:]))
+    mixed = dataclasses.replace(
+        plan, regions=(dataclasses.replace(plan.regions[0], mem_type="VRAM"), *plan.regions[1:])
+    )
     agent = _agent(agents)
     with pytest.raises(MemoryTypeMismatchError, match=r"\['DRAM', 'VRAM'\]") as info:
         agent.register_plan(mixed)
@@ -145,10 +152,10 @@ def test_peer_on_another_memory_type_is_refused(agents: list[TraitsNixlAgent]) -
     producer, consumer = _agent(agents), _agent(agents)
     producer.register_plan(plan_p)
     consumer.register_plan(plan_regions(caches_d, config))
-    vram = dataclasses.replace(plan_p, regions=tuple(
-        dataclasses.replace(r, mem_type="VRAM") for r in plan_p.regions))
-    metadata = encode_metadata(vram, producer.name,
-                               bytes(producer._agent.get_agent_metadata()))
+    vram = dataclasses.replace(
+        plan_p, regions=tuple(dataclasses.replace(r, mem_type="VRAM") for r in plan_p.regions)
+    )
+    metadata = encode_metadata(vram, producer.name, bytes(producer._agent.get_agent_metadata()))
     with pytest.raises(MemoryTypeMismatchError, match="holds it in VRAM") as info:
         consumer.connect(metadata)
     assert info.value.region == plan_p.region_names[0]
@@ -158,8 +165,9 @@ def test_peer_on_another_memory_type_is_refused(agents: list[TraitsNixlAgent]) -
     assert peer.mem_type == "DRAM"
 
 
-def _slice_heads(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], rank: int,
-                 tp: int) -> None:
+def _slice_heads(
+    src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], rank: int, tp: int
+) -> None:
     """Give ``dst`` (a TP ``tp`` rank's caches) rank ``rank``'s heads of ``src``."""
     for layer, cache in dst.items():
         heads = cache.shape[1]
@@ -167,7 +175,7 @@ def _slice_heads(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], ran
         if heads == full.shape[1]:  # replicated: the same bytes on every rank
             cache.view(torch.uint8).copy_(full)
         else:
-            cache.view(torch.uint8).copy_(full[:, rank * heads:(rank + 1) * heads])
+            cache.view(torch.uint8).copy_(full[:, rank * heads : (rank + 1) * heads])
     del tp
 
 
@@ -193,7 +201,7 @@ def test_producer_tp2_to_consumer_tp1(family: str, agents: list[TraitsNixlAgent]
         producers.append(producer)
         peers[rank] = consumer.connect(producer.metadata())
         keep.append(caches_p)
-    block_ids = [[2, 3, 9], [4, 5]][:len(truth_config.transfer_groups)]
+    block_ids = [[2, 3, 9], [4, 5]][: len(truth_config.transfer_groups)]
 
     def progress() -> None:
         for producer in producers:
@@ -203,12 +211,16 @@ def test_producer_tp2_to_consumer_tp1(family: str, agents: list[TraitsNixlAgent]
     checks.assert_transferred(truth, caches_d, truth_config, block_ids)
 
 
-@pytest.mark.parametrize(("family", "nbytes"), [
-    ("llama_gqa", 4 * 4 * 32768),  # 4 layers x 4 blocks x half a 64 KiB page
-    ("deepseek_v3", 3 * 4 * 73728),  # 3 layers x 4 blocks x the whole replicated page
-])
-def test_producer_tp1_to_consumer_tp2(family: str, nbytes: int,
-                                      agents: list[TraitsNixlAgent]) -> None:
+@pytest.mark.parametrize(
+    ("family", "nbytes"),
+    [
+        ("llama_gqa", 4 * 4 * 32768),  # 4 layers x 4 blocks x half a 64 KiB page
+        ("deepseek_v3", 3 * 4 * 73728),  # 3 layers x 4 blocks x the whole replicated page
+    ],
+)
+def test_producer_tp1_to_consumer_tp2(
+    family: str, nbytes: int, agents: list[TraitsNixlAgent]
+) -> None:
     """Each TP-2 rank reads its half of the heads of the TP-1 producer's blocks (or the
     whole block of a replicated region)."""
     config_p, caches_p = layouts.build(family, NB)
@@ -224,8 +236,7 @@ def test_producer_tp1_to_consumer_tp2(family: str, nbytes: int,
         consumer = _agent(agents)
         consumer.register_plan(plan_regions(caches_d, config_d, tp_size=2, tp_rank=rank))
         peer = consumer.connect(metadata)
-        result = consumer.read_blocks({0: peer}, block_ids, timeout=20,
-                                      progress=producer.progress)
+        result = consumer.read_blocks({0: peer}, block_ids, timeout=20, progress=producer.progress)
         assert result.nbytes == nbytes
         expected_config, expected = layouts.build(family, NB, tp=2)
         _slice_heads(caches_p, expected, rank, 2)
@@ -233,8 +244,7 @@ def test_producer_tp1_to_consumer_tp2(family: str, nbytes: int,
 
 
 @pytest.mark.parametrize("mode", ["prepped", "per_block", "merged"])
-def test_peer_of_another_tp_rank_is_refused(mode: DescMode,
-                                            agents: list[TraitsNixlAgent]) -> None:
+def test_peer_of_another_tp_rank_is_refused(mode: DescMode, agents: list[TraitsNixlAgent]) -> None:
     """Consumer rank 1 of TP 2 given producer rank 0: rank 0 holds the other half of
     the heads. ``prepped`` read them silently; the others raised a bare KeyError."""
     config_p, caches_p = layouts.build("llama_gqa", NB, tp=2)
@@ -245,14 +255,14 @@ def test_peer_of_another_tp_rank_is_refused(mode: DescMode,
     consumer.register_plan(plan_regions(caches_d, config_d, tp_size=2, tp_rank=1))
     peer = consumer.connect(producer.metadata())
     with pytest.raises(MissingPeerError, match="needs remote TP rank 1") as info:
-        consumer.read_blocks(peer, [1, 2], mode=mode, timeout=20,
-                             progress=producer.progress)
+        consumer.read_blocks(peer, [1, 2], mode=mode, timeout=20, progress=producer.progress)
     assert info.value.remote_rank == 1 and info.value.given == (0,)
     assert not bool(layouts.backing(caches_d).any())
 
 
 def test_replicated_regions_may_come_from_any_rank_in_prepped_mode(
-        agents: list[TraitsNixlAgent]) -> None:
+    agents: list[TraitsNixlAgent],
+) -> None:
     """MLA holds the same bytes on every rank: rank 1 may read rank 0's blocks."""
     config_p, caches_p = layouts.build("deepseek_v3", NB, tp=2)
     config_d, caches_d = layouts.build("deepseek_v3", NB, tp=2)
@@ -262,8 +272,7 @@ def test_replicated_regions_may_come_from_any_rank_in_prepped_mode(
     consumer.register_plan(plan_regions(caches_d, config_d, tp_size=2, tp_rank=1))
     peer = consumer.connect(producer.metadata())
     block_ids = [[1, 2]]
-    consumer.read_blocks(peer, block_ids, mode="prepped", timeout=20,
-                         progress=producer.progress)
+    consumer.read_blocks(peer, block_ids, mode="prepped", timeout=20, progress=producer.progress)
     checks.assert_transferred(caches_p, caches_d, config_d, block_ids)
 
 
@@ -283,8 +292,7 @@ def test_packed_rows_move_whole_rows(agents: list[TraitsNixlAgent]) -> None:
     checks.assert_transferred(caches_p, caches_d, config_d, block_ids)
 
 
-def test_unprogressed_producer_times_out_without_marking(
-        agents: list[TraitsNixlAgent]) -> None:
+def test_unprogressed_producer_times_out_without_marking(agents: list[TraitsNixlAgent]) -> None:
     """Nobody progresses the producer (no thread, no ``progress=``): the read cannot
     finish, and the bounded wait reports it instead of hanging."""
     config, caches_p = layouts.build("llama_gqa", 4)
@@ -301,7 +309,8 @@ def test_unprogressed_producer_times_out_without_marking(
 
 @pytest.mark.parametrize("mode", ["prepped", "merged"])
 def test_remote_block_ids_and_block_counts_may_differ(
-        mode: DescMode, agents: list[TraitsNixlAgent]) -> None:
+    mode: DescMode, agents: list[TraitsNixlAgent]
+) -> None:
     """The producer has 16 blocks, the consumer 12; consumer blocks 1, 2, 3 are filled
     from producer blocks 10, 11, 15 (descriptor ids use each side's block counts)."""
     config_p, caches_p = layouts.build("gpt_oss", NB)
@@ -312,8 +321,7 @@ def test_remote_block_ids_and_block_counts_may_differ(
     consumer.register_plan(plan_regions(caches_d, config_d))
     peer = consumer.connect(producer.metadata())
     local, remote = [[1, 2], [3]], [[10, 11], [15]]
-    consumer.read_blocks(peer, local, remote, mode=mode, timeout=20,
-                         progress=producer.progress)
+    consumer.read_blocks(peer, local, remote, mode=mode, timeout=20, progress=producer.progress)
     src, dst = layouts.backing(caches_p), layouts.backing(caches_d)
     for gid, group in enumerate(config_d.transfer_groups):
         for layer in group.layer_names:
@@ -321,7 +329,7 @@ def test_remote_block_ids_and_block_counts_may_differ(
                 d, s = caches_d[layer][lb], caches_p[layer][rb]
                 d_off = d.data_ptr() - dst.data_ptr()
                 s_off = s.data_ptr() - src.data_ptr()
-                assert torch.equal(dst[d_off:d_off + d.nbytes], src[s_off:s_off + s.nbytes])
+                assert torch.equal(dst[d_off : d_off + d.nbytes], src[s_off : s_off + s.nbytes])
     untouched = [b for b in range(12) if b not in (1, 2, 3)]
     for layer, cache in caches_d.items():
         for b in untouched:

@@ -58,8 +58,9 @@ def _agent(pool: list[TraitsNixlAgent]) -> TraitsNixlAgent:
 _FIELDS = ("base_addr", "block_len", "block_stride", "num_blocks", "device_id")
 
 
-def _forged(plan: RegionPlan, name: str, agent_md: bytes,
-            changes: dict[int, dict[str, int]]) -> bytes:
+def _forged(
+    plan: RegionPlan, name: str, agent_md: bytes, changes: dict[int, dict[str, int]]
+) -> bytes:
     """``plan``'s true handshake (fingerprint included) with the geometry of some
     regions changed: what a forged or corrupt header says."""
     header = _header(encode_metadata(plan, name, agent_md))
@@ -71,15 +72,16 @@ def _forged(plan: RegionPlan, name: str, agent_md: bytes,
     return struct.pack("<8sHII", b"KVSTNIXL", 1, len(body), len(agent_md)) + body + agent_md
 
 
-def _metadata(agent: TraitsNixlAgent, plan: RegionPlan,
-              changes: dict[int, dict[str, int]]) -> bytes:
+def _metadata(
+    agent: TraitsNixlAgent, plan: RegionPlan, changes: dict[int, dict[str, int]]
+) -> bytes:
     """``agent``'s handshake (its real NIXL agent metadata) with forged geometry."""
     return _forged(plan, agent.name, bytes(agent._agent.get_agent_metadata()), changes)
 
 
 def _header(data: bytes) -> dict[str, Any]:
     size = struct.unpack_from("<I", data, 10)[0]
-    header: dict[str, Any] = json.loads(data[18:18 + size])
+    header: dict[str, Any] = json.loads(data[18 : 18 + size])
     return header
 
 
@@ -91,12 +93,14 @@ def _region_cases(plan: RegionPlan) -> list[tuple[str, dict[str, int], str]]:
     return [
         ("stride 0", {"block_stride": 0}, "block_stride 0 < block_len"),
         ("stride below the block", {"block_stride": r.block_len - 1}, "would overlap"),
-        ("block length of another TP size", {"block_len": r.block_len * 2},
-         "fingerprint implies"),
+        ("block length of another TP size", {"block_len": r.block_len * 2}, "fingerprint implies"),
         ("no blocks", {"num_blocks": 0}, "num_blocks 0"),
         ("base 2^64", {"base_addr": 1 << 64}, "outside 64 bits"),
-        ("end past 2^64", {"base_addr": (1 << 64) - r.block_stride * NB},
-         "does not fit in 64 bits"),
+        (
+            "end past 2^64",
+            {"base_addr": (1 << 64) - r.block_stride * NB},
+            "does not fit in 64 bits",
+        ),
     ]
 
 
@@ -126,12 +130,12 @@ def _hostile() -> list[tuple[str, bytes]]:
     header = _header(encode_metadata(plan_regions(caches, config), "p", b"md"))
     deep = "[" * 100_000 + "]" * 100_000
     huge = json.dumps(dict(header, num_blocks="H")).replace(
-        '"H"', "9" * 5000)  # past CPython's 4300-digit limit for int()
+        '"H"', "9" * 5000
+    )  # past CPython's 4300-digit limit for int()
     nested: list[object] = []
     for _ in range(20):
         nested = [nested]
-    in_record = json.dumps(dict(header, regions="X")).replace(
-        '"X"', "[" * 5000 + "]" * 5000)
+    in_record = json.dumps(dict(header, regions="X")).replace('"X"', "[" * 5000 + "]" * 5000)
     return [
         ("deeply nested", _wire(None, deep.encode())),
         ("deeply nested in the regions", _wire(None, in_record.encode())),
@@ -139,8 +143,10 @@ def _hostile() -> list[tuple[str, bytes]]:
         ("huge integer", _wire(None, huge.encode())),
         ("integer past 64 bits", _wire(dict(header, tp_size=1 << 70))),
         ("NaN", _wire(None, b'{"agent": NaN}')),
-        ("fingerprint nested 20 deep", _wire(dict(
-            header, fingerprint=dict(header["fingerprint"], x=nested)))),
+        (
+            "fingerprint nested 20 deep",
+            _wire(dict(header, fingerprint=dict(header["fingerprint"], x=nested))),
+        ),
     ]
 
 
@@ -152,9 +158,18 @@ def test_hostile_metadata_is_a_named_error(case: int) -> None:
     del name
 
 
-@pytest.mark.parametrize("text", [
-    "[" * 100_000, b"\xff\xfe{}", "1" * 5000, str(1 << 64), '{"v": NaN}',
-    '{"v": 3, "tp_size": 1, "regions": [' + "[" * 50 + "]" * 50 + "]}", 42])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100_000,
+        b"\xff\xfe{}",
+        "1" * 5000,
+        str(1 << 64),
+        '{"v": NaN}',
+        '{"v": 3, "tp_size": 1, "regions": [' + "[" * 50 + "]" * 50 + "]}",
+        42,
+    ],
+)
 def test_hostile_fingerprint_is_a_named_error_on_the_connector_path(text: object) -> None:
     """vLLM's connector carries the fingerprint as JSON text inside its own agent
     metadata; ``decode_fingerprint`` (which ``check_remote_fingerprint`` calls) and the
@@ -182,8 +197,10 @@ def test_true_geometry_of_every_family_passes(family: str) -> None:
             for num_blocks in (NB, 13):
                 config, caches = layouts.build(family, num_blocks, tp=tp)
                 keep.append(caches)
-                plans += [plan_regions(caches, config, tp_size=tp, tp_rank=rank,
-                                       packed_rows=packed) for rank in range(tp)]
+                plans += [
+                    plan_regions(caches, config, tp_size=tp, tp_rank=rank, packed_rows=packed)
+                    for rank in range(tp)
+                ]
         checked = 0
         for producer in plans:
             meta = decode_metadata(encode_metadata(producer, "p", b"md"))
@@ -201,8 +218,9 @@ def test_true_geometry_of_every_family_passes(family: str) -> None:
 # -- item 6: forged geometry with real agents ---------------------------------------------
 
 
-def _tp2_producers(pool: list[TraitsNixlAgent], family: str
-                   ) -> tuple[list[TraitsNixlAgent], list[RegionPlan], list[Any]]:
+def _tp2_producers(
+    pool: list[TraitsNixlAgent], family: str
+) -> tuple[list[TraitsNixlAgent], list[RegionPlan], list[Any]]:
     producers, plans, keep = [], [], []
     for rank in range(2):
         config, caches = layouts.build(family, NB, tp=2)
@@ -217,7 +235,8 @@ def _tp2_producers(pool: list[TraitsNixlAgent], family: str
 
 
 def test_hetero_tp_forged_stride_is_refused_before_nixl_learns_of_the_peer(
-        agents: list[TraitsNixlAgent]) -> None:
+    agents: list[TraitsNixlAgent],
+) -> None:
     """A TP-2 producer rank advertising block_stride 0 to a TP-1 consumer. Before:
     connect accepted it and read_blocks reported success while every local block held
     producer block 0. Now connect refuses it and NIXL never knows the peer."""
@@ -235,8 +254,7 @@ def test_hetero_tp_forged_stride_is_refused_before_nixl_learns_of_the_peer(
 
 
 @pytest.mark.parametrize("which", ["first", "last"])
-def test_hetero_tp_shifted_base_is_refused(which: str,
-                                           agents: list[TraitsNixlAgent]) -> None:
+def test_hetero_tp_shifted_base_is_refused(which: str, agents: list[TraitsNixlAgent]) -> None:
     """A TP-2 rank whose region base is moved by one page. The first region then
     overlaps the second (layer-major storage: our regions do not), the last reaches
     past the memory the peer registered with NIXL; both refused, no peer left."""
@@ -273,7 +291,8 @@ def test_same_tp_shifted_row_offset_is_refused(agents: list[TraitsNixlAgent]) ->
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_failed_connect_after_nixl_added_the_peer_removes_it(
-        tp: int, agents: list[TraitsNixlAgent]) -> None:
+    tp: int, agents: list[TraitsNixlAgent]
+) -> None:
     """Geometry that passes every check NIXL is not needed for (the whole last region
     moved past the producer's allocation, overlapping nothing) is refused by NIXL's
     view of the peer's registered memory, after add_remote_agent: the peer is removed
@@ -286,8 +305,7 @@ def test_a_failed_connect_after_nixl_added_the_peer_removes_it(
     producer.register_plan(plan_p)
     consumer.register_plan(plan_regions(caches_d, config, tp_size=tp))
     last = plan_p.regions[-1]
-    forged = {len(plan_p.regions) - 1:
-              {"base_addr": last.base_addr + 4 * last.block_stride * NB}}
+    forged = {len(plan_p.regions) - 1: {"base_addr": last.base_addr + 4 * last.block_stride * NB}}
     for _ in range(2):  # and again: nothing of the first attempt is left to collide
         with pytest.raises(MalformedMetadataError, match="outside the memory"):
             consumer.connect(_metadata(producer, plan_p, forged))
@@ -296,12 +314,16 @@ def test_a_failed_connect_after_nixl_added_the_peer_removes_it(
     consumer.read_blocks(peer, [1, 2], timeout=20, progress=producer.progress)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"base_addr": 1 << 64}, "outside 64 bits"),  # before: OverflowError, peer left in NIXL
-    ({"block_stride": 0}, "block_stride 0"),  # before: raw nixlNotFoundError, peer left
-])
-def test_same_tp_forged_geometry_leaves_no_peer(change: dict[str, int], message: str,
-                                                agents: list[TraitsNixlAgent]) -> None:
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"base_addr": 1 << 64}, "outside 64 bits"),  # before: OverflowError, peer left in NIXL
+        ({"block_stride": 0}, "block_stride 0"),  # before: raw nixlNotFoundError, peer left
+    ],
+)
+def test_same_tp_forged_geometry_leaves_no_peer(
+    change: dict[str, int], message: str, agents: list[TraitsNixlAgent]
+) -> None:
     config, caches_p = layouts.build("deepseek_v3", NB)
     _, caches_d = layouts.build("deepseek_v3", NB)
     plan_p = plan_regions(caches_p, config)
@@ -328,17 +350,18 @@ def pair() -> Iterator[SimpleNamespace]:
     producer.register_plan(plan_regions(caches_p, config))
     consumer.register_plan(plan_regions(caches_d, config))
     peer = consumer.connect(producer.metadata())
-    yield SimpleNamespace(config=config, src=caches_p, dst=caches_d, producer=producer,
-                          consumer=consumer, peer=peer)
+    yield SimpleNamespace(
+        config=config, src=caches_p, dst=caches_d, producer=producer, consumer=consumer, peer=peer
+    )
     consumer.close()
     producer.close()
 
 
-def _read(pair: SimpleNamespace, local: Any, remote: Any = None, mode: str = "merged"
-          ) -> Any:
+def _read(pair: SimpleNamespace, local: Any, remote: Any = None, mode: str = "merged") -> Any:
     layouts.backing(pair.dst).zero_()
-    return pair.consumer.read_blocks(pair.peer, local, remote, mode=mode, timeout=20,
-                                     progress=pair.producer.progress)
+    return pair.consumer.read_blocks(
+        pair.peer, local, remote, mode=mode, timeout=20, progress=pair.producer.progress
+    )
 
 
 MODES = ["prepped", "per_block", "merged"]
@@ -356,7 +379,8 @@ def test_duplicate_destination_ids_are_refused(mode: str, pair: SimpleNamespace)
 
 @pytest.mark.parametrize("mode", MODES)
 def test_one_id_in_two_groups_is_refused_where_regions_are_shared(
-        mode: str, pair: SimpleNamespace) -> None:
+    mode: str, pair: SimpleNamespace
+) -> None:
     """gpt-oss's full and sliding layers share every region: group 0 block 3 and
     group 1 block 3 are one destination."""
     assert all(r.group_id < 0 for r in pair.consumer.plan.regions)
@@ -365,15 +389,19 @@ def test_one_id_in_two_groups_is_refused_where_regions_are_shared(
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("ids", "bad"), [
-    ([[-0.5, 2.7], []], -0.5),  # before: truncated to blocks 0 and 2
-    ([[True, False], []], True),  # before: blocks 1 and 0
-    ([["3"], []], "3"),  # before: block 3
-    ([[1, 2.0], []], 2.0),
-    ([[np.int64(1)], []], np.int64(1)),
-])
-def test_ids_that_are_not_ints_are_refused(mode: str, ids: Any, bad: object,
-                                           pair: SimpleNamespace) -> None:
+@pytest.mark.parametrize(
+    ("ids", "bad"),
+    [
+        ([[-0.5, 2.7], []], -0.5),  # before: truncated to blocks 0 and 2
+        ([[True, False], []], True),  # before: blocks 1 and 0
+        ([["3"], []], "3"),  # before: block 3
+        ([[1, 2.0], []], 2.0),
+        ([[np.int64(1)], []], np.int64(1)),
+    ],
+)
+def test_ids_that_are_not_ints_are_refused(
+    mode: str, ids: Any, bad: object, pair: SimpleNamespace
+) -> None:
     with pytest.raises(BlockIdTypeError) as info:
         _read(pair, ids, None, mode)
     assert info.value.value == bad and type(info.value.value) is type(bad)
@@ -381,24 +409,39 @@ def test_ids_that_are_not_ints_are_refused(mode: str, ids: Any, bad: object,
     assert not bool(layouts.backing(pair.dst).any())
 
 
-@pytest.mark.parametrize("ids", [
-    [np.array([1.0, 2.0]), []], [np.array([True]), []], np.array([[0.5], [1.5]]),
-    [np.array([[1, 2]]), []], 3, "12", [[1], 2], [[2 ** 70], []]])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [np.array([1.0, 2.0]), []],
+        [np.array([True]), []],
+        np.array([[0.5], [1.5]]),
+        [np.array([[1, 2]]), []],
+        3,
+        "12",
+        [[1], 2],
+        [[2**70], []],
+    ],
+)
 def test_arrays_and_containers_that_are_not_id_lists_are_refused(
-        ids: Any, pair: SimpleNamespace) -> None:
+    ids: Any, pair: SimpleNamespace
+) -> None:
     with pytest.raises(BlockIdTypeError):
         _read(pair, ids)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("ids", "expected", "got"), [
-    ([[1, 2]], 2, 1),  # before: IndexError
-    ([[1], [2], [3]], 2, 3),  # before: the third list ignored
-    ([1, 2], 2, 1),  # one flat list for two groups
-    ([], 2, 1),
-])
-def test_not_one_list_per_group_is_refused(mode: str, ids: Any, expected: int, got: int,
-                                           pair: SimpleNamespace) -> None:
+@pytest.mark.parametrize(
+    ("ids", "expected", "got"),
+    [
+        ([[1, 2]], 2, 1),  # before: IndexError
+        ([[1], [2], [3]], 2, 3),  # before: the third list ignored
+        ([1, 2], 2, 1),  # one flat list for two groups
+        ([], 2, 1),
+    ],
+)
+def test_not_one_list_per_group_is_refused(
+    mode: str, ids: Any, expected: int, got: int, pair: SimpleNamespace
+) -> None:
     with pytest.raises(BlockIdShapeError) as info:
         _read(pair, ids, None, mode)
     assert (info.value.expected, info.value.got) == (expected, got)
@@ -413,8 +456,7 @@ def test_local_and_remote_lists_must_pair_up(mode: str, pair: SimpleNamespace) -
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("form", ["arrays", "2-D array", "uint32 arrays"])
-def test_integer_arrays_move_the_right_bytes(mode: str, form: str,
-                                             pair: SimpleNamespace) -> None:
+def test_integer_arrays_move_the_right_bytes(mode: str, form: str, pair: SimpleNamespace) -> None:
     """Multi-element numpy arrays (before: 'truth value ... is ambiguous')."""
     if form == "arrays":
         local: Any = [np.array([1, 2, 3]), np.array([5, 6])]
@@ -441,10 +483,10 @@ def test_remote_ids_may_repeat(pair: SimpleNamespace) -> None:
     dst, src = layouts.backing(pair.dst), layouts.backing(pair.src)
     for layer in pair.config.transfer_groups[0].layer_names:
         s = pair.src[layer][5]
-        s_bytes = src[s.data_ptr() - src.data_ptr():][:s.nbytes]
+        s_bytes = src[s.data_ptr() - src.data_ptr() :][: s.nbytes]
         for block in (1, 2):
             d = pair.dst[layer][block]
-            assert torch.equal(dst[d.data_ptr() - dst.data_ptr():][:d.nbytes], s_bytes)
+            assert torch.equal(dst[d.data_ptr() - dst.data_ptr() :][: d.nbytes], s_bytes)
 
 
 def test_pure_descriptor_functions_validate_alike() -> None:
@@ -453,8 +495,11 @@ def test_pure_descriptor_functions_validate_alike() -> None:
     plan = plan_regions(caches, config)
     remotes = {0: peer_regions(plan)}
     cases: list[tuple[Any, type[Exception]]] = [
-        ([1, 1], DuplicateBlockIdError), ([0.5], BlockIdTypeError),
-        ([[1], [2]], BlockIdShapeError), ([NB], BlockIdError)]
+        ([1, 1], DuplicateBlockIdError),
+        ([0.5], BlockIdTypeError),
+        ([[1], [2]], BlockIdShapeError),
+        ([NB], BlockIdError),
+    ]
     for ids, error in cases:
         with pytest.raises(error):
             block_desc_ids(plan, ids)
@@ -468,5 +513,7 @@ def test_pure_descriptor_functions_validate_alike() -> None:
     # vLLM's region-major order for one group: region r's blocks at r * NB + b.
     assert expected == [r * NB + b for r in range(len(plan.regions)) for b in (3, 1)]
     # Remote ids (another peer's list) may repeat; they are bounds-checked.
-    assert block_desc_ids(plan, [2, 2], region_num_blocks=plan.region_num_blocks
-                          ).tolist()[:2] == [2, 2]
+    assert block_desc_ids(plan, [2, 2], region_num_blocks=plan.region_num_blocks).tolist()[:2] == [
+        2,
+        2,
+    ]

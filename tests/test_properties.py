@@ -17,25 +17,35 @@ from vllm.v1 import kv_cache_interface as kvi
 from kvspec_traits import TPLayout, traits_of
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.int8,
-          torch.float8_e4m3fn]
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.uint8,
+    torch.int8,
+    torch.float8_e4m3fn,
+]
 
 # class -> extra keyword arguments it requires
 ATTENTION_CLASSES: dict[type[kvi.AttentionSpec], st.SearchStrategy[dict[str, Any]]] = {
     kvi.AttentionSpec: st.just({}),
     kvi.FullAttentionSpec: st.fixed_dictionaries(
-        {}, optional={"sliding_window": st.integers(1, 4096)}),
+        {}, optional={"sliding_window": st.integers(1, 4096)}
+    ),
     kvi.MLAAttentionSpec: st.fixed_dictionaries(
-        {}, optional={"alignment": st.sampled_from([512, 576])}),
+        {}, optional={"alignment": st.sampled_from([512, 576])}
+    ),
     kvi.HiddenStateCacheSpec: st.just({}),
     kvi.SinkFullAttentionSpec: st.fixed_dictionaries({"sink_len": st.integers(1, 64)}),
     kvi.RSWASpec: st.fixed_dictionaries({"rswa_window": st.integers(1, 4096)}),
     kvi.ChunkedLocalAttentionSpec: st.fixed_dictionaries(
-        {"attention_chunk_size": st.integers(1, 8192)}),
+        {"attention_chunk_size": st.integers(1, 8192)}
+    ),
     kvi.SlidingWindowSpec: st.fixed_dictionaries({"sliding_window": st.integers(1, 4096)}),
     kvi.SlidingWindowMLASpec: st.fixed_dictionaries(
         {"sliding_window": st.integers(1, 4096)},
-        optional={"alignment": st.sampled_from([512, 576])}),
+        optional={"alignment": st.sampled_from([512, 576])},
+    ),
     kvi.CircularBufferSpec: st.just({}),
     kvi.EncoderOnlyAttentionSpec: st.just({}),
     kvi.CrossAttentionSpec: st.just({}),
@@ -63,8 +73,9 @@ def attention_specs(draw: st.DrawFn, cls: type[kvi.AttentionSpec]) -> kvi.Attent
     spec = cls(**kwargs)
     if "alignment" not in kwargs and draw(st.booleans()):
         # padding as a backend publishes it: at least the content
-        spec = cls(**kwargs, page_size_padded=spec.unpadded_page_size_bytes
-                   + draw(st.integers(0, 4096)))
+        spec = cls(
+            **kwargs, page_size_padded=spec.unpadded_page_size_bytes + draw(st.integers(0, 4096))
+        )
     return spec
 
 
@@ -81,7 +92,10 @@ def test_attention_traits_match_vllm_byte_math(cls: type[kvi.AttentionSpec]) -> 
         assert t.page_size_bytes == spec.page_size_bytes
         assert t.unpadded_page_size_bytes == spec.unpadded_page_size_bytes == _shape_bytes(spec)
         assert (t.num_head_slots, t.states_per_block, t.state_bytes) == (
-            spec.num_heads, spec.num_states, spec.state_content_size_bytes)
+            spec.num_heads,
+            spec.num_states,
+            spec.state_content_size_bytes,
+        )
         assert sum(c.nbytes for c in t.components) == t.unpadded_page_size_bytes
         # content per token times tokens per state is one state of every head slot
         assert t.per_token_bytes is not None and t.tokens_per_state is not None
@@ -102,14 +116,19 @@ def test_attention_traits_match_vllm_byte_math(cls: type[kvi.AttentionSpec]) -> 
 @st.composite
 def mamba_specs(draw: st.DrawFn) -> kvi.MambaSpec:
     n = draw(st.integers(1, 3))
-    shapes = tuple(tuple(draw(st.lists(st.integers(1, 64), min_size=1, max_size=3)))
-                   for _ in range(n))
+    shapes = tuple(
+        tuple(draw(st.lists(st.integers(1, 64), min_size=1, max_size=3))) for _ in range(n)
+    )
     dtypes = tuple(draw(st.sampled_from(DTYPES)) for _ in range(n))
     content = sum(prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
     padded = draw(st.none() | st.integers(content, content + 8192))
-    return kvi.MambaSpec(block_size=draw(st.sampled_from([16, 1024])), shapes=shapes,
-                         dtypes=dtypes, page_size_padded=padded,
-                         tp_replicated=draw(st.booleans()))
+    return kvi.MambaSpec(
+        block_size=draw(st.sampled_from([16, 1024])),
+        shapes=shapes,
+        dtypes=dtypes,
+        page_size_padded=padded,
+        tp_replicated=draw(st.booleans()),
+    )
 
 
 @SETTINGS
@@ -126,9 +145,10 @@ def test_mamba_traits_match_vllm_byte_math(spec: kvi.MambaSpec) -> None:
 @SETTINGS
 @given(st.integers(1, 1 << 20), st.sampled_from([16, 64, 256]), st.integers(1, 64))
 def test_hisparse_traits_match_vllm_page(page: int, block: int, per_request: int) -> None:
-    for spec in (kvi.HiSparseHotSpec(block_size=block, page_size=page,
-                                     blocks_per_request=per_request),
-                 kvi.HiSparseResidentSpec(block_size=block, page_size=page)):
+    for spec in (
+        kvi.HiSparseHotSpec(block_size=block, page_size=page, blocks_per_request=per_request),
+        kvi.HiSparseResidentSpec(block_size=block, page_size=page),
+    ):
         t = traits_of(spec)
         assert t.page_size_bytes == spec.page_size_bytes == page
         assert t.per_token_bytes == Fraction(page, block)
@@ -142,6 +162,7 @@ def test_group_page_is_the_sum_of_member_pages(drawn: list[kvi.FullAttentionSpec
     members = [m for m in drawn if m.block_size == drawn[0].block_size]
     group = kvi.UniformTypeKVCacheSpecs(
         block_size=members[0].block_size,
-        kv_cache_specs={f"layer{i}": m for i, m in enumerate(members)})
+        kv_cache_specs={f"layer{i}": m for i, m in enumerate(members)},
+    )
     t = traits_of(group)
     assert t.page_size_bytes == group.page_size_bytes == sum(m.page_size_bytes for m in members)

@@ -22,8 +22,9 @@ from kvspec_traits import (
 
 
 def _full(block_size: int = 16) -> kvi.FullAttentionSpec:
-    return kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64,
-                                 dtype=torch.float16)
+    return kvi.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.float16
+    )
 
 
 def _adapter_of(registry: Registry, spec_type: type) -> object:
@@ -136,8 +137,10 @@ def _entry_points(monkeypatch: pytest.MonkeyPatch, *values: str) -> None:
 
     import kvspec_traits._registry as reg
 
-    eps = [EntryPoint(name=f"ep{i}", value=v, group=reg.ENTRY_POINT_GROUP)
-           for i, v in enumerate(values)]
+    eps = [
+        EntryPoint(name=f"ep{i}", value=v, group=reg.ENTRY_POINT_GROUP)
+        for i, v in enumerate(values)
+    ]
     monkeypatch.setattr(reg, "entry_points", lambda group: eps)
 
 
@@ -154,9 +157,9 @@ def fail_to_register(registry: Registry) -> None:
 
 
 def test_a_failing_plugin_leaves_the_registry_as_it_was_and_fails_every_time(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    _entry_points(monkeypatch, "kvspec_traits_example:register",
-                  f"{__name__}:fail_to_register")
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _entry_points(monkeypatch, "kvspec_traits_example:register", f"{__name__}:fail_to_register")
     registry = Registry(builtins=False)
     for _ in range(2):  # not "loaded" after a failure: the second call fails the same way
         with pytest.raises(AdapterPluginError, match=r"'ep1'.*plugin bug") as info:

@@ -20,8 +20,14 @@ def _run(*args: str, columns: int | None = None) -> subprocess.CompletedProcess[
     env = dict(os.environ)
     if columns is not None:
         env["COLUMNS"] = str(columns)
-    return subprocess.run([sys.executable, "-m", "kvspec_traits", *args], capture_output=True,
-                          text=True, timeout=300, check=False, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvspec_traits", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +45,24 @@ def test_report_covers_every_class_and_exits_zero(report: str) -> None:
     assert "kvspec_traits_example.ScaledLatentSpec" in out
 
 
-def test_report_shows_every_class_name_and_example_whole_at_any_terminal_width(
-        report: str) -> None:
+def test_report_shows_every_class_name_and_example_whole_at_any_terminal_width(report: str) -> None:
     lines = report.splitlines()
     header = lines[1]
     example_col, mla_col = header.index("example"), header.index("mla")
     for entry in (*representative_specs(), *refused_specs()):
         name, label = type(entry.spec).__qualname__, entry.label
-        row = [line for line in lines if line.startswith(f"{name} ")
-               and line[example_col:].startswith(f"{label} ")]
+        row = [
+            line
+            for line in lines
+            if line.startswith(f"{name} ") and line[example_col:].startswith(f"{label} ")
+        ]
         assert row, f"no row with the whole class name {name!r} and example {label!r}"
         # Columns sized to their content: the example column starts after the longest
         # class name, and the next one after the longest example.
         assert re.match(r"(yes|no) ", row[0][mla_col:]) or "refused" in row[0], row[0]
-    assert example_col == 1 + max(len(type(e.spec).__qualname__)
-                                  for e in (*representative_specs(), *refused_specs()))
+    assert example_col == 1 + max(
+        len(type(e.spec).__qualname__) for e in (*representative_specs(), *refused_specs())
+    )
     # The terminal's width changes nothing (neither cut nor wrapped).
     narrow = _run("report", columns=20)
     assert narrow.returncode == 0, narrow.stderr[-2000:]
@@ -62,11 +71,15 @@ def test_report_shows_every_class_name_and_example_whole_at_any_terminal_width(
 
 def test_table_columns_fit_their_widest_cell_and_a_failure_runs_on() -> None:
     failure = "TraitsMismatchError: " + "x" * 120
-    lines = _table(["class", "example", "mla", "page B"],
-                   [["ChunkedLocalAttentionSpec", "Llama-4", "no", "65536"],
-                    ["A", "a rather long example label", "yes", "8"],
-                    ["Broken", "some example", failure]],
-                   right=frozenset({3}))
+    lines = _table(
+        ["class", "example", "mla", "page B"],
+        [
+            ["ChunkedLocalAttentionSpec", "Llama-4", "no", "65536"],
+            ["A", "a rather long example label", "yes", "8"],
+            ["Broken", "some example", failure],
+        ],
+        right=frozenset({3}),
+    )
     assert lines == [
         "class                     example                     mla page B",
         "-" * 64,
@@ -84,7 +97,10 @@ def test_report_json_has_every_trait_of_every_row() -> None:
     rows = {r["label"]: r for r in data["rows"]}
     swa = rows["DeepSeek-V4 SWA-MLA compressor state"]["traits"]
     assert (swa["is_mla"], swa["tp_layout"], swa["token_scope"]) == (
-        True, "replicated", "sliding_window")
+        True,
+        "replicated",
+        "sliding_window",
+    )
     assert rows["abstract KVCacheSpec"]["status"] == "refused as required"
     assert rows["DeepSeek-V4 compressed MLA (ratio 4)"]["traits"]["per_token_bytes"] == 146
 
@@ -98,8 +114,7 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert __version__ == project["project"]["version"]
     proc = _run("--version")  # as a user runs it
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"kvspec-traits {__version__}\n",
-                                                           "")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"kvspec-traits {__version__}\n", "")
     with pytest.raises(SystemExit) as done:
         main(["audit", "--version"])
     assert done.value.code == 0
@@ -111,7 +126,8 @@ def test_no_command_prints_help_and_exits_2() -> None:
 
 
 def test_an_extension_that_does_not_load_is_one_sentence_and_exit_2(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kvspec_traits import AdapterPluginError, _cli
 
     def broken(registry: object = None) -> None:

@@ -27,8 +27,11 @@ FINGERPRINT: dict[str, str | tuple[None, str]] = {
     "tp_layout": "tp_layout",
     "tp_shards": "tp_shards",
     "token_scope": "scope",
-    "window_tokens": (None, "the tokens a page keeps, not its bytes: vLLM's compatibility "
-                            "hash covers the model config that sets it"),
+    "window_tokens": (
+        None,
+        "the tokens a page keeps, not its bytes: vLLM's compatibility "
+        "hash covers the model config that sets it",
+    ),
     "block_size": "block_len",
     "num_head_slots": "num_head_slots",
     "kv_head_contiguous": "kv_head_contiguous",
@@ -77,8 +80,9 @@ TRAITS = trait_names()
 
 
 def test_the_protocol_and_the_value_type_name_the_same_traits_in_order() -> None:
-    protocol = [name for name, member in vars(KVLayoutTraits).items()
-                if isinstance(member, property)]
+    protocol = [
+        name for name, member in vars(KVLayoutTraits).items() if isinstance(member, property)
+    ]
     assert tuple(protocol) == TRAITS == tuple(f.name for f in fields(LayoutTraits))
 
 
@@ -90,8 +94,10 @@ def test_every_trait_is_wired(trait: str) -> None:
     if not isinstance(vars(GroupTraits).get(trait), property):
         missing.append("_group.py GroupTraits (how a group of layers answers it)")
     if trait not in FINGERPRINT:
-        missing.append("the handshake fingerprint (nixl/_plan.py Region.traits_record), "
-                       "then FINGERPRINT in this test")
+        missing.append(
+            "the handshake fingerprint (nixl/_plan.py Region.traits_record), "
+            "then FINGERPRINT in this test"
+        )
     if trait not in AUDIT:
         missing.append("the audit's questions (audit/_questions.py), then AUDIT in this test")
     if "Source:" not in (getattr(KVLayoutTraits, trait).__doc__ or ""):

@@ -42,15 +42,20 @@ def adapt_any_attention(spec: kvi.AttentionSpec) -> LayoutTraits:
 if TYPE_CHECKING:
     r = _registry()
     # The decorator returns the adapter with its own parameter and return types.
-    assert_type(register_adapter(kvi.MambaSpec, registry=r)(adapt_mamba),
-                Callable[[kvi.MambaSpec], LayoutTraits])
-    assert_type(register_adapter(kvi.MambaSpec, adapt_mamba, registry=r),
-                Callable[[kvi.MambaSpec], LayoutTraits])
+    assert_type(
+        register_adapter(kvi.MambaSpec, registry=r)(adapt_mamba),
+        Callable[[kvi.MambaSpec], LayoutTraits],
+    )
+    assert_type(
+        register_adapter(kvi.MambaSpec, adapt_mamba, registry=r),
+        Callable[[kvi.MambaSpec], LayoutTraits],
+    )
     # An adapter for a base class may serve a subclass (parameters are contravariant).
     register_adapter(kvi.SlidingWindowMLASpec, adapt_any_attention, registry=r)
     # The protocol's members are read-only and typed.
-    t = traits_of(kvi.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8,
-                                        dtype=torch.float16))
+    t = traits_of(
+        kvi.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    )
     assert_type(t, KVLayoutTraits)
     assert_type(t.is_mla, bool)
     assert_type(t.tp_shards, int | None)

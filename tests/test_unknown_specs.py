@@ -67,8 +67,9 @@ class LatentWindowSpec(kvi.SlidingWindowSpec):
 
 
 def _compressed() -> NewCompressedMLASpec:
-    return NewCompressedMLASpec(block_size=64, num_kv_heads=1, head_size=512,
-                                dtype=torch.bfloat16, sliding_window=128)
+    return NewCompressedMLASpec(
+        block_size=64, num_kv_heads=1, head_size=512, dtype=torch.bfloat16, sliding_window=128
+    )
 
 
 def test_mla_page_under_a_non_mla_parent_is_refused() -> None:
@@ -76,8 +77,9 @@ def test_mla_page_under_a_non_mla_parent_is_refused() -> None:
     # Its own page: 64 * 512 * 2 = 65536; the SlidingWindowSpec adapter would say
     # 64 * (512 + 512) * 2 = 131072 and call it head-sharded.
     assert spec.page_size_bytes == 65536
-    with pytest.raises(UnsupportedSpecError,
-                       match=r"NewCompressedMLASpec.*SlidingWindowSpec") as info:
+    with pytest.raises(
+        UnsupportedSpecError, match=r"NewCompressedMLASpec.*SlidingWindowSpec"
+    ) as info:
         traits_of(spec)
     err = info.value
     assert err.spec_type is NewCompressedMLASpec
@@ -110,29 +112,35 @@ def test_a_faithful_subclass_is_served_by_its_parent() -> None:
     t = traits_of(spec)
     # 4 * (64 + 64) * 2 B = 1024 B/token
     assert (t.spec_name, t.per_token_bytes, t.tp_layout) == (
-        "TaggedFullSpec", 1024, TPLayout.HEAD_SHARDED)
+        "TaggedFullSpec",
+        1024,
+        TPLayout.HEAD_SHARDED,
+    )
 
 
 def test_a_new_latent_window_class_comes_out_mla_and_replicated_not_head_sharded() -> None:
-    spec = LatentWindowSpec(block_size=64, num_kv_heads=1, head_size=512,
-                            dtype=torch.bfloat16, sliding_window=128)
+    spec = LatentWindowSpec(
+        block_size=64, num_kv_heads=1, head_size=512, dtype=torch.bfloat16, sliding_window=128
+    )
     t = traits_of(spec)
     assert (t.is_mla, t.tp_layout, t.token_scope, t.page_size_bytes) == (
-        True, TPLayout.REPLICATED, TokenScope.SLIDING_WINDOW, 64 * 512 * 2)
+        True,
+        TPLayout.REPLICATED,
+        TokenScope.SLIDING_WINDOW,
+        64 * 512 * 2,
+    )
 
 
 def test_an_adapter_that_contradicts_its_own_spec_raises_traits_mismatch() -> None:
     registry = Registry().copy(name="wrong adapter")
-    full = kvi.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                 dtype=torch.float16)
+    full = kvi.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
     right = registry.traits_of(full)
     assert isinstance(right, LayoutTraits)
 
     def sized_as_mla(spec: kvi.FullAttentionSpec) -> LayoutTraits:
         # the Mooncake bug in reverse: forgets V
         half = right.unpadded_page_size_bytes // 2
-        return replace(right, components=(), unpadded_page_size_bytes=half,
-                       page_size_bytes=half)
+        return replace(right, components=(), unpadded_page_size_bytes=half, page_size_bytes=half)
 
     registry.register(kvi.FullAttentionSpec, sized_as_mla, replace=True)
     with pytest.raises(TraitsMismatchError, match="page_size_bytes") as info:
@@ -140,4 +148,8 @@ def test_an_adapter_that_contradicts_its_own_spec_raises_traits_mismatch() -> No
     err = info.value
     # 16 * 2 * (64 + 64) * 2 B = 8192; the adapter said half
     assert (err.field, err.traits_value, err.spec_value, err.spec) == (
-        "page_size_bytes", 4096, 8192, full)
+        "page_size_bytes",
+        4096,
+        8192,
+        full,
+    )

@@ -138,8 +138,10 @@ class _Ours:
         self.qualname = f"kvspec_traits.vllm_connector._connector.{replacement}"
 
     def matches(self, value: object) -> bool:
-        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}" \
+        return (
+            f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
             == self.qualname
+        )
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -147,8 +149,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     expected = {name: _Ours(replacement) for name, replacement in REBOUND.items()}
     if SUBJECT == "upstream" and "kvspec_traits.vllm_connector._connector" in sys.modules:
-        pytest.exit("conformance binding (upstream): kvspec_traits' connector module was "
-                    "imported, so upstream's run is not upstream's alone", returncode=3)
+        pytest.exit(
+            "conformance binding (upstream): kvspec_traits' connector module was "
+            "imported, so upstream's run is not upstream's alone",
+            returncode=3,
+        )
     checked: dict[str, list[str]] = {}
     wrong: list[str] = []
     seen: set[str] = set()
@@ -179,8 +184,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 # Tests parametrized by the worker class get their id from the class's name: under our
 # binding, upstream's id names ours. Reported under upstream's id, so the two runs compare.
-_ID_NAMES = {"[TraitsNixlConnectorWorker": "[NixlPullConnectorWorker",
-             "-TraitsNixlConnectorWorker": "-NixlPullConnectorWorker"}
+_ID_NAMES = {
+    "[TraitsNixlConnectorWorker": "[NixlPullConnectorWorker",
+    "-TraitsNixlConnectorWorker": "-NixlPullConnectorWorker",
+}
 
 
 def _upstream_id(nodeid: str) -> str:

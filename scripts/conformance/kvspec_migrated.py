@@ -26,8 +26,9 @@ ROOT = os.environ.get("KVSPEC_MIGRATED_ROOT", "")
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != PACKAGE:
             return None
         return importlib.machinery.PathFinder.find_spec(fullname, [ROOT])
@@ -44,6 +45,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if not proof:
         return
     module = sys.modules.get(PACKAGE)
-    Path(proof).write_text(json.dumps({
-        "root": ROOT, "imported_from": getattr(module, "__file__", None),
-        "migrated": bool(ROOT) and str(getattr(module, "__file__", "")).startswith(ROOT)}))
+    Path(proof).write_text(
+        json.dumps(
+            {
+                "root": ROOT,
+                "imported_from": getattr(module, "__file__", None),
+                "migrated": bool(ROOT) and str(getattr(module, "__file__", "")).startswith(ROOT),
+            }
+        )
+    )

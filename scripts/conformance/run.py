@@ -147,8 +147,12 @@ def main() -> int:
             # run waits for it forever (set_xfer_handshake_metadata has no timeout), until
             # pytest-timeout's 600 s.
             # (make test runs the series at once too: each series its own range.)
-            port = (port_base + 2000 * list(SERIES).index(series)
-                    + 1000 * SUBJECTS.index(subject) + 100 * index)
+            port = (
+                port_base
+                + 2000 * list(SERIES).index(series)
+                + 1000 * SUBJECTS.index(subject)
+                + 100 * index
+            )
             env = dict(
                 base_env,
                 KVSPEC_CONFORMANCE_SUBJECT=subject,
@@ -199,8 +203,10 @@ def main() -> int:
             continue
         data = json.loads(report.read_text())
         if subject == "upstream" and data["binding"].get("ours_imported"):
-            print(f"!! upstream shard {index} imported kvspec_traits' connector module: "
-                  f"its outcomes are not upstream's alone")
+            print(
+                f"!! upstream shard {index} imported kvspec_traits' connector module: "
+                f"its outcomes are not upstream's alone"
+            )
             status = 2
             continue
         outcomes[subject].update(data["outcomes"])

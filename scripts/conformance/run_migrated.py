@@ -40,17 +40,47 @@ def main() -> int:
         report, proof = out_dir / f"{run}.json", out_dir / f"{run}-proof.json"
         report.unlink(missing_ok=True)
         proof.unlink(missing_ok=True)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO / "src")]),
-                   VLLM_TARGET_DEVICE="cpu", KVSPEC_EXPECT_VLLM="0.32", NIXL_LOG_LEVEL="WARN",
-                   KVSPEC_CONFORMANCE_SUBJECT="upstream",
-                   KVSPEC_CONFORMANCE_REPORT=str(report), KVSPEC_MIGRATED_PROOF=str(proof),
-                   KVSPEC_MIGRATED_ROOT=root if run == "migrated" else "")
-        cmd = [str(REPO / ".venv" / "bin" / "python"), "-m", "pytest", "-c", os.devnull,
-               "--rootdir", str(tests_root), "-q", "-p", "no:cacheprovider",
-               "-p", "kvspec_migrated", "-p", "kvspec_conformance", "--timeout", "600", *files]
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([str(HERE), str(REPO / "src")]),
+            VLLM_TARGET_DEVICE="cpu",
+            KVSPEC_EXPECT_VLLM="0.32",
+            NIXL_LOG_LEVEL="WARN",
+            KVSPEC_CONFORMANCE_SUBJECT="upstream",
+            KVSPEC_CONFORMANCE_REPORT=str(report),
+            KVSPEC_MIGRATED_PROOF=str(proof),
+            KVSPEC_MIGRATED_ROOT=root if run == "migrated" else "",
+        )
+        cmd = [
+            str(REPO / ".venv" / "bin" / "python"),
+            "-m",
+            "pytest",
+            "-c",
+            os.devnull,
+            "--rootdir",
+            str(tests_root),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "kvspec_migrated",
+            "-p",
+            "kvspec_conformance",
+            "--timeout",
+            "600",
+            *files,
+        ]
         log = (out_dir / f"{run}.log").open("wb")
-        procs.append((run, subprocess.Popen(cmd, cwd=tests_root, env=env, stdout=log,
-                                            stderr=subprocess.STDOUT), report, proof))
+        procs.append(
+            (
+                run,
+                subprocess.Popen(
+                    cmd, cwd=tests_root, env=env, stdout=log, stderr=subprocess.STDOUT
+                ),
+                report,
+                proof,
+            )
+        )
     outcomes: dict[str, dict[str, str]] = {}
     for run, proc, report, proof in procs:
         rc = proc.wait()
@@ -66,8 +96,11 @@ def main() -> int:
     for run in RUNS:
         c = Counter(outcomes[run].values())
         print(f"{run:>10}: {c['passed']}/{sum(c.values())} passed ({names})")
-    differ = sorted(k for k in outcomes["unmigrated"].keys() | outcomes["migrated"].keys()
-                    if outcomes["unmigrated"].get(k) != outcomes["migrated"].get(k))
+    differ = sorted(
+        k
+        for k in outcomes["unmigrated"].keys() | outcomes["migrated"].keys()
+        if outcomes["unmigrated"].get(k) != outcomes["migrated"].get(k)
+    )
     for k in differ:
         print(f"  differs: {k}: {outcomes['unmigrated'].get(k)} -> {outcomes['migrated'].get(k)}")
     lost = [k for k in differ if outcomes["unmigrated"].get(k) == "passed"]

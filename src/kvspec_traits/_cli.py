@@ -65,16 +65,20 @@ def _fields(registry: Registry, classes: Sequence[type[Any]]) -> list[_Fields]:
             read_names = registry.read_fields(cls)
         except UnsupportedSpecError:
             accounted, unaccounted, read_names = frozenset(), set(names), frozenset()
-        out.append(_Fields(
-            spec_class=cls.__qualname__,
-            read=[n for n in names if n in read_names and n not in unaccounted],
-            ignored=[n for n in names if n in accounted and n not in read_names],
-            unaccounted=[n for n in names if n in unaccounted]))
+        out.append(
+            _Fields(
+                spec_class=cls.__qualname__,
+                read=[n for n in names if n in read_names and n not in unaccounted],
+                ignored=[n for n in names if n in accounted and n not in read_names],
+                unaccounted=[n for n in names if n in unaccounted],
+            )
+        )
     return out
 
 
-def _collect(registry: Registry | None = None
-             ) -> tuple[list[_Row], list[str], list[str], list[str], str, list[_Fields]]:
+def _collect(
+    registry: Registry | None = None,
+) -> tuple[list[_Row], list[str], list[str], list[str], str, list[_Fields]]:
     from kvspec_traits._deps import needs
 
     with needs("listing the traits of the installed vLLM's KV cache specs"):
@@ -93,8 +97,15 @@ def _collect(registry: Registry | None = None
         name = type(entry.spec).__qualname__
         try:
             traits = traits_of(entry.spec)
-            rows.append(_Row(name, entry.label, "verified", True,
-                             {k: _jsonable(v) for k, v in traits_as_dict(traits).items()}))
+            rows.append(
+                _Row(
+                    name,
+                    entry.label,
+                    "verified",
+                    True,
+                    {k: _jsonable(v) for k, v in traits_as_dict(traits).items()},
+                )
+            )
             covered.add(name)
         except Exception as exc:  # the report shows every failure, then exits non-zero
             rows.append(_Row(name, entry.label, f"{type(exc).__name__}: {exc}", False))
@@ -121,8 +132,14 @@ def _collect(registry: Registry | None = None
         if not own:
             missing.append(f"{cls.__module__}.{cls.__qualname__}")
     fields = _fields(registry, [*spec_classes(), *extra])
-    return rows, found, missing, [f"{c.__module__}.{c.__qualname__}" for c in extra], \
-        vllm.__version__, fields
+    return (
+        rows,
+        found,
+        missing,
+        [f"{c.__module__}.{c.__qualname__}" for c in extra],
+        vllm.__version__,
+        fields,
+    )
 
 
 _TP_SHORT = {"replicated": "repl", "head_sharded": "heads", "state_sharded": "state"}
@@ -132,8 +149,9 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
-           right: frozenset[int]) -> list[str]:
+def _table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], right: frozenset[int]
+) -> list[str]:
     """Lines of a table whose columns are as wide as their widest cell (never cut, whatever
     the terminal's width). A row shorter than the header ends in one cell that runs on
     unpadded (a failure's message); it does not widen the column it starts in."""
@@ -145,10 +163,13 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
 
     def line(row: Sequence[str]) -> str:
         if len(row) < len(header):
-            return " ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=False)),
-                             row[-1]])
-        return " ".join(c.rjust(w) if i in right else c.ljust(w)
-                        for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+            return " ".join(
+                [*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=False)), row[-1]]
+            )
+        return " ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
 
     head = line(header)
     return [head, "-" * len(head), *(line(r) for r in rows)]
@@ -167,11 +188,26 @@ def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
     unaccounted = [f for f in fields if f.unaccounted]
     ok = all(r.ok for r in rows) and not missing and not unaccounted
     if args.json:
-        json.dump({"vllm_version": version, "ok": ok, "classes_found": found,
-                   "classes_not_covered": missing, "extension_classes": extra,
-                   "fields": {f.spec_class: {"read": f.read, "ignored": f.ignored,
-                                             "unaccounted": f.unaccounted} for f in fields},
-                   "rows": [r.__dict__ for r in rows]}, sys.stdout, indent=2)
+        json.dump(
+            {
+                "vllm_version": version,
+                "ok": ok,
+                "classes_found": found,
+                "classes_not_covered": missing,
+                "extension_classes": extra,
+                "fields": {
+                    f.spec_class: {
+                        "read": f.read,
+                        "ignored": f.ignored,
+                        "unaccounted": f.unaccounted,
+                    }
+                    for f in fields
+                },
+                "rows": [r.__dict__ for r in rows],
+            },
+            sys.stdout,
+            indent=2,
+        )
         print()
         return 0 if ok else 1
     print(f"kvspec-traits report: vLLM {version}")
@@ -179,26 +215,43 @@ def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
     for r in rows:
         t = r.traits
         if r.ok and t:
-            cells.append([r.spec_class, r.label, "yes" if t["is_mla"] else "no",
-                          _TP_SHORT[t["tp_layout"]], t["token_scope"],
-                          str(t["page_size_bytes"]), _fmt(t["per_token_bytes"])])
+            cells.append(
+                [
+                    r.spec_class,
+                    r.label,
+                    "yes" if t["is_mla"] else "no",
+                    _TP_SHORT[t["tp_layout"]],
+                    t["token_scope"],
+                    str(t["page_size_bytes"]),
+                    _fmt(t["per_token_bytes"]),
+                ]
+            )
         else:
             cells.append([r.spec_class, r.label, r.status])
-    lines = _table(["spec class", "example", "mla", "tp", "scope", "page B", "B/tok"], cells,
-                   right=frozenset({5, 6}))
+    lines = _table(
+        ["spec class", "example", "mla", "tp", "scope", "page B", "B/tok"],
+        cells,
+        right=frozenset({5, 6}),
+    )
     print("\n".join(lines))
-    print("tp: repl = replicated on every TP rank, heads = split by KV heads, "
-          "state = split recurrent state")
+    print(
+        "tp: repl = replicated on every TP rank, heads = split by KV heads, "
+        "state = split recurrent state"
+    )
     print(lines[1])
     failed = [r for r in rows if not r.ok]
     for r in failed:
         print(f"FAILED {r.spec_class} ({r.label}): {r.status}")
-    print(f"coverage: {sum(c in {r.spec_class for r in rows if r.ok} for c in found)}/"
-          f"{len(found)} spec classes of vLLM {version} covered; "
-          f"{sum(r.ok for r in rows)}/{len(rows)} examples verified")
+    print(
+        f"coverage: {sum(c in {r.spec_class for r in rows if r.ok} for c in found)}/"
+        f"{len(found)} spec classes of vLLM {version} covered; "
+        f"{sum(r.ok for r in rows)}/{len(rows)} examples verified"
+    )
     if extra:
-        print(f"extension classes: {len(extra)} ({', '.join(extra)}); "
-              "each needs an adapter of its own")
+        print(
+            f"extension classes: {len(extra)} ({', '.join(extra)}); "
+            "each needs an adapter of its own"
+        )
     if missing:
         print("not covered: " + ", ".join(missing))
     _print_fields(fields)
@@ -209,21 +262,27 @@ def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
 def _print_fields(fields: Sequence[_Fields]) -> None:
     import textwrap
 
-    print("fields, per class (read: the traits come from it; ignored: known not to change "
-          "a page):")
+    print("fields, per class (read: the traits come from it; ignored: known not to change a page):")
     for f in fields:
-        text = f"{f.spec_class}: read {', '.join(f.read) or '-'}; ignored " \
-               f"{', '.join(f.ignored) or '-'}"
+        text = (
+            f"{f.spec_class}: read {', '.join(f.read) or '-'}; ignored "
+            f"{', '.join(f.ignored) or '-'}"
+        )
         if f.unaccounted:
             text += f"; UNACCOUNTED {', '.join(f.unaccounted)}"
         print(textwrap.fill(text, width=100, initial_indent="  ", subsequent_indent="      "))
     total = sum(len(f.read) + len(f.ignored) + len(f.unaccounted) for f in fields)
     bad = [(f.spec_class, n) for f in fields for n in f.unaccounted]
     if bad:
-        print(textwrap.fill(
-            f"unaccounted fields: {len(bad)} of {total} "
-            f"({', '.join(f'{c}.{n}' for c, n in bad)}); a spec holding one away from its "
-            "default is refused", width=100, subsequent_indent="  "))
+        print(
+            textwrap.fill(
+                f"unaccounted fields: {len(bad)} of {total} "
+                f"({', '.join(f'{c}.{n}' for c, n in bad)}); a spec holding one away from its "
+                "default is refused",
+                width=100,
+                subsequent_indent="  ",
+            )
+        )
     else:
         print(f"fields: all {total} fields of {len(fields)} classes accounted for")
 
@@ -232,30 +291,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvspec_traits import __version__
 
     parser = argparse.ArgumentParser(prog="kvspec-traits", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
-                        help="print the kvspec-traits version and exit")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {__version__}",
+        help="print the kvspec-traits version and exit",
+    )
     sub = parser.add_subparsers(dest="command")
     rep = sub.add_parser("report", help="traits of every vLLM KV spec class, verified")
     rep.add_argument("--json", action="store_true", help="machine-readable output")
-    sub.add_parser("audit", help="find branches on KV spec classes in connector code",
-                   add_help=False)
-    sub.add_parser("migrate", help="rewrite branches on KV spec classes into traits queries",
-                   add_help=False)
+    sub.add_parser(
+        "audit", help="find branches on KV spec classes in connector code", add_help=False
+    )
+    sub.add_parser(
+        "migrate", help="rewrite branches on KV spec classes into traits queries", add_help=False
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["migrate"]:
         from kvspec_traits._errors import MissingDependencyError
 
         try:
             migrate_main: Callable[[list[str]], int] = importlib.import_module(
-                "kvspec_traits.migrate").main
+                "kvspec_traits.migrate"
+            ).main
         except MissingDependencyError as exc:  # no LibCST: say what to install
             print(f"kvspec-traits migrate: {exc}", file=sys.stderr)
             return 2
         return migrate_main(argv[1:])
     if argv[:1] == ["audit"]:
         # Imported by name: the audit package loads only for this sub-command.
-        audit_main: Callable[[list[str]], int] = importlib.import_module(
-            "kvspec_traits.audit").main
+        audit_main: Callable[[list[str]], int] = importlib.import_module("kvspec_traits.audit").main
         return audit_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "report":

@@ -70,9 +70,17 @@ class UnsupportedSpecError(KVSpecTraitsError, TypeError):
 
     _NO_VALUE: Any = object()
 
-    def __init__(self, spec_type: type[Any], reason: str, *, fixable: bool = True,
-                 field: str | None = None, value: object = _NO_VALUE,
-                 members: tuple[str, ...] = (), adapter: str | None = None) -> None:
+    def __init__(
+        self,
+        spec_type: type[Any],
+        reason: str,
+        *,
+        fixable: bool = True,
+        field: str | None = None,
+        value: object = _NO_VALUE,
+        members: tuple[str, ...] = (),
+        adapter: str | None = None,
+    ) -> None:
         self.spec_type = spec_type
         self.reason = reason
         self.fixable = fixable
@@ -106,15 +114,19 @@ class SpecPropertyError(UnsupportedSpecError):
     ``.field`` is the property, ``.error`` the exception it raised (also the cause).
     """
 
-    def __init__(self, spec: object, prop: str, error: BaseException, *,
-                 adapter: str | None = None) -> None:
+    def __init__(
+        self, spec: object, prop: str, error: BaseException, *, adapter: str | None = None
+    ) -> None:
         self.spec = spec
         self.error = error
         super().__init__(
             type(spec),
             f"its own `{prop}` raised {type(error).__name__}: {error} "
             f"(spec: {_short_repr(spec)}), so its traits cannot be checked against it",
-            field=prop, adapter=adapter, fixable=False)
+            field=prop,
+            adapter=adapter,
+            fixable=False,
+        )
 
 
 class InvalidSpecError(KVSpecTraitsError, ValueError):
@@ -125,8 +137,9 @@ class InvalidSpecError(KVSpecTraitsError, ValueError):
     value, ``.expected`` what the field must hold, ``.adapter`` the adapter that read it.
     """
 
-    def __init__(self, spec: object, field: str, value: object, expected: str, *,
-                 adapter: str | None = None) -> None:
+    def __init__(
+        self, spec: object, field: str, value: object, expected: str, *, adapter: str | None = None
+    ) -> None:
         self.spec = spec
         self.spec_type: type[Any] = type(spec)
         self.field = field
@@ -151,8 +164,9 @@ class TraitsMismatchError(KVSpecTraitsError, ValueError):
     ``.spec`` the spec instance, ``.adapter`` the adapter.
     """
 
-    def __init__(self, spec: object, field: str, traits_value: object, spec_value: object,
-                 adapter: str) -> None:
+    def __init__(
+        self, spec: object, field: str, traits_value: object, spec_value: object, adapter: str
+    ) -> None:
         self.spec = spec
         self.spec_type: type[Any] = type(spec)
         self.field = field
@@ -176,8 +190,9 @@ class AdapterResultError(KVSpecTraitsError, TypeError):
     ``.result`` what the adapter returned.
     """
 
-    def __init__(self, spec: object, adapter: str, field: str, result: object,
-                 problem: str) -> None:
+    def __init__(
+        self, spec: object, adapter: str, field: str, result: object, problem: str
+    ) -> None:
         self.spec = spec
         self.spec_type: type[Any] = type(spec)
         self.adapter = adapter
@@ -261,8 +276,9 @@ class MissingDependencyError(KVSpecTraitsError, ModuleNotFoundError):
     def __init__(self, name: str, feature: str, install: str) -> None:
         self.feature = feature
         self.install = install
-        super().__init__(f"{feature} needs the {name!r} module, which is not installed. "
-                         f"{install}", name=name)
+        super().__init__(
+            f"{feature} needs the {name!r} module, which is not installed. {install}", name=name
+        )
 
 
 def _describe(adapter: object) -> str:

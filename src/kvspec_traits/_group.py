@@ -36,8 +36,13 @@ class GroupTraits(KVLayoutTraits):
 
     __slots__ = ("_members", "_spec_name", "_values")
 
-    def __init__(self, spec_name: str, members: Mapping[str, KVLayoutTraits], *,
-                 block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        spec_name: str,
+        members: Mapping[str, KVLayoutTraits],
+        *,
+        block_size: int | None = None,
+    ) -> None:
         if not members:
             raise ValueError(f"{spec_name}: a group spec with no member layers has no layout")
         self._spec_name = spec_name
@@ -146,8 +151,7 @@ class GroupTraits(KVLayoutTraits):
     @property
     def components(self) -> tuple[PageComponent, ...]:
         return tuple(
-            PageComponent(name=f"{layer}/{c.name}", shape=c.shape, dtype=c.dtype,
-                          nbytes=c.nbytes)
+            PageComponent(name=f"{layer}/{c.name}", shape=c.shape, dtype=c.dtype, nbytes=c.nbytes)
             for layer, t in self._members.items()
             for c in t.components
         )
@@ -210,8 +214,9 @@ def traits_for_layer(traits: KVLayoutTraits, layer: str) -> KVLayoutTraits:
         try:
             return traits.members[layer]
         except KeyError:
-            raise KeyError(f"layer {layer!r} is not a member of this group "
-                           f"(members: {list(traits.members)})") from None
+            raise KeyError(
+                f"layer {layer!r} is not a member of this group (members: {list(traits.members)})"
+            ) from None
     return traits
 
 

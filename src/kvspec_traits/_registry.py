@@ -72,14 +72,27 @@ _MAX_CACHED_SPECS: Final = 1 << 16
 # A resolution superseded by a registration is answered again, at most this many times.
 _MAX_ATTEMPTS: Final = 8
 
-LAYOUT_MEMBERS: Final = frozenset({
-    *CHECKED_PROPERTIES,
-    "max_memory_usage_bytes", "merge", "merge_window_sizes", "get_num_kernel_states",
-    "max_num_blocks_per_req", "max_admission_blocks_per_request", "num_retained_tokens",
-    "prefix_replay_tokens", "copy_with_new_block_size", "get_block_stride_alignment",
-    "block_table_token_alignment", "has_layer_views", "is_uniform_with_collection",
-    "sliding_window", "attention_chunk_size", "rswa_window",
-})
+LAYOUT_MEMBERS: Final = frozenset(
+    {
+        *CHECKED_PROPERTIES,
+        "max_memory_usage_bytes",
+        "merge",
+        "merge_window_sizes",
+        "get_num_kernel_states",
+        "max_num_blocks_per_req",
+        "max_admission_blocks_per_request",
+        "num_retained_tokens",
+        "prefix_replay_tokens",
+        "copy_with_new_block_size",
+        "get_block_stride_alignment",
+        "block_table_token_alignment",
+        "has_layer_views",
+        "is_uniform_with_collection",
+        "sliding_window",
+        "attention_chunk_size",
+        "rswa_window",
+    }
+)
 """Members of vLLM's spec API that decide a page's layout or which blocks a request
 keeps. A subclass that overrides one of these (or a member its ancestor's adapter
 ``reads``) without an adapter of its own is refused: the parent's answer may not hold."""
@@ -134,8 +147,9 @@ class Registry:
     gives an isolated registry for tests.
     """
 
-    def __init__(self, *, builtins: bool = True, entry_points: bool = True,
-                 name: str = "registry") -> None:
+    def __init__(
+        self, *, builtins: bool = True, entry_points: bool = True, name: str = "registry"
+    ) -> None:
         self.name = name
         self._adapters: dict[type[Any], Callable[[Any], KVLayoutTraits]] = {}
         self._accounting: dict[type[Any], _Accounting] = {}
@@ -161,7 +175,8 @@ class Registry:
         # answered afresh instead of from a stale entry.
         self._mutable: dict[int, tuple[object, object, KVLayoutTraits]] = {}
         self.traits_of: Callable[[KVCacheSpec], KVLayoutTraits] = _warm_path(
-            self._by_id, self._resolve)
+            self._by_id, self._resolve
+        )
         """The verified traits of ``spec`` (see :func:`kvspec_traits.traits_of`)."""
 
     def __repr__(self) -> str:
@@ -169,9 +184,15 @@ class Registry:
 
     # -- registration -----------------------------------------------------------------
 
-    def register(self, spec_type: type[SpecT], adapter: Callable[[SpecT], TraitsT], *,
-                 replace: bool = False, reads: Iterable[str] | None = None,
-                 ignores: Iterable[str] = ()) -> None:
+    def register(
+        self,
+        spec_type: type[SpecT],
+        adapter: Callable[[SpecT], TraitsT],
+        *,
+        replace: bool = False,
+        reads: Iterable[str] | None = None,
+        ignores: Iterable[str] = (),
+    ) -> None:
         """Register ``adapter`` for ``spec_type`` (and, through the MRO walk, for
         subclasses whose fields, members and byte math it accounts for).
 
@@ -191,43 +212,72 @@ class Registry:
                 f"({type(spec_type).__qualname__}); pass the spec class itself"
             )
         if not callable(adapter):
-            raise TypeError(f"adapter for {spec_type.__qualname__} must be callable, "
-                            f"got {adapter!r}")
+            raise TypeError(
+                f"adapter for {spec_type.__qualname__} must be callable, got {adapter!r}"
+            )
         accounting = _Accounting(
             None if reads is None else _names(spec_type, "reads", reads),
-            _names(spec_type, "ignores", ignores))
+            _names(spec_type, "ignores", ignores),
+        )
         # Built-ins first, so a clash with them is refused now. Entry points are not
         # loaded from here: a module registering by decorator may itself be one.
         self._ensure_builtins()
         with self._lock:
             existing = self._adapters.get(spec_type)
-            if existing is adapter and not replace and (
+            if (
+                existing is adapter
+                and not replace
+                and (
                     self._accounting.get(spec_type) == accounting
-                    or (reads is None and not accounting.ignores)):
+                    or (reads is None and not accounting.ignores)
+                )
+            ):
                 return  # the same registration again (a decorator and an entry point)
-            if existing is not None and not replace and (
-                    existing is not adapter or self._accounting.get(spec_type) != accounting):
+            if (
+                existing is not None
+                and not replace
+                and (existing is not adapter or self._accounting.get(spec_type) != accounting)
+            ):
                 raise AdapterConflictError(spec_type, existing, adapter)
             self._adapters[spec_type] = adapter
             self._accounting[spec_type] = accounting
             self._invalidate()
 
     @overload
-    def adapter(self, spec_type: type[SpecT], *, replace: bool = False,
-                reads: Iterable[str] | None = None, ignores: Iterable[str] = ()
-                ) -> Callable[[Callable[[SpecT], TraitsT]], Callable[[SpecT], TraitsT]]: ...
+    def adapter(
+        self,
+        spec_type: type[SpecT],
+        *,
+        replace: bool = False,
+        reads: Iterable[str] | None = None,
+        ignores: Iterable[str] = (),
+    ) -> Callable[[Callable[[SpecT], TraitsT]], Callable[[SpecT], TraitsT]]: ...
     @overload
-    def adapter(self, spec_type: type[SpecT], fn: Callable[[SpecT], TraitsT], *,
-                replace: bool = False, reads: Iterable[str] | None = None,
-                ignores: Iterable[str] = ()) -> Callable[[SpecT], TraitsT]: ...
+    def adapter(
+        self,
+        spec_type: type[SpecT],
+        fn: Callable[[SpecT], TraitsT],
+        *,
+        replace: bool = False,
+        reads: Iterable[str] | None = None,
+        ignores: Iterable[str] = (),
+    ) -> Callable[[SpecT], TraitsT]: ...
 
-    def adapter(self, spec_type: type[SpecT], fn: Callable[[SpecT], TraitsT] | None = None,
-                *, replace: bool = False, reads: Iterable[str] | None = None,
-                ignores: Iterable[str] = ()) -> Any:
+    def adapter(
+        self,
+        spec_type: type[SpecT],
+        fn: Callable[[SpecT], TraitsT] | None = None,
+        *,
+        replace: bool = False,
+        reads: Iterable[str] | None = None,
+        ignores: Iterable[str] = (),
+    ) -> Any:
         """Decorator form of :meth:`register`; returns the adapter unchanged."""
+
         def decorate(f: Callable[[SpecT], TraitsT]) -> Callable[[SpecT], TraitsT]:
             self.register(spec_type, f, replace=replace, reads=reads, ignores=ignores)
             return f
+
         return decorate if fn is None else decorate(fn)
 
     def adapters(self) -> Mapping[type[Any], Callable[[Any], KVLayoutTraits]]:
@@ -327,7 +377,10 @@ class Registry:
                 spec_type,
                 f"its field(s) {', '.join(plan.required)} have no default and no adapter "
                 f"accounts for them (the adapter for {plan.owner.__qualname__} does not "
-                "declare them)", field=plan.required[0], adapter=plan.adapter_name)
+                "declare them)",
+                field=plan.required[0],
+                adapter=plan.adapter_name,
+            )
         for name, default in plan.at_default:
             value = getattr(spec, name, _NO_DEFAULT)
             if not _same(value, default):
@@ -336,7 +389,10 @@ class Registry:
                     f"its field {name}={value!r} is not the default {default!r}, and the "
                     f"adapter for {plan.owner.__qualname__} does not account for "
                     f"{name!r}: it would answer as if the field did not exist",
-                    field=name, value=value, adapter=plan.adapter_name)
+                    field=name,
+                    value=value,
+                    adapter=plan.adapter_name,
+                )
         token = _resolving.set(self)
         try:
             traits = plan.adapter(spec)
@@ -365,8 +421,10 @@ class Registry:
                 spec_type,
                 f"the nearest adapter, for {plan.owner.__qualname__}, would give "
                 f"{trait}={got!r} but this spec's own math says {want!r}, so the "
-                f"subclass is not laid out like its parent", field=trait,
-                adapter=plan.adapter_name)
+                f"subclass is not laid out like its parent",
+                field=trait,
+                adapter=plan.adapter_name,
+            )
         if plan.members:
             raise self._members_error(spec_type, plan)
         return traits
@@ -377,7 +435,10 @@ class Registry:
             spec_type,
             f"it overrides {', '.join(plan.members)}, which the adapter for "
             f"{plan.owner.__qualname__} relies on, so that adapter's answer may not "
-            "describe it", members=plan.members, adapter=plan.adapter_name)
+            "describe it",
+            members=plan.members,
+            adapter=plan.adapter_name,
+        )
 
     def _plan(self, spec_type: type[Any]) -> _Plan:
         plan = self._by_type.get(spec_type)
@@ -398,8 +459,9 @@ class Registry:
             fixable=False,
         )
 
-    def _make_plan(self, spec_type: type[Any], owner: type[Any],
-                   adapter: Callable[[Any], KVLayoutTraits]) -> _Plan:
+    def _make_plan(
+        self, spec_type: type[Any], owner: type[Any], adapter: Callable[[Any], KVLayoutTraits]
+    ) -> _Plan:
         accounted = self._accounted(owner)
         fields = dataclasses.fields(spec_type) if dataclasses.is_dataclass(spec_type) else ()
         at_default: list[tuple[str, object]] = []
@@ -421,11 +483,19 @@ class Registry:
                 if klass is owner:
                     break
                 members.extend(
-                    name for name in vars(klass)
-                    if name in relied_on and name not in field_names and name not in members)
-        return _Plan(owner=owner, adapter=adapter, adapter_name=_adapter_name(adapter),
-                     field_names=field_names, at_default=tuple(at_default),
-                     required=tuple(required), members=tuple(sorted(members)))
+                    name
+                    for name in vars(klass)
+                    if name in relied_on and name not in field_names and name not in members
+                )
+        return _Plan(
+            owner=owner,
+            adapter=adapter,
+            adapter_name=_adapter_name(adapter),
+            field_names=field_names,
+            at_default=tuple(at_default),
+            required=tuple(required),
+            members=tuple(sorted(members)),
+        )
 
     def _accounted(self, klass: type[Any]) -> frozenset[str]:
         """Names the registration for ``klass`` accounts for (reads and ignores)."""
@@ -528,19 +598,24 @@ class Registry:
             raise AdapterPluginError(ep.name, f"{where} failed to import: {exc!r}") from exc
         if not callable(hook):
             raise AdapterPluginError(
-                ep.name, f"{where} must name a function "
-                "`register(registry: kvspec_traits.Registry) -> None`")
+                ep.name,
+                f"{where} must name a function "
+                "`register(registry: kvspec_traits.Registry) -> None`",
+            )
         try:
             hook(self)
         except Exception as exc:
-            raise AdapterPluginError(ep.name, f"{where} raised {exc!r}; fix or uninstall "
-                                     "that package") from exc
+            raise AdapterPluginError(
+                ep.name, f"{where} raised {exc!r}; fix or uninstall that package"
+            ) from exc
 
 
 def _names(spec_type: type[Any], what: str, names: Iterable[str]) -> frozenset[str]:
     if isinstance(names, str):
-        raise TypeError(f"{what} for {spec_type.__qualname__} takes field names, not one "
-                        f"string: write {what}=({names!r},)")
+        raise TypeError(
+            f"{what} for {spec_type.__qualname__} takes field names, not one "
+            f"string: write {what}=({names!r},)"
+        )
     result = frozenset(names)
     bad = [n for n in result if not isinstance(n, str) or not n.isidentifier()]
     if bad:
@@ -625,12 +700,15 @@ _TRAIT_TYPES: Final[dict[str, tuple[tuple[type[Any], ...], bool]]] = {
     "uses_slot_mapping": ((bool,), False),
     "transferable": ((bool,), False),
 }
-_POSITIVE: Final = frozenset({"block_size", "num_head_slots", "states_per_block", "tp_shards",
-                              "tokens_per_state"})
-_NON_NEGATIVE: Final = frozenset({"state_bytes", "unpadded_page_size_bytes",
-                                  "page_size_bytes", "per_token_bytes"})
-_WINDOWED: Final = frozenset({TokenScope.SLIDING_WINDOW, TokenScope.CHUNKED,
-                              TokenScope.PROMPT_AND_WINDOW, TokenScope.RING})
+_POSITIVE: Final = frozenset(
+    {"block_size", "num_head_slots", "states_per_block", "tp_shards", "tokens_per_state"}
+)
+_NON_NEGATIVE: Final = frozenset(
+    {"state_bytes", "unpadded_page_size_bytes", "page_size_bytes", "per_token_bytes"}
+)
+_WINDOWED: Final = frozenset(
+    {TokenScope.SLIDING_WINDOW, TokenScope.CHUNKED, TokenScope.PROMPT_AND_WINDOW, TokenScope.RING}
+)
 
 
 def _check_result(spec: object, traits: object, adapter: str) -> None:
@@ -645,46 +723,61 @@ def _check_result(spec: object, traits: object, adapter: str) -> None:
         except AttributeError:
             raise AdapterResultError(spec, adapter, name, traits, "is missing") from None
         except Exception as exc:
-            raise AdapterResultError(spec, adapter, name, traits,
-                                     f"raised {type(exc).__name__}: {exc}") from exc
+            raise AdapterResultError(
+                spec, adapter, name, traits, f"raised {type(exc).__name__}: {exc}"
+            ) from exc
         if value is None and optional:
             values[name] = value
             continue
-        if not isinstance(value, accepted) or (
-                isinstance(value, bool) and bool not in accepted):
+        if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
             want = " or ".join(t.__name__ for t in accepted) + (" or None" if optional else "")
-            raise AdapterResultError(spec, adapter, name, traits,
-                                     f"is {value!r} ({type(value).__name__}), not {want}")
+            raise AdapterResultError(
+                spec, adapter, name, traits, f"is {value!r} ({type(value).__name__}), not {want}"
+            )
         if name in _POSITIVE and value <= 0:
             raise AdapterResultError(spec, adapter, name, traits, f"is {value!r}, not > 0")
         if name in _NON_NEGATIVE and value < 0:
             raise AdapterResultError(spec, adapter, name, traits, f"is {value!r}, not >= 0")
         values[name] = value
     components = values.get("components", ())
-    if isinstance(components, tuple) and not all(
-            isinstance(c, PageComponent) for c in components):
-        raise AdapterResultError(spec, adapter, "components", traits,
-                                 "holds something other than PageComponent")
+    if isinstance(components, tuple) and not all(isinstance(c, PageComponent) for c in components):
+        raise AdapterResultError(
+            spec, adapter, "components", traits, "holds something other than PageComponent"
+        )
     scope, window = values.get("token_scope"), values.get("window_tokens", _NO_DEFAULT)
     if window is _NO_DEFAULT or scope is None:
         pass  # a group whose members disagree on one of them
     elif scope in _WINDOWED and (not isinstance(window, int) or window <= 0):
-        raise AdapterResultError(spec, adapter, "window_tokens", traits,
-                                 f"is {window!r} for the windowed scope {scope}; a positive "
-                                 "number of tokens is required")
+        raise AdapterResultError(
+            spec,
+            adapter,
+            "window_tokens",
+            traits,
+            f"is {window!r} for the windowed scope {scope}; a positive "
+            "number of tokens is required",
+        )
     elif scope not in _WINDOWED and window is not None:
-        raise AdapterResultError(spec, adapter, "window_tokens", traits,
-                                 f"is {window!r} for the unwindowed scope {scope}; "
-                                 "it must be None")
+        raise AdapterResultError(
+            spec,
+            adapter,
+            "window_tokens",
+            traits,
+            f"is {window!r} for the unwindowed scope {scope}; it must be None",
+        )
     page, unpadded = values.get("page_size_bytes"), values.get("unpadded_page_size_bytes")
     if isinstance(page, int) and isinstance(unpadded, int) and page < unpadded:
-        raise AdapterResultError(spec, adapter, "page_size_bytes", traits,
-                                 f"is {page}, smaller than its content {unpadded}")
+        raise AdapterResultError(
+            spec,
+            adapter,
+            "page_size_bytes",
+            traits,
+            f"is {page}, smaller than its content {unpadded}",
+        )
 
 
-def _warm_path(by_id: dict[int, KVLayoutTraits],
-               resolve: Callable[[KVCacheSpec], KVLayoutTraits]
-               ) -> Callable[[KVCacheSpec], KVLayoutTraits]:
+def _warm_path(
+    by_id: dict[int, KVLayoutTraits], resolve: Callable[[KVCacheSpec], KVLayoutTraits]
+) -> Callable[[KVCacheSpec], KVLayoutTraits]:
     # A closure, pure Python (the wheel is py3-none-any): a hit is one frame, one id() and
     # one dict subscript, with no attribute lookups; the try costs nothing on a hit.
     def traits_of(spec: KVCacheSpec) -> KVLayoutTraits:
@@ -718,20 +811,35 @@ traits_of: Final = default_registry.traits_of
 
 
 @overload
-def register_adapter(spec_type: type[SpecT], *, registry: Registry | None = None,
-                     replace: bool = False, reads: Iterable[str] | None = None,
-                     ignores: Iterable[str] = ()
-                     ) -> Callable[[Callable[[SpecT], TraitsT]], Callable[[SpecT], TraitsT]]: ...
+def register_adapter(
+    spec_type: type[SpecT],
+    *,
+    registry: Registry | None = None,
+    replace: bool = False,
+    reads: Iterable[str] | None = None,
+    ignores: Iterable[str] = (),
+) -> Callable[[Callable[[SpecT], TraitsT]], Callable[[SpecT], TraitsT]]: ...
 @overload
-def register_adapter(spec_type: type[SpecT], fn: Callable[[SpecT], TraitsT], *,
-                     registry: Registry | None = None, replace: bool = False,
-                     reads: Iterable[str] | None = None, ignores: Iterable[str] = ()
-                     ) -> Callable[[SpecT], TraitsT]: ...
+def register_adapter(
+    spec_type: type[SpecT],
+    fn: Callable[[SpecT], TraitsT],
+    *,
+    registry: Registry | None = None,
+    replace: bool = False,
+    reads: Iterable[str] | None = None,
+    ignores: Iterable[str] = (),
+) -> Callable[[SpecT], TraitsT]: ...
 
 
-def register_adapter(spec_type: type[SpecT], fn: Callable[[SpecT], TraitsT] | None = None, *,
-                     registry: Registry | None = None, replace: bool = False,
-                     reads: Iterable[str] | None = None, ignores: Iterable[str] = ()) -> Any:
+def register_adapter(
+    spec_type: type[SpecT],
+    fn: Callable[[SpecT], TraitsT] | None = None,
+    *,
+    registry: Registry | None = None,
+    replace: bool = False,
+    reads: Iterable[str] | None = None,
+    ignores: Iterable[str] = (),
+) -> Any:
     """Register an adapter for ``spec_type``: ``@register_adapter(MySpec)`` on
     ``def adapt(spec: MySpec) -> KVLayoutTraits``.
 

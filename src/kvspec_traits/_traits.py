@@ -76,9 +76,7 @@ class PageComponent:
     nbytes: int
 
 
-TraitValue = (
-    bool | int | str | Fraction | None | TPLayout | TokenScope | tuple[PageComponent, ...]
-)
+TraitValue = bool | int | str | Fraction | None | TPLayout | TokenScope | tuple[PageComponent, ...]
 
 
 class KVLayoutTraits(Protocol):
@@ -338,8 +336,10 @@ class LayoutTraits(KVLayoutTraits):
         # default of a field left out: refuse that instead of storing a property object.
         missing = [f.name for f in fields(self) if isinstance(getattr(self, f.name), property)]
         if missing:
-            raise TypeError(f"LayoutTraits() missing keyword argument(s): {', '.join(missing)} "
-                            "(every trait is required; see kvspec_traits.trait_names())")
+            raise TypeError(
+                f"LayoutTraits() missing keyword argument(s): {', '.join(missing)} "
+                "(every trait is required; see kvspec_traits.trait_names())"
+            )
         if self.page_size_bytes < self.unpadded_page_size_bytes:
             raise ValueError(
                 f"{self.spec_name}: page_size_bytes {self.page_size_bytes} is smaller than "
@@ -355,12 +355,16 @@ class LayoutTraits(KVLayoutTraits):
             raise ValueError(
                 f"{self.spec_name}: a REPLICATED layout has tp_shards 1, got {self.tp_shards}"
             )
-        if self.tp_layout is not TPLayout.REPLICATED and self.tp_shards is not None \
-                and self.tp_shards < 2:
+        if (
+            self.tp_layout is not TPLayout.REPLICATED
+            and self.tp_shards is not None
+            and self.tp_shards < 2
+        ):
             raise ValueError(
                 f"{self.spec_name}: a {self.tp_layout.name} layout splits into 2 or more "
                 f"shards (or None: up to the TP size), got tp_shards={self.tp_shards}; "
-                "one shard is TPLayout.REPLICATED")
+                "one shard is TPLayout.REPLICATED"
+            )
 
     def as_dict(self) -> dict[str, TraitValue]:
         """Every trait by name, in declaration order."""

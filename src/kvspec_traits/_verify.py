@@ -27,8 +27,7 @@ def _placeholder(spec_type: type[Any], name: str) -> bool:
     """Whether ``spec_type.name`` is the definition of the class that introduced the
     name (the root-most one in the MRO): vLLM's abstract placeholders live there."""
     owners = [k for k in spec_type.__mro__ if k is not object and name in vars(k)]
-    return len(owners) == 1 or (
-        bool(owners) and vars(owners[0])[name] is vars(owners[-1])[name])
+    return len(owners) == 1 or (bool(owners) and vars(owners[0])[name] is vars(owners[-1])[name])
 
 
 @cache

@@ -78,11 +78,22 @@ _SPEC_READS: Final = ("block_size", "page_size_bytes", "prefix_cacheable", "uses
 
 ATTENTION_READS: Final = (
     *_SPEC_READS,
-    "num_kv_heads", "head_size", "head_size_v", "dtype", "kv_quant_mode", "max_tp_shards",
-    "page_size_padded", "num_head_slots", "state_content_bytes", "tokens_per_state",
+    "num_kv_heads",
+    "head_size",
+    "head_size_v",
+    "dtype",
+    "kv_quant_mode",
+    "max_tp_shards",
+    "page_size_padded",
+    "num_head_slots",
+    "state_content_bytes",
+    "tokens_per_state",
     # vLLM 0.34: head slots grouped by KV head (kv_head_contiguous).
     "kv_head_major_slots",
-    "num_heads", "num_states", "state_content_size_bytes", "unpadded_page_size_bytes",
+    "num_heads",
+    "num_states",
+    "state_content_size_bytes",
+    "unpadded_page_size_bytes",
     "real_page_size_bytes",
 )
 """What :func:`attention_traits` reads from an ``AttentionSpec``."""
@@ -90,16 +101,22 @@ ATTENTION_READS: Final = (
 ATTENTION_IGNORES: Final = (
     *BASE_IGNORES,
     # FullAttentionSpec: the kernel's window or chunk; the manager keeps every block.
-    "sliding_window", "attention_chunk_size",
+    "sliding_window",
+    "attention_chunk_size",
     # Scheduling only (prefix LM, non-causal multi-token decode of drafts).
-    "non_causal", "non_causal_multi_token_decode",
+    "non_causal",
+    "non_causal_multi_token_decode",
     # MLA bookkeeping. The packing cache_dtype_str names reaches the page through
     # dtype, kv_quant_mode and state_content_bytes (read); alignment through
     # page_size_padded, which __post_init__ sets from it (read).
-    "cache_dtype_str", "alignment", "model_version",
+    "cache_dtype_str",
+    "alignment",
+    "model_version",
     # DeepSeek sparse attention: which role a cache plays, who computes the shared
     # index, the width of a worker-side top-k buffer (vLLM 0.33). Not in the page.
-    "cache_role", "is_index_group_leader", "topk_buffer_width",
+    "cache_role",
+    "is_index_group_leader",
+    "topk_buffer_width",
     # SlidingWindowSpec: blocks retained past the window for a speculative re-prefill;
     # not attended, and each page is laid out the same.
     "extra_retained_tokens",
@@ -108,15 +125,20 @@ ATTENTION_IGNORES: Final = (
 )
 """Attention fields the built-in adapters know do not change a page's layout."""
 
-_WINDOW_READS: Final = ("sliding_window", "attention_chunk_size", "rswa_window",
-                        "bounded_replay")
+_WINDOW_READS: Final = ("sliding_window", "attention_chunk_size", "rswa_window", "bounded_replay")
 
 _MAMBA_READS: Final = (
-    *_SPEC_READS, "shapes", "dtypes", "page_size_padded", "tp_replicated", "num_heads",
+    *_SPEC_READS,
+    "shapes",
+    "dtypes",
+    "page_size_padded",
+    "tp_replicated",
+    "num_heads",
     "tokens_per_state",
     # vLLM 0.34: each state starts at a multiple of state_alignment bytes.
     "state_alignment",
-    "state_content_size_bytes", "real_page_size_bytes",
+    "state_content_size_bytes",
+    "real_page_size_bytes",
 )
 _MAMBA_IGNORES: Final = (
     *BASE_IGNORES,
@@ -124,12 +146,15 @@ _MAMBA_IGNORES: Final = (
     "mamba_type",
     # How many state blocks the manager keeps per request (prefix caching, speculative
     # decoding, prefill checkpoints); each page holds one state either way.
-    "mamba_cache_mode", "num_speculative_blocks", "num_prefill_checkpoint_blocks",
+    "mamba_cache_mode",
+    "num_speculative_blocks",
+    "num_prefill_checkpoint_blocks",
     "prefill_checkpoint_alignment",
 )
 
 
 # -- validation ---------------------------------------------------------------------------
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -164,13 +189,20 @@ def _flag(spec: object, name: str, default: bool = False) -> bool:
 def _tokens_per_state(spec: AttentionSpec, block_size: int) -> int | Fraction:
     tps = spec.tokens_per_state
     if isinstance(tps, bool) or not isinstance(tps, int | Fraction) or tps <= 0:
-        raise InvalidSpecError(spec, "tokens_per_state", tps,
-                               "a positive int or Fraction (tokens one stored state covers)")
+        raise InvalidSpecError(
+            spec,
+            "tokens_per_state",
+            tps,
+            "a positive int or Fraction (tokens one stored state covers)",
+        )
     states = Fraction(block_size) / Fraction(tps)
     if states.denominator != 1:
         raise InvalidSpecError(
-            spec, "tokens_per_state", tps,
-            f"a divisor of block_size={block_size} (or 1/n): a block holds whole states")
+            spec,
+            "tokens_per_state",
+            tps,
+            f"a divisor of block_size={block_size} (or 1/n): a block holds whole states",
+        )
     return tps
 
 
@@ -192,10 +224,16 @@ def _quant_mode(spec: object) -> str:
 
 # -- attention ------------------------------------------------------------------------------
 
-def attention_traits(spec: AttentionSpec, *, token_scope: TokenScope = TokenScope.FULL,
-                     window_tokens: int | None = None, transferable: bool = True,
-                     cell: Sequence[tuple[str, int, str | torch.dtype]] | None = None,
-                     **overrides: TraitValue) -> LayoutTraits:
+
+def attention_traits(
+    spec: AttentionSpec,
+    *,
+    token_scope: TokenScope = TokenScope.FULL,
+    window_tokens: int | None = None,
+    transferable: bool = True,
+    cell: Sequence[tuple[str, int, str | torch.dtype]] | None = None,
+    **overrides: TraitValue,
+) -> LayoutTraits:
     """Traits of a paged attention cache, from ``AttentionSpec``'s fields alone.
 
     - is_mla: ``head_size_v == 0`` (one vector per state, no separate V).
@@ -228,44 +266,71 @@ def attention_traits(spec: AttentionSpec, *, token_scope: TokenScope = TokenScop
     tps = _tokens_per_state(spec, block_size)
     kv_quant_mode = _quant_mode(spec)
     if window_tokens is not None and (not _is_int(window_tokens) or window_tokens <= 0):
-        raise InvalidSpecError(spec, _window_field(spec), window_tokens,
-                               f"a positive int (tokens of its {token_scope.value} window)")
+        raise InvalidSpecError(
+            spec,
+            _window_field(spec),
+            window_tokens,
+            f"a positive int (tokens of its {token_scope.value} window)",
+        )
 
     itemsize = dtype.itemsize
     is_mla = head_size_v == 0
     heads = slots if slots is not None else num_kv_heads
     if head_major and heads % num_kv_heads:
         raise InvalidSpecError(
-            spec, "kv_head_major_slots", head_major,
-            f"False: num_head_slots={heads} cannot be grouped by {num_kv_heads} KV heads")
+            spec,
+            "kv_head_major_slots",
+            head_major,
+            f"False: num_head_slots={heads} cannot be grouped by {num_kv_heads} KV heads",
+        )
     states = int(Fraction(block_size) / Fraction(tps))
     if cell is not None:
         components: tuple[PageComponent, ...] = tuple(
-            PageComponent(name=name, shape=(heads, states, n), dtype=_dtype_name_of(part),
-                          nbytes=heads * states * n * _itemsize(part))
-            for name, n, part in cell)
+            PageComponent(
+                name=name,
+                shape=(heads, states, n),
+                dtype=_dtype_name_of(part),
+                nbytes=heads * states * n * _itemsize(part),
+            )
+            for name, n, part in cell
+        )
         cell_bytes = sum(n * _itemsize(part) for _, n, part in cell)
     elif packed is not None:
         cell_bytes = packed
         components = (
-            PageComponent(name="packed", shape=(heads, states, packed), dtype="uint8",
-                          nbytes=heads * states * packed),
+            PageComponent(
+                name="packed",
+                shape=(heads, states, packed),
+                dtype="uint8",
+                nbytes=heads * states * packed,
+            ),
         )
     else:
         cell_bytes = (head_size + head_size_v) * itemsize
-        k = PageComponent(name="latent" if is_mla else "k",
-                          shape=(heads, states, head_size), dtype=dtype_name(dtype),
-                          nbytes=heads * states * head_size * itemsize)
-        components = (k,) if is_mla else (
-            k,
-            PageComponent(name="v", shape=(heads, states, head_size_v),
-                          dtype=dtype_name(dtype),
-                          nbytes=heads * states * head_size_v * itemsize),
+        k = PageComponent(
+            name="latent" if is_mla else "k",
+            shape=(heads, states, head_size),
+            dtype=dtype_name(dtype),
+            nbytes=heads * states * head_size * itemsize,
+        )
+        components = (
+            (k,)
+            if is_mla
+            else (
+                k,
+                PageComponent(
+                    name="v",
+                    shape=(heads, states, head_size_v),
+                    dtype=dtype_name(dtype),
+                    nbytes=heads * states * head_size_v * itemsize,
+                ),
+            )
         )
     unpadded = heads * states * cell_bytes
     if padded is not None and padded < unpadded:
-        raise InvalidSpecError(spec, "page_size_padded", padded,
-                               f"None or at least the page content, {unpadded} bytes")
+        raise InvalidSpecError(
+            spec, "page_size_padded", padded, f"None or at least the page content, {unpadded} bytes"
+        )
     replicated = max_tp_shards == 1 or is_mla
     traits = LayoutTraits(
         spec_name=type(spec).__qualname__,
@@ -306,8 +371,10 @@ def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     found = getattr(torch, dtype, None) if isinstance(dtype, str) else None
     if not isinstance(found, torch.dtype):
-        raise TypeError(f"attention_traits(cell=...): {dtype!r} is not a torch dtype or "
-                        "the name of one ('float32', 'int8', ...)")
+        raise TypeError(
+            f"attention_traits(cell=...): {dtype!r} is not a torch dtype or "
+            "the name of one ('float32', 'int8', ...)"
+        )
     return found
 
 
@@ -329,8 +396,9 @@ def _window(spec: object, name: str) -> int:
 def _abstract(spec: KVCacheSpec) -> LayoutTraits:
     # Reached by KVCacheSpec itself and by any direct subclass without its own adapter.
     raise UnsupportedSpecError(
-        type(spec), "KVCacheSpec is abstract and a direct subclass has no layout fields "
-        "an adapter could read")
+        type(spec),
+        "KVCacheSpec is abstract and a direct subclass has no layout fields an adapter could read",
+    )
 
 
 def _keeps_every_token(spec: AttentionSpec) -> LayoutTraits:
@@ -343,56 +411,83 @@ def _keeps_every_token(spec: AttentionSpec) -> LayoutTraits:
 # One function, registered for each class by name: a subclass not listed here still goes
 # through the MRO walk, its field accounting and its byte-math check, never silently
 # through this list.
-for _cls in (AttentionSpec, FullAttentionSpec, MLAAttentionSpec, HiddenStateCacheSpec,
-             SinkFullAttentionSpec):
-    register_adapter(_cls, _keeps_every_token, registry=BUILTINS, reads=ATTENTION_READS,
-                     ignores=ATTENTION_IGNORES)
+for _cls in (
+    AttentionSpec,
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    HiddenStateCacheSpec,
+    SinkFullAttentionSpec,
+):
+    register_adapter(
+        _cls,
+        _keeps_every_token,
+        registry=BUILTINS,
+        reads=ATTENTION_READS,
+        ignores=ATTENTION_IGNORES,
+    )
 del _cls
 
 
-@register_adapter(RSWASpec, registry=BUILTINS, reads=(*ATTENTION_READS, "rswa_window"),
-                  ignores=ATTENTION_IGNORES)
+@register_adapter(
+    RSWASpec, registry=BUILTINS, reads=(*ATTENTION_READS, "rswa_window"), ignores=ATTENTION_IGNORES
+)
 def _rswa(spec: RSWASpec) -> LayoutTraits:
-    return attention_traits(spec, token_scope=TokenScope.PROMPT_AND_WINDOW,
-                            window_tokens=_window(spec, "rswa_window"))
+    return attention_traits(
+        spec, token_scope=TokenScope.PROMPT_AND_WINDOW, window_tokens=_window(spec, "rswa_window")
+    )
 
 
-@register_adapter(ChunkedLocalAttentionSpec, registry=BUILTINS,
-                  reads=(*ATTENTION_READS, "attention_chunk_size"), ignores=ATTENTION_IGNORES)
+@register_adapter(
+    ChunkedLocalAttentionSpec,
+    registry=BUILTINS,
+    reads=(*ATTENTION_READS, "attention_chunk_size"),
+    ignores=ATTENTION_IGNORES,
+)
 def _chunked(spec: ChunkedLocalAttentionSpec) -> LayoutTraits:
-    return attention_traits(spec, token_scope=TokenScope.CHUNKED,
-                            window_tokens=_window(spec, "attention_chunk_size"))
+    return attention_traits(
+        spec, token_scope=TokenScope.CHUNKED, window_tokens=_window(spec, "attention_chunk_size")
+    )
 
 
 def _sliding(spec: SlidingWindowSpec) -> LayoutTraits:
-    return attention_traits(spec, token_scope=TokenScope.SLIDING_WINDOW,
-                            window_tokens=_window(spec, "sliding_window"))
+    return attention_traits(
+        spec, token_scope=TokenScope.SLIDING_WINDOW, window_tokens=_window(spec, "sliding_window")
+    )
 
 
 # bounded_replay (SlidingWindowMLASpec) reaches the traits through spec.prefix_cacheable.
 for _window_cls in (SlidingWindowSpec, SlidingWindowMLASpec):
-    register_adapter(_window_cls, _sliding, registry=BUILTINS,
-                     reads=(*ATTENTION_READS, *_WINDOW_READS), ignores=ATTENTION_IGNORES)
+    register_adapter(
+        _window_cls,
+        _sliding,
+        registry=BUILTINS,
+        reads=(*ATTENTION_READS, *_WINDOW_READS),
+        ignores=ATTENTION_IGNORES,
+    )
 del _window_cls
 
 
-@register_adapter(CircularBufferSpec, registry=BUILTINS, reads=ATTENTION_READS,
-                  ignores=ATTENTION_IGNORES)
+@register_adapter(
+    CircularBufferSpec, registry=BUILTINS, reads=ATTENTION_READS, ignores=ATTENTION_IGNORES
+)
 def _ring(spec: CircularBufferSpec) -> LayoutTraits:
     # block_size is the ring capacity: one block per request, rewritten in place.
-    return attention_traits(spec, token_scope=TokenScope.RING,
-                            window_tokens=_window(spec, "block_size"))
+    return attention_traits(
+        spec, token_scope=TokenScope.RING, window_tokens=_window(spec, "block_size")
+    )
 
 
-@register_adapter(EncoderOnlyAttentionSpec, registry=BUILTINS, reads=ATTENTION_READS,
-                  ignores=ATTENTION_IGNORES)
+@register_adapter(
+    EncoderOnlyAttentionSpec, registry=BUILTINS, reads=ATTENTION_READS, ignores=ATTENTION_IGNORES
+)
 def _encoder_only(spec: EncoderOnlyAttentionSpec) -> LayoutTraits:
     # Encoder-only layers keep nothing across steps (vLLM sizes them at 0 bytes).
     return attention_traits(spec, token_scope=TokenScope.NONE, transferable=False)
 
 
-@register_adapter(CrossAttentionSpec, registry=BUILTINS, reads=ATTENTION_READS,
-                  ignores=ATTENTION_IGNORES)
+@register_adapter(
+    CrossAttentionSpec, registry=BUILTINS, reads=ATTENTION_READS, ignores=ATTENTION_IGNORES
+)
 def _cross(spec: CrossAttentionSpec) -> LayoutTraits:
     # Encoder outputs are recomputed by the engine that runs the encoder; vLLM's
     # connectors do not move them (Mooncake's store lists them as unsupported).
@@ -401,19 +496,25 @@ def _cross(spec: CrossAttentionSpec) -> LayoutTraits:
 
 # -- recurrent state ----------------------------------------------------------------------
 
+
 def _shapes(spec: MambaSpec) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
     shapes, dtypes = spec.shapes, spec.dtypes
     if not isinstance(shapes, tuple | list) or not shapes:
         raise InvalidSpecError(spec, "shapes", shapes, "a non-empty tuple of shapes")
     if not isinstance(dtypes, tuple | list) or len(dtypes) != len(shapes):
-        raise InvalidSpecError(spec, "dtypes", dtypes,
-                               f"a tuple of {len(shapes)} torch.dtype, one per shape")
+        raise InvalidSpecError(
+            spec, "dtypes", dtypes, f"a tuple of {len(shapes)} torch.dtype, one per shape"
+        )
     out = []
     for shape, dtype in zip(shapes, dtypes, strict=True):
-        if not isinstance(shape, tuple | list) or not shape or not all(
-                _is_int(d) and d > 0 for d in shape):
-            raise InvalidSpecError(spec, "shapes", shapes,
-                                   "a tuple of non-empty shapes of positive ints")
+        if (
+            not isinstance(shape, tuple | list)
+            or not shape
+            or not all(_is_int(d) and d > 0 for d in shape)
+        ):
+            raise InvalidSpecError(
+                spec, "shapes", shapes, "a tuple of non-empty shapes of positive ints"
+            )
         if not isinstance(dtype, torch.dtype):
             raise InvalidSpecError(spec, "dtypes", dtypes, "a tuple of torch.dtype")
         out.append((tuple(shape), dtype))
@@ -433,31 +534,37 @@ def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
     if num_heads != 1:
         # vLLM sizes the page without it (page_size_bytes is the states' sum) but views it
         # as num_heads rows of that sum (compute_layer_kv_cache_shape_bytes): no layout.
-        raise InvalidSpecError(spec, "num_heads", num_heads,
-                               "1 (vLLM's page of a state has no head dimension)")
-    alignment = positive_int(spec, "state_alignment") if hasattr(spec, "state_alignment") \
-        else 1
+        raise InvalidSpecError(
+            spec, "num_heads", num_heads, "1 (vLLM's page of a state has no head dimension)"
+        )
+    alignment = positive_int(spec, "state_alignment") if hasattr(spec, "state_alignment") else 1
     padded = positive_int(spec, "page_size_padded", optional=True)
     tps = spec.tokens_per_state
     if not _is_int(tps) or tps > 0:
-        raise InvalidSpecError(spec, "tokens_per_state", tps,
-                               "an int <= 0 (vLLM's -1: a state covers every token)")
+        raise InvalidSpecError(
+            spec, "tokens_per_state", tps, "an int <= 0 (vLLM's -1: a state covers every token)"
+        )
     replicated = _flag(spec, "tp_replicated")
     components: list[PageComponent] = []
     for i, (shape, dtype) in enumerate(_shapes(spec)):
         nbytes = prod(shape) * dtype.itemsize
-        components.append(PageComponent(name=f"state{i}", shape=shape,
-                                        dtype=dtype_name(dtype), nbytes=nbytes))
+        components.append(
+            PageComponent(name=f"state{i}", shape=shape, dtype=dtype_name(dtype), nbytes=nbytes)
+        )
         gap = -nbytes % alignment
         if gap:
-            components.append(PageComponent(name=f"pad{i}", shape=(gap,), dtype="uint8",
-                                            nbytes=gap))
+            components.append(
+                PageComponent(name=f"pad{i}", shape=(gap,), dtype="uint8", nbytes=gap)
+            )
     content = sum(c.nbytes for c in components)
     if padded is not None and (padded < content or padded % alignment):
         raise InvalidSpecError(
-            spec, "page_size_padded", padded,
+            spec,
+            "page_size_padded",
+            padded,
             f"None or a multiple of state_alignment={alignment} of at least the content, "
-            f"{content} bytes")
+            f"{content} bytes",
+        )
     dtypes = {c.dtype for c in components if not c.name.startswith("pad")}
     traits = LayoutTraits(
         spec_name=type(spec).__qualname__,
@@ -485,11 +592,13 @@ def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
     return replace(traits, **overrides) if overrides else traits  # type: ignore[arg-type]
 
 
-register_adapter(MambaSpec, mamba_traits, registry=BUILTINS, reads=_MAMBA_READS,
-                 ignores=_MAMBA_IGNORES)
+register_adapter(
+    MambaSpec, mamba_traits, registry=BUILTINS, reads=_MAMBA_READS, ignores=_MAMBA_IGNORES
+)
 
 
 # -- HiSparse -------------------------------------------------------------------------------
+
 
 def _hisparse(spec: HiSparseHotSpec | HiSparseResidentSpec, scope: TokenScope) -> LayoutTraits:
     """HiSparse pages are opaque copies of MLA pages (vLLM builds them only from
@@ -528,29 +637,40 @@ _HISPARSE_READS: Final = (*_SPEC_READS, "page_size")
 _HISPARSE_IGNORES: Final = (*BASE_IGNORES, "blocks_per_request")
 
 
-@register_adapter(HiSparseHotSpec, registry=BUILTINS, reads=_HISPARSE_READS,
-                  ignores=_HISPARSE_IGNORES)
+@register_adapter(
+    HiSparseHotSpec, registry=BUILTINS, reads=_HISPARSE_READS, ignores=_HISPARSE_IGNORES
+)
 def _hisparse_hot(spec: HiSparseHotSpec) -> LayoutTraits:
     return _hisparse(spec, TokenScope.SPARSE_HOT)
 
 
-@register_adapter(HiSparseResidentSpec, registry=BUILTINS, reads=_HISPARSE_READS,
-                  ignores=_HISPARSE_IGNORES)
+@register_adapter(
+    HiSparseResidentSpec, registry=BUILTINS, reads=_HISPARSE_READS, ignores=_HISPARSE_IGNORES
+)
 def _hisparse_resident(spec: HiSparseResidentSpec) -> LayoutTraits:
     return _hisparse(spec, TokenScope.SPARSE_RESIDENT)
 
 
 # -- groups -----------------------------------------------------------------------------------
 
-@register_adapter(UniformTypeKVCacheSpecs, registry=BUILTINS,
-                  reads=(*_SPEC_READS, "kv_cache_specs"), ignores=BASE_IGNORES)
+
+@register_adapter(
+    UniformTypeKVCacheSpecs,
+    registry=BUILTINS,
+    reads=(*_SPEC_READS, "kv_cache_specs"),
+    ignores=BASE_IGNORES,
+)
 def _group(spec: UniformTypeKVCacheSpecs) -> GroupTraits:
     block_size = positive_int(spec, "block_size")
     members = spec.kv_cache_specs
     if not isinstance(members, dict) or not members:
-        raise InvalidSpecError(spec, "kv_cache_specs", members,
-                               "a non-empty dict of layer name -> spec (a group spec with "
-                               "no member layers has no layout)")
+        raise InvalidSpecError(
+            spec,
+            "kv_cache_specs",
+            members,
+            "a non-empty dict of layer name -> spec (a group spec with "
+            "no member layers has no layout)",
+        )
     registry = resolving_registry()
     traits: dict[str, Any] = {}
     for layer, member in members.items():
@@ -558,8 +678,13 @@ def _group(spec: UniformTypeKVCacheSpecs) -> GroupTraits:
             traits[layer] = registry.traits_of(member)
         except InvalidSpecError as err:
             # Named from the group down to the member's field.
-            raise InvalidSpecError(spec, f"kv_cache_specs[{layer!r}].{err.field}", err.value,
-                                   err.expected, adapter=err.adapter) from err
+            raise InvalidSpecError(
+                spec,
+                f"kv_cache_specs[{layer!r}].{err.field}",
+                err.value,
+                err.expected,
+                adapter=err.adapter,
+            ) from err
         except KVSpecTraitsError as err:
             err.add_note(f"(layer {layer!r} of a {type(spec).__qualname__})")
             raise

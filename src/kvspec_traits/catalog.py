@@ -88,103 +88,250 @@ def _entries() -> list[tuple[str, str, str, Callable[[], KVCacheSpec]]]:
     def dsv4_swa() -> KVCacheSpec:
         # Sparse SWA cache of DeepSeek-V4: 448 B NoPE + 128 B RoPE + 8 B scale per token.
         return kvi.SlidingWindowMLASpec(
-            block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=u8,
-            sliding_window=128, cache_dtype_str="fp8_ds_mla", state_content_bytes=584,
-            alignment=576, model_version="deepseek_v4", kv_quant_mode=fp8)
+            block_size=64,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=512,
+            dtype=u8,
+            sliding_window=128,
+            cache_dtype_str="fp8_ds_mla",
+            state_content_bytes=584,
+            alignment=576,
+            model_version="deepseek_v4",
+            kv_quant_mode=fp8,
+        )
 
     def group() -> KVCacheSpec:
         layers: dict[str, KVCacheSpec] = {
             f"model.layers.{i}.attn": kvi.MLAAttentionSpec(
-                block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=bf16)
+                block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=bf16
+            )
             for i in range(2)
         }
         return kvi.UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=layers)
 
     return [
-        ("Llama-3 8B GQA", "llama", "model_executor/layers/attention/attention.py",
-         lambda: kvi.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
-                                       dtype=bf16)),
-        ("Llama-3 8B GQA, fp8 KV", "llama", "model_executor/layers/attention/attention.py",
-         lambda: kvi.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
-                                       dtype=torch.float8_e4m3fn,
-                                       kv_quant_mode=get_kv_quant_mode("fp8"))),
-        ("bare AttentionSpec", "generic", "v1/kv_cache_interface.py",
-         lambda: kvi.AttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=bf16)),
-        ("DeepSeek-V3 MLA bf16", "deepseek_v3", mla,
-         lambda: kvi.MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1,
-                                      head_size=576, dtype=bf16, cache_dtype_str="auto")),
-        ("DeepSeek-V3 MLA fp8_ds_mla", "deepseek_v3", mla,
-         lambda: kvi.MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1,
-                                      head_size=576, dtype=u8, cache_dtype_str="fp8_ds_mla",
-                                      kv_quant_mode=fp8, state_content_bytes=656)),
-        ("DeepSeek-V3.2 indexer", "deepseek_v32", "model_executor/models/deepseek_v2.py",
-         # head_dim 128 + 128 // 128 * 4 scale bytes, fp8 as uint8
-         lambda: kvi.MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1,
-                                      head_size=132, dtype=u8,
-                                      cache_role=kvi.SparseCacheRole.INDEXER)),
-        ("DeepSeek-V4 compressed MLA (ratio 4)", "deepseek_v4", dsv4,
-         lambda: kvi.MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1,
-                                      head_size=512, dtype=u8, tokens_per_state=4,
-                                      cache_dtype_str="fp8_ds_mla", alignment=576,
-                                      model_version="deepseek_v4", kv_quant_mode=fp8,
-                                      state_content_bytes=584)),
-        ("DeepSeek-V4 indexer (ratio 4)", "deepseek_v4", dsv4,
-         lambda: kvi.MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1,
-                                      head_size=132, dtype=u8, tokens_per_state=4,
-                                      alignment=576)),
-        ("DeepSeek-V4 SWA-MLA compressor state", "deepseek_v4",
-         "models/deepseek_v4/compressor.py",
-         # state_dim = 2 * coff(2) * head_dim(512); ratio 4 -> block_size 4
-         lambda: kvi.SlidingWindowMLASpec(block_size=4, num_kv_heads=1, max_tp_shards=1,
-                                          head_size=2048, dtype=fp32, sliding_window=8,
-                                          alignment=512)),
-        ("DeepSeek-V4 sparse SWA cache", "deepseek_v4",
-         "v1/attention/backends/mla/sparse_swa.py", dsv4_swa),
-        ("DeepSeek-V4.1 compressor ring", "deepseek_v41", "models/deepseek_v41/compressor.py",
-         lambda: kvi.CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=1024,
-                                        head_size_v=0, dtype=fp32)),
-        ("gpt-oss sliding window", "gpt_oss", "model_executor/layers/attention/attention.py",
-         lambda: kvi.SlidingWindowSpec(block_size=16, num_kv_heads=8, head_size=64,
-                                       dtype=bf16, sliding_window=128)),
-        ("Llama-4 chunked local", "llama4",
-         "model_executor/layers/attention/chunked_local_attention.py",
-         lambda: kvi.ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
-                                               dtype=bf16, attention_chunk_size=8192)),
-        ("R-SWA (reference sliding window)", "rswa",
-         "model_executor/layers/attention/rswa_attention.py",
-         lambda: kvi.RSWASpec(block_size=16, num_kv_heads=8, head_size=128, dtype=bf16,
-                              rswa_window=1024)),
-        ("static sink attention", "sink",
-         "model_executor/layers/attention/static_sink_attention.py",
-         lambda: kvi.SinkFullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
-                                           dtype=bf16, sink_len=4)),
-        ("extract_hidden_states", "hidden_states",
-         "model_executor/models/extract_hidden_states.py",
-         lambda: kvi.HiddenStateCacheSpec(block_size=16, num_kv_heads=3, head_size=4096,
-                                          dtype=bf16)),
-        ("Whisper cross-attention", "whisper",
-         "model_executor/layers/attention/cross_attention.py",
-         lambda: kvi.CrossAttentionSpec(block_size=16, num_kv_heads=20, head_size=64,
-                                        dtype=torch.float16)),
-        ("BERT encoder-only", "bert", "v1/worker/gpu/model_states/encoder_only.py",
-         lambda: kvi.EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=12, head_size=64,
-                                              dtype=torch.float16)),
-        ("Qwen3.5 GDN state", "qwen3_5", "model_executor/layers/mamba/abstract.py",
-         # conv state (3, 8192) bf16; SSM state (32 heads, 128, 128) fp32
-         lambda: kvi.MambaSpec(block_size=1024, shapes=((3, 8192), (32, 128, 128)),
-                               dtypes=(bf16, fp32))),
-        ("Jamba Mamba-1 state", "jamba", "model_executor/layers/mamba/abstract.py",
-         lambda: kvi.MambaSpec(block_size=1024, shapes=((3, 8192), (8192, 16)),
-                               dtypes=(bf16, bf16))),
-        ("replicated PLE conv state", "qwen4_exp", "models/qwen4_exp/nvidia/model.py",
-         lambda: kvi.MambaSpec(block_size=1024, shapes=((3, 2048),), dtypes=(bf16,),
-                               tp_replicated=True)),
-        ("HiSparse hot cache", "deepseek_v32", "v1/hisparse/layout.py",
-         # page of a DeepSeek fp8_ds_mla layer: 64 tokens * 656 B
-         lambda: kvi.HiSparseHotSpec(block_size=64, page_size=64 * 656,
-                                     blocks_per_request=32)),
-        ("HiSparse resident pages", "deepseek_v32", "v1/hisparse/layout.py",
-         lambda: kvi.HiSparseResidentSpec(block_size=64, page_size=64 * 656)),
+        (
+            "Llama-3 8B GQA",
+            "llama",
+            "model_executor/layers/attention/attention.py",
+            lambda: kvi.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=bf16),
+        ),
+        (
+            "Llama-3 8B GQA, fp8 KV",
+            "llama",
+            "model_executor/layers/attention/attention.py",
+            lambda: kvi.FullAttentionSpec(
+                block_size=16,
+                num_kv_heads=8,
+                head_size=128,
+                dtype=torch.float8_e4m3fn,
+                kv_quant_mode=get_kv_quant_mode("fp8"),
+            ),
+        ),
+        (
+            "bare AttentionSpec",
+            "generic",
+            "v1/kv_cache_interface.py",
+            lambda: kvi.AttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=bf16),
+        ),
+        (
+            "DeepSeek-V3 MLA bf16",
+            "deepseek_v3",
+            mla,
+            lambda: kvi.MLAAttentionSpec(
+                block_size=64,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=576,
+                dtype=bf16,
+                cache_dtype_str="auto",
+            ),
+        ),
+        (
+            "DeepSeek-V3 MLA fp8_ds_mla",
+            "deepseek_v3",
+            mla,
+            lambda: kvi.MLAAttentionSpec(
+                block_size=64,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=576,
+                dtype=u8,
+                cache_dtype_str="fp8_ds_mla",
+                kv_quant_mode=fp8,
+                state_content_bytes=656,
+            ),
+        ),
+        (
+            "DeepSeek-V3.2 indexer",
+            "deepseek_v32",
+            "model_executor/models/deepseek_v2.py",
+            # head_dim 128 + 128 // 128 * 4 scale bytes, fp8 as uint8
+            lambda: kvi.MLAAttentionSpec(
+                block_size=64,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=132,
+                dtype=u8,
+                cache_role=kvi.SparseCacheRole.INDEXER,
+            ),
+        ),
+        (
+            "DeepSeek-V4 compressed MLA (ratio 4)",
+            "deepseek_v4",
+            dsv4,
+            lambda: kvi.MLAAttentionSpec(
+                block_size=64,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=512,
+                dtype=u8,
+                tokens_per_state=4,
+                cache_dtype_str="fp8_ds_mla",
+                alignment=576,
+                model_version="deepseek_v4",
+                kv_quant_mode=fp8,
+                state_content_bytes=584,
+            ),
+        ),
+        (
+            "DeepSeek-V4 indexer (ratio 4)",
+            "deepseek_v4",
+            dsv4,
+            lambda: kvi.MLAAttentionSpec(
+                block_size=64,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=132,
+                dtype=u8,
+                tokens_per_state=4,
+                alignment=576,
+            ),
+        ),
+        (
+            "DeepSeek-V4 SWA-MLA compressor state",
+            "deepseek_v4",
+            "models/deepseek_v4/compressor.py",
+            # state_dim = 2 * coff(2) * head_dim(512); ratio 4 -> block_size 4
+            lambda: kvi.SlidingWindowMLASpec(
+                block_size=4,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=2048,
+                dtype=fp32,
+                sliding_window=8,
+                alignment=512,
+            ),
+        ),
+        (
+            "DeepSeek-V4 sparse SWA cache",
+            "deepseek_v4",
+            "v1/attention/backends/mla/sparse_swa.py",
+            dsv4_swa,
+        ),
+        (
+            "DeepSeek-V4.1 compressor ring",
+            "deepseek_v41",
+            "models/deepseek_v41/compressor.py",
+            lambda: kvi.CircularBufferSpec(
+                block_size=8, num_kv_heads=1, head_size=1024, head_size_v=0, dtype=fp32
+            ),
+        ),
+        (
+            "gpt-oss sliding window",
+            "gpt_oss",
+            "model_executor/layers/attention/attention.py",
+            lambda: kvi.SlidingWindowSpec(
+                block_size=16, num_kv_heads=8, head_size=64, dtype=bf16, sliding_window=128
+            ),
+        ),
+        (
+            "Llama-4 chunked local",
+            "llama4",
+            "model_executor/layers/attention/chunked_local_attention.py",
+            lambda: kvi.ChunkedLocalAttentionSpec(
+                block_size=16, num_kv_heads=8, head_size=128, dtype=bf16, attention_chunk_size=8192
+            ),
+        ),
+        (
+            "R-SWA (reference sliding window)",
+            "rswa",
+            "model_executor/layers/attention/rswa_attention.py",
+            lambda: kvi.RSWASpec(
+                block_size=16, num_kv_heads=8, head_size=128, dtype=bf16, rswa_window=1024
+            ),
+        ),
+        (
+            "static sink attention",
+            "sink",
+            "model_executor/layers/attention/static_sink_attention.py",
+            lambda: kvi.SinkFullAttentionSpec(
+                block_size=16, num_kv_heads=8, head_size=128, dtype=bf16, sink_len=4
+            ),
+        ),
+        (
+            "extract_hidden_states",
+            "hidden_states",
+            "model_executor/models/extract_hidden_states.py",
+            lambda: kvi.HiddenStateCacheSpec(
+                block_size=16, num_kv_heads=3, head_size=4096, dtype=bf16
+            ),
+        ),
+        (
+            "Whisper cross-attention",
+            "whisper",
+            "model_executor/layers/attention/cross_attention.py",
+            lambda: kvi.CrossAttentionSpec(
+                block_size=16, num_kv_heads=20, head_size=64, dtype=torch.float16
+            ),
+        ),
+        (
+            "BERT encoder-only",
+            "bert",
+            "v1/worker/gpu/model_states/encoder_only.py",
+            lambda: kvi.EncoderOnlyAttentionSpec(
+                block_size=16, num_kv_heads=12, head_size=64, dtype=torch.float16
+            ),
+        ),
+        (
+            "Qwen3.5 GDN state",
+            "qwen3_5",
+            "model_executor/layers/mamba/abstract.py",
+            # conv state (3, 8192) bf16; SSM state (32 heads, 128, 128) fp32
+            lambda: kvi.MambaSpec(
+                block_size=1024, shapes=((3, 8192), (32, 128, 128)), dtypes=(bf16, fp32)
+            ),
+        ),
+        (
+            "Jamba Mamba-1 state",
+            "jamba",
+            "model_executor/layers/mamba/abstract.py",
+            lambda: kvi.MambaSpec(
+                block_size=1024, shapes=((3, 8192), (8192, 16)), dtypes=(bf16, bf16)
+            ),
+        ),
+        (
+            "replicated PLE conv state",
+            "qwen4_exp",
+            "models/qwen4_exp/nvidia/model.py",
+            lambda: kvi.MambaSpec(
+                block_size=1024, shapes=((3, 2048),), dtypes=(bf16,), tp_replicated=True
+            ),
+        ),
+        (
+            "HiSparse hot cache",
+            "deepseek_v32",
+            "v1/hisparse/layout.py",
+            # page of a DeepSeek fp8_ds_mla layer: 64 tokens * 656 B
+            lambda: kvi.HiSparseHotSpec(block_size=64, page_size=64 * 656, blocks_per_request=32),
+        ),
+        (
+            "HiSparse resident pages",
+            "deepseek_v32",
+            "v1/hisparse/layout.py",
+            lambda: kvi.HiSparseResidentSpec(block_size=64, page_size=64 * 656),
+        ),
         ("group of DeepSeek-V3 MLA layers", "deepseek_v3", "v1/kv_cache_interface.py", group),
     ]
 
@@ -200,9 +347,14 @@ def representative_specs() -> list[CatalogEntry]:
 def refused_specs() -> list[CatalogEntry]:
     """Specs that must resolve to :class:`~kvspec_traits.UnsupportedSpecError`: the abstract
     base, which has no layout fields."""
-    return [CatalogEntry(label="abstract KVCacheSpec", model="-",
-                         source="vllm/v1/kv_cache_interface.py",
-                         spec=KVCacheSpec(block_size=16))]
+    return [
+        CatalogEntry(
+            label="abstract KVCacheSpec",
+            model="-",
+            source="vllm/v1/kv_cache_interface.py",
+            spec=KVCacheSpec(block_size=16),
+        )
+    ]
 
 
 def extension_spec_classes(registry: Registry | None = None) -> list[type[KVCacheSpec]]:
@@ -242,9 +394,17 @@ def extension_specs() -> list[CatalogEntry]:
             specs = list(hook())
         except Exception as exc:
             raise AdapterPluginError(
-                ep.name, f"{ep.module}.{REPRESENTATIVES_HOOK}() of {where} raised "
-                f"{exc!r}; fix or uninstall that package") from exc
-        out.extend(CatalogEntry(label=f"{dist} representative {i}", model=dist,
-                                source=f"{ep.module}.{REPRESENTATIVES_HOOK}", spec=spec)
-                   for i, spec in enumerate(specs, 1))
+                ep.name,
+                f"{ep.module}.{REPRESENTATIVES_HOOK}() of {where} raised "
+                f"{exc!r}; fix or uninstall that package",
+            ) from exc
+        out.extend(
+            CatalogEntry(
+                label=f"{dist} representative {i}",
+                model=dist,
+                source=f"{ep.module}.{REPRESENTATIVES_HOOK}",
+                spec=spec,
+            )
+            for i, spec in enumerate(specs, 1)
+        )
     return out

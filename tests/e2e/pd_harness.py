@@ -63,9 +63,12 @@ _LIVE: dict[int, VllmServer] = {}
 # and attention flags come from the pair's Serving.
 SERVER_ARGS: tuple[str, ...] = (
     "--enforce-eager",
-    "--max-model-len", "512",
-    "--kv-cache-memory-bytes", str(64 << 20),
-    "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]}),
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory-bytes",
+    str(64 << 20),
+    "--compilation-config",
+    json.dumps({"custom_ops": ["-rotary_embedding"]}),
 )
 
 
@@ -91,8 +94,9 @@ def _tell_reaper(pgid: int) -> None:
     """Register a server's process group (``pgid > 0``) or forget it (``< 0``)."""
     global _reaper
     if _reaper is None or _reaper.poll() is not None:
-        _reaper = subprocess.Popen([sys.executable, "-c", _REAPER_CODE],
-                                   stdin=subprocess.PIPE, start_new_session=True)
+        _reaper = subprocess.Popen(
+            [sys.executable, "-c", _REAPER_CODE], stdin=subprocess.PIPE, start_new_session=True
+        )
     if _reaper.stdin is not None:
         _reaper.stdin.write(f"{pgid}\n".encode())
         _reaper.stdin.flush()
@@ -192,9 +196,15 @@ class VllmServer:
 
     def command(self) -> list[str]:
         return [
-            str(PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-            "--served-model-name", self.served_model_name,
-            "--host", "127.0.0.1", "--port", str(self.port),
+            str(PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
             *self.engine_args(),
         ]
 
@@ -204,22 +214,25 @@ class VllmServer:
         rpc_dir = Path(tempfile.mkdtemp(prefix=f"vllm-rpc-{self.name}-"))
         self._rpc_dir = rpc_dir
         env = dict(os.environ)
-        env.update({
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
-            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
-            "VLLM_HOST_IP": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
-            "VLLM_RPC_BASE_PATH": str(rpc_dir),
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "PYTHONUNBUFFERED": "1",
-            # The repo's sources first, so the server imports this checkout.
-            "PYTHONPATH": os.pathsep.join(
-                p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p),
-        })
+        env.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
+                "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+                "VLLM_HOST_IP": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+                "VLLM_RPC_BASE_PATH": str(rpc_dir),
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "PYTHONUNBUFFERED": "1",
+                # The repo's sources first, so the server imports this checkout.
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p
+                ),
+            }
+        )
         env.update(self.extra_env)
         return env
 
@@ -232,8 +245,12 @@ class VllmServer:
         log = self.log_path.open("wb")
         try:
             self.proc = subprocess.Popen(
-                self.command(), env=self.environment(), cwd=self.workdir,
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                self.command(),
+                env=self.environment(),
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: one kill takes the engine too
             )
         finally:
@@ -250,8 +267,8 @@ class VllmServer:
 
     def fail(self, why: str) -> ServerFailedError:
         return ServerFailedError(
-            f"{self.describe()}: {why}\n"
-            f"--- last lines of {self.log_path} ---\n{self.log_tail()}")
+            f"{self.describe()}: {why}\n--- last lines of {self.log_path} ---\n{self.log_tail()}"
+        )
 
     def check_serving(self) -> None:
         """The ready server runs the dtype (and, where vLLM logs it, the attention
@@ -261,13 +278,17 @@ class VllmServer:
         dtype = f"dtype=torch.{self.serving.dtype},"
         if dtype not in log:
             found = re.search(r" dtype=(\S+),", log)
-            raise self.fail(f"does not serve {self.serving.dtype}: its engine config says "
-                            f"{found.group(1) if found else 'nothing'}")
+            raise self.fail(
+                f"does not serve {self.serving.dtype}: its engine config says "
+                f"{found.group(1) if found else 'nothing'}"
+            )
         marker = self.serving.backend_log
         if marker is not None and marker not in log:
             found = re.search(r"Using (\S+) backend", log)
-            raise self.fail(f"did not log {marker!r}; it logged "
-                            f"{found.group(0) if found else 'no backend selection'}")
+            raise self.fail(
+                f"did not log {marker!r}; it logged "
+                f"{found.group(0) if found else 'no backend selection'}"
+            )
 
     def wait_ready(self, deadline: float) -> None:
         """Poll ``/health`` until it answers 200, the process exits, or ``deadline``."""
@@ -336,11 +357,11 @@ class ServerPair:
         return self.prefill, self.decode
 
 
-def connector_config(role: str, connector: str, module_path: str | None = None,
-                     **extra: Any) -> dict[str, Any]:
+def connector_config(
+    role: str, connector: str, module_path: str | None = None, **extra: Any
+) -> dict[str, Any]:
     """A ``--kv-transfer-config`` for one side of a pair."""
-    config: dict[str, Any] = {"kv_connector": connector, "kv_role": role,
-                              "kv_buffer_device": "cpu"}
+    config: dict[str, Any] = {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu"}
     if module_path is not None:
         config["kv_connector_module_path"] = module_path
     config.update(extra)
@@ -348,10 +369,17 @@ def connector_config(role: str, connector: str, module_path: str | None = None,
 
 
 @contextmanager
-def running_pair(*, prefill_model: Path, decode_model: Path, served_model_name: str,
-                 workdir: Path, prefill_kv: Mapping[str, Any], decode_kv: Mapping[str, Any],
-                 serving: Serving = DEFAULT_SERVING,
-                 extra_env: Mapping[str, str] | None = None) -> Iterator[ServerPair]:
+def running_pair(
+    *,
+    prefill_model: Path,
+    decode_model: Path,
+    served_model_name: str,
+    workdir: Path,
+    prefill_kv: Mapping[str, Any],
+    decode_kv: Mapping[str, Any],
+    serving: Serving = DEFAULT_SERVING,
+    extra_env: Mapping[str, str] | None = None,
+) -> Iterator[ServerPair]:
     """Start both servers at once, wait for both, check they serve as ``serving`` says,
     yield, and always kill both.
 
@@ -360,12 +388,19 @@ def running_pair(*, prefill_model: Path, decode_model: Path, served_model_name: 
     if _LIVE:
         raise RuntimeError(
             f"servers {[s.name for s in _LIVE.values()]} (pids {sorted(_LIVE)}) still run; "
-            f"stop them before starting another pair")
+            f"stop them before starting another pair"
+        )
     with _machine_wide_pair_lock():
-        yield from _run_pair(prefill_model=prefill_model, decode_model=decode_model,
-                             served_model_name=served_model_name, workdir=workdir,
-                             prefill_kv=prefill_kv, decode_kv=decode_kv, serving=serving,
-                             extra_env=extra_env)
+        yield from _run_pair(
+            prefill_model=prefill_model,
+            decode_model=decode_model,
+            served_model_name=served_model_name,
+            workdir=workdir,
+            prefill_kv=prefill_kv,
+            decode_kv=decode_kv,
+            serving=serving,
+            extra_env=extra_env,
+        )
 
 
 @contextmanager
@@ -383,8 +418,10 @@ def _machine_wide_pair_lock(timeout_s: float = 1800.0) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"another process held {path} for {timeout_s:.0f} s "
-                                       f"(a server pair of another test run)") from None
+                    raise RuntimeError(
+                        f"another process held {path} for {timeout_s:.0f} s "
+                        f"(a server pair of another test run)"
+                    ) from None
                 time.sleep(2.0)
         try:
             yield
@@ -392,17 +429,39 @@ def _machine_wide_pair_lock(timeout_s: float = 1800.0) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _run_pair(*, prefill_model: Path, decode_model: Path, served_model_name: str,
-              workdir: Path, prefill_kv: Mapping[str, Any], decode_kv: Mapping[str, Any],
-              serving: Serving, extra_env: Mapping[str, str] | None) -> Iterator[ServerPair]:
+def _run_pair(
+    *,
+    prefill_model: Path,
+    decode_model: Path,
+    served_model_name: str,
+    workdir: Path,
+    prefill_kv: Mapping[str, Any],
+    decode_kv: Mapping[str, Any],
+    serving: Serving,
+    extra_env: Mapping[str, str] | None,
+) -> Iterator[ServerPair]:
     env = dict(extra_env or {})
     pair = ServerPair(
-        prefill=VllmServer(name="prefill", model=prefill_model,
-                           served_model_name=served_model_name, core=0, workdir=workdir,
-                           serving=serving, kv_transfer_config=prefill_kv, extra_env=env),
-        decode=VllmServer(name="decode", model=decode_model,
-                          served_model_name=served_model_name, core=1, workdir=workdir,
-                          serving=serving, kv_transfer_config=decode_kv, extra_env=env),
+        prefill=VllmServer(
+            name="prefill",
+            model=prefill_model,
+            served_model_name=served_model_name,
+            core=0,
+            workdir=workdir,
+            serving=serving,
+            kv_transfer_config=prefill_kv,
+            extra_env=env,
+        ),
+        decode=VllmServer(
+            name="decode",
+            model=decode_model,
+            served_model_name=served_model_name,
+            core=1,
+            workdir=workdir,
+            serving=serving,
+            kv_transfer_config=decode_kv,
+            extra_env=env,
+        ),
     )
     try:
         for server in pair.servers():
@@ -429,26 +488,38 @@ class RequestFailedError(RuntimeError):
 
 
 def _post(server: VllmServer, path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(f"{server.url}{path}", data=json.dumps(payload).encode(),
-                                     method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{server.url}{path}",
+        data=json.dumps(payload).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as resp:
             body: dict[str, Any] = json.loads(resp.read())
             return body
     except urllib.error.HTTPError as err:
-        raise RequestFailedError(err.code, err.read().decode(errors="replace"),
-                                 server.describe()) from err
+        raise RequestFailedError(
+            err.code, err.read().decode(errors="replace"), server.describe()
+        ) from err
     except (urllib.error.URLError, OSError) as err:
         raise server.fail(f"POST {path} failed: {err!r}") from err
 
 
-def complete(server: VllmServer, prompt: str, max_tokens: int,
-             kv_transfer_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def complete(
+    server: VllmServer,
+    prompt: str,
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """A greedy ``/v1/completions`` request that ignores EOS."""
     payload: dict[str, Any] = {
-        "model": server.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
-        "temperature": 0.0, "ignore_eos": True, "stream": False,
+        "model": server.served_model_name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": False,
     }
     if kv_transfer_params is not None:
         payload["kv_transfer_params"] = dict(kv_transfer_params)
@@ -469,17 +540,28 @@ class PromptResult:
 
 def disaggregated_complete(pair: ServerPair, prompt: str, max_tokens: int) -> PromptResult:
     """Prefill on the producer (one token), then decode on the consumer with its KV."""
-    first = complete(pair.prefill, prompt, 1, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None,
-    })
+    first = complete(
+        pair.prefill,
+        prompt,
+        1,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
     params = first.get("kv_transfer_params")
     if not params:
-        raise AssertionError(f"{pair.prefill.describe()} answered without "
-                             f"kv_transfer_params: {first}")
+        raise AssertionError(
+            f"{pair.prefill.describe()} answered without kv_transfer_params: {first}"
+        )
     second = complete(pair.decode, prompt, max_tokens, kv_transfer_params=params)
-    return PromptResult(text=str(second["choices"][0]["text"]), prefill_response=first,
-                        decode_response=second)
+    return PromptResult(
+        text=str(second["choices"][0]["text"]), prefill_response=first, decode_response=second
+    )
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
@@ -513,10 +595,14 @@ def main() -> int:
     module = sys.argv[3] if len(sys.argv) > 3 else None
     workdir = Path(os.environ.get("PD_WORKDIR", "/tmp/pd-harness"))
     t0 = time.monotonic()
-    with running_pair(prefill_model=model, decode_model=model, served_model_name="tiny",
-                      workdir=workdir,
-                      prefill_kv=connector_config("kv_producer", connector, module),
-                      decode_kv=connector_config("kv_consumer", connector, module)) as pair:
+    with running_pair(
+        prefill_model=model,
+        decode_model=model,
+        served_model_name="tiny",
+        workdir=workdir,
+        prefill_kv=connector_config("kv_producer", connector, module),
+        decode_kv=connector_config("kv_consumer", connector, module),
+    ) as pair:
         print(f"pair ready in {time.monotonic() - t0:.1f} s", flush=True)
         for server in pair.servers():
             print(server.name, server.port, server.side_channel_port, flush=True)

@@ -27,8 +27,7 @@ CONNECTOR = "TraitsNixlConnector"
 
 
 @pytest.mark.timeout(600)
-def test_mismatched_pair_is_refused_at_handshake(tiny_models: Path,
-                                                  tmp_path: Path) -> None:
+def test_mismatched_pair_is_refused_at_handshake(tiny_models: Path, tmp_path: Path) -> None:
     """A decode server whose KV head size differs (llama-hd16) must not accept the
     producer's blocks: the handshake fails with the named diff, the request fails
     with an error status (no HTTP 200 with garbage), and nothing is transferred.
@@ -37,14 +36,16 @@ def test_mismatched_pair_is_refused_at_handshake(tiny_models: Path,
     already refuse this pair, since the model paths differ; the decode side turns it
     off (``enforce_handshake_compat``: false), so the traits fingerprint, checked after
     the agent metadata is decoded, is what must refuse it."""
-    with running_pair(prefill_model=tiny_models / "llama",
-                      decode_model=tiny_models / "llama-hd16", served_model_name="tiny",
-                      workdir=tmp_path,
-                      prefill_kv=connector_config("kv_producer", CONNECTOR, MODULE),
-                      decode_kv=connector_config(
-                          "kv_consumer", CONNECTOR,
-                          kv_connector_extra_config={"enforce_handshake_compat": False}),
-                      ) as servers:
+    with running_pair(
+        prefill_model=tiny_models / "llama",
+        decode_model=tiny_models / "llama-hd16",
+        served_model_name="tiny",
+        workdir=tmp_path,
+        prefill_kv=connector_config("kv_producer", CONNECTOR, MODULE),
+        decode_kv=connector_config(
+            "kv_consumer", CONNECTOR, kv_connector_extra_config={"enforce_handshake_compat": False}
+        ),
+    ) as servers:
         complete(servers.prefill, "warm up", 2)
         before = scrape_metrics(servers.decode)
         with pytest.raises(RequestFailedError) as failed:
@@ -62,5 +63,6 @@ def test_mismatched_pair_is_refused_at_handshake(tiny_models: Path,
     assert "block_len: local=32768 remote=65536" in refusal, refusal
     # vLLM's hash check was off: the refusal above is the fingerprint's.
     assert "compatibility hash mismatch" not in log
-    assert (metric_total(after, "vllm:nixl_bytes_transferred_sum")
-            == metric_total(before, "vllm:nixl_bytes_transferred_sum"))
+    assert metric_total(after, "vllm:nixl_bytes_transferred_sum") == metric_total(
+        before, "vllm:nixl_bytes_transferred_sum"
+    )

@@ -42,8 +42,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm032_only, pytest.mark.timeout(90
 MODULE = "kvspec_traits.vllm_connector"
 MAX_TOKENS = 24
 
-_SENTENCE = ("the quick brown fox jumps over the lazy dog while a river runs through the "
-             "city and every server keeps a cache of blocks for the next request")
+_SENTENCE = (
+    "the quick brown fox jumps over the lazy dog while a river runs through the "
+    "city and every server keeps a cache of blocks for the next request"
+)
 _WORDS = _SENTENCE.split()
 
 
@@ -80,14 +82,23 @@ class ModelCase:
 
 
 def _mla_serving(backend: MLABackend) -> Serving:
-    return Serving(backend=backend.name, dtype=backend.dtype, flags=backend.server_args(),
-                   backend_log=f"Using {backend.name} backend")
+    return Serving(
+        backend=backend.name,
+        dtype=backend.dtype,
+        flags=backend.server_args(),
+        backend_log=f"Using {backend.name} backend",
+    )
 
 
 def _deepseek(backend: MLABackend, dtype_bytes: int) -> ModelCase:
     # MLA: one latent of kv_lora_rank 512 + rope 64 per token and layer.
-    return ModelCase("deepseek-v2", layers=2, token_bytes_per_layer=(512 + 64) * dtype_bytes,
-                     serving=_mla_serving(backend), block_size=backend.block_size)
+    return ModelCase(
+        "deepseek-v2",
+        layers=2,
+        token_bytes_per_layer=(512 + 64) * dtype_bytes,
+        serving=_mla_serving(backend),
+        block_size=backend.block_size,
+    )
 
 
 CASES = {
@@ -97,8 +108,9 @@ CASES = {
     "deepseek-v2-CPU_MLA": _deepseek(CPU_MLA, dtype_bytes=4),
     "deepseek-v2-AMX_MLA": _deepseek(AMX_MLA, dtype_bytes=2),
     # Hybrid: one full layer, one 64-token sliding-window layer (two cache groups).
-    "llama-swa": ModelCase("llama-swa", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4,
-                           windowed_layers=1, window=64),
+    "llama-swa": ModelCase(
+        "llama-swa", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4, windowed_layers=1, window=64
+    ),
 }
 
 
@@ -114,16 +126,22 @@ def _kv_config(role: str, by_name: bool) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module", params=_case_params())
-def pair(request: pytest.FixtureRequest, tiny_models: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ModelCase, ServerPair]]:
+def pair(
+    request: pytest.FixtureRequest, tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ModelCase, ServerPair]]:
     case = CASES[request.param]
     model = tiny_models / case.name
     workdir = tmp_path_factory.mktemp(f"pd-{request.param}")
     started = time.monotonic()
-    with running_pair(prefill_model=model, decode_model=model, served_model_name="tiny",
-                      workdir=workdir, prefill_kv=_kv_config("kv_producer", by_name=False),
-                      decode_kv=_kv_config("kv_consumer", by_name=True),
-                      serving=case.serving) as servers:
+    with running_pair(
+        prefill_model=model,
+        decode_model=model,
+        served_model_name="tiny",
+        workdir=workdir,
+        prefill_kv=_kv_config("kv_producer", by_name=False),
+        decode_kv=_kv_config("kv_consumer", by_name=True),
+        serving=case.serving,
+    ) as servers:
         print(f"\n{case.describe()}: pair ready in {time.monotonic() - started:.0f} s")
         _warm_up(servers)
         yield case, servers
@@ -145,7 +163,7 @@ def _cache_info(samples: dict[str, float], field: str) -> str:
     """A label of the server's ``vllm:cache_config_info`` metric."""
     for key in samples:
         if key.startswith("vllm:cache_config_info{"):
-            for part in key[key.index("{") + 1:-1].split(","):
+            for part in key[key.index("{") + 1 : -1].split(","):
                 name, _, value = part.partition("=")
                 if name == field:
                     return value.strip('"')
@@ -154,7 +172,8 @@ def _cache_info(samples: dict[str, float], field: str) -> str:
 
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
-        pair: tuple[ModelCase, ServerPair], prompt_name: str) -> None:
+    pair: tuple[ModelCase, ServerPair], prompt_name: str
+) -> None:
     case, servers = pair
     prompt = PROMPTS[prompt_name]
     baseline = complete(servers.prefill, prompt, MAX_TOKENS)
@@ -164,8 +183,9 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     prefill_before = scrape_metrics(servers.prefill)
     got = disaggregated_complete(servers, prompt, MAX_TOKENS)
     after = scrape_metrics(servers.decode)
-    prefill_hits = (metric_total(scrape_metrics(servers.prefill), "vllm:prefix_cache_hits_total")
-                    - metric_total(prefill_before, "vllm:prefix_cache_hits_total"))
+    prefill_hits = metric_total(
+        scrape_metrics(servers.prefill), "vllm:prefix_cache_hits_total"
+    ) - metric_total(prefill_before, "vllm:prefix_cache_hits_total")
 
     def delta(name: str) -> float:
         return metric_total(after, name) - metric_total(before, name)
@@ -184,10 +204,12 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     prefix_caching = _cache_info(after, "enable_prefix_caching") == "True"
     pulled_blocks = math.ceil((prompt_tokens - local_hits) / block_size)
     page_bytes = case.layers * block_size * case.token_bytes_per_layer
-    print(f"\n{what}: block {block_size}, {prompt_tokens} prompt tokens, {local_hits:.0f} "
-          f"local + {external_hits:.0f} external prefix hits, {bytes_moved:.0f} bytes in "
-          f"{delta('vllm:nixl_xfer_time_seconds_count'):.0f} NIXL transfer(s); prefill "
-          f"prefix-cache hits {prefill_hits:.0f}")
+    print(
+        f"\n{what}: block {block_size}, {prompt_tokens} prompt tokens, {local_hits:.0f} "
+        f"local + {external_hits:.0f} external prefix hits, {bytes_moved:.0f} bytes in "
+        f"{delta('vllm:nixl_xfer_time_seconds_count'):.0f} NIXL transfer(s); prefill "
+        f"prefix-cache hits {prefill_hits:.0f}"
+    )
 
     assert delta("vllm:nixl_num_failed_transfers_total") == 0, what
     assert delta("vllm:nixl_num_failed_notifications_total") == 0, what
@@ -217,7 +239,8 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
             # caching to be disabled"; AMX_MLA keeps it), so here the consumer pulls
             # every block again.
             assert case.serving.backend == CPU_MLA.name, (
-                f"{what}: prefix caching is off on this server")
+                f"{what}: prefix caching is off on this server"
+            )
             assert local_hits == 0, what
 
 

@@ -207,8 +207,13 @@ def test_bare_venv_cli_commands_say_a_sentence_and_exit_2(bare: Path) -> None:
     readme = " ".join((REPO / "README.md").read_text().split())
     assert report.stderr.strip() in readme
     assert audit.stderr.strip() in readme
-    refusal = _run(bare, "-c", "from kvspec_traits.vllm_connector import "
-                   "UnsupportedVllmVersionError as E; print(E('0.35.0'))", cwd=bare.parent)
+    refusal = _run(
+        bare,
+        "-c",
+        "from kvspec_traits.vllm_connector import "
+        "UnsupportedVllmVersionError as E; print(E('0.35.0'))",
+        cwd=bare.parent,
+    )
     assert refusal.stdout.split(" (kv_connector")[0] in readme
 
 

@@ -10,12 +10,13 @@ from tests.nixl_helpers.layouts import backing
 __all__ = ["assert_transferred", "request_blocks"]
 
 
-def request_blocks(config: KVCacheConfig, per_group: int = 3, start: int = 1
-                   ) -> list[list[int]]:
+def request_blocks(config: KVCacheConfig, per_group: int = 3, start: int = 1) -> list[list[int]]:
     """Disjoint block ids per transfer group (a block id belongs to one group at a
     time): group g gets a run of ``per_group`` consecutive ids."""
-    return [list(range(start + g * per_group, start + (g + 1) * per_group))
-            for g in range(len(config.transfer_groups))]
+    return [
+        list(range(start + g * per_group, start + (g + 1) * per_group))
+        for g in range(len(config.transfer_groups))
+    ]
 
 
 def _page(cache: torch.Tensor, block: int, base: int, num_blocks: int) -> tuple[int, int]:
@@ -26,8 +27,12 @@ def _page(cache: torch.Tensor, block: int, base: int, num_blocks: int) -> tuple[
     return first.data_ptr() - base, first.nbytes * ratio
 
 
-def assert_transferred(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
-                       config: KVCacheConfig, block_ids: list[list[int]]) -> int:
+def assert_transferred(
+    src: dict[str, torch.Tensor],
+    dst: dict[str, torch.Tensor],
+    config: KVCacheConfig,
+    block_ids: list[list[int]],
+) -> int:
     """Every requested (layer, block) page of ``dst`` equals ``src``'s; every page of a
     block no group requested is still zero. Returns the bytes compared."""
     src_raw, dst_raw = backing(src), backing(dst)
@@ -41,9 +46,9 @@ def assert_transferred(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor
                 s_off, length = _page(src[layer], block, src_base, config.num_blocks)
                 d_off, d_len = _page(dst[layer], block, dst_base, config.num_blocks)
                 assert (s_off, length) == (d_off, d_len), layer
-                got = dst_raw[d_off:d_off + length]
+                got = dst_raw[d_off : d_off + length]
                 if block in block_ids[gid]:
-                    assert torch.equal(got, src_raw[s_off:s_off + length]), (layer, block)
+                    assert torch.equal(got, src_raw[s_off : s_off + length]), (layer, block)
                     compared += length
                 elif block not in requested:
                     assert not bool(got.any()), f"{layer} block {block} was written"

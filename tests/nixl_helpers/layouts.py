@@ -55,19 +55,25 @@ def _bytes_per_block(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> i
     # vLLM's _get_kv_cache_bytes_per_block.
     if not layout.is_block_outermost:
         return max(
-            sum(_round_up(_layer_spec(g, n).page_size_bytes,
-                          _layer_spec(g, n).get_block_stride_alignment())
-                for n in g.layer_names)
-            for g in groups)
-    per_block = max(sum(_layer_spec(g, n).page_size_bytes for n in g.layer_names)
-                    for g in groups)
-    alignments = [_layer_spec(g, n).get_block_stride_alignment()
-                  for g in groups for n in g.layer_names]
+            sum(
+                _round_up(
+                    _layer_spec(g, n).page_size_bytes,
+                    _layer_spec(g, n).get_block_stride_alignment(),
+                )
+                for n in g.layer_names
+            )
+            for g in groups
+        )
+    per_block = max(sum(_layer_spec(g, n).page_size_bytes for n in g.layer_names) for g in groups)
+    alignments = [
+        _layer_spec(g, n).get_block_stride_alignment() for g in groups for n in g.layer_names
+    ]
     return _round_up(per_block, math.lcm(*alignments))
 
 
-def kv_cache_config(groups: list[KVCacheGroupSpec], num_blocks: int,
-                    layout: KVCacheLayout) -> KVCacheConfig:
+def kv_cache_config(
+    groups: list[KVCacheGroupSpec], num_blocks: int, layout: KVCacheLayout
+) -> KVCacheConfig:
     """vLLM's get_kv_cache_config_from_groups for a fixed block count."""
     bytes_per_block = _bytes_per_block(groups, layout)
     interleaved = bytes_per_block if layout.is_block_outermost else None
@@ -84,30 +90,51 @@ def kv_cache_config(groups: list[KVCacheGroupSpec], num_blocks: int,
             if block_stride is None and padded != spec.page_size_bytes:
                 block_stride = padded
             layer_stride, block_stride, _, _, _ = compute_layout_strides(
-                spec, num_blocks, len(names), layout,
-                fixed_strides=(None, block_stride, None, None, None))
-            tensors.append(KVCacheTensor(size=size, layers=names, layer_stride=layer_stride,
-                                         block_stride=block_stride, offset=offset))
-            offset += len(names) * (spec.page_size_bytes if layout.is_block_outermost
-                                    else layer_stride)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
-                         kv_cache_groups=groups, kv_cache_layout=layout.name)
+                spec,
+                num_blocks,
+                len(names),
+                layout,
+                fixed_strides=(None, block_stride, None, None, None),
+            )
+            tensors.append(
+                KVCacheTensor(
+                    size=size,
+                    layers=names,
+                    layer_stride=layer_stride,
+                    block_stride=block_stride,
+                    offset=offset,
+                )
+            )
+            offset += len(names) * (
+                spec.page_size_bytes if layout.is_block_outermost else layer_stride
+            )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=groups,
+        kv_cache_layout=layout.name,
+    )
 
 
-def allocate(config: KVCacheConfig, layout: KVCacheLayout,
-             kernel_block_sizes: list[int] | None = None) -> dict[str, torch.Tensor]:
+def allocate(
+    config: KVCacheConfig, layout: KVCacheLayout, kernel_block_sizes: list[int] | None = None
+) -> dict[str, torch.Tensor]:
     """vLLM's allocate_kv_cache (CPU): one int8 buffer, per-layer [B, H, N, C] views
     (kernel-block rows where ``kernel_block_sizes[group]`` splits a block)."""
     size = config.kv_cache_tensors[0].size
     buf = torch.zeros(size, dtype=torch.int8)
     caches: dict[str, torch.Tensor] = {}
     for tensor in config.kv_cache_tensors:
-        gid, group = next((i, g) for i, g in enumerate(config.kv_cache_groups)
-                          if tensor.layers[0] in g.layer_names)
+        gid, group = next(
+            (i, g)
+            for i, g in enumerate(config.kv_cache_groups)
+            if tensor.layers[0] in g.layer_names
+        )
         spec = _layer_spec(group, tensor.layers[0])
         kernel = None if kernel_block_sizes is None else kernel_block_sizes[gid]
-        views = create_kv_cache_views(buf, spec, config.num_blocks, layout, tensor,
-                                      kernel_block_size=kernel)
+        views = create_kv_cache_views(
+            buf, spec, config.num_blocks, layout, tensor, kernel_block_size=kernel
+        )
         caches.update(zip(tensor.layers, views, strict=True))
     return caches
 
@@ -144,8 +171,9 @@ def _group(names: list[str], spec: KVCacheSpec) -> KVCacheGroupSpec:
 
 def llama_gqa(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
     """Llama-3 8B GQA (attention.py get_kv_cache_spec): 8 KV heads of 128 split by TP."""
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=8 // tp, head_size=128,
-                             dtype=torch.bfloat16)
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=8 // tp, head_size=128, dtype=torch.bfloat16
+    )
     return [_group(_names("model.layers", range(layers), "self_attn.attn"), spec)]
 
 
@@ -153,10 +181,16 @@ def _mla(dtype: str = "auto", **kw: object) -> MLAAttentionSpec:
     # mla_attention.py get_kv_cache_spec: one latent of 512 + 64 rope = 576.
     ds = dtype == "fp8_ds_mla"
     return MLAAttentionSpec(
-        block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
-        dtype=torch.uint8 if ds else torch.bfloat16, cache_dtype_str=dtype,
+        block_size=64,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=576,
+        dtype=torch.uint8 if ds else torch.bfloat16,
+        cache_dtype_str=dtype,
         kv_quant_mode=get_kv_quant_mode(dtype),
-        state_content_bytes={"fp8_ds_mla": 656}.get(dtype), **kw)  # type: ignore[arg-type]
+        state_content_bytes={"fp8_ds_mla": 656}.get(dtype),
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def deepseek_v3(tp: int, layers: int = 3, dtype: str = "auto") -> list[KVCacheGroupSpec]:
@@ -174,8 +208,13 @@ def deepseek_v32(tp: int, layers: int = 3) -> list[KVCacheGroupSpec]:
     for i in range(layers):
         specs[f"model.layers.{i}.self_attn.attn"] = _mla("fp8_ds_mla")
         specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-            block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=132,
-            dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
+            block_size=64,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=132,
+            dtype=torch.uint8,
+            cache_role=SparseCacheRole.INDEXER,
+        )
     uniform = UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=specs)
     return [_group(list(specs), uniform)]
 
@@ -185,19 +224,46 @@ def deepseek_v4_specs(layers: int) -> dict[str, list[tuple[str, KVCacheSpec]]]:
     deepseek_v41/compressor.py), fp8_ds_mla: compressed MLA (ratio 4, 584 B states,
     576 B alignment), SWA-MLA compressor state (max_tp_shards=1), the ring
     (CircularBufferSpec) and the indexer cache (132 B, ratio 4)."""
-    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=512,
-                           dtype=torch.uint8, tokens_per_state=4, cache_dtype_str="fp8_ds_mla",
-                           alignment=576, model_version="deepseek_v4",
-                           kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
-                           state_content_bytes=584)
-    swa = SlidingWindowMLASpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=512,
-                               dtype=torch.bfloat16, sliding_window=128, alignment=576)
-    ring = CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=1024, head_size_v=0,
-                              dtype=torch.float32)
-    indexer = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=132,
-                               dtype=torch.uint8, tokens_per_state=4, alignment=576)
-    out: dict[str, list[tuple[str, KVCacheSpec]]] = {"mla": [], "swa": [], "ring": [],
-                                                      "indexer": []}
+    mla = MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=512,
+        dtype=torch.uint8,
+        tokens_per_state=4,
+        cache_dtype_str="fp8_ds_mla",
+        alignment=576,
+        model_version="deepseek_v4",
+        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+        state_content_bytes=584,
+    )
+    swa = SlidingWindowMLASpec(
+        block_size=64,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=512,
+        dtype=torch.bfloat16,
+        sliding_window=128,
+        alignment=576,
+    )
+    ring = CircularBufferSpec(
+        block_size=8, num_kv_heads=1, head_size=1024, head_size_v=0, dtype=torch.float32
+    )
+    indexer = MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=132,
+        dtype=torch.uint8,
+        tokens_per_state=4,
+        alignment=576,
+    )
+    out: dict[str, list[tuple[str, KVCacheSpec]]] = {
+        "mla": [],
+        "swa": [],
+        "ring": [],
+        "indexer": [],
+    }
     for i in range(layers):
         out["mla"].append((f"model.layers.{i}.attn.mla", mla))
         out["swa"].append((f"model.layers.{i}.attn.compressor.swa", swa))
@@ -208,29 +274,43 @@ def deepseek_v4_specs(layers: int) -> dict[str, list[tuple[str, KVCacheSpec]]]:
 
 def deepseek_v4(tp: int, layers: int = 2) -> list[KVCacheGroupSpec]:
     del tp
-    return [_group([n for n, _ in members], members[0][1])
-            for members in deepseek_v4_specs(layers).values()]
+    return [
+        _group([n for n, _ in members], members[0][1])
+        for members in deepseek_v4_specs(layers).values()
+    ]
 
 
 def gpt_oss(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
     """gpt-oss: alternating full and 128-token sliding-window layers, 8 KV heads of 64;
     two groups of equal page size that alias (hybrid allocator)."""
-    full = FullAttentionSpec(block_size=16, num_kv_heads=8 // tp, head_size=64,
-                             dtype=torch.bfloat16)
-    swa = SlidingWindowSpec(block_size=16, num_kv_heads=8 // tp, head_size=64,
-                            dtype=torch.bfloat16, sliding_window=128)
-    return [_group(_names("model.layers", range(0, layers, 2), "attn"), full),
-            _group(_names("model.layers", range(1, layers, 2), "attn"), swa)]
+    full = FullAttentionSpec(
+        block_size=16, num_kv_heads=8 // tp, head_size=64, dtype=torch.bfloat16
+    )
+    swa = SlidingWindowSpec(
+        block_size=16, num_kv_heads=8 // tp, head_size=64, dtype=torch.bfloat16, sliding_window=128
+    )
+    return [
+        _group(_names("model.layers", range(0, layers, 2), "attn"), full),
+        _group(_names("model.layers", range(1, layers, 2), "attn"), swa),
+    ]
 
 
 def llama4(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
     """Llama-4: three chunked-local (8192) layers per global one, 8 KV heads of 128."""
-    local = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=8 // tp, head_size=128,
-                                      dtype=torch.bfloat16, attention_chunk_size=8192)
-    full = FullAttentionSpec(block_size=16, num_kv_heads=8 // tp, head_size=128,
-                             dtype=torch.bfloat16)
-    return [_group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 != 3], local),
-            _group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 == 3], full)]
+    local = ChunkedLocalAttentionSpec(
+        block_size=16,
+        num_kv_heads=8 // tp,
+        head_size=128,
+        dtype=torch.bfloat16,
+        attention_chunk_size=8192,
+    )
+    full = FullAttentionSpec(
+        block_size=16, num_kv_heads=8 // tp, head_size=128, dtype=torch.bfloat16
+    )
+    return [
+        _group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 != 3], local),
+        _group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 == 3], full),
+    ]
 
 
 def qwen35(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
@@ -244,15 +324,19 @@ def qwen35(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
     # 2 KV heads of 256, K and V, bf16: 2048 bytes per token at TP 1.
     while attn_block * max(2 // tp, 1) * 256 * 2 * 2 < state:
         attn_block *= 2
-    attn = FullAttentionSpec(block_size=attn_block, num_kv_heads=max(2 // tp, 1),
-                             head_size=256, dtype=torch.bfloat16)
-    gdn = MambaSpec(block_size=attn_block, shapes=(conv, ssm),
-                    dtypes=(torch.bfloat16, torch.bfloat16),
-                    page_size_padded=attn.page_size_bytes)
-    return [_group([f"model.layers.{i}.linear_attn" for i in range(layers) if i % 4 != 3],
-                   gdn),
-            _group([f"model.layers.{i}.self_attn.attn" for i in range(layers) if i % 4 == 3],
-                   attn)]
+    attn = FullAttentionSpec(
+        block_size=attn_block, num_kv_heads=max(2 // tp, 1), head_size=256, dtype=torch.bfloat16
+    )
+    gdn = MambaSpec(
+        block_size=attn_block,
+        shapes=(conv, ssm),
+        dtypes=(torch.bfloat16, torch.bfloat16),
+        page_size_padded=attn.page_size_bytes,
+    )
+    return [
+        _group([f"model.layers.{i}.linear_attn" for i in range(layers) if i % 4 != 3], gdn),
+        _group([f"model.layers.{i}.self_attn.attn" for i in range(layers) if i % 4 == 3], attn),
+    ]
 
 
 def jamba(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
@@ -262,25 +346,32 @@ def jamba(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
     conv, ssm = (d_inner, 3), (d_inner, 16)
     state = 4 * (math.prod(conv) + math.prod(ssm))
     block = 16
-    attn = FullAttentionSpec(block_size=block, num_kv_heads=8 // tp, head_size=128,
-                             dtype=torch.bfloat16)
+    attn = FullAttentionSpec(
+        block_size=block, num_kv_heads=8 // tp, head_size=128, dtype=torch.bfloat16
+    )
     while attn.page_size_bytes < state:
         block *= 2
-        attn = FullAttentionSpec(block_size=block, num_kv_heads=8 // tp, head_size=128,
-                                 dtype=torch.bfloat16)
-    mamba = MambaSpec(block_size=block, shapes=(conv, ssm),
-                      dtypes=(torch.float32, torch.float32),
-                      page_size_padded=attn.page_size_bytes)
-    return [_group([f"model.layers.{i}.mamba" for i in range(layers) if i % 4 != 1], mamba),
-            _group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 == 1], attn)]
+        attn = FullAttentionSpec(
+            block_size=block, num_kv_heads=8 // tp, head_size=128, dtype=torch.bfloat16
+        )
+    mamba = MambaSpec(
+        block_size=block,
+        shapes=(conv, ssm),
+        dtypes=(torch.float32, torch.float32),
+        page_size_padded=attn.page_size_bytes,
+    )
+    return [
+        _group([f"model.layers.{i}.mamba" for i in range(layers) if i % 4 != 1], mamba),
+        _group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 == 1], attn),
+    ]
 
 
 FAMILIES: dict[str, Family] = {
     "llama_gqa": Family("llama_gqa", llama_gqa, KVCacheLayout.LBHNC),
     "deepseek_v3": Family("deepseek_v3", deepseek_v3, KVCacheLayout.LBHNC),
-    "deepseek_v3_fp8": Family("deepseek_v3_fp8",
-                              lambda tp: deepseek_v3(tp, dtype="fp8_ds_mla"),
-                              KVCacheLayout.LBHNC),
+    "deepseek_v3_fp8": Family(
+        "deepseek_v3_fp8", lambda tp: deepseek_v3(tp, dtype="fp8_ds_mla"), KVCacheLayout.LBHNC
+    ),
     "deepseek_v32": Family("deepseek_v32", deepseek_v32, KVCacheLayout.LBHNC),
     "deepseek_v4": Family("deepseek_v4", deepseek_v4, KVCacheLayout.BLHNC),
     "gpt_oss": Family("gpt_oss", gpt_oss, KVCacheLayout.LBHNC),
@@ -290,14 +381,17 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def build(family: str, num_blocks: int, tp: int = 1, kernel_block_size: int | None = None
-          ) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+def build(
+    family: str, num_blocks: int, tp: int = 1, kernel_block_size: int | None = None
+) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
     """A family's config and caches; ``kernel_block_size`` splits the attention groups'
     blocks into kernel blocks of that many tokens (Mamba groups are never split)."""
     fam = FAMILIES[family]
     config = kv_cache_config(fam.groups(tp), num_blocks, fam.layout)
     kernels = None
     if kernel_block_size is not None:
-        kernels = [spec.block_size if isinstance(spec, MambaSpec) else kernel_block_size
-                   for spec in (g.kv_cache_spec for g in config.kv_cache_groups)]
+        kernels = [
+            spec.block_size if isinstance(spec, MambaSpec) else kernel_block_size
+            for spec in (g.kv_cache_spec for g in config.kv_cache_groups)
+        ]
     return config, allocate(config, fam.layout, kernels)

@@ -38,8 +38,9 @@ class AuditResult:
     def at_least(self, confidence: str) -> AuditResult:
         """The same result with only the sites whose confidence is ``confidence`` or
         higher."""
-        return dataclasses.replace(self, sites=tuple(s for s in self.sites
-                                                     if s.at_least(confidence)))
+        return dataclasses.replace(
+            self, sites=tuple(s for s in self.sites if s.at_least(confidence))
+        )
 
     @property
     def misses(self) -> tuple[Site, ...]:
@@ -98,24 +99,33 @@ def _display(path: Path, root: Path | None) -> str:
         return path.as_posix()
 
 
-def _module_scan(path: Path, data: bytes, known: frozenset[str],
-                 packages: dict[Path, str], errors: list[FileError]) -> ModuleScan | None:
+def _module_scan(
+    path: Path,
+    data: bytes,
+    known: frozenset[str],
+    packages: dict[Path, str],
+    errors: list[FileError],
+) -> ModuleScan | None:
     tree = parse_source(data, path)
     if isinstance(tree, FileError):
         errors.append(tree)
         return None
     module, is_package = module_name(path, packages)
     try:
-        return ModuleScan(tree, module=module, is_package=is_package, known=known,
-                          source=data)
+        return ModuleScan(tree, module=module, is_package=is_package, known=known, source=data)
     except RecursionError:
         errors.append(FileError(path=str(path), error="cannot scan: nested too deeply"))
         return None
 
 
-def audit_paths(targets: Sequence[Path], universe: Universe, *,
-                exclude: Sequence[str] = (), max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                display_root: Path | None = None) -> AuditResult:
+def audit_paths(
+    targets: Sequence[Path],
+    universe: Universe,
+    *,
+    exclude: Sequence[str] = (),
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    display_root: Path | None = None,
+) -> AuditResult:
     """Scan ``targets`` (files or folders) for class checks on spec classes.
 
     Only files whose text names a spec class (or a class tuple another scanned module
@@ -156,8 +166,9 @@ def audit_paths(targets: Sequence[Path], universe: Universe, *,
         if module_scan is None:
             return
         try:
-            raw = module_scan.sites(groups=groups, group_attributes=fields,
-                                    exports=exports if with_exports else None)
+            raw = module_scan.sites(
+                groups=groups, group_attributes=fields, exports=exports if with_exports else None
+            )
             if candidates and not with_exports:
                 for d in module_scan.class_definitions():
                     definitions.setdefault((d.module, d.name), d)
@@ -176,8 +187,7 @@ def audit_paths(targets: Sequence[Path], universe: Universe, *,
         again = [p for p, (_, imported) in scanned.items() if imported & exports.keys()]
         for path in again + unmatched:
             data = read_source(path, max_bytes=max_file_bytes)
-            if isinstance(data, FileError) or not (path in scanned
-                                                   or _mentions(data, exported)):
+            if isinstance(data, FileError) or not (path in scanned or _mentions(data, exported)):
                 continue
             scan(path, data, with_exports=True)
     if definitions:
@@ -190,12 +200,25 @@ def audit_paths(targets: Sequence[Path], universe: Universe, *,
     for path, (raws, _) in scanned.items():
         for raw in raws:
             refused.setdefault(path.parent, set()).update(raw.refused)
-    sites = [infer(dataclasses.replace(raw, refused=tuple(sorted(refused[path.parent]))),
-                   universe, path=_display(path, display_root))
-             for path, (raws, _) in scanned.items() for raw in raws
-             if raw.kinds or any(c in confirmed for c in raw.classes)]
+    sites = [
+        infer(
+            dataclasses.replace(raw, refused=tuple(sorted(refused[path.parent]))),
+            universe,
+            path=_display(path, display_root),
+        )
+        for path, (raws, _) in scanned.items()
+        for raw in raws
+        if raw.kinds or any(c in confirmed for c in raw.classes)
+    ]
     sites.sort(key=lambda s: (s.path, s.raw.line, s.raw.col))
-    errors = sorted((FileError(path=_display(Path(e.path), display_root), error=e.error)
-                     for e in errors), key=lambda e: e.path)
-    return AuditResult(sites=tuple(sites), errors=tuple(errors), files_seen=seen,
-                       files_parsed=len(scanned), universe=universe)
+    errors = sorted(
+        (FileError(path=_display(Path(e.path), display_root), error=e.error) for e in errors),
+        key=lambda e: e.path,
+    )
+    return AuditResult(
+        sites=tuple(sites),
+        errors=tuple(errors),
+        files_seen=seen,
+        files_parsed=len(scanned),
+        universe=universe,
+    )

@@ -40,44 +40,94 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvspec-traits audit",
         description="Find code that branches on vLLM KV cache spec classes, the trait each "
-                    "branch asks for, and the spec classes it leaves out (docs/audit.md).")
+        "branch asks for, and the spec classes it leaves out (docs/audit.md).",
+    )
     from kvspec_traits import __version__
 
-    p.add_argument("--version", action="version", version=f"kvspec-traits {__version__}",
-                   help="print the kvspec-traits version and exit")
-    p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
-                   help="files or folders to scan (folders: every *.py below)")
-    p.add_argument("--installed-vllm", nargs="?", const="", default=None, metavar="SUBPACKAGE",
-                   help="scan the installed vLLM's own code, or one sub-package of it "
-                        "(dotted, e.g. distributed.kv_transfer, or a unique folder name, "
-                        "e.g. kv_transfer)")
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"kvspec-traits {__version__}",
+        help="print the kvspec-traits version and exit",
+    )
+    p.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        metavar="PATH",
+        help="files or folders to scan (folders: every *.py below)",
+    )
+    p.add_argument(
+        "--installed-vllm",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="SUBPACKAGE",
+        help="scan the installed vLLM's own code, or one sub-package of it "
+        "(dotted, e.g. distributed.kv_transfer, or a unique folder name, "
+        "e.g. kv_transfer)",
+    )
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="JSON instead of the table")
-    fmt.add_argument("--sarif", action="store_true",
-                     help="SARIF 2.1.0 (for code-scanning annotations)")
+    fmt.add_argument(
+        "--sarif", action="store_true", help="SARIF 2.1.0 (for code-scanning annotations)"
+    )
     p.add_argument("-o", "--output", type=Path, help="write the report here, not stdout")
-    p.add_argument("--fail-on-miss", action="store_true",
-                   help=f"exit with status {EXIT_MISSES} (or-ed in) when any site misses a "
-                        f"class")
-    p.add_argument("--min-confidence", choices=CONFIDENCES, default="low",
-                   help="report only verdicts at or above this confidence (default "
-                        "%(default)s: all); also what --fail-on-miss counts")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="skip files and folders whose name or path matches (repeatable)")
-    p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES, metavar="N",
-                   help="report and skip files larger than this (default %(default)s)")
-    p.add_argument("--classes", type=Path, metavar="FILE",
-                   help="read the class sets from FILE (written by --save-classes) instead "
-                        "of the installed vLLM")
-    p.add_argument("--save-classes", type=Path, metavar="FILE",
-                   help="write the class sets used to FILE (alone: save them and exit)")
-    p.add_argument("--no-extensions", action="store_true",
-                   help="class sets of vLLM alone: leave out the spec classes of installed "
-                        "extensions (the kvspec_traits.adapters entry points)")
-    p.add_argument("--refresh-classes", action="store_true",
-                   help="recompute the class sets from vLLM even if the cache is fresh")
-    p.add_argument("--show-classes", action="store_true",
-                   help="print, for every trait value, the spec classes that have it, and exit")
+    p.add_argument(
+        "--fail-on-miss",
+        action="store_true",
+        help=f"exit with status {EXIT_MISSES} (or-ed in) when any site misses a class",
+    )
+    p.add_argument(
+        "--min-confidence",
+        choices=CONFIDENCES,
+        default="low",
+        help="report only verdicts at or above this confidence (default "
+        "%(default)s: all); also what --fail-on-miss counts",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="skip files and folders whose name or path matches (repeatable)",
+    )
+    p.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=DEFAULT_MAX_FILE_BYTES,
+        metavar="N",
+        help="report and skip files larger than this (default %(default)s)",
+    )
+    p.add_argument(
+        "--classes",
+        type=Path,
+        metavar="FILE",
+        help="read the class sets from FILE (written by --save-classes) instead "
+        "of the installed vLLM",
+    )
+    p.add_argument(
+        "--save-classes",
+        type=Path,
+        metavar="FILE",
+        help="write the class sets used to FILE (alone: save them and exit)",
+    )
+    p.add_argument(
+        "--no-extensions",
+        action="store_true",
+        help="class sets of vLLM alone: leave out the spec classes of installed "
+        "extensions (the kvspec_traits.adapters entry points)",
+    )
+    p.add_argument(
+        "--refresh-classes",
+        action="store_true",
+        help="recompute the class sets from vLLM even if the cache is fresh",
+    )
+    p.add_argument(
+        "--show-classes",
+        action="store_true",
+        help="print, for every trait value, the spec classes that have it, and exit",
+    )
     return p
 
 
@@ -86,7 +136,8 @@ def _vllm_target(sub: str) -> tuple[Path, Path]:
     root = installed_vllm_dir()
     if root is None:
         raise SubpackageNotFoundError(
-            "--installed-vllm: no vLLM package on sys.path; install vLLM or scan a PATH")
+            "--installed-vllm: no vLLM package on sys.path; install vLLM or scan a PATH"
+        )
     if not sub:
         return root, root.parent
     direct = root.joinpath(*sub.removeprefix("vllm.").split("."))
@@ -100,29 +151,36 @@ def _vllm_target(sub: str) -> tuple[Path, Path]:
     if not found:
         raise SubpackageNotFoundError(
             f"--installed-vllm {sub}: vLLM at {root} has no sub-package {sub!r}; give a "
-            f"dotted path below vllm (e.g. distributed.kv_transfer) or a folder name")
+            f"dotted path below vllm (e.g. distributed.kv_transfer) or a folder name"
+        )
     names = ", ".join(".".join(p.relative_to(root.parent).parts) for p in found)
     raise SubpackageNotFoundError(
         f"--installed-vllm {sub}: {len(found)} sub-packages are named {sub!r} ({names}); "
-        f"give the dotted path of one")
+        f"give the dotted path of one"
+    )
 
 
 def _show_classes(u: Universe, out: TextIO) -> None:
-    out.write(f"spec classes of vLLM {u.vllm_version} by trait value "
-              f"(from kvspec_traits.catalog; ~ = varies between representatives)\n")
+    out.write(
+        f"spec classes of vLLM {u.vllm_version} by trait value "
+        f"(from kvspec_traits.catalog; ~ = varies between representatives)\n"
+    )
     for q in QUESTIONS:
         per = u.answers.get(q.name, {})
         labels = sorted({v for vals in per.values() for v in vals})
         out.write(f"\n{q.name}\n")
         for label in labels:
             names = sorted(n for n in u.concrete if per.get(n) == frozenset({label}))
-            varies = sorted(n for n in u.concrete if label in per.get(n, ()) and
-                            len(per.get(n, ())) > 1)
+            varies = sorted(
+                n for n in u.concrete if label in per.get(n, ()) and len(per.get(n, ())) > 1
+            )
             row = ", ".join([*names, *(f"~{n}" for n in varies)])
             out.write(f"  {label:<28} {row}\n")
     if u.group_names:
-        out.write(f"\ngroup wrappers: {', '.join(sorted(u.group_names))} "
-                  f"(group-only attributes: {', '.join(sorted(u.group_attributes))})\n")
+        out.write(
+            f"\ngroup wrappers: {', '.join(sorted(u.group_names))} "
+            f"(group-only attributes: {', '.join(sorted(u.group_attributes))})\n"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,22 +189,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = sys.stderr
     scan = bool(args.paths) or args.installed_vllm is not None
     if not scan and not args.show_classes and args.save_classes is None:
-        err.write("kvspec-traits audit: nothing to scan: give PATH ... or --installed-vllm "
-                  "(or --save-classes FILE to save the class sets alone)\n")
+        err.write(
+            "kvspec-traits audit: nothing to scan: give PATH ... or --installed-vllm "
+            "(or --save-classes FILE to save the class sets alone)\n"
+        )
         return EXIT_USAGE
     try:
         if args.classes is not None:
             universe = Universe.from_json(json.loads(args.classes.read_text(encoding="utf-8")))
         else:
-            universe = load_universe(refresh=args.refresh_classes,
-                                     extensions=not args.no_extensions)
+            universe = load_universe(
+                refresh=args.refresh_classes, extensions=not args.no_extensions
+            )
     except (ClassSetsUnavailableError, OSError, ValueError, KeyError) as exc:
         err.write(f"kvspec-traits audit: no class sets: {exc}\n")
         return EXIT_USAGE
     if args.save_classes is not None:
         try:
-            args.save_classes.write_text(json.dumps(universe.to_json(), indent=1),
-                                         encoding="utf-8")
+            args.save_classes.write_text(json.dumps(universe.to_json(), indent=1), encoding="utf-8")
         except OSError as exc:
             err.write(f"kvspec-traits audit: cannot save the class sets: {exc}\n")
             return EXIT_USAGE
@@ -165,8 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             err.write(f"kvspec-traits audit: {exc}\n")
             return EXIT_USAGE
         targets.append(folder)
-    result = audit_paths(targets, universe, exclude=args.exclude,
-                         max_file_bytes=args.max_file_bytes, display_root=display_root)
+    result = audit_paths(
+        targets,
+        universe,
+        exclude=args.exclude,
+        max_file_bytes=args.max_file_bytes,
+        display_root=display_root,
+    )
     if args.min_confidence != "low":
         result = result.at_least(args.min_confidence)
     try:

@@ -29,10 +29,23 @@ __all__ = [
 ]
 
 DEFAULT_MAX_FILE_BYTES: Final = 8 * 1024 * 1024
-SKIPPED_DIRS: Final = frozenset({
-    ".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "node_modules", ".tox", ".nox",
-    ".mypy_cache", ".ruff_cache", ".pytest_cache", ".eggs",
-})
+SKIPPED_DIRS: Final = frozenset(
+    {
+        ".git",
+        ".hg",
+        ".svn",
+        "__pycache__",
+        ".venv",
+        "venv",
+        "node_modules",
+        ".tox",
+        ".nox",
+        ".mypy_cache",
+        ".ruff_cache",
+        ".pytest_cache",
+        ".eggs",
+    }
+)
 """Folder names never descended into below a target (a target itself is always read)."""
 
 
@@ -49,8 +62,9 @@ def _excluded(path: Path, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatch(path.name, p) or fnmatch.fnmatch(text, p) for p in patterns)
 
 
-def iter_source_files(targets: Sequence[Path], *, exclude: Sequence[str],
-                      errors: list[FileError]) -> Iterator[Path]:
+def iter_source_files(
+    targets: Sequence[Path], *, exclude: Sequence[str], errors: list[FileError]
+) -> Iterator[Path]:
     """Every file to scan: each target file itself, and the ``*.py`` files below each
     target folder (skipping :data:`SKIPPED_DIRS` and names or paths matching
     ``exclude``). Problems go to ``errors``; nothing raises."""
@@ -110,8 +124,11 @@ def iter_source_files(targets: Sequence[Path], *, exclude: Sequence[str],
                             seen_files.add((fst2.st_dev, fst2.st_ino))
                             yield path
                 elif entry.is_symlink() and entry.name.endswith(".py"):
-                    errors.append(FileError(path=str(path),
-                                            error="broken symlink (its target does not exist)"))
+                    errors.append(
+                        FileError(
+                            path=str(path), error="broken symlink (its target does not exist)"
+                        )
+                    )
             stack.extend(reversed(subdirs))
 
 
@@ -131,15 +148,18 @@ def read_source(path: Path, *, max_bytes: int) -> bytes | FileError:
     try:
         size = path.stat().st_size
         if size > max_bytes:
-            return FileError(path=str(path),
-                             error=f"{size} bytes, over the {max_bytes}-byte limit "
-                                   f"(raise it with --max-file-bytes)")
+            return FileError(
+                path=str(path),
+                error=f"{size} bytes, over the {max_bytes}-byte limit "
+                f"(raise it with --max-file-bytes)",
+            )
         data = path.read_bytes()
     except OSError as exc:
         return FileError(path=str(path), error=_os_error(exc, path))
     if b"\0" in data:
-        return FileError(path=str(path), error="binary file (contains NUL bytes), not "
-                                               "Python source")
+        return FileError(
+            path=str(path), error="binary file (contains NUL bytes), not Python source"
+        )
     return data
 
 

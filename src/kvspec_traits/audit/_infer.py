@@ -50,8 +50,9 @@ class Answer:
     varies: tuple[str, ...]
 
 
-Verdict = Literal["miss", "possible-miss", "deliberate", "exact-type", "group-wrapper",
-                  "unknown-class", "ok"]
+Verdict = Literal[
+    "miss", "possible-miss", "deliberate", "exact-type", "group-wrapper", "unknown-class", "ok"
+]
 Confidence = Literal["high", "medium", "low"]
 CONFIDENCES: Final = ("low", "medium", "high")
 """In increasing order (``--min-confidence`` keeps a site at or above its level)."""
@@ -115,8 +116,14 @@ class _Candidate:
     other: frozenset[str]
 
     def rank(self, priority: int) -> tuple[bool, bool, float, float, int, int]:
-        return (self.exact, self.near, self.similarity, self.overall_similarity,
-                -len(self.varies), -priority)
+        return (
+            self.exact,
+            self.near,
+            self.similarity,
+            self.overall_similarity,
+            -len(self.varies),
+            -priority,
+        )
 
 
 def _have(u: Universe, question: str, value: str, among: Iterable[str]) -> frozenset[str]:
@@ -143,12 +150,20 @@ def _candidates(u: Universe, branch: frozenset[str]) -> Iterable[tuple[int, _Can
             have = _have(u, q.name, value, scope - varies)
             inter, union = tested & have, tested | have
             other, miss = tested - have, have - tested
-            yield priority, _Candidate(
-                question=q, value=value, exact=not other and not miss,
-                near=not other and len(inter) > len(miss),
-                similarity=len(inter) / len(union),
-                overall_similarity=len(tested & overall) / len(tested | overall),
-                value_classes=have, varies=varies, other=other)
+            yield (
+                priority,
+                _Candidate(
+                    question=q,
+                    value=value,
+                    exact=not other and not miss,
+                    near=not other and len(inter) > len(miss),
+                    similarity=len(inter) / len(union),
+                    overall_similarity=len(tested & overall) / len(tested | overall),
+                    value_classes=have,
+                    varies=varies,
+                    other=other,
+                ),
+            )
 
 
 def _best(u: Universe, branch: frozenset[str]) -> _Candidate | None:
@@ -167,12 +182,15 @@ def _answer(cand: _Candidate, raw: RawSite, *, negated: bool) -> Answer:
     if raw.form == "issubclass":
         subject = f"<a {subject} instance>"  # traits describe instances, not classes
     return Answer(
-        trait=cand.question.name, value=cand.value, match=match,
+        trait=cand.question.name,
+        value=cand.value,
+        match=match,
         similarity=round(cand.similarity, 3),
         expression=cand.question.expression(subject, cand.value, negated=negated),
         value_classes=tuple(sorted(cand.value_classes)),
         other_value_classes=tuple(sorted(cand.other)),
-        varies=tuple(sorted(cand.varies)))
+        varies=tuple(sorted(cand.varies)),
+    )
 
 
 def _blocked(raw: RawSite, u: Universe) -> frozenset[str]:
@@ -200,17 +218,26 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     """The verdict on one class check against the class sets ``u``."""
     tested = _tested(raw, u)
     exact = raw.exact and not raw.subclass_safe
-    expanded = (frozenset(tested) & u.concrete if raw.kinds
-                else u.subclasses(tested) - u.subclasses(raw.excluded))
+    expanded = (
+        frozenset(tested) & u.concrete
+        if raw.kinds
+        else u.subclasses(tested) - u.subclasses(raw.excluded)
+    )
     as_written = frozenset(c for c in tested if c in u.concrete) if exact else expanded
-    no_rep = tuple(c for c in tested if c in u.classes and c not in u.unknown
-                   and (c not in u.concrete if exact else not u.subclasses([c])))
+    no_rep = tuple(
+        c
+        for c in tested
+        if c in u.classes
+        and c not in u.unknown
+        and (c not in u.concrete if exact else not u.subclasses([c]))
+    )
     unknown = tuple(c for c in raw.classes if c in u.unknown)
     skipped: tuple[str, ...] = ()
     if exact and not raw.kinds:
         # out-of-tree subclasses (even of unknown traits) are skipped all the same
-        below = {n for n in u.out_of_tree - set(tested)
-                 if any(t in u.classes[n].mro[1:] for t in tested)}
+        below = {
+            n for n in u.out_of_tree - set(tested) if any(t in u.classes[n].mro[1:] for t in tested)
+        }
         skipped = tuple(sorted((expanded - as_written) | below))
     wrapper = raw.unwraps is False
     blocked = _blocked(raw, u)
@@ -238,8 +265,9 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     # An out-of-tree subclass of a missed class, tested here or handled by the code
     # around it, covers it: that platform makes its own subclass's instances.
     around = {*raw.classes, *raw.exited_on, *(n for c in raw.constraints for n in c.classes)}
-    covered = {m for m in missing
-               if any(m in u.classes[c].mro[1:] for c in around if c in u.out_of_tree)}
+    covered = {
+        m for m in missing if any(m in u.classes[c].mro[1:] for c in around if c in u.out_of_tree)
+    }
     missing -= covered
 
     verdict: Verdict = "ok"
@@ -257,14 +285,18 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         reason = "a table looked up along type(x).__mro__: subclasses find their base's entry"
     elif unknown and not expanded:
         verdict, confidence = "unknown-class", "high"
-        reason = (f"names {', '.join(unknown)}, defined in the scanned code with fields of "
-                  f"its own: its traits are unknown (register an adapter for it)")
+        reason = (
+            f"names {', '.join(unknown)}, defined in the scanned code with fields of "
+            f"its own: its traits are unknown (register an adapter for it)"
+        )
     elif missing:
         names = ", ".join(sorted(missing))
         if negative:
             verdict, confidence = "miss", "high"
-            reason = (f"asks {answer.expression if answer else 'a negative question'} but "
-                      f"lets {names} through")
+            reason = (
+                f"asks {answer.expression if answer else 'a negative question'} but "
+                f"lets {names} through"
+            )
         elif missing <= exited:
             verdict, confidence = "deliberate", "medium"
             reason = f"{names} handled by an explicit exit elsewhere in this function"
@@ -282,21 +314,27 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
             reason = f"its if/elif chain ends in raise: {names} takes a later branch or is refused"
         elif set(raw.refused) & set(tested):
             verdict, confidence = "possible-miss", "low"
-            reason = (f"this package refuses some "
-                      f"{', '.join(sorted(set(raw.refused) & set(tested)))} specs with a "
-                      f"raise: a domain limit the code states")
+            reason = (
+                f"this package refuses some "
+                f"{', '.join(sorted(set(raw.refused) & set(tested)))} specs with a "
+                f"raise: a domain limit the code states"
+            )
         else:
             verdict = "miss"
             confidence = "high" if answer and answer.similarity >= 0.5 else "medium"
-            reason = f"asks {answer.trait if answer else '?'} = " \
-                     f"{answer.value if answer else '?'} but leaves out {names}"
+            reason = (
+                f"asks {answer.trait if answer else '?'} = "
+                f"{answer.value if answer else '?'} but leaves out {names}"
+            )
             if unknown:
                 confidence = "medium"
                 reason += f"; also names {', '.join(unknown)} (unknown traits)"
             if raw.others:
                 confidence = "medium"
-                reason += (f"; also tests {', '.join(raw.others)}, no spec class the audit "
-                           f"knows (defined outside the scanned code?)")
+                reason += (
+                    f"; also tests {', '.join(raw.others)}, no spec class the audit "
+                    f"knows (defined outside the scanned code?)"
+                )
     elif skipped and not (set(skipped) - exited):
         verdict, confidence = "deliberate", "medium"
         reason = "exact type check; the subclasses it skips are handled by an explicit exit"
@@ -305,34 +343,50 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         reason = "exact type check with a comment about subclasses just above"
     elif skipped and raw.form == "class-compare":
         verdict, confidence = "exact-type", "low"
-        reason = (f"a class read elsewhere (a registry answer, a stored type) compared by "
-                  f"identity: whether subclasses ({', '.join(skipped)}) can reach it depends "
-                  f"on where it comes from")
+        reason = (
+            f"a class read elsewhere (a registry answer, a stored type) compared by "
+            f"identity: whether subclasses ({', '.join(skipped)}) can reach it depends "
+            f"on where it comes from"
+        )
     elif skipped:
         verdict, confidence = "exact-type", "medium"
         reason = f"exact type check skips subclasses {', '.join(skipped)}"
     elif wrapper:
         verdict, confidence = "group-wrapper", "low"
-        reason = ("tests the group wrapper and reads none of its members; its own "
-                  "properties (page_size_bytes sums the members) may be what it means")
+        reason = (
+            "tests the group wrapper and reads none of its members; its own "
+            "properties (page_size_bytes sums the members) may be what it means"
+        )
     elif excluded_by_flow:
-        reason = (f"{', '.join(sorted(excluded_by_flow))} cannot get here (excluded by "
-                  f"{_flow_reason(raw, u, excluded_by_flow)})")
+        reason = (
+            f"{', '.join(sorted(excluded_by_flow))} cannot get here (excluded by "
+            f"{_flow_reason(raw, u, excluded_by_flow)})"
+        )
     elif covered:
-        reason = (f"{', '.join(sorted(covered))} covered by an out-of-tree subclass the "
-                  f"code names")
+        reason = f"{', '.join(sorted(covered))} covered by an out-of-tree subclass the code names"
     if unknown and verdict == "ok":
         reason += f"; names {', '.join(unknown)} (unknown traits: adds fields)"
     if no_rep and verdict == "ok":
-        reason += (f"; {', '.join(no_rep)} has no representative: its traits are unknown to "
-                   f"the audit")
+        reason += (
+            f"; {', '.join(no_rep)} has no representative: its traits are unknown to the audit"
+        )
     if raw.others and verdict != "miss":
         reason += f"; also tests {', '.join(raw.others)}, no spec class the audit knows"
-    return Site(path=path, raw=raw, branch_classes=tuple(sorted(as_written)), answer=answer,
-                missing=tuple(sorted(missing)), skipped_subclasses=skipped,
-                wrapper_not_unwrapped=wrapper, no_representative=no_rep, verdict=verdict,
-                confidence=confidence, reason=reason,
-                excluded_by_flow=tuple(sorted(excluded_by_flow)), unknown=unknown)
+    return Site(
+        path=path,
+        raw=raw,
+        branch_classes=tuple(sorted(as_written)),
+        answer=answer,
+        missing=tuple(sorted(missing)),
+        skipped_subclasses=skipped,
+        wrapper_not_unwrapped=wrapper,
+        no_representative=no_rep,
+        verdict=verdict,
+        confidence=confidence,
+        reason=reason,
+        excluded_by_flow=tuple(sorted(excluded_by_flow)),
+        unknown=unknown,
+    )
 
 
 def _flow_reason(raw: RawSite, u: Universe, excluded: frozenset[str]) -> str:

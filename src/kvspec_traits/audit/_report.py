@@ -15,15 +15,26 @@ __all__ = ["RULES", "render_json", "render_sarif", "render_table", "site_json", 
 TOOL_NAME: Final = "kvspec-traits audit"
 
 RULES: Final = (
-    ("KVT001", "spec-class-check",
-     "A branch on a KV cache spec class: ask the spec's traits instead."),
-    ("KVT002", "missed-spec-class",
-     "A branch on spec classes leaves out classes with the trait value it most likely "
-     "asks for."),
-    ("KVT003", "exact-type-check",
-     "An exact type check on a spec class skips that class's subclasses."),
-    ("KVT004", "group-wrapper-not-unwrapped",
-     "A check on the group wrapper spec whose guarded code uses nothing only the group has."),
+    (
+        "KVT001",
+        "spec-class-check",
+        "A branch on a KV cache spec class: ask the spec's traits instead.",
+    ),
+    (
+        "KVT002",
+        "missed-spec-class",
+        "A branch on spec classes leaves out classes with the trait value it most likely asks for.",
+    ),
+    (
+        "KVT003",
+        "exact-type-check",
+        "An exact type check on a spec class skips that class's subclasses.",
+    ),
+    (
+        "KVT004",
+        "group-wrapper-not-unwrapped",
+        "A check on the group wrapper spec whose guarded code uses nothing only the group has.",
+    ),
 )
 _RULE_INDEX: Final = {rule_id: i for i, (rule_id, _, _) in enumerate(RULES)}
 
@@ -40,8 +51,15 @@ def _rule_of(site: Site) -> tuple[str, str]:
     return "KVT001", "note"
 
 
-_VERDICT_ORDER: Final = ("miss", "exact-type", "unknown-class", "possible-miss",
-                         "group-wrapper", "deliberate", "ok")
+_VERDICT_ORDER: Final = (
+    "miss",
+    "exact-type",
+    "unknown-class",
+    "possible-miss",
+    "group-wrapper",
+    "deliberate",
+    "ok",
+)
 
 
 def _priority(site: Site) -> tuple[int, int]:
@@ -57,23 +75,28 @@ def _answer_text(site: Site) -> str:
         if site.raw.form == "class-dict":
             return "none (a table keyed by spec class: key it by a trait value instead)"
         return "none fits (a class-identity question)"
-    text = f"{a.trait} = {a.value} ({a.match} match, similarity {a.similarity:.2f}) -> " \
-           f"{a.expression}"
+    text = (
+        f"{a.trait} = {a.value} ({a.match} match, similarity {a.similarity:.2f}) -> {a.expression}"
+    )
     if a.other_value_classes:
         text += f"; also accepts {', '.join(a.other_value_classes)} (another value)"
     return text
 
 
 def _message(site: Site) -> str:
-    parts = [f"`{site.raw.text}` branches on spec classes; trait: {_answer_text(site)}.",
-             f"Verdict: {site.verdict} ({site.confidence} confidence): {site.reason}."]
+    parts = [
+        f"`{site.raw.text}` branches on spec classes; trait: {_answer_text(site)}.",
+        f"Verdict: {site.verdict} ({site.confidence} confidence): {site.reason}.",
+    ]
     if site.missing:
         parts.append(f"Misses {', '.join(site.missing)}.")
     if site.skipped_subclasses:
         parts.append(f"Exact type check: skips subclasses {', '.join(site.skipped_subclasses)}.")
     if site.wrapper_not_unwrapped:
-        parts.append("Tests the group wrapper, but the guarded code uses nothing only the group "
-                     "has (its members): it treats a group of layers as one layer.")
+        parts.append(
+            "Tests the group wrapper, but the guarded code uses nothing only the group "
+            "has (its members): it treats a group of layers as one layer."
+        )
     return " ".join(parts)
 
 
@@ -120,11 +143,14 @@ def render_table(result: AuditResult, out: TextIO) -> None:
             elif site.verdict == "possible-miss":
                 out.write(f"{pad}MAY MISS {', '.join(site.missing)}\n")
             if site.verdict == "exact-type":
-                out.write(f"{pad}EXACT TYPE: skips subclasses "
-                          f"{', '.join(site.skipped_subclasses)}\n")
+                out.write(
+                    f"{pad}EXACT TYPE: skips subclasses {', '.join(site.skipped_subclasses)}\n"
+                )
             if site.verdict == "group-wrapper":
-                out.write(f"{pad}GROUP WRAPPER: the guarded code uses nothing only the group "
-                          f"has ({', '.join(sorted(u.group_attributes)) or 'its members'})\n")
+                out.write(
+                    f"{pad}GROUP WRAPPER: the guarded code uses nothing only the group "
+                    f"has ({', '.join(sorted(u.group_attributes)) or 'its members'})\n"
+                )
             if site.verdict == "unknown-class":
                 out.write(f"{pad}UNKNOWN CLASS: {', '.join(site.unknown)}\n")
             if site.no_representative:
@@ -143,7 +169,8 @@ def render_table(result: AuditResult, out: TextIO) -> None:
         f"{_count(n['exact_type_checks_skipping_subclasses'], 'exact type check')} skipping "
         f"subclasses, {_count(n['group_wrappers_not_unwrapped'], 'group wrapper')} not "
         f"unwrapped; {_count(n['files_seen'], 'file')} seen, {n['files_parsed']} parsed, "
-        f"{n['files_with_errors']} could not be scanned\n")
+        f"{n['files_with_errors']} could not be scanned\n"
+    )
 
 
 def _count(n: int, noun: str) -> str:
@@ -154,16 +181,30 @@ def site_json(site: Site) -> dict[str, Any]:
     """One site as a JSON object (the ``sites`` items of ``--json``)."""
     r, a = site.raw, site.answer
     return {
-        "path": site.path, "line": r.line, "column": r.col + 1, "end_line": r.end_line,
-        "function": r.function, "form": r.form, "check": r.text, "subject": r.subject,
-        "classes": list(r.classes), "excluded": list(r.excluded), "negated": r.negated,
+        "path": site.path,
+        "line": r.line,
+        "column": r.col + 1,
+        "end_line": r.end_line,
+        "function": r.function,
+        "form": r.form,
+        "check": r.text,
+        "subject": r.subject,
+        "classes": list(r.classes),
+        "excluded": list(r.excluded),
+        "negated": r.negated,
         "exact": r.exact,
         "branch_classes": list(site.branch_classes),
-        "answer": None if a is None else {
-            "trait": a.trait, "value": a.value, "match": a.match,
-            "similarity": a.similarity, "expression": a.expression,
+        "answer": None
+        if a is None
+        else {
+            "trait": a.trait,
+            "value": a.value,
+            "match": a.match,
+            "similarity": a.similarity,
+            "expression": a.expression,
             "value_classes": list(a.value_classes),
-            "other_value_classes": list(a.other_value_classes), "varies": list(a.varies),
+            "other_value_classes": list(a.other_value_classes),
+            "varies": list(a.varies),
         },
         "missing": list(site.missing),
         "excluded_by_flow": list(site.excluded_by_flow),
@@ -171,7 +212,9 @@ def site_json(site: Site) -> dict[str, Any]:
         "unknown": list(site.unknown),
         "other_classes": list(r.others),
         "kinds": list(r.kinds),
-        "verdict": site.verdict, "confidence": site.confidence, "reason": site.reason,
+        "verdict": site.verdict,
+        "confidence": site.confidence,
+        "reason": site.reason,
         "wrapper_not_unwrapped": site.wrapper_not_unwrapped,
         "no_representative": list(site.no_representative),
         "rule": _rule_of(site)[0],
@@ -188,7 +231,8 @@ def render_json(result: AuditResult) -> dict[str, Any]:
 
     u = result.universe
     return {
-        "tool": TOOL_NAME, "version": __version__,
+        "tool": TOOL_NAME,
+        "version": __version__,
         "vllm": {"version": u.vllm_version, "path": u.vllm_path},
         "extensions": list(u.extensions),
         "summary": summary(result),
@@ -212,35 +256,68 @@ def render_sarif(result: AuditResult) -> dict[str, Any]:
     results = []
     for site in result.sites:
         rule_id, level = _rule_of(site)
-        results.append({
-            "ruleId": rule_id, "ruleIndex": _RULE_INDEX[rule_id], "level": level,
-            "message": {"text": _message(site)},
-            "locations": [{"physicalLocation": {
-                "artifactLocation": _artifact(site.path),
-                "region": {"startLine": site.raw.line, "startColumn": site.raw.col + 1,
-                           "endLine": site.raw.end_line},
-            }, "logicalLocations": [{"fullyQualifiedName": site.raw.function}]}],
-            "properties": {"missing": list(site.missing), "verdict": site.verdict,
-                           "confidence": site.confidence,
-                           "trait": None if site.answer is None else site.answer.trait},
-        })
-    notifications = [{
-        "level": "error", "message": {"text": f"could not scan: {e.error}"},
-        "locations": [{"physicalLocation": {"artifactLocation": _artifact(e.path)}}],
-    } for e in result.errors]
+        results.append(
+            {
+                "ruleId": rule_id,
+                "ruleIndex": _RULE_INDEX[rule_id],
+                "level": level,
+                "message": {"text": _message(site)},
+                "locations": [
+                    {
+                        "physicalLocation": {
+                            "artifactLocation": _artifact(site.path),
+                            "region": {
+                                "startLine": site.raw.line,
+                                "startColumn": site.raw.col + 1,
+                                "endLine": site.raw.end_line,
+                            },
+                        },
+                        "logicalLocations": [{"fullyQualifiedName": site.raw.function}],
+                    }
+                ],
+                "properties": {
+                    "missing": list(site.missing),
+                    "verdict": site.verdict,
+                    "confidence": site.confidence,
+                    "trait": None if site.answer is None else site.answer.trait,
+                },
+            }
+        )
+    notifications = [
+        {
+            "level": "error",
+            "message": {"text": f"could not scan: {e.error}"},
+            "locations": [{"physicalLocation": {"artifactLocation": _artifact(e.path)}}],
+        }
+        for e in result.errors
+    ]
     return {
         "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
         "version": "2.1.0",
-        "runs": [{
-            "tool": {"driver": {
-                "name": TOOL_NAME, "version": __version__,
-                "rules": [{"id": rule_id, "name": name,
-                           "shortDescription": {"text": text},
-                           "help": {"text": "See docs/audit.md of kvspec-traits."}}
-                          for rule_id, name, text in RULES],
-            }},
-            "invocations": [{"executionSuccessful": not result.errors,
-                             "toolExecutionNotifications": notifications}],
-            "results": results,
-        }],
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": TOOL_NAME,
+                        "version": __version__,
+                        "rules": [
+                            {
+                                "id": rule_id,
+                                "name": name,
+                                "shortDescription": {"text": text},
+                                "help": {"text": "See docs/audit.md of kvspec-traits."},
+                            }
+                            for rule_id, name, text in RULES
+                        ],
+                    }
+                },
+                "invocations": [
+                    {
+                        "executionSuccessful": not result.errors,
+                        "toolExecutionNotifications": notifications,
+                    }
+                ],
+                "results": results,
+            }
+        ],
     }

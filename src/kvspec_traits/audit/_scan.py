@@ -145,9 +145,15 @@ _Binding = _Ref | _ClassSet | _Other
 
 
 class _Resolver:
-    def __init__(self, tree: ast.Module, *, module: str, is_package: bool,
-                 known: frozenset[str],
-                 exports: Mapping[str, Mapping[str, tuple[str, ...]]]) -> None:
+    def __init__(
+        self,
+        tree: ast.Module,
+        *,
+        module: str,
+        is_package: bool,
+        known: frozenset[str],
+        exports: Mapping[str, Mapping[str, tuple[str, ...]]],
+    ) -> None:
         self.known = known
         self.exports = exports
         self.module = module
@@ -171,8 +177,9 @@ class _Resolver:
                         continue
                     ref = f"{base}.{alias.name}" if base else alias.name
                     self.bindings[alias.asname or alias.name] = ref
-        self._imports: dict[str, str] = {k: v for k, v in self.bindings.items()
-                                          if isinstance(v, str)}
+        self._imports: dict[str, str] = {
+            k: v for k, v in self.bindings.items() if isinstance(v, str)
+        }
         self._tree = tree
         self._bind_module_level()
 
@@ -225,8 +232,11 @@ class _Resolver:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return (node.value,) if node.value in self.known else ()
         if isinstance(node, ast.Tuple | ast.List | ast.Set) and node.elts:
-            names = [e.value for e in node.elts
-                     if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            names = [
+                e.value
+                for e in node.elts
+                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+            ]
             if len(names) == len(node.elts) and all(n in self.known for n in names):
                 return tuple(names)
         return ()
@@ -401,12 +411,20 @@ class ModuleScan:
     visited.
     """
 
-    def __init__(self, tree: ast.Module, *, module: str = "", is_package: bool = False,
-                 known: frozenset[str], source: bytes | None = None) -> None:
+    def __init__(
+        self,
+        tree: ast.Module,
+        *,
+        module: str = "",
+        is_package: bool = False,
+        known: frozenset[str],
+        source: bytes | None = None,
+    ) -> None:
         self.tree = tree
         self.source = source
-        self.resolver = _Resolver(tree, module=module, is_package=is_package, known=known,
-                                  exports={})
+        self.resolver = _Resolver(
+            tree, module=module, is_package=is_package, known=known, exports={}
+        )
 
     def class_definitions(self) -> list[ClassDefinition]:
         """Classes this module defines on spec classes (an out-of-tree
@@ -418,10 +436,21 @@ class ModuleScan:
             bases = _dedup(c for b in stmt.bases for c in self.resolver.classes_of(b))
             if not bases:
                 continue
-            adds = any(isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)
-                       and not _is_classvar(b.annotation) for b in stmt.body)
-            found.append(ClassDefinition(name=stmt.name, module=self.resolver.module,
-                                         line=stmt.lineno, bases=bases, adds_fields=adds))
+            adds = any(
+                isinstance(b, ast.AnnAssign)
+                and isinstance(b.target, ast.Name)
+                and not _is_classvar(b.annotation)
+                for b in stmt.body
+            )
+            found.append(
+                ClassDefinition(
+                    name=stmt.name,
+                    module=self.resolver.module,
+                    line=stmt.lineno,
+                    bases=bases,
+                    adds_fields=adds,
+                )
+            )
         return found
 
     def imported_modules(self) -> frozenset[str]:
@@ -439,18 +468,22 @@ class ModuleScan:
         which other modules may import."""
         return dict(self.resolver.class_sets)
 
-    def sites(self, *, groups: frozenset[str] = frozenset(),
-              group_attributes: frozenset[str] = frozenset(),
-              exports: Mapping[str, Mapping[str, tuple[str, ...]]] | None = None,
-              ) -> list[RawSite]:
+    def sites(
+        self,
+        *,
+        groups: frozenset[str] = frozenset(),
+        group_attributes: frozenset[str] = frozenset(),
+        exports: Mapping[str, Mapping[str, tuple[str, ...]]] | None = None,
+    ) -> list[RawSite]:
         """Every class check against spec classes, in line order."""
         if exports:
             self.resolver.use_exports(exports)
         lines = None
         if self.source is not None:
             lines = relevant_lines(self.source, self.resolver.tokens())
-        finder = _Finder(self.resolver, groups=groups, group_attributes=group_attributes,
-                         source=self.source)
+        finder = _Finder(
+            self.resolver, groups=groups, group_attributes=group_attributes, source=self.source
+        )
         return finder.run(self.tree, lines)
 
 
@@ -459,8 +492,9 @@ def _is_classvar(annotation: ast.expr) -> bool:
     return text.startswith(("ClassVar", "typing.ClassVar"))
 
 
-def module_class_sets(tree: ast.Module, *, module: str = "", is_package: bool = False,
-                      known: frozenset[str]) -> dict[str, tuple[str, ...]]:
+def module_class_sets(
+    tree: ast.Module, *, module: str = "", is_package: bool = False, known: frozenset[str]
+) -> dict[str, tuple[str, ...]]:
     """Module-level names bound to spec class sets, which other modules may import."""
     return ModuleScan(tree, module=module, is_package=is_package, known=known).class_sets
 
@@ -501,8 +535,14 @@ def _last_name(node: ast.expr) -> str:
 
 
 class _Finder:
-    def __init__(self, resolver: _Resolver, *, groups: frozenset[str],
-                 group_attributes: frozenset[str], source: bytes | None = None) -> None:
+    def __init__(
+        self,
+        resolver: _Resolver,
+        *,
+        groups: frozenset[str],
+        group_attributes: frozenset[str],
+        source: bytes | None = None,
+    ) -> None:
         self.r = resolver
         self.groups = groups
         self.group_attributes = group_attributes
@@ -526,8 +566,11 @@ class _Finder:
             if isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
                 pairs.append((node.target, node.iter))
             for target, it in pairs:
-                if (isinstance(target, ast.Name) and isinstance(it, ast.Attribute)
-                        and it.attr == "__mro__"):
+                if (
+                    isinstance(target, ast.Name)
+                    and isinstance(it, ast.Attribute)
+                    and it.attr == "__mro__"
+                ):
                     self.mro_vars[target.id] = self._mro_subject(it.value)
         if not self.mro_vars:
             return
@@ -535,20 +578,30 @@ class _Finder:
             # D[c], D.get(c), c in D with c a walk variable: D is looked up along the MRO
             if isinstance(node, ast.Subscript) and _name_of(node.slice) in self.mro_vars:
                 self.mro_dicts.add(_last_name(node.value))
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                  and node.func.attr == "get" and node.args
-                  and _name_of(node.args[0]) in self.mro_vars):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and node.args
+                and _name_of(node.args[0]) in self.mro_vars
+            ):
                 self.mro_dicts.add(_last_name(node.func.value))
-            elif (isinstance(node, ast.Compare) and len(node.ops) == 1
-                  and isinstance(node.ops[0], ast.In | ast.NotIn)
-                  and _name_of(node.left) in self.mro_vars):
+            elif (
+                isinstance(node, ast.Compare)
+                and len(node.ops) == 1
+                and isinstance(node.ops[0], ast.In | ast.NotIn)
+                and _name_of(node.left) in self.mro_vars
+            ):
                 self.mro_dicts.add(_last_name(node.comparators[0]))
         self.mro_dicts.discard("")
 
     def _mro_subject(self, node: ast.expr) -> str:
         # `type(x).__mro__` / `x.__class__.__mro__` walk x's classes; `t.__mro__` walks t.
-        if (isinstance(node, ast.Call) and self.r.is_builtin(node.func, "type")
-                and len(node.args) == 1):
+        if (
+            isinstance(node, ast.Call)
+            and self.r.is_builtin(node.func, "type")
+            and len(node.args) == 1
+        ):
             return ast.unparse(node.args[0])
         if isinstance(node, ast.Attribute) and node.attr == "__class__":
             return ast.unparse(node.value)
@@ -566,8 +619,7 @@ class _Finder:
         if isinstance(node, ast.Call):
             return self._call_check(node, negated)
         if isinstance(node, ast.Compare) and len(node.ops) == 1:
-            return self._compare_check(node, node.left, node.ops[0], node.comparators[0],
-                                       negated)
+            return self._compare_check(node, node.left, node.ops[0], node.comparators[0], negated)
         return None
 
     def _call_check(self, node: ast.Call, negated: bool) -> _Check | None:
@@ -576,17 +628,35 @@ class _Finder:
                 classes = self.r.classes_of(node.args[1])
                 if not classes:
                     return None
-                return _Check(node, form, ast.unparse(node.args[0]), ast.unparse(node),
-                              ast.unparse(node.args[1]), classes, negated, exact=False)
+                return _Check(
+                    node,
+                    form,
+                    ast.unparse(node.args[0]),
+                    ast.unparse(node),
+                    ast.unparse(node.args[1]),
+                    classes,
+                    negated,
+                    exact=False,
+                )
         # unittest's self.assertIsInstance(x, C) / assertNotIsInstance: an asserted check
-        if (isinstance(node.func, ast.Attribute) and len(node.args) >= 2
-                and node.func.attr in ("assertIsInstance", "assertNotIsInstance")):
+        if (
+            isinstance(node.func, ast.Attribute)
+            and len(node.args) >= 2
+            and node.func.attr in ("assertIsInstance", "assertNotIsInstance")
+        ):
             classes = self.r.classes_of(node.args[1])
             if classes:
-                return _Check(node, "isinstance", ast.unparse(node.args[0]), ast.unparse(node),
-                              ast.unparse(node.args[1]), classes,
-                              negated != (node.func.attr == "assertNotIsInstance"),
-                              exact=False, asserted=True)
+                return _Check(
+                    node,
+                    "isinstance",
+                    ast.unparse(node.args[0]),
+                    ast.unparse(node),
+                    ast.unparse(node.args[1]),
+                    classes,
+                    negated != (node.func.attr == "assertNotIsInstance"),
+                    exact=False,
+                    asserted=True,
+                )
         return None
 
     def _type_side(self, node: ast.expr) -> tuple[str, str] | None:
@@ -614,15 +684,19 @@ class _Finder:
                 return "type-name", found[1]
         if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp):
             gen = node.generators[0] if len(node.generators) == 1 else None
-            if (gen is not None and isinstance(gen.iter, ast.Attribute)
-                    and gen.iter.attr == "__mro__"):
+            if (
+                gen is not None
+                and isinstance(gen.iter, ast.Attribute)
+                and gen.iter.attr == "__mro__"
+            ):
                 return "mro-walk", self._mro_subject(gen.iter.value)
         if isinstance(node, ast.Constant):
             return None
         return "type-name", ast.unparse(node)
 
-    def _special_check(self, node: ast.expr, left: ast.expr, op: ast.cmpop, right: ast.expr,
-                       negated: bool) -> _Check | None:
+    def _special_check(
+        self, node: ast.expr, left: ast.expr, op: ast.cmpop, right: ast.expr, negated: bool
+    ) -> _Check | None:
         # Class-name strings, KVCacheSpecKind members, `C in type(x).__mro__`.
         is_in = isinstance(op, ast.In | ast.NotIn)
         neg = negated != isinstance(op, _NEGATIVE_OPS)
@@ -635,13 +709,30 @@ class _Finder:
                     ref = self.r.dotted(other.func)
                     if ref is not None and ref.rpartition(".")[2] == _KIND_FUNCTION:
                         subject = ast.unparse(other.args[0])
-                return _Check(node, "spec-kind", subject, ast.unparse(node),
-                              ast.unparse(const), (), neg, exact=True, kinds=kinds)
+                return _Check(
+                    node,
+                    "spec-kind",
+                    subject,
+                    ast.unparse(node),
+                    ast.unparse(const),
+                    (),
+                    neg,
+                    exact=True,
+                    kinds=kinds,
+                )
         if is_in and isinstance(right, ast.Attribute) and right.attr == "__mro__":
             classes = self.r.classes_of(left)
             if classes:
-                return _Check(node, "mro-walk", self._mro_subject(right.value),
-                              ast.unparse(node), ast.unparse(left), classes, neg, exact=False)
+                return _Check(
+                    node,
+                    "mro-walk",
+                    self._mro_subject(right.value),
+                    ast.unparse(node),
+                    ast.unparse(left),
+                    classes,
+                    neg,
+                    exact=False,
+                )
         # `names in <mro names>` has the strings on the left; otherwise on the right
         string_pairs = [(right, left)] if is_in else [(left, right), (right, left)]
         if is_in:
@@ -656,12 +747,21 @@ class _Finder:
             if side is None or (is_in and const is left and side[0] != "mro-walk"):
                 continue  # `"MambaSpec" in registry` asks about a table, not an object
             form, subject = side
-            return _Check(node, form, subject, ast.unparse(node), ast.unparse(const), names,
-                          neg, exact=form != "mro-walk")
+            return _Check(
+                node,
+                form,
+                subject,
+                ast.unparse(node),
+                ast.unparse(const),
+                names,
+                neg,
+                exact=form != "mro-walk",
+            )
         return None
 
-    def _compare_check(self, node: ast.expr, left: ast.expr, op: ast.cmpop, right: ast.expr,
-                       negated: bool) -> _Check | None:
+    def _compare_check(
+        self, node: ast.expr, left: ast.expr, op: ast.cmpop, right: ast.expr, negated: bool
+    ) -> _Check | None:
         if not isinstance(op, _EXACT_OPS):
             return None
         special = self._special_check(node, left, op, right, negated)
@@ -678,8 +778,16 @@ class _Finder:
             if not classes:
                 continue
             form, subject = found
-            return _Check(node, form, subject, ast.unparse(node), ast.unparse(class_expr),
-                          classes, negated != isinstance(op, _NEGATIVE_OPS), exact=True)
+            return _Check(
+                node,
+                form,
+                subject,
+                ast.unparse(node),
+                ast.unparse(class_expr),
+                classes,
+                negated != isinstance(op, _NEGATIVE_OPS),
+                exact=True,
+            )
         # A class compared by identity or membership: `spec_type is CircularBufferSpec`,
         # `base in (A, B)` where the other side holds a class read elsewhere.
         for other, class_expr in sides:
@@ -687,9 +795,16 @@ class _Finder:
                 continue
             classes = self.r.classes_of(class_expr)
             if classes:
-                return _Check(node, "class-compare", ast.unparse(other), ast.unparse(node),
-                              ast.unparse(class_expr), classes,
-                              negated != isinstance(op, _NEGATIVE_OPS), exact=True)
+                return _Check(
+                    node,
+                    "class-compare",
+                    ast.unparse(other),
+                    ast.unparse(node),
+                    ast.unparse(class_expr),
+                    classes,
+                    negated != isinstance(op, _NEGATIVE_OPS),
+                    exact=True,
+                )
         return None
 
     # -- the walk -------------------------------------------------------------------------
@@ -708,9 +823,11 @@ class _Finder:
                 if i == len(lines) or lines[i] > (node.end_lineno or node.lineno):
                     continue  # no name that could make a check appears in this node
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                if func == "<module>" or (isinstance(top, ast.ClassDef)
-                                          and not isinstance(node, ast.ClassDef)
-                                          and top is scope):
+                if func == "<module>" or (
+                    isinstance(top, ast.ClassDef)
+                    and not isinstance(node, ast.ClassDef)
+                    and top is scope
+                ):
                     top = node  # a method's top is the method, not its class
                 func = node.name if func == "<module>" else f"{func}.{node.name}"
                 scope = node
@@ -726,8 +843,7 @@ class _Finder:
                 for case in node.cases:
                     if case.guard is not None:
                         children.append(case.guard)
-            stack.extend((child, func, region, scope, stmt, top)
-                         for child in reversed(children))
+            stack.extend((child, func, region, scope, stmt, top) for child in reversed(children))
         self.sites.sort(key=lambda s: (s.line, s.col))
         return self.sites
 
@@ -785,9 +901,17 @@ class _Finder:
                 continue
             checks = [c for c, _ in members]
             joiner = " or " if is_or else " and "
-            merged = _Check(checks[0].node, form, subject, joiner.join(c.text for c in checks),
-                            joiner.join(c.written for c in checks), classes,
-                            negated != is_or, exact, excluded)
+            merged = _Check(
+                checks[0].node,
+                form,
+                subject,
+                joiner.join(c.text for c in checks),
+                joiner.join(c.written for c in checks),
+                classes,
+                negated != is_or,
+                exact,
+                excluded,
+            )
             self._emit(merged, func, region, end=checks[-1].node)
             for value in node.values:
                 check = self.check_of(value)
@@ -811,8 +935,12 @@ class _Finder:
             elif isinstance(region, ast.AnnAssign):
                 targets = [region.target]
             safe = any(_last_name(t) in self.mro_dicts for t in targets)
-            self._emit(_Check(node, "class-dict", "", written, written, _dedup(keys), False,
-                              not safe), func, region, subclass_safe=safe)
+            self._emit(
+                _Check(node, "class-dict", "", written, written, _dedup(keys), False, not safe),
+                func,
+                region,
+                subclass_safe=safe,
+            )
 
     def _visit_match(self, node: ast.Match, func: str) -> None:
         subject = ast.unparse(node.subject)
@@ -820,8 +948,20 @@ class _Finder:
             classes = _dedup(self._pattern_classes(case.pattern))
             if classes:
                 written = ast.unparse(case.pattern)
-                self._emit(_Check(case.pattern, "match-class", subject, f"case {written}",
-                                  written, classes, False, False), func, case)
+                self._emit(
+                    _Check(
+                        case.pattern,
+                        "match-class",
+                        subject,
+                        f"case {written}",
+                        written,
+                        classes,
+                        False,
+                        False,
+                    ),
+                    func,
+                    case,
+                )
 
     def _pattern_classes(self, pattern: ast.pattern) -> Iterator[str]:
         if isinstance(pattern, ast.MatchClass):
@@ -841,15 +981,20 @@ class _Finder:
             for block in _blocks(self.scope):
                 for i, stmt in enumerate(block):
                     if stmt is region:
-                        return nodes + list(block[i + 1:])
+                        return nodes + list(block[i + 1 :])
             return nodes
-        if not (negated and isinstance(region, ast.If) and region.body
-                and isinstance(region.body[-1], _EXITS) and self.scope is not None):
+        if not (
+            negated
+            and isinstance(region, ast.If)
+            and region.body
+            and isinstance(region.body[-1], _EXITS)
+            and self.scope is not None
+        ):
             return nodes
         for block in _blocks(self.scope):
             for i, stmt in enumerate(block):
                 if stmt is region:
-                    return nodes + list(block[i + 1:])
+                    return nodes + list(block[i + 1 :])
         return nodes
 
     def _exit_checks(self, top: ast.AST) -> tuple[tuple[str, tuple[str, ...], int, str], ...]:
@@ -863,8 +1008,14 @@ class _Finder:
                 if isinstance(stmt, ast.If) and exits(stmt.body):
                     for use in test_checks(stmt.test, self.check_of):
                         if use.triggers:
-                            found.append((use.check.subject, use.check.classes,
-                                          _position(use.check.node), use.over))
+                            found.append(
+                                (
+                                    use.check.subject,
+                                    use.check.classes,
+                                    _position(use.check.node),
+                                    use.over,
+                                )
+                            )
             cached = self._exits[id(top)] = tuple(found)
         return cached
 
@@ -898,9 +1049,11 @@ class _Finder:
         line = getattr(check.node, "lineno", 0)
         first = getattr(stmt, "lineno", line)
         if self.source_lines is not None and line:
-            above = self.source_lines[max(0, first - 4):line]
-            if any(b"#" in text and any(w.encode() in text.lower() for w in _SUBCLASS_WORDS)
-                   for text in above):
+            above = self.source_lines[max(0, first - 4) : line]
+            if any(
+                b"#" in text and any(w.encode() in text.lower() for w in _SUBCLASS_WORDS)
+                for text in above
+            ):
                 flags.append("subclass-comment")
         return tuple(flags)
 
@@ -914,54 +1067,96 @@ class _Finder:
             operand = node.comparators[0]
         if not isinstance(operand, ast.Tuple | ast.List | ast.Set):
             return ()
-        return tuple(ast.unparse(e) for e in operand.elts
-                     if isinstance(e, ast.Name | ast.Attribute) and not self.r.classes_of(e)
-                     and not self.r.is_builtin(e, "type")
-                     and _last_name(e)[:1].isupper())
+        return tuple(
+            ast.unparse(e)
+            for e in operand.elts
+            if isinstance(e, ast.Name | ast.Attribute)
+            and not self.r.classes_of(e)
+            and not self.r.is_builtin(e, "type")
+            and _last_name(e)[:1].isupper()
+        )
 
-    def _emit(self, check: _Check, func: str, region: ast.AST, *,
-              end: ast.AST | None = None, subclass_safe: bool = False) -> None:
+    def _emit(
+        self,
+        check: _Check,
+        func: str,
+        region: ast.AST,
+        *,
+        end: ast.AST | None = None,
+        subclass_safe: bool = False,
+    ) -> None:
         unwraps: bool | None = None
         if self.groups.intersection(check.classes):
-            unwraps = any(isinstance(n, ast.Attribute) and n.attr in self.group_attributes
-                          for guarded in self._guarded(region, check.negated)
-                          for n in ast.walk(guarded))
+            unwraps = any(
+                isinstance(n, ast.Attribute) and n.attr in self.group_attributes
+                for guarded in self._guarded(region, check.negated)
+                for n in ast.walk(guarded)
+            )
         constraints: tuple[Constraint, ...] = ()
         guards: tuple[TraitGuard, ...] = ()
         exited: tuple[str, ...] = ()
         if self.scope is not None and self.stmt is not None and check.subject:
             constraints, guards = flow_context(
-                self.scope, self.stmt, check.subject, self.check_of, own=check.node,
-                trait_attributes=_TRAIT_ATTRIBUTES)
+                self.scope,
+                self.stmt,
+                check.subject,
+                self.check_of,
+                own=check.node,
+                trait_attributes=_TRAIT_ATTRIBUTES,
+            )
         if self.top is not None and self.top is not self.tree:
             own = _position(check.node)
             site_over = iterables_around(self.stmt, check.node) if self.stmt else set()
-            exited = _dedup(c for subject, classes, where, over in self._exit_checks(self.top)
-                            for c in classes if subject == check.subject and where != own
-                            and (not over or over in site_over))
+            exited = _dedup(
+                c
+                for subject, classes, where, over in self._exit_checks(self.top)
+                for c in classes
+                if subject == check.subject and where != own and (not over or over in site_over)
+            )
         node = check.node
         last = end if end is not None else node
         line: int = getattr(node, "lineno", 0)
         end_line: int = getattr(last, "end_lineno", None) or line
         others = self._others(check.node)
-        self.sites.append(RawSite(
-            line=line, col=getattr(node, "col_offset", 0), end_line=end_line,
-            function=func, form=check.form, subject=check.subject, text=check.text,
-            written=check.written,
-            classes=check.classes,
-            negated=check.negated,
-            exact=check.exact, unwraps=unwraps, excluded=check.excluded,
-            constraints=constraints, trait_guards=guards, exited_on=exited,
-            refused=self._refusals(), context=self._context(check, region),
-            kinds=check.kinds, subclass_safe=subclass_safe, others=others))
+        self.sites.append(
+            RawSite(
+                line=line,
+                col=getattr(node, "col_offset", 0),
+                end_line=end_line,
+                function=func,
+                form=check.form,
+                subject=check.subject,
+                text=check.text,
+                written=check.written,
+                classes=check.classes,
+                negated=check.negated,
+                exact=check.exact,
+                unwraps=unwraps,
+                excluded=check.excluded,
+                constraints=constraints,
+                trait_guards=guards,
+                exited_on=exited,
+                refused=self._refusals(),
+                context=self._context(check, region),
+                kinds=check.kinds,
+                subclass_safe=subclass_safe,
+                others=others,
+            )
+        )
         self._consume(node)
 
 
-def scan_module(tree: ast.Module, *, module: str = "", is_package: bool = False,
-                known: frozenset[str], groups: frozenset[str] = frozenset(),
-                group_attributes: frozenset[str] = frozenset(),
-                exports: Mapping[str, Mapping[str, tuple[str, ...]]] | None = None,
-                source: bytes | None = None) -> list[RawSite]:
+def scan_module(
+    tree: ast.Module,
+    *,
+    module: str = "",
+    is_package: bool = False,
+    known: frozenset[str],
+    groups: frozenset[str] = frozenset(),
+    group_attributes: frozenset[str] = frozenset(),
+    exports: Mapping[str, Mapping[str, tuple[str, ...]]] | None = None,
+    source: bytes | None = None,
+) -> list[RawSite]:
     """Every class check against spec classes in ``tree``, in line order.
 
     ``module`` is the module's dotted name (for relative imports and ``exports``, the
@@ -969,6 +1164,6 @@ def scan_module(tree: ast.Module, *, module: str = "", is_package: bool = False,
     ``group_attributes`` the attributes that unwrap them; ``source`` enables skipping lines
     that cannot hold a check.
     """
-    return ModuleScan(tree, module=module, is_package=is_package, known=known,
-                      source=source).sites(groups=groups, group_attributes=group_attributes,
-                                           exports=exports)
+    return ModuleScan(tree, module=module, is_package=is_package, known=known, source=source).sites(
+        groups=groups, group_attributes=group_attributes, exports=exports
+    )

@@ -112,8 +112,9 @@ class Universe:
     @property
     def unknown(self) -> frozenset[str]:
         """Out-of-tree classes whose traits cannot be told (they add fields)."""
-        return frozenset(n for n, c in self.classes.items()
-                         if c.out_of_tree and not c.representatives)
+        return frozenset(
+            n for n, c in self.classes.items() if c.out_of_tree and not c.representatives
+        )
 
     def with_definitions(self, definitions: Iterable[ClassDefinitionLike]) -> Universe:
         """This universe plus the spec subclasses the scanned code defines.
@@ -134,8 +135,9 @@ class Universe:
             progress = False
             for d in list(pending):
                 bases = [b for b in d.bases if b in classes]
-                if len(bases) < len(d.bases) and any(b in {p.name for p in pending}
-                                                     for b in d.bases):
+                if len(bases) < len(d.bases) and any(
+                    b in {p.name for p in pending} for b in d.bases
+                ):
                     continue  # a base defined in the tree is not placed yet
                 pending.remove(d)
                 progress = True
@@ -147,10 +149,14 @@ class Universe:
                 parent = classes[bases[0]]
                 inherits = not d.adds_fields and parent.representatives > 0
                 classes[d.name] = ClassInfo(
-                    name=d.name, module=d.module, mro=tuple(mro),
+                    name=d.name,
+                    module=d.module,
+                    mro=tuple(mro),
                     representatives=parent.representatives if inherits else 0,
-                    group=parent.group and inherits, out_of_tree=True,
-                    adds_fields=d.adds_fields)
+                    group=parent.group and inherits,
+                    out_of_tree=True,
+                    adds_fields=d.adds_fields,
+                )
                 if inherits:
                     for per in answers.values():
                         if parent.name in per:
@@ -172,8 +178,7 @@ class Universe:
     @property
     def concrete(self) -> frozenset[str]:
         """Classes with representatives that are not groups: the ones trait sets hold."""
-        return frozenset(n for n, c in self.classes.items()
-                         if c.representatives and not c.group)
+        return frozenset(n for n, c in self.classes.items() if c.representatives and not c.group)
 
     def subclasses(self, names: Iterable[str]) -> frozenset[str]:
         """Concrete classes that ``isinstance`` against any of ``names`` accepts."""
@@ -189,11 +194,18 @@ class Universe:
             "format": _FORMAT,
             "vllm_version": self.vllm_version,
             "vllm_path": self.vllm_path,
-            "classes": {n: {"module": c.module, "mro": list(c.mro),
-                            "representatives": c.representatives, "group": c.group}
-                        for n, c in self.classes.items()},
-            "answers": {q: {n: sorted(v) for n, v in per.items()}
-                        for q, per in self.answers.items()},
+            "classes": {
+                n: {
+                    "module": c.module,
+                    "mro": list(c.mro),
+                    "representatives": c.representatives,
+                    "group": c.group,
+                }
+                for n, c in self.classes.items()
+            },
+            "answers": {
+                q: {n: sorted(v) for n, v in per.items()} for q, per in self.answers.items()
+            },
             "group_attributes": sorted(self.group_attributes),
             "sources": {p: list(s) for p, s in self.sources.items()},
             "kinds": {n: sorted(v) for n, v in self.kinds.items()},
@@ -204,17 +216,26 @@ class Universe:
     def from_json(cls, data: Mapping[str, Any]) -> Universe:
         """Inverse of :meth:`to_json`; ``ValueError`` if the data is of another format."""
         if data.get("format") != _FORMAT:
-            raise ValueError(f"class-set data has format {data.get('format')!r}, "
-                             f"expected {_FORMAT}; rebuild it with --refresh-classes")
+            raise ValueError(
+                f"class-set data has format {data.get('format')!r}, "
+                f"expected {_FORMAT}; rebuild it with --refresh-classes"
+            )
         return cls(
             vllm_version=str(data["vllm_version"]),
             vllm_path=str(data["vllm_path"]),
-            classes={n: ClassInfo(name=n, module=str(c["module"]), mro=tuple(c["mro"]),
-                                  representatives=int(c["representatives"]),
-                                  group=bool(c["group"]))
-                     for n, c in data["classes"].items()},
-            answers={q: {n: frozenset(v) for n, v in per.items()}
-                     for q, per in data["answers"].items()},
+            classes={
+                n: ClassInfo(
+                    name=n,
+                    module=str(c["module"]),
+                    mro=tuple(c["mro"]),
+                    representatives=int(c["representatives"]),
+                    group=bool(c["group"]),
+                )
+                for n, c in data["classes"].items()
+            },
+            answers={
+                q: {n: frozenset(v) for n, v in per.items()} for q, per in data["answers"].items()
+            },
             group_attributes=frozenset(data.get("group_attributes", ())),
             sources={p: (int(s[0]), int(s[1])) for p, s in data.get("sources", {}).items()},
             kinds={n: frozenset(v) for n, v in data.get("kinds", {}).items()},
@@ -268,7 +289,8 @@ def build_universe(*, extensions: bool = True) -> Universe:
         raise ClassSetsUnavailableError(
             f"cannot import vLLM to compute the spec class sets ({type(exc).__name__}: "
             f"{exc}); run the audit in the environment where vLLM is installed, or pass "
-            f"--classes FILE saved there with --save-classes FILE") from exc
+            f"--classes FILE saved there with --save-classes FILE"
+        ) from exc
     from kvspec_traits import GroupTraits, Registry
     from kvspec_traits._traits import KVLayoutTraits
 
@@ -282,17 +304,20 @@ def build_universe(*, extensions: bool = True) -> Universe:
     except AdapterPluginError as exc:
         raise ClassSetsUnavailableError(
             f"an installed extension does not load ({exc}); fix or uninstall it, or leave "
-            f"the extensions out with --no-extensions") from exc
+            f"the extensions out with --no-extensions"
+        ) from exc
     spec_classes = catalog.spec_classes()
     vllm_names = {cls.__qualname__ for cls in spec_classes}
     # An extension's class named like one of vLLM's is left out (the name is vLLM's).
     added = [cls for cls in extension_classes if cls.__qualname__ not in vllm_names]
     added_names = {cls.__qualname__ for cls in added}
     by_type = {cls: cls.__qualname__ for cls in [*spec_classes, *added]}
-    entries = [*catalog.representative_specs(),
-               # only instances of the extensions' own classes: vLLM's classes keep the
-               # catalog's representatives
-               *(e for e in extension_entries if type(e.spec).__qualname__ in added_names)]
+    entries = [
+        *catalog.representative_specs(),
+        # only instances of the extensions' own classes: vLLM's classes keep the
+        # catalog's representatives
+        *(e for e in extension_entries if type(e.spec).__qualname__ in added_names),
+    ]
     reps: dict[str, int] = {}
     groups: set[str] = set()
     group_attributes: set[str] = set()
@@ -319,8 +344,11 @@ def build_universe(*, extensions: bool = True) -> Universe:
     sources: dict[str, tuple[int, int]] = {}
     # The files defining the classes, the catalog and the extensions' representatives.
     hook_modules = {e.source.rpartition(".")[0] for e in extension_entries}
-    watched: list[Any] = [*by_type, catalog,
-                          *(sys.modules[m] for m in sorted(hook_modules) if m in sys.modules)]
+    watched: list[Any] = [
+        *by_type,
+        catalog,
+        *(sys.modules[m] for m in sorted(hook_modules) if m in sys.modules),
+    ]
     for obj in watched:
         try:
             src = inspect.getsourcefile(obj)
@@ -330,9 +358,13 @@ def build_universe(*, extensions: bool = True) -> Universe:
         if src and st:
             sources[src] = st
     classes = {
-        name: ClassInfo(name=name, module=cls.__module__,
-                        mro=tuple(k.__qualname__ for k in cls.__mro__ if k is not object),
-                        representatives=reps.get(name, 0), group=name in groups)
+        name: ClassInfo(
+            name=name,
+            module=cls.__module__,
+            mro=tuple(k.__qualname__ for k in cls.__mro__ if k is not object),
+            representatives=reps.get(name, 0),
+            group=name in groups,
+        )
         for cls, name in by_type.items()
     }
     vdir = installed_vllm_dir()
@@ -384,9 +416,16 @@ def default_cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvspec-traits"
 
 
-_ANSWERING_MODULES: Final = ("_vllm_adapters.py", "_traits.py", "_group.py", "_registry.py",
-                              "_verify.py",
-                              "catalog.py", "audit/_questions.py", "audit/_universe.py")
+_ANSWERING_MODULES: Final = (
+    "_vllm_adapters.py",
+    "_traits.py",
+    "_group.py",
+    "_registry.py",
+    "_verify.py",
+    "catalog.py",
+    "audit/_questions.py",
+    "audit/_universe.py",
+)
 
 
 def _library_stamp() -> str:
@@ -402,13 +441,15 @@ def _library_stamp() -> str:
 def _cache_file(cache_dir: Path, vdir: Path | None, extensions: tuple[str, ...]) -> Path:
     # Installing, upgrading or removing an extension changes the key: its classes are in
     # the sets.
-    key = hashlib.sha256(
-        f"{vdir}|{_library_stamp()}|{';'.join(extensions)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{vdir}|{_library_stamp()}|{';'.join(extensions)}".encode()).hexdigest()[
+        :16
+    ]
     return cache_dir / f"audit-classes-{key}.json"
 
 
-def load_universe(*, cache_dir: Path | None = None, refresh: bool = False,
-                  extensions: bool = True) -> Universe:
+def load_universe(
+    *, cache_dir: Path | None = None, refresh: bool = False, extensions: bool = True
+) -> Universe:
     """The class sets of the vLLM Python would import and of the installed extensions
     (without ``extensions``: of vLLM alone), from the cache when it is fresh.
 
@@ -421,14 +462,17 @@ def load_universe(*, cache_dir: Path | None = None, refresh: bool = False,
     if vdir is None:
         raise ClassSetsUnavailableError(
             "no vLLM package found on sys.path: the audit computes which classes each trait "
-            "covers from the installed vLLM; install it, or pass --classes FILE")
+            "covers from the installed vLLM; install it, or pass --classes FILE"
+        )
     installed = installed_extensions() if extensions else ()
     path = _cache_file(cache_dir or default_cache_dir(), vdir, installed)
     if not refresh:
         cached = _read_cache(path)
-        if cached is not None and cached.vllm_path == str(vdir) and \
-                cached.extensions == installed and all(
-            _stat(p) == s for p, s in cached.sources.items()
+        if (
+            cached is not None
+            and cached.vllm_path == str(vdir)
+            and cached.extensions == installed
+            and all(_stat(p) == s for p, s in cached.sources.items())
         ):
             return cached
     universe = build_universe(extensions=extensions)
@@ -456,4 +500,3 @@ def _write_cache(path: Path, universe: Universe) -> None:
     except OSError:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-

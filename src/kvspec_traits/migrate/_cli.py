@@ -25,18 +25,31 @@ EXIT_USAGE: Final = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvspec-traits migrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("paths", nargs="+", type=Path, metavar="PATH",
-                   help="files or folders to migrate")
+    p = argparse.ArgumentParser(
+        prog="kvspec-traits migrate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "paths", nargs="+", type=Path, metavar="PATH", help="files or folders to migrate"
+    )
     p.add_argument("--write", action="store_true", help="apply the edits to the files")
-    p.add_argument("--json", action="store_true",
-                   help="print edits, skips and refused files as JSON")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="skip paths matching GLOB (repeatable)")
-    p.add_argument("--strict", action="store_true",
-                   help="also leave sites whose traits query answers otherwise for a class "
-                        "of another page kind (see docs/migration.md)")
+    p.add_argument(
+        "--json", action="store_true", help="print edits, skips and refused files as JSON"
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="skip paths matching GLOB (repeatable)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="also leave sites whose traits query answers otherwise for a class "
+        "of another page kind (see docs/migration.md)",
+    )
     p.add_argument("--quiet", action="store_true", help="do not list the sites left alone")
     return p
 
@@ -45,17 +58,20 @@ def _summary(plan: MigrationPlan, *, wrote: bool) -> str:
     edits = plan.edits
     misses = sum(e.fixes_miss for e in edits)
     verb = "rewrote" if wrote else "would rewrite"
-    return (f"kvspec-traits migrate: {plan.sites} sites; {verb} {len(edits)} in "
-            f"{len(plan.files)} files ({misses} fixing a miss); left {len(plan.skips)}; "
-            f"refused {len(plan.refused)} files")
+    return (
+        f"kvspec-traits migrate: {plan.sites} sites; {verb} {len(edits)} in "
+        f"{len(plan.files)} files ({misses} fixing a miss); left {len(plan.skips)}; "
+        f"refused {len(plan.refused)} files"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     missing = [p for p in args.paths if not p.exists()]
     if missing:
-        print(f"kvspec-traits migrate: no such path: {', '.join(map(str, missing))}",
-              file=sys.stderr)
+        print(
+            f"kvspec-traits migrate: no such path: {', '.join(map(str, missing))}", file=sys.stderr
+        )
         return EXIT_USAGE
     from kvspec_traits.audit import ClassSetsUnavailableError, load_universe
 

@@ -44,17 +44,29 @@ class FilePlan:
         """A unified diff (``a/``, ``b/`` prefixes), headed by one ``# kvspec-traits:``
         line per edit that fixes a miss (``patch`` and ``git apply`` skip lines before
         ``---``)."""
-        notes = [f"# kvspec-traits: {self.display}:{e.line} fixes a miss "
-                 f"(the original leaves out {', '.join(e.missing)}): {e.before} -> {e.after}\n"
-                 for e in self.edits if e.fixes_miss]
-        notes += [f"# kvspec-traits: {self.display}:{e.line} answers otherwise for "
-                  f"{', '.join(e.differs_on)} (another page kind; not compared by the "
-                  f"audit)\n" for e in self.edits if e.differs_on]
-        body = difflib.unified_diff(self.before.splitlines(keepends=True),
-                                    self.after.splitlines(keepends=True),
-                                    fromfile=f"a/{self.display}", tofile=f"b/{self.display}")
-        lines = [line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-                 for line in body]
+        notes = [
+            f"# kvspec-traits: {self.display}:{e.line} fixes a miss "
+            f"(the original leaves out {', '.join(e.missing)}): {e.before} -> {e.after}\n"
+            for e in self.edits
+            if e.fixes_miss
+        ]
+        notes += [
+            f"# kvspec-traits: {self.display}:{e.line} answers otherwise for "
+            f"{', '.join(e.differs_on)} (another page kind; not compared by the "
+            f"audit)\n"
+            for e in self.edits
+            if e.differs_on
+        ]
+        body = difflib.unified_diff(
+            self.before.splitlines(keepends=True),
+            self.after.splitlines(keepends=True),
+            fromfile=f"a/{self.display}",
+            tofile=f"b/{self.display}",
+        )
+        lines = [
+            line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+            for line in body
+        ]
         return "".join(notes + lines)
 
 
@@ -72,10 +84,13 @@ class MigrationPlan:
         return [e for f in self.files for e in f.edits]
 
     def as_json(self) -> dict[str, object]:
-        return {"sites": self.sites, "edits": [e.as_json() for e in self.edits],
-                "skips": [s.as_json() for s in self.skips],
-                "refused": [r.as_json() for r in self.refused],
-                "files_changed": [f.display for f in self.files]}
+        return {
+            "sites": self.sites,
+            "edits": [e.as_json() for e in self.edits],
+            "skips": [s.as_json() for s in self.skips],
+            "refused": [r.as_json() for r in self.refused],
+            "files_changed": [f.display for f in self.files],
+        }
 
 
 def _sha(data: bytes) -> str:
@@ -89,18 +104,25 @@ def _display(path: Path) -> str:
         return path.as_posix()
 
 
-def plan_migration(targets: Sequence[Path], universe: Universe, *,
-                   exclude: Sequence[str] = (), strict: bool = False,
-                   max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> MigrationPlan:
+def plan_migration(
+    targets: Sequence[Path],
+    universe: Universe,
+    *,
+    exclude: Sequence[str] = (),
+    strict: bool = False,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> MigrationPlan:
     """Audit ``targets`` and rewrite, in memory, every site with an exact trait question
     (and every miss, which the question fixes). Nothing is written. ``strict`` leaves
     the sites whose query answers otherwise for a class of another page kind."""
     roots = [t.resolve() for t in targets]
-    result = audit_paths(roots, universe, exclude=exclude, max_file_bytes=max_file_bytes,
-                         display_root=Path("/"))
+    result = audit_paths(
+        roots, universe, exclude=exclude, max_file_bytes=max_file_bytes, display_root=Path("/")
+    )
     plan = MigrationPlan(sites=len(result.sites))
-    plan.refused.extend(Refusal(path=_display(Path("/") / e.path), error=e.error)
-                        for e in result.errors)
+    plan.refused.extend(
+        Refusal(path=_display(Path("/") / e.path), error=e.error) for e in result.errors
+    )
     by_file: dict[Path, list[Site]] = {}
     for site in result.sites:
         by_file.setdefault(Path("/") / site.path, []).append(site)
@@ -114,32 +136,61 @@ def plan_migration(targets: Sequence[Path], universe: Universe, *,
             cst.parse_module(text)
         except (UnicodeDecodeError, SyntaxError, ValueError, cst.ParserSyntaxError) as exc:
             plan.refused.append(Refusal(path=display, error=f"cannot parse: {exc}"))
-            plan.skips.extend(Skip(path=display, line=s.raw.line, text=s.raw.text,
-                                   verdict=s.verdict, reason="the file does not parse",
-                                   match=s.answer.match if s.answer else "")
-                              for s in sites)
+            plan.skips.extend(
+                Skip(
+                    path=display,
+                    line=s.raw.line,
+                    text=s.raw.text,
+                    verdict=s.verdict,
+                    reason="the file does not parse",
+                    match=s.answer.match if s.answer else "",
+                )
+                for s in sites
+            )
             continue
         edits: list[Edit] = []
         pairs = [(site, plan_site(site, index, universe)) for site in sites]
         for planned in keep_context(pairs):
             if isinstance(planned, Edit) and strict and planned.differs_on:
-                plan.skips.append(Skip(
-                    path=display, line=planned.line, text=planned.before,
-                    verdict=planned.verdict, match=planned.match,
-                    reason=f"--strict: {planned.after} answers otherwise for "
-                           f"{', '.join(planned.differs_on)} (another page kind)"))
+                plan.skips.append(
+                    Skip(
+                        path=display,
+                        line=planned.line,
+                        text=planned.before,
+                        verdict=planned.verdict,
+                        match=planned.match,
+                        reason=f"--strict: {planned.after} answers otherwise for "
+                        f"{', '.join(planned.differs_on)} (another page kind)",
+                    )
+                )
             elif isinstance(planned, Edit):
                 edits.append(planned)
             else:
                 plan.skips.append(planned)
         after, applied = rewrite_module(text, edits)
-        plan.skips.extend(Skip(path=display, line=e.line, text=e.before, verdict=e.verdict,
-                               reason="LibCST did not find the check's span",
-                               match=e.match)
-                          for e in edits if e not in applied)
+        plan.skips.extend(
+            Skip(
+                path=display,
+                line=e.line,
+                text=e.before,
+                verdict=e.verdict,
+                reason="LibCST did not find the check's span",
+                match=e.match,
+            )
+            for e in edits
+            if e not in applied
+        )
         if applied and after != text:
-            plan.files.append(FilePlan(path=path, display=display, sha256=_sha(data),
-                                       before=text, after=after, edits=applied))
+            plan.files.append(
+                FilePlan(
+                    path=path,
+                    display=display,
+                    sha256=_sha(data),
+                    before=text,
+                    after=after,
+                    edits=applied,
+                )
+            )
     plan.skips.sort(key=lambda s: (s.path, s.line))
     return plan
 
@@ -161,9 +212,12 @@ def write_plan(plan: MigrationPlan) -> list[Refusal]:
             refused.append(Refusal(path=f.display, error=f"cannot read again: {exc}"))
             continue
         if _sha(now) != f.sha256:
-            refused.append(Refusal(path=f.display,
-                                   error="changed since it was read; not rewritten "
-                                         "(run migrate again)"))
+            refused.append(
+                Refusal(
+                    path=f.display,
+                    error="changed since it was read; not rewritten (run migrate again)",
+                )
+            )
             continue
         f.path.write_bytes(f.after.encode("utf-8"))
     return refused

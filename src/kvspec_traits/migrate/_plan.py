@@ -58,11 +58,19 @@ class Edit:
     differs_on: tuple[str, ...] = ()
 
     def as_json(self) -> dict[str, object]:
-        return {"path": self.path, "line": self.line, "before": self.before,
-                "after": self.after, "trait": self.trait, "value": self.value,
-                "match": self.match, "verdict": self.verdict, "fixes_miss": self.fixes_miss,
-                "missing": list(self.missing),
-                "differs_on": list(self.differs_on)}
+        return {
+            "path": self.path,
+            "line": self.line,
+            "before": self.before,
+            "after": self.after,
+            "trait": self.trait,
+            "value": self.value,
+            "match": self.match,
+            "verdict": self.verdict,
+            "fixes_miss": self.fixes_miss,
+            "missing": list(self.missing),
+            "differs_on": list(self.differs_on),
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,24 +86,37 @@ class Skip:
     """The audit's answer match (``exact``, ``near``, ``closest``; empty: no answer)."""
 
     def as_json(self) -> dict[str, object]:
-        return {"path": self.path, "line": self.line, "text": self.text,
-                "verdict": self.verdict, "match": self.match, "reason": self.reason}
+        return {
+            "path": self.path,
+            "line": self.line,
+            "text": self.text,
+            "verdict": self.verdict,
+            "match": self.match,
+            "reason": self.reason,
+        }
 
 
 def _skip(site: Site, reason: str) -> Skip:
-    return Skip(path=site.path, line=site.raw.line, text=site.raw.text,
-                verdict=site.verdict, reason=reason,
-                match=site.answer.match if site.answer else "")
+    return Skip(
+        path=site.path,
+        line=site.raw.line,
+        text=site.raw.text,
+        verdict=site.verdict,
+        reason=reason,
+        match=site.answer.match if site.answer else "",
+    )
 
 
 def _why_not(site: Site) -> str | None:
     # None: the site is rewritten; else the reason it is left.
     raw, answer = site.raw, site.answer
     if raw.form not in REWRITTEN_FORMS:
-        what = {"issubclass": "asks a class, not an instance",
-                "class-compare": "compares a class read elsewhere, not an instance",
-                "representative-type": "asks a group's representative class (the group "
-                                       "wrapper's own traits may differ)"}
+        what = {
+            "issubclass": "asks a class, not an instance",
+            "class-compare": "compares a class read elsewhere, not an instance",
+            "representative-type": "asks a group's representative class (the group "
+            "wrapper's own traits may differ)",
+        }
         return f"{raw.form}: {what.get(raw.form, 'no instance expression to rewrite')}"
     if "assert" in raw.context and raw.text.startswith("self."):
         return "a test assertion (assertIsInstance), not a branch"
@@ -109,8 +130,9 @@ def _why_not(site: Site) -> str | None:
         return None
     if answer.match == "near" and site.verdict == "miss":
         return None
-    return (f"{answer.match} match only ({answer.expression}): {site.reason}; "
-            "no exact trait question")
+    return (
+        f"{answer.match} match only ({answer.expression}): {site.reason}; no exact trait question"
+    )
 
 
 def _char_col(lines: list[str], line: int, byte_col: int) -> int:
@@ -120,16 +142,23 @@ def _char_col(lines: list[str], line: int, byte_col: int) -> int:
 
 def _span(node: ast.expr, lines: list[str]) -> Span:
     end_line = node.end_lineno or node.lineno
-    return Span(node.lineno, _char_col(lines, node.lineno, node.col_offset), end_line,
-                _char_col(lines, end_line, node.end_col_offset or 0))
+    return Span(
+        node.lineno,
+        _char_col(lines, node.lineno, node.col_offset),
+        end_line,
+        _char_col(lines, end_line, node.end_col_offset or 0),
+    )
 
 
 def _source_of(node: ast.expr, lines: list[str]) -> str:
     span = _span(node, lines)
     if span.line == span.end_line:
-        return lines[span.line - 1][span.col:span.end_col]
-    parts = [lines[span.line - 1][span.col:], *lines[span.line:span.end_line - 1],
-             lines[span.end_line - 1][:span.end_col]]
+        return lines[span.line - 1][span.col : span.end_col]
+    parts = [
+        lines[span.line - 1][span.col :],
+        *lines[span.line : span.end_line - 1],
+        lines[span.end_line - 1][: span.end_col],
+    ]
     return "\n".join(parts)
 
 
@@ -159,8 +188,12 @@ def _subject(check: ast.expr) -> ast.expr | None:
         return check.args[0]
     if isinstance(check, ast.Compare):
         for side in (check.left, *check.comparators):
-            if isinstance(side, ast.Call) and isinstance(side.func, ast.Name) \
-                    and side.func.id == "type" and len(side.args) == 1:
+            if (
+                isinstance(side, ast.Call)
+                and isinstance(side.func, ast.Name)
+                and side.func.id == "type"
+                and len(side.args) == 1
+            ):
                 return side.args[0]
             if isinstance(side, ast.Attribute) and side.attr == "__class__":
                 return side.value
@@ -199,8 +232,7 @@ def _kind(u: Universe, name: str, trait: str) -> frozenset[tuple[str, ...]]:
     return frozenset(product(*values))
 
 
-def _differs_on(site: Site, u: Universe, negated: bool) -> tuple[tuple[str, ...],
-                                                                  tuple[str, ...]]:
+def _differs_on(site: Site, u: Universe, negated: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     # Concrete classes, other than the ones the site misses, for which the traits query
     # answers otherwise than the check as written, split into classes of another page
     # kind (which the audit leaves out of the comparison, docs/audit.md, and the code
@@ -240,9 +272,14 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
     question = question_named(answer.trait)
     # The audit wrote answer.expression on raw.subject; pick the polarity it used.
     raw_subject = site.raw.subject or "spec"
-    negated = next((n for n in (False, True)
-                    if question.expression(raw_subject, answer.value, negated=n)
-                    == answer.expression), None)
+    negated = next(
+        (
+            n
+            for n in (False, True)
+            if question.expression(raw_subject, answer.value, negated=n) == answer.expression
+        ),
+        None,
+    )
     if negated is None:
         return _skip(site, f"unexpected answer expression {answer.expression!r}")
     written = _source_of(subject, index.lines)  # the subject as the source spells it
@@ -251,13 +288,26 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
     after = question.expression(written, answer.value, negated=negated)
     other_kind, own_kind = _differs_on(site, universe, negated)
     if own_kind:
-        return _skip(site, f"{after} would answer otherwise for {', '.join(own_kind)}, "
-                           f"of the branch's own page kind")
-    return Edit(path=site.path, line=site.raw.line, before=site.raw.text, after=after,
-                trait=answer.trait, value=answer.value, match=answer.match,
-                verdict=site.verdict, fixes_miss=site.verdict == "miss",
-                missing=site.missing, spans=tuple(_span(m, index.lines) for m in members),
-                chain=chain, differs_on=other_kind)
+        return _skip(
+            site,
+            f"{after} would answer otherwise for {', '.join(own_kind)}, "
+            f"of the branch's own page kind",
+        )
+    return Edit(
+        path=site.path,
+        line=site.raw.line,
+        before=site.raw.text,
+        after=after,
+        trait=answer.trait,
+        value=answer.value,
+        match=answer.match,
+        verdict=site.verdict,
+        fixes_miss=site.verdict == "miss",
+        missing=site.missing,
+        spans=tuple(_span(m, index.lines) for m in members),
+        chain=chain,
+        differs_on=other_kind,
+    )
 
 
 def _rests_on(left: Site, other: Site) -> bool:
@@ -284,15 +334,22 @@ def keep_context(planned: list[tuple[Site, Edit | Skip]]) -> list[Edit | Skip]:
     changed = True
     while changed:
         changed = False
-        left = [site for (site, _), p in zip(planned, out, strict=True)
-                if isinstance(p, Skip) and site.answer is not None
-                and site.answer.match in ("exact", "near")]
+        left = [
+            site
+            for (site, _), p in zip(planned, out, strict=True)
+            if isinstance(p, Skip)
+            and site.answer is not None
+            and site.answer.match in ("exact", "near")
+        ]
         for i, ((site, _), p) in enumerate(zip(planned, out, strict=True)):
             if not isinstance(p, Edit):
                 continue
             holder = next((s for s in left if _rests_on(s, site)), None)
             if holder is not None:
-                out[i] = _skip(site, f"kept: the verdict on line {holder.raw.line} "
-                                     f"({holder.verdict}) rests on this check")
+                out[i] = _skip(
+                    site,
+                    f"kept: the verdict on line {holder.raw.line} "
+                    f"({holder.verdict}) rests on this check",
+                )
                 changed = True
     return out

@@ -20,8 +20,13 @@ __all__ = ["rewrite_module"]
 _IMPORTED: Final = ("traits_of", "TokenScope", "TPLayout")
 _DROPPED: Final = "__kvspec_traits_dropped__"
 # A comparison or `not x` needs parentheses as an operand of these.
-_TIGHT_PARENTS: Final = (cst.Comparison, cst.BinaryOperation, cst.Attribute, cst.Subscript,
-                         cst.Await)
+_TIGHT_PARENTS: Final = (
+    cst.Comparison,
+    cst.BinaryOperation,
+    cst.Attribute,
+    cst.Subscript,
+    cst.Await,
+)
 
 
 def _key(pos: CodeRange) -> Span:
@@ -44,24 +49,27 @@ class _Swap(cst.CSTTransformer):
             self.drop.update(edit.spans[1:])
         self.done: set[Span] = set()
 
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call
-                   ) -> cst.BaseExpression:
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         return self._swap(original_node, updated_node)
 
-    def leave_Comparison(self, original_node: cst.Comparison, updated_node: cst.Comparison
-                         ) -> cst.BaseExpression:
+    def leave_Comparison(
+        self, original_node: cst.Comparison, updated_node: cst.Comparison
+    ) -> cst.BaseExpression:
         return self._swap(original_node, updated_node)
 
-    def leave_UnaryOperation(self, original_node: cst.UnaryOperation,
-                             updated_node: cst.UnaryOperation) -> cst.BaseExpression:
+    def leave_UnaryOperation(
+        self, original_node: cst.UnaryOperation, updated_node: cst.UnaryOperation
+    ) -> cst.BaseExpression:
         return self._swap(original_node, updated_node)
 
-    def leave_BooleanOperation(self, original_node: cst.BooleanOperation,
-                               updated_node: cst.BooleanOperation) -> cst.BaseExpression:
+    def leave_BooleanOperation(
+        self, original_node: cst.BooleanOperation, updated_node: cst.BooleanOperation
+    ) -> cst.BaseExpression:
         return self._collapse(updated_node)
 
-    def _swap(self, original_node: cst.BaseExpression, updated_node: cst.BaseExpression
-              ) -> cst.BaseExpression:
+    def _swap(
+        self, original_node: cst.BaseExpression, updated_node: cst.BaseExpression
+    ) -> cst.BaseExpression:
         pos = self.get_metadata(PositionProvider, original_node, None)
         if pos is None:
             return updated_node
@@ -78,7 +86,8 @@ class _Swap(cst.CSTTransformer):
             return new.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
         parent = self.get_metadata(ParentNodeProvider, original_node, None)
         tight = isinstance(parent, _TIGHT_PARENTS) or (
-            isinstance(parent, cst.UnaryOperation) and not isinstance(parent.operator, cst.Not))
+            isinstance(parent, cst.UnaryOperation) and not isinstance(parent.operator, cst.Not)
+        )
         if tight:
             return new.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
         return new

@@ -115,17 +115,21 @@ class _Posted:
     extra: list[Any] = field(default_factory=list)
 
 
-def prepped_desc_ids(plan: RegionPlan, peer: RemotePeer, block_ids: BlockIds,
-                     remote_block_ids: BlockIds | None = None
-                     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], int]:
+def prepped_desc_ids(
+    plan: RegionPlan,
+    peer: RemotePeer,
+    block_ids: BlockIds,
+    remote_block_ids: BlockIds | None = None,
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any], int]:
     """A request's descriptor ids into our prepared list and the peer's, and the bytes
     they move: the whole per-request descriptor work of ``mode="prepped"`` (vLLM's
     two ``_compute_desc_ids`` calls), with the ids validated first (types, one list per
     group, bounds on both sides, distinct destinations). The ids are int32 (NIXL's
     index type) unless a list holds 2^31 descriptors or more."""
     lreq = _Request(block_ids, plan.num_groups, "local")
-    rreq = (lreq if remote_block_ids is None
-            else _Request(remote_block_ids, plan.num_groups, "remote"))
+    rreq = (
+        lreq if remote_block_ids is None else _Request(remote_block_ids, plan.num_groups, "remote")
+    )
     _check_lengths(lreq, rreq)
     local_index = _desc_index(plan)
     if peer.desc_index is None:
@@ -143,15 +147,19 @@ class TraitsNixlAgent:
     Names default to a fresh uuid (NIXL refuses a reused name for a new agent).
     """
 
-    def __init__(self, name: str | None = None, *, backends: Sequence[str] = ("UCX",),
-                 progress_thread: bool = False) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        progress_thread: bool = False,
+    ) -> None:
         with needs("TraitsNixlAgent (kvspec_traits.nixl)"):
             from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name if name is not None else f"kvspec-{uuid.uuid4().hex}"
         self._backends = list(backends)
-        config = nixl_agent_config(enable_prog_thread=progress_thread,
-                                   backends=list(backends))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
         self._agent: Any = nixl_agent(self.name, config)
         self._plan: RegionPlan | None = None
         self._local_mem_type = ""
@@ -176,7 +184,8 @@ class TraitsNixlAgent:
         if self._published:
             raise RuntimeError(
                 f"agent {self.name}: register_plan() after metadata() would register "
-                f"memory its peers cannot see; build a new agent")
+                f"memory its peers cannot see; build a new agent"
+            )
         if self._plan is not None:
             raise RuntimeError(f"agent {self.name}: a plan is already registered")
         # Validate everything before NIXL or this agent changes: a refused plan leaves
@@ -185,13 +194,17 @@ class TraitsNixlAgent:
         local_descs = build_block_descs(plan)
         try:
             for kind in sorted({r.mem_type for r in plan.registrations}):
-                rows = [(r.base, r.length, r.device_id, "") for r in plan.registrations
-                        if r.mem_type == kind]
+                rows = [
+                    (r.base, r.length, r.device_id, "")
+                    for r in plan.registrations
+                    if r.mem_type == kind
+                ]
                 descs = self._agent.get_reg_descs(rows, kind)
                 self._agent.register_memory(descs, backends=self._backends)
                 self._reg_descs.append(descs)
             self._local_prepped = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", local_descs, mem_type=mem_type)
+                "NIXL_INIT_AGENT", local_descs, mem_type=mem_type
+            )
         except BaseException:
             for descs in self._reg_descs:
                 with contextlib.suppress(Exception):
@@ -206,12 +219,17 @@ class TraitsNixlAgent:
         """The one memory type of ``plan``'s regions."""
         kinds = sorted({r.mem_type for r in plan.regions})
         if not kinds:
-            raise ValueError("the plan has no regions (every layer was skipped: see "
-                             "RegionPlan.skipped_layers); there is nothing to register")
+            raise ValueError(
+                "the plan has no regions (every layer was skipped: see "
+                "RegionPlan.skipped_layers); there is nothing to register"
+            )
         if len(kinds) != 1:
             raise MemoryTypeMismatchError(
-                None, kinds, "an agent registers one memory type: plan and register the "
-                             "caches of each memory type with their own agent")
+                None,
+                kinds,
+                "an agent registers one memory type: plan and register the "
+                "caches of each memory type with their own agent",
+            )
         return kinds[0]
 
     def metadata(self) -> bytes:
@@ -243,7 +261,8 @@ class TraitsNixlAgent:
         mem_type = self._peer_mem_type(meta)
         if meta.agent_name in self._peers or meta.agent_name == self.name:
             raise MalformedMetadataError(
-                f"agent {meta.agent_name!r} is already connected (or is this agent)")
+                f"agent {meta.agent_name!r} is already connected (or is this agent)"
+            )
         try:
             added = self._agent.add_remote_agent(meta.agent_metadata)
         except Exception as exc:  # NIXL raises its own exception types for bad blobs
@@ -253,18 +272,21 @@ class TraitsNixlAgent:
         try:
             if added_name != meta.agent_name:
                 raise MalformedMetadataError(
-                    f"header names agent {meta.agent_name!r}, NIXL metadata is "
-                    f"{added_name!r}")
+                    f"header names agent {meta.agent_name!r}, NIXL metadata is {added_name!r}"
+                )
             self._check_registered(meta, mem_type)
-            peer = RemotePeer(meta, mem_type=mem_type,
-                              reads=_ReadCache(self.plan, meta.tp_size, meta.regions))
+            peer = RemotePeer(
+                meta, mem_type=mem_type, reads=_ReadCache(self.plan, meta.tp_size, meta.regions)
+            )
             if meta.tp_size == self.plan.tp_size:
                 try:
                     prepped = self._agent.prep_xfer_dlist(
-                        meta.agent_name, build_block_descs(meta.regions), mem_type=mem_type)
+                        meta.agent_name, build_block_descs(meta.regions), mem_type=mem_type
+                    )
                 except Exception as exc:
                     raise MalformedMetadataError(
-                        f"NIXL refused the peer's region descriptors: {exc}") from exc
+                        f"NIXL refused the peer's region descriptors: {exc}"
+                    ) from exc
                 peer.prepped = prepped
         except BaseException:
             # Refused or failed: NIXL forgets the peer, so nothing can name it.
@@ -280,18 +302,22 @@ class TraitsNixlAgent:
     def _check_registered(self, meta: PeerMetadata, mem_type: str) -> None:
         """Every byte of every peer region lies in memory the peer registered with
         NIXL (as its agent metadata tells NIXL)."""
-        extents = [(r.base_addr, r.block_stride * (r.num_blocks - 1) + r.block_len,
-                    r.device_id) for r in meta.regions]
+        extents = [
+            (r.base_addr, r.block_stride * (r.num_blocks - 1) + r.block_len, r.device_id)
+            for r in meta.regions
+        ]
         try:
-            known = bool(self._agent.check_remote_metadata(
-                meta.agent_name, self._agent.get_xfer_descs(extents, mem_type)))
+            known = bool(
+                self._agent.check_remote_metadata(
+                    meta.agent_name, self._agent.get_xfer_descs(extents, mem_type)
+                )
+            )
         except Exception as exc:
-            raise MalformedMetadataError(
-                f"NIXL could not check the peer's regions: {exc}") from exc
+            raise MalformedMetadataError(f"NIXL could not check the peer's regions: {exc}") from exc
         if not known:
             raise MalformedMetadataError(
-                f"peer {meta.agent_name}'s regions reach outside the memory it registered "
-                f"with NIXL")
+                f"peer {meta.agent_name}'s regions reach outside the memory it registered with NIXL"
+            )
 
     def _peer_mem_type(self, meta: PeerMetadata) -> str:
         """The peer's memory type, which must be ours region by region (only DRAM to
@@ -299,9 +325,11 @@ class TraitsNixlAgent:
         for local, remote in zip(self.plan.regions, meta.regions, strict=True):
             if local.mem_type != remote.mem_type:
                 raise MemoryTypeMismatchError(
-                    local.name, [local.mem_type, remote.mem_type],
+                    local.name,
+                    [local.mem_type, remote.mem_type],
                     f"peer {meta.agent_name} holds it in {remote.mem_type}, this agent in "
-                    f"{local.mem_type}; place both caches on the same memory type")
+                    f"{local.mem_type}; place both caches on the same memory type",
+                )
         return self._local_mem_type
 
     def knows(self, agent_name: str) -> bool:
@@ -310,10 +338,17 @@ class TraitsNixlAgent:
 
     # -- transfers ---------------------------------------------------------------------
 
-    def read_blocks(self, peers: RemotePeer | Mapping[int, RemotePeer], block_ids: BlockIds,
-                    remote_block_ids: BlockIds | None = None, *, mode: DescMode = "merged",
-                    timeout: float = 30.0, notify: bytes = b"",
-                    progress: Callable[[], object] | None = None) -> TransferResult:
+    def read_blocks(
+        self,
+        peers: RemotePeer | Mapping[int, RemotePeer],
+        block_ids: BlockIds,
+        remote_block_ids: BlockIds | None = None,
+        *,
+        mode: DescMode = "merged",
+        timeout: float = 30.0,
+        notify: bytes = b"",
+        progress: Callable[[], object] | None = None,
+    ) -> TransferResult:
         """Read the blocks of one request into ours and wait (at most ``timeout`` s).
 
         ``peers`` is one peer of the same TP size, or the remote ranks by TP rank
@@ -332,8 +367,9 @@ class TraitsNixlAgent:
         unless every region is replicated).
         """
         if mode not in _DESC_MODES:
-            raise ValueError(f"unknown mode {mode!r}; valid modes: "
-                             f"{', '.join(repr(m) for m in _DESC_MODES)}")
+            raise ValueError(
+                f"unknown mode {mode!r}; valid modes: {', '.join(repr(m) for m in _DESC_MODES)}"
+            )
         by_rank = {peers.tp_rank: peers} if isinstance(peers, RemotePeer) else dict(peers)
         if not by_rank:
             raise ValueError("read_blocks needs at least one peer")
@@ -342,7 +378,8 @@ class TraitsNixlAgent:
             if peer.meta.tp_rank != rank or peer.meta.tp_size != remote_tp:
                 raise ValueError(
                     f"peer {peer.name} is TP rank {peer.meta.tp_rank} of "
-                    f"{peer.meta.tp_size}, passed as rank {rank} of {remote_tp}")
+                    f"{peer.meta.tp_size}, passed as rank {rank} of {remote_tp}"
+                )
         plan = self.plan
         start = time.perf_counter()
         posted: list[_Posted] = []
@@ -356,7 +393,8 @@ class TraitsNixlAgent:
                 peer = next(iter(by_rank.values()))
                 self._check_prepped_rank(plan, peer)
                 local_ids, remote_ids, nbytes = prepped_desc_ids(
-                    plan, peer, block_ids, remote_block_ids)
+                    plan, peer, block_ids, remote_block_ids
+                )
                 handle = self._make_prepped(peer, local_ids, remote_ids, notify)
                 posted.append(_Posted(handle, peer.name))
                 descriptors = per_block = int(local_ids.size)
@@ -366,8 +404,11 @@ class TraitsNixlAgent:
                     first.reads = _ReadCache(plan, remote_tp, first.meta.regions)
                 remotes = {rank: p.meta.regions for rank, p in by_rank.items()}
                 lreq = _Request(block_ids, plan.num_groups, "local")
-                rreq = (lreq if remote_block_ids is None
-                        else _Request(remote_block_ids, plan.num_groups, "remote"))
+                rreq = (
+                    lreq
+                    if remote_block_ids is None
+                    else _Request(remote_block_ids, plan.num_groups, "remote")
+                )
                 for items in _transfer_items(plan, remotes, lreq, rreq, first.reads):
                     per_block += items.count
                     nbytes += items.nbytes
@@ -384,8 +425,12 @@ class TraitsNixlAgent:
             self._release(posted)
             raise
         self._release(posted)
-        return TransferResult(descriptors=descriptors, per_block_descriptors=per_block,
-                              nbytes=nbytes, seconds=time.perf_counter() - start)
+        return TransferResult(
+            descriptors=descriptors,
+            per_block_descriptors=per_block,
+            nbytes=nbytes,
+            seconds=time.perf_counter() - start,
+        )
 
     @staticmethod
     def _check_prepped_rank(plan: RegionPlan, peer: RemotePeer) -> None:
@@ -397,25 +442,38 @@ class TraitsNixlAgent:
         for region in plan.regions:
             if not region.replicated or region.sharded_state:
                 raise MissingPeerError(
-                    region.name, plan.tp_rank, [peer.tp_rank],
+                    region.name,
+                    plan.tp_rank,
+                    [peer.tp_rank],
                     f": mode='prepped' reads each block whole from peer {peer.name}, "
-                    f"whose rank {peer.tp_rank} holds other heads or state shards")
+                    f"whose rank {peer.tp_rank} holds other heads or state shards",
+                )
 
-    def _make_prepped(self, peer: RemotePeer, local_ids: npt.NDArray[Any],
-                      remote_ids: npt.NDArray[Any], notify: bytes) -> Any:
+    def _make_prepped(
+        self,
+        peer: RemotePeer,
+        local_ids: npt.NDArray[Any],
+        remote_ids: npt.NDArray[Any],
+        notify: bytes,
+    ) -> Any:
         if peer.prepped is None:
             raise ValueError(f"peer {peer.name} has no prepared descriptor list")
-        return self._checked(self._agent.make_prepped_xfer, "READ", self._local_prepped,
-                             local_ids.astype(np.int32, copy=False), peer.prepped,
-                             remote_ids.astype(np.int32, copy=False), notify)
+        return self._checked(
+            self._agent.make_prepped_xfer,
+            "READ",
+            self._local_prepped,
+            local_ids.astype(np.int32, copy=False),
+            peer.prepped,
+            remote_ids.astype(np.int32, copy=False),
+            notify,
+        )
 
     def _post_items(self, peer: RemotePeer, items: TransferItems, notify: bytes) -> _Posted:
-        local = self._agent.get_xfer_descs(np.ascontiguousarray(items.local),
-                                           self._local_mem_type)
-        remote = self._agent.get_xfer_descs(np.ascontiguousarray(items.remote),
-                                            peer.mem_type)
-        handle = self._checked(self._agent.initialize_xfer, "READ", local, remote, peer.name,
-                               notify)
+        local = self._agent.get_xfer_descs(np.ascontiguousarray(items.local), self._local_mem_type)
+        remote = self._agent.get_xfer_descs(np.ascontiguousarray(items.remote), peer.mem_type)
+        handle = self._checked(
+            self._agent.initialize_xfer, "READ", local, remote, peer.name, notify
+        )
         return _Posted(handle, peer.name)
 
     def _checked(self, fn: Any, *args: Any) -> Any:
@@ -424,11 +482,13 @@ class TraitsNixlAgent:
         except TransferFailedError:
             raise
         except Exception as exc:
-            raise TransferFailedError(f"NIXL {getattr(fn, '__name__', fn)} failed: {exc}",
-                                      str(exc)) from exc
+            raise TransferFailedError(
+                f"NIXL {getattr(fn, '__name__', fn)} failed: {exc}", str(exc)
+            ) from exc
 
-    def _wait(self, posted: list[_Posted], deadline: float,
-              progress: Callable[[], object] | None) -> None:
+    def _wait(
+        self, posted: list[_Posted], deadline: float, progress: Callable[[], object] | None
+    ) -> None:
         pending = list(posted)
         polls = 0
         while pending:
@@ -447,7 +507,8 @@ class TraitsNixlAgent:
             pending = still
             if pending and time.perf_counter() > deadline:
                 raise TransferFailedError(
-                    f"read from {[p.peer for p in pending]} not done by the deadline", "PROC")
+                    f"read from {[p.peer for p in pending]} not done by the deadline", "PROC"
+                )
 
     def _release(self, posted: list[_Posted]) -> None:
         for p in posted:
@@ -471,8 +532,9 @@ class TraitsNixlAgent:
         out, self._notifs = self._notifs, {}
         return out
 
-    def serve(self, until: Callable[[dict[str, list[bytes]]], bool], timeout: float
-              ) -> dict[str, list[bytes]]:
+    def serve(
+        self, until: Callable[[dict[str, list[bytes]]], bool], timeout: float
+    ) -> dict[str, list[bytes]]:
         """Progress until ``until(notifications so far)`` is true; ``TimeoutError``
         after ``timeout`` seconds. What a producer process runs while peers read."""
         deadline = time.monotonic() + timeout

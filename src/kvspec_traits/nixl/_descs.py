@@ -48,21 +48,25 @@ __all__ = [
 ]
 
 U64 = npt.NDArray[np.uint64]
-BlockIds = (Sequence[int] | Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer[Any]]]
-            | npt.NDArray[np.integer[Any]])
+BlockIds = (
+    Sequence[int]
+    | Sequence[Sequence[int]]
+    | Sequence[npt.NDArray[np.integer[Any]]]
+    | npt.NDArray[np.integer[Any]]
+)
 """Block ids of one request: one list per cache group (indexed by group id; a shared
 region takes every group's blocks), each Python ints (not ``bool``) or a 1-D integer
 numpy array, or a 2-D integer array of one row per group; for a plan of one group,
 that group's list alone. Destination ids are distinct."""
 
 
-def build_block_descs(regions: RegionPlan | Sequence[Region] | Sequence[PeerRegion]
-                      ) -> U64:
+def build_block_descs(regions: RegionPlan | Sequence[Region] | Sequence[PeerRegion]) -> U64:
     """Strided ``Nx5`` descriptors, one row per region: ``(base, block_len, device_id,
     block_stride, num_blocks)``. Flat descriptor id of block ``b`` of region ``i`` is
     ``sum(num_blocks of regions before i) + b``."""
     rows: Sequence[Region | PeerRegion] = (
-        regions.regions if isinstance(regions, RegionPlan) else regions)
+        regions.regions if isinstance(regions, RegionPlan) else regions
+    )
     out = np.empty((len(rows), 5), dtype=np.uint64)
     for i, r in enumerate(rows):
         out[i] = (r.base_addr, r.block_len, r.device_id, r.block_stride, r.num_blocks)
@@ -72,8 +76,12 @@ def build_block_descs(regions: RegionPlan | Sequence[Region] | Sequence[PeerRegi
 def build_state_descs(plan: RegionPlan) -> U64:
     """Strided ``Nx5`` sub-region descriptors of every recurrent-state component
     (vLLM's conv/SSM sub-regions), in region then component order."""
-    rows = [(r.base_addr + c.offset, c.nbytes, r.device_id, r.block_stride, r.num_blocks)
-            for r in plan.regions if r.state for c in r.state_components]
+    rows = [
+        (r.base_addr + c.offset, c.nbytes, r.device_id, r.block_stride, r.num_blocks)
+        for r in plan.regions
+        if r.state
+        for c in r.state_components
+    ]
     return np.array(rows, dtype=np.uint64).reshape(-1, 5)
 
 
@@ -89,22 +97,24 @@ def _as_ids(value: object, side: str) -> npt.NDArray[np.int64]:
     (the type check) plus numpy's conversion; an array is only cast."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "iu":
-            raise BlockIdTypeError(side, value.dtype,
-                                   f"an array of dtype {value.dtype} is not block ids")
+            raise BlockIdTypeError(
+                side, value.dtype, f"an array of dtype {value.dtype} is not block ids"
+            )
         if value.ndim != 1:
-            raise BlockIdTypeError(side, value.shape,
-                                   f"an array of shape {value.shape} is not one list of ids")
+            raise BlockIdTypeError(
+                side, value.shape, f"an array of shape {value.shape} is not one list of ids"
+            )
         if value.dtype.kind == "u" and value.size and int(value.max()) > _INT64_MAX:
-            raise BlockIdTypeError(side, int(value.max()),
-                                   f"id {int(value.max())} does not fit in int64")
+            raise BlockIdTypeError(
+                side, int(value.max()), f"id {int(value.max())} does not fit in int64"
+            )
         return value.astype(np.int64, copy=False)
     if isinstance(value, _LISTS):
         if not value:
             return _EMPTY
         if set(map(type, value)) != {int}:
             bad = next(v for v in value if type(v) is not int)
-            raise BlockIdTypeError(side, bad, f"{bad!r} is a {type(bad).__name__}, not an "
-                                              f"int")
+            raise BlockIdTypeError(side, bad, f"{bad!r} is a {type(bad).__name__}, not an int")
         try:
             return np.fromiter(value, dtype=np.int64, count=len(value))
         except OverflowError:
@@ -131,35 +141,45 @@ class _Request:
         groups: list[npt.NDArray[np.int64]]
         if isinstance(block_ids, np.ndarray) and block_ids.ndim == 2:
             if block_ids.dtype.kind not in "iu":
-                raise BlockIdTypeError(side, block_ids.dtype, f"an array of dtype "
-                                       f"{block_ids.dtype} is not block ids")
+                raise BlockIdTypeError(
+                    side, block_ids.dtype, f"an array of dtype {block_ids.dtype} is not block ids"
+                )
             groups = [_as_ids(row, side) for row in block_ids]
-        elif isinstance(block_ids, _LISTS) and block_ids and isinstance(
-                block_ids[0], (*_LISTS, np.ndarray)):
+        elif (
+            isinstance(block_ids, _LISTS)
+            and block_ids
+            and isinstance(block_ids[0], (*_LISTS, np.ndarray))
+        ):
             groups = [_as_ids(g, side) for g in block_ids]
         elif isinstance(block_ids, (*_LISTS, np.ndarray)):
             if num_groups != 1:
                 raise BlockIdShapeError(
-                    side, num_groups, 1,
+                    side,
+                    num_groups,
+                    1,
                     f"one flat list for a plan of {num_groups} cache groups; pass one list "
-                    f"per group (vLLM's block_ids[group])")
+                    f"per group (vLLM's block_ids[group])",
+                )
             groups = [_as_ids(block_ids, side)]
         else:
-            raise BlockIdTypeError(side, block_ids, f"a {type(block_ids).__name__} is not "
-                                                    f"block ids")
+            raise BlockIdTypeError(
+                side, block_ids, f"a {type(block_ids).__name__} is not block ids"
+            )
         if len(groups) != num_groups:
             raise BlockIdShapeError(
-                side, num_groups, len(groups),
+                side,
+                num_groups,
+                len(groups),
                 f"{len(groups)} lists for a plan of {num_groups} cache groups; pass exactly "
-                f"one list per group (an empty one for a group with no blocks)")
+                f"one list per group (an empty one for a group with no blocks)",
+            )
         self.groups = groups
 
     @property
     def all(self) -> npt.NDArray[np.int64]:
         """Every group's blocks, in group order (what a shared region takes)."""
         if self._all is None:
-            self._all = (self.groups[0] if len(self.groups) == 1
-                         else np.concatenate(self.groups))
+            self._all = self.groups[0] if len(self.groups) == 1 else np.concatenate(self.groups)
         return self._all
 
     def blocks(self, group_id: int) -> npt.NDArray[np.int64]:
@@ -208,7 +228,8 @@ class _Request:
         ordered = np.sort(blocks)
         repeated = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
         raise DuplicateBlockIdError(
-            repeated, None if group_id < 0 or len(self.groups) == 1 else group_id)
+            repeated, None if group_id < 0 or len(self.groups) == 1 else group_id
+        )
 
 
 class _DescIndex:
@@ -222,11 +243,19 @@ class _DescIndex:
     otherwise group-major, each group's regions in region order.
     """
 
-    __slots__ = ("by_group", "bytes_per_block", "columns", "columns32", "counts", "limits",
-                 "mapped", "names", "shared")
+    __slots__ = (
+        "by_group",
+        "bytes_per_block",
+        "columns",
+        "columns32",
+        "counts",
+        "limits",
+        "mapped",
+        "names",
+        "shared",
+    )
 
-    def __init__(self, plan: RegionPlan, counts: Sequence[int],
-                 offsets: Sequence[int]) -> None:
+    def __init__(self, plan: RegionPlan, counts: Sequence[int], offsets: Sequence[int]) -> None:
         gids = np.asarray(plan._group_ids, dtype=np.int64)
         off = np.asarray(offsets, dtype=np.int64)
         nb = np.asarray(counts, dtype=np.int64)
@@ -241,8 +270,9 @@ class _DescIndex:
         self.limits: list[int] = []
         self.bytes_per_block: list[int] = []
         for key in keys:
-            members = (np.flatnonzero((gids == key) | (gids < 0)) if key >= 0
-                       else np.arange(gids.size))
+            members = (
+                np.flatnonzero((gids == key) | (gids < 0)) if key >= 0 else np.arange(gids.size)
+            )
             self.by_group.append(members)
             self.columns.append(off[members][:, None].copy())
             self.limits.append(int(nb[members].min()) if members.size else _INT64_MAX)
@@ -250,7 +280,7 @@ class _DescIndex:
         # NIXL selects prepared descriptors by int32 index: a list short enough for
         # that gets int32 columns, so ids are built at half the memory traffic.
         fits = int(nb.sum()) < (1 << 31)
-        self.columns32 = ([c.astype(np.int32) for c in self.columns] if fits else None)
+        self.columns32 = [c.astype(np.int32) for c in self.columns] if fits else None
 
     def check(self, request: _Request, side: str) -> None:
         """Bounds of every id against every region it lands in (and, for the local
@@ -262,8 +292,7 @@ class _DescIndex:
             if bounds is None or (bounds[0] >= 0 and bounds[1] < limit):
                 continue
             bad = bounds[0] if bounds[0] < 0 else bounds[1]
-            region = next(int(i) for i in self.by_group[key]
-                          if bad < 0 or bad >= self.counts[i])
+            region = next(int(i) for i in self.by_group[key] if bad < 0 or bad >= self.counts[i])
             raise BlockIdError(self.names[region], bad, self.counts[region], side)
         if side == "local":
             request.check_distinct(self.shared or not self.mapped)
@@ -283,16 +312,18 @@ class _DescIndex:
         for column, blocks in zip(columns, groups, strict=True):
             size = column.shape[0] * blocks.size
             if size:
-                np.add(column, blocks.astype(dtype, copy=False),
-                       out=out[pos:pos + size].reshape(column.shape[0], blocks.size))
+                np.add(
+                    column,
+                    blocks.astype(dtype, copy=False),
+                    out=out[pos : pos + size].reshape(column.shape[0], blocks.size),
+                )
                 pos += size
         return out
 
     def nbytes(self, request: _Request) -> int:
         if not self.mapped:
             return request.all.size * self.bytes_per_block[0]
-        return sum(b.size * n for b, n in zip(request.groups, self.bytes_per_block,
-                                              strict=True))
+        return sum(b.size * n for b, n in zip(request.groups, self.bytes_per_block, strict=True))
 
 
 def _desc_index(plan: RegionPlan, counts: Sequence[int] | None = None) -> _DescIndex:
@@ -308,16 +339,18 @@ def _desc_index(plan: RegionPlan, counts: Sequence[int] | None = None) -> _DescI
     return cast(_DescIndex, index)
 
 
-def _desc_ids(index: _DescIndex, request: _Request, side: str, int32: bool = False
-              ) -> npt.NDArray[Any]:
+def _desc_ids(
+    index: _DescIndex, request: _Request, side: str, int32: bool = False
+) -> npt.NDArray[Any]:
     """:func:`block_desc_ids` with the list's index precomputed: validate, then one
     broadcast add per cache group."""
     index.check(request, side)
     return index.desc_ids(request, int32)
 
 
-def block_desc_ids(plan: RegionPlan, block_ids: BlockIds, *,
-                   region_num_blocks: Sequence[int] | None = None) -> npt.NDArray[np.int64]:
+def block_desc_ids(
+    plan: RegionPlan, block_ids: BlockIds, *, region_num_blocks: Sequence[int] | None = None
+) -> npt.NDArray[np.int64]:
     """Flat ids into :func:`build_block_descs` for a request's blocks, in the order
     vLLM's ``_compute_desc_ids`` uses (region-major when every region takes every
     group's blocks, else group-major).
@@ -344,8 +377,14 @@ class Read:
     length: int
 
 
-def tp_reads(region: Region, *, local_tp: int, local_rank: int, remote_tp: int,
-             remote_block_len: int | None = None) -> tuple[Read, ...]:
+def tp_reads(
+    region: Region,
+    *,
+    local_tp: int,
+    local_rank: int,
+    remote_tp: int,
+    remote_block_len: int | None = None,
+) -> tuple[Read, ...]:
     """Where this rank's block of ``region`` comes from when the peer has ``remote_tp``
     ranks: a replicated region whole from one rank; a head-sharded region split or
     gathered by heads (its head slice must be contiguous, :attr:`Region.head_major`);
@@ -357,9 +396,11 @@ def tp_reads(region: Region, *, local_tp: int, local_rank: int, remote_tp: int,
     """
     if region.sharded_state and local_tp != remote_tp:
         raise UnsupportedLayoutError(
-            region.name, f"its blocks hold a TP-sharded recurrent state, which cannot "
-                         f"move between TP {remote_tp} and TP {local_tp}; run producer and "
-                         f"consumer with equal TP sizes")
+            region.name,
+            f"its blocks hold a TP-sharded recurrent state, which cannot "
+            f"move between TP {remote_tp} and TP {local_tp}; run producer and "
+            f"consumer with equal TP sizes",
+        )
     if region.replicated:
         return (Read(local_rank % remote_tp, 0, 0, region.block_len),)
     local_shards = shard_count(region, local_tp)
@@ -369,17 +410,23 @@ def tp_reads(region: Region, *, local_tp: int, local_rank: int, remote_tp: int,
         return (Read(local_shard * (remote_tp // remote_shards), 0, 0, region.block_len),)
     if region.state or region.tp_layout is not TPLayout.HEAD_SHARDED:
         raise UnsupportedLayoutError(
-            region.name, f"a {region.tp_layout.value} region with a recurrent state "
-                         f"cannot move between TP {remote_tp} and TP {local_tp}")
+            region.name,
+            f"a {region.tp_layout.value} region with a recurrent state "
+            f"cannot move between TP {remote_tp} and TP {local_tp}",
+        )
     if not region.head_major or region.head_segment is not None:
         raise UnsupportedLayoutError(
-            region.name, "its head slices are not contiguous within a block, so it cannot "
-                         f"be split between TP {remote_tp} and TP {local_tp}")
+            region.name,
+            "its head slices are not contiguous within a block, so it cannot "
+            f"be split between TP {remote_tp} and TP {local_tp}",
+        )
     total = region.block_len * local_shards
     if remote_block_len is not None and remote_block_len * remote_shards != total:
         raise UnsupportedLayoutError(
-            region.name, f"local block {region.block_len} B x {local_shards} shards != "
-                         f"remote {remote_block_len} B x {remote_shards} shards")
+            region.name,
+            f"local block {region.block_len} B x {local_shards} shards != "
+            f"remote {remote_block_len} B x {remote_shards} shards",
+        )
     lo, hi = Fraction(local_shard, local_shards), Fraction(local_shard + 1, local_shards)
     reads = []
     for rs in range(remote_shards):
@@ -390,8 +437,9 @@ def tp_reads(region: Region, *, local_tp: int, local_rank: int, remote_tp: int,
         parts = ((a - lo) * total, (a - r_lo) * total, (b - a) * total)
         if any(p.denominator != 1 for p in parts):
             raise UnsupportedLayoutError(region.name, "head split is not byte-aligned")
-        reads.append(Read(rs * (remote_tp // remote_shards), int(parts[0]), int(parts[1]),
-                          int(parts[2])))
+        reads.append(
+            Read(rs * (remote_tp // remote_shards), int(parts[0]), int(parts[1]), int(parts[2]))
+        )
     return tuple(reads)
 
 
@@ -415,10 +463,17 @@ class TransferItems:
 
 def peer_regions(plan: RegionPlan) -> tuple[PeerRegion, ...]:
     """A plan's own regions as a peer sees them (for loopback and tests)."""
-    return tuple(PeerRegion(base_addr=r.base_addr, block_len=r.block_len,
-                            block_stride=r.block_stride, num_blocks=r.num_blocks,
-                            device_id=r.device_id, mem_type=r.mem_type)
-                 for r in plan.regions)
+    return tuple(
+        PeerRegion(
+            base_addr=r.base_addr,
+            block_len=r.block_len,
+            block_stride=r.block_stride,
+            num_blocks=r.num_blocks,
+            device_id=r.device_id,
+            mem_type=r.mem_type,
+        )
+        for r in plan.regions
+    )
 
 
 class _ReadCache:
@@ -428,13 +483,16 @@ class _ReadCache:
 
     __slots__ = ("_block_lens", "_plan", "_reads", "_remote_tp", "tables")
 
-    def __init__(self, plan: RegionPlan, remote_tp: int,
-                 remote_regions: Sequence[PeerRegion] | None) -> None:
+    def __init__(
+        self, plan: RegionPlan, remote_tp: int, remote_regions: Sequence[PeerRegion] | None
+    ) -> None:
         self._plan = plan
         self._remote_tp = remote_tp
         self._block_lens: tuple[int | None, ...] = (
-            (None,) * len(plan.regions) if remote_regions is None
-            else tuple(r.block_len for r in remote_regions))
+            (None,) * len(plan.regions)
+            if remote_regions is None
+            else tuple(r.block_len for r in remote_regions)
+        )
         self._reads: list[tuple[Read, ...] | None] = [None] * len(plan.regions)
         self.tables: dict[tuple[tuple[int, int], ...], _ReadTable] = {}
 
@@ -443,8 +501,12 @@ class _ReadCache:
         if reads is None:
             plan = self._plan
             reads = self._reads[index] = tp_reads(
-                plan.regions[index], local_tp=plan.tp_size, local_rank=plan.tp_rank,
-                remote_tp=self._remote_tp, remote_block_len=self._block_lens[index])
+                plan.regions[index],
+                local_tp=plan.tp_size,
+                local_rank=plan.tp_rank,
+                remote_tp=self._remote_tp,
+                remote_block_len=self._block_lens[index],
+            )
         return reads
 
 
@@ -454,12 +516,17 @@ def _check_remotes(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]
             raise ValueError(
                 f"remote rank {rank} has {len(regions)} regions, the plan "
                 f"{len(local.regions)}; pass the regions of a peer whose handshake "
-                f"matched (check_handshake)")
+                f"matched (check_handshake)"
+            )
 
 
-def transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]],
-                   remote_tp: int, local_block_ids: BlockIds,
-                   remote_block_ids: BlockIds | None = None) -> list[TransferItems]:
+def transfer_items(
+    local: RegionPlan,
+    remotes: Mapping[int, Sequence[PeerRegion]],
+    remote_tp: int,
+    local_block_ids: BlockIds,
+    remote_block_ids: BlockIds | None = None,
+) -> list[TransferItems]:
     """Per remote rank, the descriptor rows that fill ``local_block_ids`` of every
     region from the peer's ``remote_block_ids`` (default: the same ids).
 
@@ -474,10 +541,14 @@ def transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]
     _check_remotes(local, remotes)
     request = _Request(local_block_ids, local.num_groups, "local")
     return _transfer_items(
-        local, remotes, request,
-        request if remote_block_ids is None
+        local,
+        remotes,
+        request,
+        request
+        if remote_block_ids is None
         else _Request(remote_block_ids, local.num_groups, "remote"),
-        _ReadCache(local, remote_tp, next(iter(remotes.values()), None)))
+        _ReadCache(local, remote_tp, next(iter(remotes.values()), None)),
+    )
 
 
 class _Bucket:
@@ -496,14 +567,16 @@ class _Bucket:
         "rstride",
     )
 
-    def __init__(self, rows: list[tuple[int, int, int, int, int, int, int, int, int]]
-                 ) -> None:
+    def __init__(self, rows: list[tuple[int, int, int, int, int, int, int, int, int]]) -> None:
         cols = np.asarray(rows, dtype=np.uint64).reshape(-1, 9)
         self.regions = cols[:, 0].astype(np.int64)
         self.lbase, self.lstride = cols[:, 1:2].copy(), cols[:, 2:3].copy()
         self.rbase, self.rstride = cols[:, 3:4].copy(), cols[:, 4:5].copy()
-        self.length, self.ldev, self.rdev = (cols[:, 5:6].copy(), cols[:, 6:7].copy(),
-                                             cols[:, 7:8].copy())
+        self.length, self.ldev, self.rdev = (
+            cols[:, 5:6].copy(),
+            cols[:, 6:7].copy(),
+            cols[:, 7:8].copy(),
+        )
         self.count_limit = int(cols[:, 8].min()) if len(rows) else _INT64_MAX
 
 
@@ -516,8 +589,9 @@ class _ReadTable:
 
     __slots__ = ("buckets", "errors", "mapped")
 
-    def __init__(self, plan: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]],
-                 reads: _ReadCache) -> None:
+    def __init__(
+        self, plan: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]], reads: _ReadCache
+    ) -> None:
         index = _desc_index(plan)
         self.mapped = index.mapped
         self.buckets: list[dict[int, _Bucket]] = []
@@ -534,20 +608,31 @@ class _ReadTable:
                     continue
                 for read in region_reads:
                     if read.remote_rank not in remotes:
-                        error = error or MissingPeerError(region.name, read.remote_rank,
-                                                          sorted(remotes))
+                        error = error or MissingPeerError(
+                            region.name, read.remote_rank, sorted(remotes)
+                        )
                         continue
                     peer = remotes[read.remote_rank][i]
-                    rows.setdefault(read.remote_rank, []).append((
-                        i, region.base_addr + read.local_offset, region.block_stride,
-                        peer.base_addr + read.remote_offset, peer.block_stride,
-                        read.length, region.device_id, peer.device_id, peer.num_blocks))
+                    rows.setdefault(read.remote_rank, []).append(
+                        (
+                            i,
+                            region.base_addr + read.local_offset,
+                            region.block_stride,
+                            peer.base_addr + read.remote_offset,
+                            peer.block_stride,
+                            read.length,
+                            region.device_id,
+                            peer.device_id,
+                            peer.num_blocks,
+                        )
+                    )
             self.buckets.append({rank: _Bucket(r) for rank, r in sorted(rows.items())})
             self.errors.append(error)
 
 
-def _read_table(plan: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]],
-                reads: _ReadCache) -> _ReadTable:
+def _read_table(
+    plan: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]], reads: _ReadCache
+) -> _ReadTable:
     key = tuple(sorted((rank, id(regions)) for rank, regions in remotes.items()))
     table = reads.tables.get(key)
     if table is None:
@@ -555,12 +640,11 @@ def _read_table(plan: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]],
     return table
 
 
-def _fill(out: U64, pos: int, bucket: _Bucket, blocks: npt.NDArray[np.uint64],
-          local: bool) -> None:
+def _fill(out: U64, pos: int, bucket: _Bucket, blocks: npt.NDArray[np.uint64], local: bool) -> None:
     """Write ``(addr, len, dev)`` rows of every (region, read) of ``bucket`` for
     ``blocks`` into ``out[pos:]``, region-major, in place."""
     k, n = bucket.regions.size, blocks.size
-    rows = out[pos:pos + k * n]
+    rows = out[pos : pos + k * n]
     addr = rows[:, 0].reshape(k, n)
     np.multiply(bucket.lstride if local else bucket.rstride, blocks, out=addr)
     addr += bucket.lbase if local else bucket.rbase
@@ -568,9 +652,13 @@ def _fill(out: U64, pos: int, bucket: _Bucket, blocks: npt.NDArray[np.uint64],
     rows[:, 2].reshape(k, n)[...] = bucket.ldev if local else bucket.rdev
 
 
-def _transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]],
-                    lreq: _Request, rreq: _Request, reads: _ReadCache
-                    ) -> list[TransferItems]:
+def _transfer_items(
+    local: RegionPlan,
+    remotes: Mapping[int, Sequence[PeerRegion]],
+    lreq: _Request,
+    rreq: _Request,
+    reads: _ReadCache,
+) -> list[TransferItems]:
     """:func:`transfer_items` with the request's ids converted and the TP reads of
     the peer kept across requests: validated first (one list per group of paired
     lengths, bounds on both sides, distinct destinations), then rows written group by
@@ -578,8 +666,11 @@ def _transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion
     _check_lengths(lreq, rreq)
     _desc_index(local).check(lreq, "local")  # bounds, then distinct destinations
     table = _read_table(local, remotes, reads)
-    groups = ([(lreq.all, rreq.all)] if not table.mapped
-              else list(zip(lreq.groups, rreq.groups, strict=True)))
+    groups = (
+        [(lreq.all, rreq.all)]
+        if not table.mapped
+        else list(zip(lreq.groups, rreq.groups, strict=True))
+    )
     sizes: dict[int, int] = {}
     for key, (lblocks, _) in enumerate(groups):
         if not lblocks.size:
@@ -598,7 +689,8 @@ def _transfer_items(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion
             sizes[rank] = sizes.get(rank, 0) + bucket.regions.size * lblocks.size
     out: dict[int, tuple[U64, U64]] = {
         rank: (np.empty((size, 3), dtype=np.uint64), np.empty((size, 3), dtype=np.uint64))
-        for rank, size in sorted(sizes.items())}
+        for rank, size in sorted(sizes.items())
+    }
     pos = dict.fromkeys(out, 0)
     for key, (lblocks, rblocks) in enumerate(groups):
         if not lblocks.size:
@@ -619,9 +711,12 @@ def _check_lengths(lreq: _Request, rreq: _Request) -> None:
     for gid, (lb, rb) in enumerate(zip(lreq.groups, rreq.groups, strict=True)):
         if lb.size != rb.size:
             raise BlockIdShapeError(
-                "both", lb.size, rb.size,
+                "both",
+                lb.size,
+                rb.size,
                 f"cache group {gid} has {lb.size} local but {rb.size} remote ids; each "
-                f"local block is filled from the remote block at the same position")
+                f"local block is filled from the remote block at the same position",
+            )
 
 
 def merge_runs(items: TransferItems) -> TransferItems:
@@ -633,7 +728,7 @@ def merge_runs(items: TransferItems) -> TransferItems:
         return items
     loc, rem = items.local, items.remote
     laddr, raddr = loc[:, 0], rem[:, 0]
-    joins = (laddr[:-1] + loc[:-1, 1] == laddr[1:])
+    joins = laddr[:-1] + loc[:-1, 1] == laddr[1:]
     joins &= raddr[:-1] + loc[:-1, 1] == raddr[1:]
     joins &= loc[:-1, 2] == loc[1:, 2]
     joins &= rem[:-1, 2] == rem[1:, 2]

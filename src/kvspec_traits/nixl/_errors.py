@@ -31,8 +31,9 @@ class RegionConflictError(ValueError):
     and ``.values`` each layer's value.
     """
 
-    def __init__(self, region: str, layers: Sequence[str], trait: str,
-                 values: Mapping[str, object]) -> None:
+    def __init__(
+        self, region: str, layers: Sequence[str], trait: str, values: Mapping[str, object]
+    ) -> None:
         self.region = region
         self.layers = tuple(layers)
         self.trait = trait
@@ -71,8 +72,9 @@ class MissingLayerError(KeyError):
     def __init__(self, layers: Sequence[str], missing_from: str, fix: str) -> None:
         self.layers = tuple(layers)
         self.missing_from = missing_from
-        self.message = (f"layers {list(self.layers)} have a KV cache spec but no entry in "
-                        f"{missing_from}; {fix}")
+        self.message = (
+            f"layers {list(self.layers)} have a KV cache spec but no entry in {missing_from}; {fix}"
+        )
         super().__init__(self.message)
 
     def __str__(self) -> str:  # KeyError would show the message as a quoted repr
@@ -86,15 +88,17 @@ class MissingPeerError(KeyError):
     remote ranks that were passed.
     """
 
-    def __init__(self, region: str, remote_rank: int, given: Sequence[int],
-                 detail: str = "") -> None:
+    def __init__(
+        self, region: str, remote_rank: int, given: Sequence[int], detail: str = ""
+    ) -> None:
         self.region = region
         self.remote_rank = remote_rank
         self.given = tuple(given)
         self.message = (
             f"region {region!r} needs remote TP rank {remote_rank}, which was not given "
             f"(remote ranks given: {list(self.given)}){detail}; connect() that producer "
-            f"rank and pass {{tp_rank: peer}} for every rank the read needs")
+            f"rank and pass {{tp_rank: peer}} for every rank the read needs"
+        )
         super().__init__(self.message)
 
     def __str__(self) -> str:  # KeyError would show the message as a quoted repr
@@ -127,7 +131,8 @@ class BlockIdError(IndexError):
         super().__init__(
             f"region {region!r}: {side} block id {block_id} is not in 0..{num_blocks - 1}; "
             f"pass ids of blocks this {side} cache holds ({side} ids are checked against "
-            f"the {side} region's num_blocks)")
+            f"the {side} region's num_blocks)"
+        )
 
 
 class BlockIdTypeError(TypeError):
@@ -144,7 +149,8 @@ class BlockIdTypeError(TypeError):
         self.value = value
         super().__init__(
             f"{side} block ids: {detail}; pass Python ints (not bool) or a 1-D integer "
-            f"numpy array per cache group")
+            f"numpy array per cache group"
+        )
 
 
 class BlockIdShapeError(ValueError):
@@ -171,10 +177,11 @@ class DuplicateBlockIdError(ValueError):
     def __init__(self, block_id: int, group: int | None) -> None:
         self.block_id = block_id
         self.group = group
-        where = ("the request" if group is None else f"cache group {group}")
+        where = "the request" if group is None else f"cache group {group}"
         super().__init__(
             f"local block id {block_id} appears more than once in {where}; every "
-            f"destination block of a request must be distinct (one read per block)")
+            f"destination block of a request must be distinct (one read per block)"
+        )
 
 
 class HandshakeMismatchError(ValueError):
@@ -185,16 +192,25 @@ class HandshakeMismatchError(ValueError):
     ``(trait, local, remote)`` for every differing trait.
     """
 
-    def __init__(self, region: int | None, region_name: str, layers: Sequence[str],
-                 diffs: Sequence[TraitDiff]) -> None:
+    def __init__(
+        self,
+        region: int | None,
+        region_name: str,
+        layers: Sequence[str],
+        diffs: Sequence[TraitDiff],
+    ) -> None:
         self.region = region
         self.region_name = region_name
         self.layers = tuple(layers)
         self.diffs = tuple(diffs)
-        where = (f"region {region} {region_name!r} (layers {list(self.layers)})"
-                 if region is not None else f"the plan ({region_name})")
-        what = "; ".join(f"{trait}: local={local!r} remote={remote!r}"
-                         for trait, local, remote in self.diffs)
+        where = (
+            f"region {region} {region_name!r} (layers {list(self.layers)})"
+            if region is not None
+            else f"the plan ({region_name})"
+        )
+        what = "; ".join(
+            f"{trait}: local={local!r} remote={remote!r}" for trait, local, remote in self.diffs
+        )
         super().__init__(
             f"KV layout handshake refused: producer and consumer differ on {where}: {what}"
         )

@@ -89,8 +89,9 @@ def load_json(data: str | bytes | bytearray | memoryview, what: str) -> object:
     except MalformedMetadataError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError, TypeError) as exc:
-        raise MalformedMetadataError(f"{what} is not JSON ({type(exc).__name__}: "
-                                     f"{str(exc)[:200]})") from None
+        raise MalformedMetadataError(
+            f"{what} is not JSON ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
     _check_json(value, what)
     return value
 
@@ -105,10 +106,14 @@ def _check_json(value: object, what: str) -> None:
         elif isinstance(item, list):
             children = item
         else:
-            if (isinstance(item, int) and not isinstance(item, bool)
-                    and not _INT_MIN <= item < _U64_END):
+            if (
+                isinstance(item, int)
+                and not isinstance(item, bool)
+                and not _INT_MIN <= item < _U64_END
+            ):
                 raise MalformedMetadataError(
-                    f"{what} holds an integer outside 64 bits ({str(item)[:40]}...)")
+                    f"{what} holds an integer outside 64 bits ({str(item)[:40]}...)"
+                )
             continue
         if depth >= _MAX_DEPTH:
             raise MalformedMetadataError(f"{what} is nested deeper than {_MAX_DEPTH} levels")
@@ -116,8 +121,7 @@ def _check_json(value: object, what: str) -> None:
 
 
 def _canonical(obj: object) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"),
-                      allow_nan=False).encode()
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +133,11 @@ class PlanFingerprint:
     regions: tuple[Mapping[str, Any], ...]
 
     def payload(self) -> dict[str, Any]:
-        return {"v": self.version, "tp_size": self.tp_size,
-                "regions": [dict(r) for r in self.regions]}
+        return {
+            "v": self.version,
+            "tp_size": self.tp_size,
+            "regions": [dict(r) for r in self.regions],
+        }
 
     def canonical(self) -> bytes:
         """Sorted-key compact JSON: equal layouts give equal bytes."""
@@ -145,8 +152,11 @@ class PlanFingerprint:
         """Validate a decoded payload; :class:`MalformedMetadataError` if not one."""
         if not isinstance(payload, dict):
             raise MalformedMetadataError("fingerprint is not a JSON object")
-        version, tp_size, regions = (payload.get("v"), payload.get("tp_size"),
-                                     payload.get("regions"))
+        version, tp_size, regions = (
+            payload.get("v"),
+            payload.get("tp_size"),
+            payload.get("regions"),
+        )
         if not isinstance(version, int) or isinstance(version, bool):
             raise MalformedMetadataError("fingerprint has no integer version 'v'")
         if not isinstance(tp_size, int) or tp_size < 1:
@@ -167,8 +177,11 @@ def fingerprint_of(plan: RegionPlan) -> PlanFingerprint:
     records = tuple(r.traits_record(plan.tp_size) for r in plan.regions)
     # Round-trip through JSON so local and decoded remote values compare alike
     # (tuples become lists, enums their values).
-    return PlanFingerprint(version=FINGERPRINT_VERSION, tp_size=plan.tp_size,
-                           regions=tuple(json.loads(_canonical(list(records)))))
+    return PlanFingerprint(
+        version=FINGERPRINT_VERSION,
+        tp_size=plan.tp_size,
+        regions=tuple(json.loads(_canonical(list(records)))),
+    )
 
 
 def check_handshake(local: PlanFingerprint | RegionPlan, remote: PlanFingerprint) -> None:
@@ -181,8 +194,9 @@ def check_handshake(local: PlanFingerprint | RegionPlan, remote: PlanFingerprint
     """
     mine = local if isinstance(local, PlanFingerprint) else local.fingerprint()
     if mine.version != remote.version:
-        raise HandshakeMismatchError(None, "fingerprint version", (),
-                                     [("version", mine.version, remote.version)])
+        raise HandshakeMismatchError(
+            None, "fingerprint version", (), [("version", mine.version, remote.version)]
+        )
     if len(mine.regions) != len(remote.regions):
         diffs: list[TraitDiff] = [("region count", len(mine.regions), len(remote.regions))]
         for i, (a, b) in enumerate(zip(mine.regions, remote.regions, strict=False)):
@@ -201,12 +215,16 @@ def check_handshake(local: PlanFingerprint | RegionPlan, remote: PlanFingerprint
             continue
         region_diffs: list[TraitDiff] = [
             (key, a.get(key), b.get(key))
-            for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)
+            for key in sorted(set(a) | set(b))
+            if a.get(key) != b.get(key)
         ]
         layers = a.get("layers")
         raise HandshakeMismatchError(
-            index, str(a.get("name")),
-            [str(x) for x in layers] if isinstance(layers, list) else (), region_diffs)
+            index,
+            str(a.get("name")),
+            [str(x) for x in layers] if isinstance(layers, list) else (),
+            region_diffs,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -236,17 +254,24 @@ class PeerMetadata:
 
 def encode_metadata(plan: RegionPlan, agent_name: str, agent_metadata: bytes) -> bytes:
     """Serialise ``plan``'s handshake for a peer (see the module docstring)."""
-    header = _canonical({
-        "agent": agent_name,
-        "tp_rank": plan.tp_rank,
-        "tp_size": plan.tp_size,
-        "num_blocks": plan.num_blocks,
-        "fingerprint": plan.fingerprint().payload(),
-        "regions": [[r.base_addr, r.block_len, r.block_stride, r.num_blocks, r.device_id,
-                     r.mem_type] for r in plan.regions],
-    })
-    return (_PREFIX.pack(_MAGIC, WIRE_VERSION, len(header), len(agent_metadata))
-            + header + agent_metadata)
+    header = _canonical(
+        {
+            "agent": agent_name,
+            "tp_rank": plan.tp_rank,
+            "tp_size": plan.tp_size,
+            "num_blocks": plan.num_blocks,
+            "fingerprint": plan.fingerprint().payload(),
+            "regions": [
+                [r.base_addr, r.block_len, r.block_stride, r.num_blocks, r.device_id, r.mem_type]
+                for r in plan.regions
+            ],
+        }
+    )
+    return (
+        _PREFIX.pack(_MAGIC, WIRE_VERSION, len(header), len(agent_metadata))
+        + header
+        + agent_metadata
+    )
 
 
 def _int_field(header: Mapping[str, Any], key: str, minimum: int = 0) -> int:
@@ -257,15 +282,24 @@ def _int_field(header: Mapping[str, Any], key: str, minimum: int = 0) -> int:
 
 
 def _region_field(row: object, index: int) -> PeerRegion:
-    if (not isinstance(row, list) or len(row) != 6
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                       for v in row[:5])
-            or not isinstance(row[5], str)):
+    if (
+        not isinstance(row, list)
+        or len(row) != 6
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row[:5])
+        or not isinstance(row[5], str)
+    ):
         raise MalformedMetadataError(
             f"region {index} is not [base, block_len, block_stride, num_blocks, "
-            f"device_id, mem_type]")
-    return PeerRegion(base_addr=row[0], block_len=row[1], block_stride=row[2],
-                      num_blocks=row[3], device_id=row[4], mem_type=row[5])
+            f"device_id, mem_type]"
+        )
+    return PeerRegion(
+        base_addr=row[0],
+        block_len=row[1],
+        block_stride=row[2],
+        num_blocks=row[3],
+        device_id=row[4],
+        mem_type=row[5],
+    )
 
 
 def decode_metadata(data: bytes | bytearray | memoryview) -> PeerMetadata:
@@ -274,22 +308,26 @@ def decode_metadata(data: bytes | bytearray | memoryview) -> PeerMetadata:
     raw = bytes(data)
     if len(raw) < _PREFIX.size:
         raise MalformedMetadataError(
-            f"truncated: {len(raw)} bytes, the fixed prefix alone is {_PREFIX.size}")
+            f"truncated: {len(raw)} bytes, the fixed prefix alone is {_PREFIX.size}"
+        )
     magic, version, header_len, md_len = _PREFIX.unpack_from(raw)
     if magic != _MAGIC:
         raise MalformedMetadataError(f"bad magic {magic!r} (expected {_MAGIC!r})")
     if version != WIRE_VERSION:
         raise MalformedMetadataError(
-            f"wire version {version}, this reader understands {WIRE_VERSION}")
+            f"wire version {version}, this reader understands {WIRE_VERSION}"
+        )
     if header_len > _MAX_HEADER or md_len > _MAX_AGENT_MD:
         raise MalformedMetadataError(
-            f"implausible lengths (header {header_len}, agent metadata {md_len})")
+            f"implausible lengths (header {header_len}, agent metadata {md_len})"
+        )
     expected = _PREFIX.size + header_len + md_len
     if len(raw) != expected:
         raise MalformedMetadataError(
             f"{'truncated' if len(raw) < expected else 'trailing bytes'}: "
-            f"{len(raw)} bytes, the prefix announces {expected}")
-    header = load_json(raw[_PREFIX.size:_PREFIX.size + header_len], "header")
+            f"{len(raw)} bytes, the prefix announces {expected}"
+        )
+    header = load_json(raw[_PREFIX.size : _PREFIX.size + header_len], "header")
     if not isinstance(header, dict):
         raise MalformedMetadataError("header is not a JSON object")
     agent = header.get("agent")
@@ -306,14 +344,21 @@ def decode_metadata(data: bytes | bytearray | memoryview) -> PeerMetadata:
     fingerprint = PlanFingerprint.from_payload(header.get("fingerprint"))
     if len(fingerprint.regions) != len(regions):
         raise MalformedMetadataError(
-            f"{len(regions)} regions but {len(fingerprint.regions)} fingerprint records")
+            f"{len(regions)} regions but {len(fingerprint.regions)} fingerprint records"
+        )
     check_peer_geometry(fingerprint, regions, tp_size)
-    agent_md = raw[_PREFIX.size + header_len:]
+    agent_md = raw[_PREFIX.size + header_len :]
     if not agent_md:
         raise MalformedMetadataError("no NIXL agent metadata")
-    return PeerMetadata(agent_name=agent, tp_rank=tp_rank, tp_size=tp_size,
-                        num_blocks=_int_field(header, "num_blocks", 1),
-                        fingerprint=fingerprint, regions=regions, agent_metadata=agent_md)
+    return PeerMetadata(
+        agent_name=agent,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        num_blocks=_int_field(header, "num_blocks", 1),
+        fingerprint=fingerprint,
+        regions=regions,
+        agent_metadata=agent_md,
+    )
 
 
 def _record_page(record: Mapping[str, Any], index: int, tp_size: int) -> int:
@@ -330,17 +375,28 @@ def _record_page(record: Mapping[str, Any], index: int, tp_size: int) -> int:
             return TPLayout(value)
         except ValueError:
             raise MalformedMetadataError(
-                f"fingerprint record {index}: {key} {value!r} is not a TP layout") from None
+                f"fingerprint record {index}: {key} {value!r} is not a TP layout"
+            ) from None
 
     whole, shards_field = record.get("block_len"), record.get("tp_shards")
     flags = [record.get(k) for k in ("replicated", "paged")]
-    if (not isinstance(whole, int) or isinstance(whole, bool) or whole < 1
-            or not (shards_field is None or (isinstance(shards_field, int)
-                                             and not isinstance(shards_field, bool)
-                                             and shards_field >= 1))
-            or not all(isinstance(f, bool) for f in flags)):
+    if (
+        not isinstance(whole, int)
+        or isinstance(whole, bool)
+        or whole < 1
+        or not (
+            shards_field is None
+            or (
+                isinstance(shards_field, int)
+                and not isinstance(shards_field, bool)
+                and shards_field >= 1
+            )
+        )
+        or not all(isinstance(f, bool) for f in flags)
+    ):
         raise MalformedMetadataError(
-            f"fingerprint record {index} lacks block_len / tp_shards / replicated / paged")
+            f"fingerprint record {index} lacks block_len / tp_shards / replicated / paged"
+        )
     tp_layout, state_layout = layout("tp_layout"), layout("state_tp_layout")
     if tp_layout is None:
         raise MalformedMetadataError(f"fingerprint record {index} has no tp_layout")
@@ -350,13 +406,14 @@ def _record_page(record: Mapping[str, Any], index: int, tp_size: int) -> int:
     scale = (1 if replicated else shards) if paged else state_shards
     if whole % scale:
         raise MalformedMetadataError(
-            f"fingerprint record {index}: block_len {whole} does not split into {scale} "
-            f"TP shards")
+            f"fingerprint record {index}: block_len {whole} does not split into {scale} TP shards"
+        )
     return whole // scale
 
 
-def check_peer_geometry(fingerprint: PlanFingerprint, regions: Sequence[PeerRegion],
-                        tp_size: int) -> None:
+def check_peer_geometry(
+    fingerprint: PlanFingerprint, regions: Sequence[PeerRegion], tp_size: int
+) -> None:
     """Refuse region geometry a peer's own fingerprint contradicts, before any
     descriptor is built from it (:func:`decode_metadata` calls it).
 
@@ -369,18 +426,19 @@ def check_peer_geometry(fingerprint: PlanFingerprint, regions: Sequence[PeerRegi
     """
     if len(fingerprint.regions) != len(regions):
         raise MalformedMetadataError(
-            f"{len(regions)} regions but {len(fingerprint.regions)} fingerprint records")
+            f"{len(regions)} regions but {len(fingerprint.regions)} fingerprint records"
+        )
     for index, (record, region) in enumerate(zip(fingerprint.regions, regions, strict=True)):
         page = _record_page(record, index, tp_size)
         if region.block_len != page:
             raise MalformedMetadataError(
                 f"region {index} ({record.get('name')!r}): block_len {region.block_len} "
-                f"but its fingerprint implies {page} bytes per block at TP {tp_size}")
+                f"but its fingerprint implies {page} bytes per block at TP {tp_size}"
+            )
     check_region_bounds(regions, [str(r.get("name")) for r in fingerprint.regions])
 
 
-def check_region_bounds(regions: Sequence[PeerRegion],
-                        names: Sequence[str] | None = None) -> None:
+def check_region_bounds(regions: Sequence[PeerRegion], names: Sequence[str] | None = None) -> None:
     """Refuse region geometry that addresses nothing sane, whatever layout it claims:
     a block of at least one byte, at least one block, a stride of at least one block
     (blocks do not overlap; stride 0 would read block 0 for every block), and the last
@@ -391,18 +449,22 @@ def check_region_bounds(regions: Sequence[PeerRegion],
         where = f"region {index}" + (f" ({names[index]!r})" if names is not None else "")
         if region.block_len < 1 or region.num_blocks < 1:
             raise MalformedMetadataError(
-                f"{where}: block_len {region.block_len}, num_blocks {region.num_blocks}")
+                f"{where}: block_len {region.block_len}, num_blocks {region.num_blocks}"
+            )
         if region.num_blocks > 1 and region.block_stride < region.block_len:
             raise MalformedMetadataError(
                 f"{where}: block_stride {region.block_stride} < block_len "
-                f"{region.block_len} (its blocks would overlap)")
-        end = region.base_addr + max(region.block_stride * region.num_blocks,
-                                     region.block_stride * (region.num_blocks - 1)
-                                     + region.block_len)
+                f"{region.block_len} (its blocks would overlap)"
+            )
+        end = region.base_addr + max(
+            region.block_stride * region.num_blocks,
+            region.block_stride * (region.num_blocks - 1) + region.block_len,
+        )
         if region.base_addr < 0 or end >= _U64_END or not 0 <= region.device_id < _U64_END:
             raise MalformedMetadataError(
                 f"{where}: base {region.base_addr} + stride {region.block_stride} x "
-                f"{region.num_blocks} blocks does not fit in 64 bits")
+                f"{region.num_blocks} blocks does not fit in 64 bits"
+            )
 
 
 def check_peer_layout(plan: RegionPlan, meta: PeerMetadata) -> None:
@@ -421,23 +483,37 @@ def check_peer_layout(plan: RegionPlan, meta: PeerMetadata) -> None:
     ours = plan._desc_index.get(("overlaps",))
     if ours is None:
         ours = plan._desc_index[("overlaps",)] = _overlaps(
-            [(r.base_addr, r.block_len, r.block_stride, r.num_blocks,
-              (r.mem_type, r.device_id)) for r in plan.regions])
-    theirs = _overlaps([(r.base_addr, r.block_len, r.block_stride, r.num_blocks,
-                         (r.mem_type, r.device_id)) for r in meta.regions])
+            [
+                (r.base_addr, r.block_len, r.block_stride, r.num_blocks, (r.mem_type, r.device_id))
+                for r in plan.regions
+            ]
+        )
+    theirs = _overlaps(
+        [
+            (r.base_addr, r.block_len, r.block_stride, r.num_blocks, (r.mem_type, r.device_id))
+            for r in meta.regions
+        ]
+    )
     extra = sorted(theirs - ours)
     if extra:
         i, j = extra[0]
         raise MalformedMetadataError(
             f"regions {i} and {j} ({names[i]!r}, {names[j]!r}) share bytes on peer "
             f"{meta.agent_name} (bases {meta.regions[i].base_addr} and "
-            f"{meta.regions[j].base_addr}) but not here: a region base is shifted")
+            f"{meta.regions[j].base_addr}) but not here: a region base is shifted"
+        )
     if meta.tp_size != plan.tp_size:
         return
     anchors: dict[tuple[int, int], int] = {}
     for index, region in enumerate(plan.regions):
-        storage = next((k for k, reg in enumerate(plan.registrations)
-                        if reg.base <= region.base_addr < reg.base + reg.length), -1)
+        storage = next(
+            (
+                k
+                for k, reg in enumerate(plan.registrations)
+                if reg.base <= region.base_addr < reg.base + reg.length
+            ),
+            -1,
+        )
         key = (storage, region.block_stride)
         anchor = anchors.setdefault(key, index)
         if anchor == index:
@@ -452,7 +528,8 @@ def check_peer_layout(plan: RegionPlan, meta: PeerMetadata) -> None:
             raise MalformedMetadataError(
                 f"region {index} ({names[index]!r}) lies {got} bytes into the peer's "
                 f"{stride}-byte rows after region {anchor} ({names[anchor]!r}), here "
-                f"{mine}: a region base is shifted")
+                f"{mine}: a region base is shifted"
+            )
 
 
 _Span = tuple[int, int, int, int, tuple[str, int]]
@@ -467,8 +544,9 @@ def _overlaps(regions: Sequence[_Span]) -> frozenset[tuple[int, int]]:
     active: list[tuple[int, int]] = []  # (end, index)
     for index in order:
         base, length, stride, count, where = regions[index]
-        active = [(end, other) for end, other in active
-                  if end > base and regions[other][4] == where]
+        active = [
+            (end, other) for end, other in active if end > base and regions[other][4] == where
+        ]
         for _, other in active:
             if _blocks_meet(regions[other], regions[index]):
                 pairs.add((min(other, index), max(other, index)))
@@ -487,7 +565,8 @@ def _blocks_meet(a: _Span, b: _Span) -> bool:
     if a_count > 1 and b_count > 1:
         return True  # different strides over one span: counted as sharing
     (s_base, s_len, _, _, _), (o_base, o_len, o_stride, o_count, _) = (
-        (a, b) if a_count == 1 else (b, a))
+        (a, b) if a_count == 1 else (b, a)
+    )
     if o_count == 1:
         return s_base < o_base + o_len and o_base < s_base + s_len
     first = max(0, (s_base - o_base - o_len) // o_stride)

@@ -58,8 +58,7 @@ def region_sort_key(layer_name: str) -> tuple[tuple[int, int | str], ...]:
     """Model-layer order (``layers.2`` before ``layers.10``), then cache name; the
     same key as vLLM's ``_region_sort_key`` so region order matches upstream."""
     return tuple(
-        (0, int(part)) if part.isdigit() else (1, part)
-        for part in re.split(r"(\d+)", layer_name)
+        (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", layer_name)
     )
 
 
@@ -158,8 +157,11 @@ class Region:
         consumer with different TP sizes compare equal when their layouts agree.
         """
         shards = _shard_count(self.tp_layout, self.tp_shards, tp_size)
-        state_shards = (_shard_count(self.state_tp_layout, None, tp_size)
-                        if self.state_tp_layout is not None else 1)
+        state_shards = (
+            _shard_count(self.state_tp_layout, None, tp_size)
+            if self.state_tp_layout is not None
+            else 1
+        )
         scale = 1 if self.replicated or not self.paged else shards
         return {
             "name": self.name,
@@ -170,16 +172,13 @@ class Region:
             "tp_shards": self.tp_shards,
             "paged": self.paged,
             "state": self.state,
-            "state_tp_layout": None if self.state_tp_layout is None
-            else self.state_tp_layout.value,
-            "state_components": [[c.name, c.nbytes * state_shards]
-                                 for c in self.state_components],
+            "state_tp_layout": None if self.state_tp_layout is None else self.state_tp_layout.value,
+            "state_components": [[c.name, c.nbytes * state_shards] for c in self.state_components],
             "scratch": self.scratch,
             "scope": [s.value for s in self.token_scopes],
             "dtype": list(self.dtypes),
             "kv_quant_mode": list(self.kv_quant_modes),
-            "num_head_slots": None if self.num_head_slots is None
-            else self.num_head_slots * scale,
+            "num_head_slots": None if self.num_head_slots is None else self.num_head_slots * scale,
             "head_segment": None if self.head_segment is None else list(self.head_segment),
             # The order of data inside a page: equal sizes in another order (LBHNC
             # against LBNHC) would move every byte to the wrong place.
@@ -232,14 +231,13 @@ class RegionPlan:
 
     def __post_init__(self) -> None:
         # A copy behind a read-only view: the plan is frozen, so is what it says.
-        object.__setattr__(self, "skipped_layers",
-                           MappingProxyType(dict(self.skipped_layers)))
+        object.__setattr__(self, "skipped_layers", MappingProxyType(dict(self.skipped_layers)))
         object.__setattr__(self, "_group_ids", tuple(r.group_id for r in self.regions))
-        object.__setattr__(self, "_desc_offsets",
-                           desc_offsets([r.num_blocks for r in self.regions]))
+        object.__setattr__(
+            self, "_desc_offsets", desc_offsets([r.num_blocks for r in self.regions])
+        )
         if self.num_groups < 1:
-            derived = max((g for r in self.regions for g in r.group_ids if g >= 0),
-                          default=0) + 1
+            derived = max((g for r in self.regions for g in r.group_ids if g >= 0), default=0) + 1
             object.__setattr__(self, "num_groups", derived)
         # Per-request index arrays of descriptor ids, built once per offsets list.
         object.__setattr__(self, "_desc_index", {})
@@ -324,8 +322,10 @@ class RegionPlan:
         for region in self.regions:
             if layer in region.layers:
                 return region
-        raise KeyError(f"layer {layer!r} has no region (skipped: "
-                       f"{self.skipped_layers.get(layer, 'unknown layer')})")
+        raise KeyError(
+            f"layer {layer!r} has no region (skipped: "
+            f"{self.skipped_layers.get(layer, 'unknown layer')})"
+        )
 
     def fingerprint(self) -> PlanFingerprint:
         """The canonical, versioned per-region traits fingerprint for the handshake."""
@@ -438,16 +438,19 @@ def plan_regions(
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} is not a rank of tp_size {tp_size}")
     layer_traits, layer_groups, layer_blocks, n_blocks, skipped = _layer_facts(
-        kv_caches, kv_cache_config, specs, group_ids, num_blocks, reg)
+        kv_caches, kv_cache_config, specs, group_ids, num_blocks, reg
+    )
     # vLLM allocates a tensor for every layer of a transfer group (layers that share
     # another layer's cache get that tensor too), so a transferable spec without one
     # is a caller error; planning on would silently leave the layer's blocks behind.
     without_tensor = layer_traits.keys() - kv_caches.keys()
     if without_tensor:
         raise MissingLayerError(
-            sorted(without_tensor, key=region_sort_key), "kv_caches",
+            sorted(without_tensor, key=region_sort_key),
+            "kv_caches",
             "pass every layer's KV cache tensor (the kv_caches vLLM gives "
-            "register_kv_caches), or a config/specs without those layers")
+            "register_kv_caches), or a config/specs without those layers",
+        )
 
     if kernel_ratio is None and kernel_blocks:
         kernel_ratio = _paged_ratio(kv_caches, layer_traits, layer_blocks, n_blocks)
@@ -466,16 +469,34 @@ def plan_regions(
         storage = cache.untyped_storage()
         key = (storage.data_ptr(), _mem_type(cache))
         if key not in registrations:
-            registrations[key] = MemoryRange(base=key[0], length=storage.nbytes(),
-                                             device_id=_device_id(cache), mem_type=key[1])
+            registrations[key] = MemoryRange(
+                base=key[0], length=storage.nbytes(), device_id=_device_id(cache), mem_type=key[1]
+            )
         by_storage.setdefault(key, []).extend(
-            _layer_pieces(layer, cache, traits, layer_groups[layer],
-                          layer_blocks.get(layer, n_blocks), kernel_blocks,
-                          kernel_ratio, registrations[key] if whole_rows else None))
+            _layer_pieces(
+                layer,
+                cache,
+                traits,
+                layer_groups[layer],
+                layer_blocks.get(layer, n_blocks),
+                kernel_blocks,
+                kernel_ratio,
+                registrations[key] if whole_rows else None,
+            )
+        )
 
-    shared_rows = packed_member_rows and len(registrations) == 1 and len(
-        {kv_caches[layer].stride(0) * kv_caches[layer].element_size()
-         for layer in kv_caches if layer in layer_traits}) == 1
+    shared_rows = (
+        packed_member_rows
+        and len(registrations) == 1
+        and len(
+            {
+                kv_caches[layer].stride(0) * kv_caches[layer].element_size()
+                for layer in kv_caches
+                if layer in layer_traits
+            }
+        )
+        == 1
+    )
     pieces: dict[tuple[int, str, int], list[_Piece]] = {}
     for key, storage_pieces in by_storage.items():
         if packed_rows:
@@ -483,8 +504,7 @@ def plan_regions(
         if shared_rows:
             storage_pieces = [_as_member_row(p, registrations[key]) for p in storage_pieces]
         for piece in storage_pieces:
-            region_key = (piece.base, piece.mem_type,
-                          piece.block_len if split_by_block_len else 0)
+            region_key = (piece.base, piece.mem_type, piece.block_len if split_by_block_len else 0)
             pieces.setdefault(region_key, []).append(piece)
 
     regions = tuple(_region(index, members) for index, members in enumerate(pieces.values()))
@@ -494,9 +514,15 @@ def plan_regions(
         num_groups = sum(1 for g in kv_cache_config.kv_cache_groups if g.enable_kv_transfer)
     else:
         num_groups = max(group_ids.values(), default=0) + 1 if group_ids else 1
-    return RegionPlan(regions=regions, registrations=tuple(registrations.values()),
-                      num_blocks=n_blocks, tp_size=tp_size, tp_rank=tp_rank,
-                      skipped_layers=skipped, num_groups=max(num_groups, 1))
+    return RegionPlan(
+        regions=regions,
+        registrations=tuple(registrations.values()),
+        num_blocks=n_blocks,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        skipped_layers=skipped,
+        num_groups=max(num_groups, 1),
+    )
 
 
 def _is_state(traits: KVLayoutTraits) -> bool:
@@ -518,8 +544,7 @@ def _layer_facts(
     group_ids: Mapping[str, int] | None,
     num_blocks: int | None,
     reg: Registry,
-) -> tuple[dict[str, KVLayoutTraits], dict[str, int], dict[str, int], int,
-           dict[str, str]]:
+) -> tuple[dict[str, KVLayoutTraits], dict[str, int], dict[str, int], int, dict[str, str]]:
     """Traits, transfer group and (where it differs from the pool's) block count of
     every layer: one traits lookup per layer (or per group spec), never per request."""
     traits: dict[str, KVLayoutTraits] = {}
@@ -568,9 +593,11 @@ def _layer_facts(
             without_group.append(layer)
     if without_group:
         raise MissingLayerError(
-            sorted(without_group, key=region_sort_key), "group_ids",
+            sorted(without_group, key=region_sort_key),
+            "group_ids",
             "give every transferable layer of specs its transfer group id (0, 1, ...), "
-            "or omit group_ids to put every layer in group 0")
+            "or omit group_ids to put every layer in group 0",
+        )
     del kv_caches
     return traits, groups, blocks, num_blocks, skipped
 
@@ -585,8 +612,9 @@ def _device_id(cache: torch.Tensor) -> int:
 
 def _dense(sizes: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
     """Whether elements of these sizes/byte strides fill one gap-free byte run."""
-    dims = sorted(((st, sz) for sz, st in zip(sizes, strides, strict=True) if sz != 1),
-                  reverse=True)
+    dims = sorted(
+        ((st, sz) for sz, st in zip(sizes, strides, strict=True) if sz != 1), reverse=True
+    )
     expected = itemsize
     for stride, size in reversed(dims):
         if stride != expected:
@@ -595,25 +623,39 @@ def _dense(sizes: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
     return True
 
 
-def _paged_ratio(kv_caches: Mapping[str, torch.Tensor],
-                 layer_traits: Mapping[str, KVLayoutTraits], layer_blocks: Mapping[str, int],
-                 num_blocks: int) -> int:
+def _paged_ratio(
+    kv_caches: Mapping[str, torch.Tensor],
+    layer_traits: Mapping[str, KVLayoutTraits],
+    layer_blocks: Mapping[str, int],
+    num_blocks: int,
+) -> int:
     """The kernel blocks per manager block of the paged views (1 if none is split)."""
-    ratios = {layer: kv_caches[layer].shape[0] // layer_blocks.get(layer, num_blocks)
-              for layer, traits in layer_traits.items()
-              if not _is_state(traits) and kv_caches[layer].ndim > 1
-              and layer_blocks.get(layer, num_blocks) > 0}
+    ratios = {
+        layer: kv_caches[layer].shape[0] // layer_blocks.get(layer, num_blocks)
+        for layer, traits in layer_traits.items()
+        if not _is_state(traits)
+        and kv_caches[layer].ndim > 1
+        and layer_blocks.get(layer, num_blocks) > 0
+    }
     distinct = set(ratios.values())
     if len(distinct) > 1:
-        raise ValueError(f"paged views split manager blocks into different numbers of "
-                         f"kernel blocks {ratios}; pass kernel_ratio")
+        raise ValueError(
+            f"paged views split manager blocks into different numbers of "
+            f"kernel blocks {ratios}; pass kernel_ratio"
+        )
     return distinct.pop() if distinct else 1
 
 
-def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group_id: int,
-                  num_blocks: int, kernel_blocks: bool = False,
-                  kernel_ratio: int | None = None,
-                  storage: MemoryRange | None = None) -> Iterable[_Piece]:
+def _layer_pieces(
+    layer: str,
+    cache: torch.Tensor,
+    traits: KVLayoutTraits,
+    group_id: int,
+    num_blocks: int,
+    kernel_blocks: bool = False,
+    kernel_ratio: int | None = None,
+    storage: MemoryRange | None = None,
+) -> Iterable[_Piece]:
     """The region(s) of one layer's cache view. With ``storage`` (the allocation the
     view lies in), a paged view whose block is not one dense page, in a block-major
     storage, is the whole storage row (vLLM's rule)."""
@@ -621,38 +663,58 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
     page = traits.page_size_bytes
     is_state = _is_state(traits)
 
-    def piece(base: int, block_len: int, stride: int, blocks: int, head_major: bool,
-              segment: tuple[int, int] | None = None) -> _Piece:
-        return _Piece(layer=layer, traits=traits, group_id=group_id, base=base,
-                      block_len=block_len, block_stride=stride, num_blocks=blocks,
-                      mem_type=mem_type, device_id=device_id, head_major=head_major,
-                      head_segment=segment)
+    def piece(
+        base: int,
+        block_len: int,
+        stride: int,
+        blocks: int,
+        head_major: bool,
+        segment: tuple[int, int] | None = None,
+    ) -> _Piece:
+        return _Piece(
+            layer=layer,
+            traits=traits,
+            group_id=group_id,
+            base=base,
+            block_len=block_len,
+            block_stride=stride,
+            num_blocks=blocks,
+            mem_type=mem_type,
+            device_id=device_id,
+            head_major=head_major,
+            head_segment=segment,
+        )
 
     if is_state and kernel_blocks and kernel_ratio is not None and kernel_ratio > 1:
         # vLLM's worker registers a state page as `ratio` kernel-sized blocks (a region
         # it can share with split attention pages) and reads it back whole, `ratio`
         # kernel blocks apart: valid only when the state pages abut.
         rows = cache.shape[0] if cache.ndim > 1 else num_blocks
-        logical_stride = (cache.stride(0) * cache.element_size() * (rows // num_blocks)
-                          if cache.ndim > 1 and num_blocks else page)
+        logical_stride = (
+            cache.stride(0) * cache.element_size() * (rows // num_blocks)
+            if cache.ndim > 1 and num_blocks
+            else page
+        )
         if page % kernel_ratio or rows % max(num_blocks, 1) or logical_stride != page:
             raise UnsupportedLayoutError(
-                layer, f"state pages of {page} bytes at stride {logical_stride} cannot "
-                       f"be registered as {kernel_ratio} kernel blocks each")
+                layer,
+                f"state pages of {page} bytes at stride {logical_stride} cannot "
+                f"be registered as {kernel_ratio} kernel blocks each",
+            )
         kernel_page = page // kernel_ratio
-        return [piece(cache.data_ptr(), kernel_page, kernel_page,
-                      num_blocks * kernel_ratio, True)]
+        return [piece(cache.data_ptr(), kernel_page, kernel_page, num_blocks * kernel_ratio, True)]
     if cache.ndim <= 1:
         # A flat byte view (a raw buffer shared between layer types) has no block
         # dimension: blocks abut, one page apart.
         if kernel_blocks and kernel_ratio is not None and kernel_ratio > 1 and not is_state:
             if page % kernel_ratio:
                 raise UnsupportedLayoutError(
-                    layer, f"page of {page} bytes does not split into {kernel_ratio} "
-                           f"kernel blocks")
+                    layer, f"page of {page} bytes does not split into {kernel_ratio} kernel blocks"
+                )
             kernel_page = page // kernel_ratio
-            return [piece(cache.data_ptr(), kernel_page, kernel_page,
-                          num_blocks * kernel_ratio, True)]
+            return [
+                piece(cache.data_ptr(), kernel_page, kernel_page, num_blocks * kernel_ratio, True)
+            ]
         return [piece(cache.data_ptr(), page, page, num_blocks, True)]
     itemsize = cache.element_size()
     rows = cache.shape[0]
@@ -660,15 +722,18 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
     # Kernel block splitting views a manager block as `ratio` kernel blocks; a
     # recurrent state is indivisible and never split.
     ratio = 1 if is_state else rows // num_blocks
-    if (kernel_blocks and kernel_ratio is not None and not is_state
-            and ratio != kernel_ratio):
+    if kernel_blocks and kernel_ratio is not None and not is_state and ratio != kernel_ratio:
         raise UnsupportedLayoutError(
-            layer, f"{rows} rows for {num_blocks} blocks are not split into the worker's "
-                   f"{kernel_ratio} kernel blocks per block (shape {tuple(cache.shape)})")
+            layer,
+            f"{rows} rows for {num_blocks} blocks are not split into the worker's "
+            f"{kernel_ratio} kernel blocks per block (shape {tuple(cache.shape)})",
+        )
     if ratio < 1 or (not is_state and rows != ratio * num_blocks) or rows < num_blocks:
         raise UnsupportedLayoutError(
-            layer, f"{rows} rows cannot hold {num_blocks} blocks "
-                   f"(shape {tuple(cache.shape)}, {traits.spec_name})")
+            layer,
+            f"{rows} rows cannot hold {num_blocks} blocks "
+            f"(shape {tuple(cache.shape)}, {traits.spec_name})",
+        )
     sizes = tuple(cache.shape[1:])
     strides = tuple(s * itemsize for s in cache.stride()[1:])
     if ratio > 1 and not kernel_blocks:
@@ -677,20 +742,29 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
         # manager page: plan in manager blocks, the ids requests use (vLLM's worker
         # registers kernel blocks: block_len / ratio, num_blocks x ratio).
         kernel_page = prod(sizes) * itemsize
-        if not (_dense(sizes, strides, itemsize) and kernel_page == stride0
-                and kernel_page * ratio == page):
+        if not (
+            _dense(sizes, strides, itemsize)
+            and kernel_page == stride0
+            and kernel_page * ratio == page
+        ):
             raise UnsupportedLayoutError(
-                layer, f"{ratio} kernel blocks of {kernel_page} bytes at stride {stride0} "
-                       f"do not tile its {page}-byte page")
+                layer,
+                f"{ratio} kernel blocks of {kernel_page} bytes at stride {stride0} "
+                f"do not tile its {page}-byte page",
+            )
         return [piece(cache.data_ptr(), page, page, num_blocks, sizes[0] == 1)]
     if page % ratio:
         raise UnsupportedLayoutError(
-            layer, f"page of {page} bytes does not split into {ratio} kernel blocks")
+            layer, f"page of {page} bytes does not split into {ratio} kernel blocks"
+        )
     block_len, blocks = page // ratio, num_blocks * ratio
     page_dense = _dense(sizes, strides, itemsize)
-    if (storage is not None and not (page_dense and prod(sizes) * itemsize == block_len)
-            and 0 <= storage.length - blocks * stride0 < stride0
-            and storage.base <= cache.data_ptr() < storage.base + stride0):
+    if (
+        storage is not None
+        and not (page_dense and prod(sizes) * itemsize == block_len)
+        and 0 <= storage.length - blocks * stride0 < stride0
+        and storage.base <= cache.data_ptr() < storage.base + stride0
+    ):
         # The view's block is not one dense page (layers interleaved inside a block,
         # BHLNC; or a page padded past its content, DeepSeek-V4 rows) in a storage of
         # `blocks` rows: the region is the whole row, shared by every layer of the
@@ -699,21 +773,37 @@ def _layer_pieces(layer: str, cache: torch.Tensor, traits: KVLayoutTraits, group
     if page_dense:
         if blocks > 1 and block_len > stride0:
             raise UnsupportedLayoutError(
-                layer, f"pages of {block_len} bytes overlap at block stride {stride0}")
+                layer, f"pages of {block_len} bytes overlap at block stride {stride0}"
+            )
         head_major = sizes[0] == 1 or (
-            _dense(sizes[1:], strides[1:], itemsize)
-            and strides[0] == prod(sizes[1:]) * itemsize)
+            _dense(sizes[1:], strides[1:], itemsize) and strides[0] == prod(sizes[1:]) * itemsize
+        )
         return [piece(cache.data_ptr(), block_len, stride0, blocks, head_major)]
     heads = sizes[0]
-    if (heads > 1 and strides[0] >= blocks * stride0
-            and _dense(sizes[1:], strides[1:], itemsize) and block_len % heads == 0):
+    if (
+        heads > 1
+        and strides[0] >= blocks * stride0
+        and _dense(sizes[1:], strides[1:], itemsize)
+        and block_len % heads == 0
+    ):
         # Heads outside blocks (an H-before-B layout): each head is its own segment
         # of `blocks` strided sub-pages.
-        return [piece(cache.data_ptr() + h * strides[0], block_len // heads, stride0,
-                      blocks, True, (h, heads)) for h in range(heads)]
+        return [
+            piece(
+                cache.data_ptr() + h * strides[0],
+                block_len // heads,
+                stride0,
+                blocks,
+                True,
+                (h, heads),
+            )
+            for h in range(heads)
+        ]
     raise UnsupportedLayoutError(
-        layer, f"shape {tuple(cache.shape)} with strides {tuple(cache.stride())} is neither "
-               f"a dense page per block nor one segment per head")
+        layer,
+        f"shape {tuple(cache.shape)} with strides {tuple(cache.stride())} is neither "
+        f"a dense page per block nor one segment per head",
+    )
 
 
 def _as_rows(pieces: list[_Piece], storage: MemoryRange) -> list[_Piece]:
@@ -724,16 +814,28 @@ def _as_rows(pieces: list[_Piece], storage: MemoryRange) -> list[_Piece]:
         return pieces
     stride, count = strides.pop(), counts.pop()
     block_major = 0 <= storage.length - count * stride < stride
-    inside = all(storage.base <= p.base and p.base - storage.base + p.block_len <= stride
-                 for p in pieces)
+    inside = all(
+        storage.base <= p.base and p.base - storage.base + p.block_len <= stride for p in pieces
+    )
     has_state = any(_is_state(p.traits) for p in pieces)
-    if not block_major or not inside or has_state or stride <= max(p.block_len
-                                                                   for p in pieces):
+    if not block_major or not inside or has_state or stride <= max(p.block_len for p in pieces):
         return pieces
-    return [_Piece(layer=p.layer, traits=p.traits, group_id=p.group_id, base=storage.base,
-                   block_len=stride, block_stride=stride, num_blocks=count,
-                   mem_type=p.mem_type, device_id=p.device_id, head_major=False,
-                   head_segment=None) for p in pieces]
+    return [
+        _Piece(
+            layer=p.layer,
+            traits=p.traits,
+            group_id=p.group_id,
+            base=storage.base,
+            block_len=stride,
+            block_stride=stride,
+            num_blocks=count,
+            mem_type=p.mem_type,
+            device_id=p.device_id,
+            head_major=False,
+            head_segment=None,
+        )
+        for p in pieces
+    ]
 
 
 def _as_member_row(piece: _Piece, storage: MemoryRange) -> _Piece:
@@ -742,17 +844,30 @@ def _as_member_row(piece: _Piece, storage: MemoryRange) -> _Piece:
     traits = piece.traits
     stride = piece.block_stride
     offset = piece.base - storage.base
-    if not (traits.is_mla and traits.tp_layout is TPLayout.REPLICATED
-            and traits.token_scope not in (TokenScope.RING, TokenScope.RECURRENT_STATE)
-            and piece.head_segment is None
-            and 0 <= storage.length - piece.num_blocks * stride < stride
-            and offset >= 0 and offset + piece.block_len <= stride):
+    if not (
+        traits.is_mla
+        and traits.tp_layout is TPLayout.REPLICATED
+        and traits.token_scope not in (TokenScope.RING, TokenScope.RECURRENT_STATE)
+        and piece.head_segment is None
+        and 0 <= storage.length - piece.num_blocks * stride < stride
+        and offset >= 0
+        and offset + piece.block_len <= stride
+    ):
         return piece
-    return _Piece(layer=piece.layer, traits=traits, group_id=piece.group_id,
-                  base=storage.base, block_len=stride, block_stride=stride,
-                  num_blocks=piece.num_blocks, mem_type=piece.mem_type,
-                  device_id=piece.device_id, head_major=False, head_segment=None,
-                  row_member=(offset, piece.block_len))
+    return _Piece(
+        layer=piece.layer,
+        traits=traits,
+        group_id=piece.group_id,
+        base=storage.base,
+        block_len=stride,
+        block_stride=stride,
+        num_blocks=piece.num_blocks,
+        mem_type=piece.mem_type,
+        device_id=piece.device_id,
+        head_major=False,
+        head_segment=None,
+        row_member=(offset, piece.block_len),
+    )
 
 
 def _agree(region: str, layers: Sequence[str], trait: str, values: Mapping[str, _T]) -> _T:
@@ -782,11 +897,18 @@ def _region(index: int, members: list[_Piece]) -> Region:
     replicated_state = len(sharded_states) < len(states)
     if states:
         described = sharded_states or states
-        state_layout = _agree(name, layers, "tp_layout of the state layers",
-                              {m.layer: m.traits.tp_layout for m in described})
-        shapes = _agree(name, layers, "state components",
-                        {m.layer: tuple((c.name, c.nbytes) for c in m.traits.components)
-                         for m in described})
+        state_layout = _agree(
+            name,
+            layers,
+            "tp_layout of the state layers",
+            {m.layer: m.traits.tp_layout for m in described},
+        )
+        shapes = _agree(
+            name,
+            layers,
+            "state components",
+            {m.layer: tuple((c.name, c.nbytes) for c in m.traits.components) for m in described},
+        )
         offset, parts = 0, []
         for comp_name, nbytes in shapes:
             parts.append(StateComponent(name=comp_name, offset=offset, nbytes=nbytes))
@@ -810,10 +932,14 @@ def _region(index: int, members: list[_Piece]) -> Region:
     replicated = layout is TPLayout.REPLICATED
     heads: int | None = None
     if paged and not replicated:
-        slots = {m.layer: m.traits.num_head_slots for m in paged
-                 if m.traits.tp_layout is not TPLayout.REPLICATED}
+        slots = {
+            m.layer: m.traits.num_head_slots
+            for m in paged
+            if m.traits.tp_layout is not TPLayout.REPLICATED
+        }
         if len(set(slots.values())) > 1 and all(
-                m.head_major and m.traits.kv_head_contiguous for m in paged):
+            m.head_major and m.traits.kv_head_contiguous for m in paged
+        ):
             # Pages of other head counts at one base (MiMo-V2: full layers of 4 KV heads
             # and window layers of 8, paged to equal bytes), each heads-outermost: a
             # block splits into gcd(slots) byte slices that each hold whole heads of
@@ -844,8 +970,7 @@ def _region(index: int, members: list[_Piece]) -> Region:
         state_tp_layout=state_layout,
         state_components=components,
         scratch=any(m.traits.token_scope is TokenScope.RING for m in members),
-        token_scopes=tuple(sorted({m.traits.token_scope for m in members},
-                                  key=lambda s: s.value)),
+        token_scopes=tuple(sorted({m.traits.token_scope for m in members}, key=lambda s: s.value)),
         dtypes=tuple(sorted({m.traits.dtype or "mixed" for m in members})),
         kv_quant_modes=tuple(sorted({m.traits.kv_quant_mode for m in members})),
         num_head_slots=heads,
@@ -854,8 +979,7 @@ def _region(index: int, members: list[_Piece]) -> Region:
         head_major=all(m.head_major and m.traits.kv_head_contiguous for m in paged),
         head_segment=first.head_segment,
         replicated_state=replicated_state,
-        packed_members=tuple((m.layer, *m.row_member) for m in members
-                             if m.row_member is not None),
+        packed_members=tuple((m.layer, *m.row_member) for m in members if m.row_member is not None),
         kv_head_contiguous=all(m.traits.kv_head_contiguous for m in paged),
     )
 
@@ -863,8 +987,7 @@ def _region(index: int, members: list[_Piece]) -> Region:
 def _shard_count_checked(region: Region, tp_size: int) -> int:
     shards = _shard_count(region.tp_layout, region.tp_shards, tp_size)
     if tp_size % shards:
-        raise ValueError(
-            f"region {region.name!r}: {shards} shards do not divide TP size {tp_size}")
+        raise ValueError(f"region {region.name!r}: {shards} shards do not divide TP size {tp_size}")
     return shards
 
 

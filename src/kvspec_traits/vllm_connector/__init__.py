@@ -47,10 +47,17 @@ if TYPE_CHECKING:
     )
 
 # Defined beside the worker (they need vLLM); loaded on first access, like the classes.
-_LAZY: Final = frozenset({
-    "TraitsNixlConnector", "TraitsNixlConnectorWorker", "TraitsNixlAgentMetadata",
-    "PeerWithoutTraitsError", "UnsupportedPipelineParallelError", "UpstreamDisagreesError",
-    "REQUIRE_TRAITS_PEER"})
+_LAZY: Final = frozenset(
+    {
+        "TraitsNixlConnector",
+        "TraitsNixlConnectorWorker",
+        "TraitsNixlAgentMetadata",
+        "PeerWithoutTraitsError",
+        "UnsupportedPipelineParallelError",
+        "UpstreamDisagreesError",
+        "REQUIRE_TRAITS_PEER",
+    }
+)
 
 
 class UnsupportedVllmVersionError(RuntimeError):
@@ -59,15 +66,16 @@ class UnsupportedVllmVersionError(RuntimeError):
     ``.installed`` is the installed version, ``.supported`` the supported series.
     """
 
-    def __init__(self, installed: str, supported: tuple[str, ...] = SUPPORTED_VLLM_SERIES,
-                 detail: str = "") -> None:
+    def __init__(
+        self, installed: str, supported: tuple[str, ...] = SUPPORTED_VLLM_SERIES, detail: str = ""
+    ) -> None:
         self.installed = installed
         self.supported = supported
         extra = f" ({detail})" if detail else ""
         super().__init__(
             f"{CONNECTOR_NAME} supports vLLM {', '.join(s + '.x' for s in supported)}, "
             f"but vLLM {installed} is installed{extra}. Install a supported vLLM, or use "
-            f"upstream's NixlConnector (kv_connector: \"NixlConnector\")."
+            f'upstream\'s NixlConnector (kv_connector: "NixlConnector").'
         )
 
 

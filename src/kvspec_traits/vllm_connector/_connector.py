@@ -105,11 +105,14 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
         # handshake decodes into this subclass, so a strict class check would make the
         # same peer metadata unequal to itself as upstream reads it.
         if type(other) is NixlAgentMetadata:
-            return all(getattr(self, f.name) == getattr(other, f.name)
-                       for f in dataclasses.fields(NixlAgentMetadata))
+            return all(
+                getattr(self, f.name) == getattr(other, f.name)
+                for f in dataclasses.fields(NixlAgentMetadata)
+            )
         if isinstance(other, TraitsNixlAgentMetadata):
-            return all(getattr(self, f.name) == getattr(other, f.name)
-                       for f in dataclasses.fields(self))
+            return all(
+                getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self)
+            )
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it extends
@@ -137,8 +140,8 @@ class PeerWithoutTraitsError(RuntimeError):
         super().__init__(
             f"KV layout handshake refused: the NIXL peer at {peer} sent no kvspec-traits "
             f"layout fingerprint. Run both prefill and decode with "
-            f"kv_connector \"{CONNECTOR_NAME}\" (or both with upstream \"NixlConnector\"), "
-            f"or drop kv_connector_extra_config \"kvspec_require_traits_peer\" to accept "
+            f'kv_connector "{CONNECTOR_NAME}" (or both with upstream "NixlConnector"), '
+            f'or drop kv_connector_extra_config "kvspec_require_traits_peer" to accept '
             f"upstream peers on vLLM's compatibility hash alone."
         )
 
@@ -153,7 +156,8 @@ class UnsupportedPipelineParallelError(NotImplementedError):
         super().__init__(
             f"{CONNECTOR_NAME} checks KV layouts for pipeline-parallel size 1 only "
             f"(local {local_pp}, remote {remote_pp}); run both engines with "
-            f"--pipeline-parallel-size 1, or use vLLM's NixlConnector for PP > 1")
+            f"--pipeline-parallel-size 1, or use vLLM's NixlConnector for PP > 1"
+        )
 
 
 class UpstreamDisagreesError(RuntimeError):
@@ -198,8 +202,7 @@ def _members(traits: KVLayoutTraits, layers: list[str]) -> dict[str, KVLayoutTra
     return {layer: traits_for_layer(traits, layer) for layer in layers}
 
 
-def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = None
-                 ) -> LayoutFacts:
+def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = None) -> LayoutFacts:
     """Answer the worker's layout questions from the traits of ``kv_cache_config``."""
     reg = registry if registry is not None else default_registry
     layer_traits: dict[str, KVLayoutTraits] = {}
@@ -217,27 +220,29 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
     replicated_state: list[int] = []
     if has_ring:
         for index, (group, traits) in enumerate(
-                zip(kv_cache_config.kv_cache_groups, all_groups, strict=True)):
+            zip(kv_cache_config.kv_cache_groups, all_groups, strict=True)
+        ):
             members = _members(traits, list(group.layer_names)).values()
-            if members and all(t.token_scope is TokenScope.RECURRENT_STATE
-                               and t.tp_layout is TPLayout.REPLICATED for t in members):
+            if members and all(
+                t.token_scope is TokenScope.RECURRENT_STATE and t.tp_layout is TPLayout.REPLICATED
+                for t in members
+            ):
                 replicated_state.append(index)
         if len(replicated_state) > 1 or any(
-                len(kv_cache_config.kv_cache_groups[i].layer_names) != 1
-                for i in replicated_state):
+            len(kv_cache_config.kv_cache_groups[i].layer_names) != 1 for i in replicated_state
+        ):
             raise ValueError(
                 f"{CONNECTOR_NAME}: a ring-buffer model may have at most one replicated "
-                f"recurrent-state layer (found groups {replicated_state})")
+                f"recurrent-state layer (found groups {replicated_state})"
+            )
     return LayoutFacts(
         layer_traits=layer_traits,
         group_is_state=tuple(group_is_state),
         transfer_block_size=math.lcm(*block_sizes) if block_sizes else None,
         hybrid=any(t.token_scope is not TokenScope.FULL for t in layer_traits.values()),
-        has_state=any(t.token_scope is TokenScope.RECURRENT_STATE
-                      for t in layer_traits.values()),
+        has_state=any(t.token_scope is TokenScope.RECURRENT_STATE for t in layer_traits.values()),
         has_ring=has_ring,
-        mla=any(t.is_mla and t.token_scope not in _NOT_TOKEN_PAGED
-                for t in layer_traits.values()),
+        mla=any(t.is_mla and t.token_scope not in _NOT_TOKEN_PAGED for t in layer_traits.values()),
         replicated_state_kv_cache_group=replicated_state[0] if replicated_state else None,
     )
 
@@ -265,8 +270,7 @@ def series_quirks(version: str | None = None) -> SeriesQuirks:
         import vllm
 
         version = str(getattr(vllm, "__version__", "0"))
-    major_minor = tuple(int(p) for p in version.split("+", 1)[0].split(".")[:2]
-                        if p.isdigit())
+    major_minor = tuple(int(p) for p in version.split("+", 1)[0].split(".")[:2] if p.isdigit())
     return SeriesQuirks(
         series=".".join(str(p) for p in major_minor),
         regions_keyed_by_block_len=major_minor >= (0, 34),
@@ -284,9 +288,14 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     _traits_registry: Registry = default_registry
     _quirks: SeriesQuirks = series_quirks()
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str,
-                 kv_cache_config: KVCacheConfig, *, registry: Registry | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig,
+        *,
+        registry: Registry | None = None,
+    ) -> None:
         self._traits_registry = registry if registry is not None else default_registry
         # Before super().__init__: its block-size sync hook (below) needs them.
         self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
@@ -312,14 +321,18 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         else:
             self.block_size = int(self.vllm_config.cache_config.block_size)
         self._is_hma_required = (
-            not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-            and facts.hybrid)
+            not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and facts.hybrid
+        )
         self._has_mamba = facts.has_state
         # vLLM reads use_mla from the model config; the caches say it (an MLA model
         # run under another model's config would otherwise transfer per head).
         if self.use_mla != facts.mla:
-            logger.info("%s: use_mla %s from the KV cache layers (the model config "
-                        "says %s)", CONNECTOR_NAME, facts.mla, self.use_mla)
+            logger.info(
+                "%s: use_mla %s from the KV cache layers (the model config says %s)",
+                CONNECTOR_NAME,
+                facts.mla,
+                self.use_mla,
+            )
         self.use_mla = facts.mla
         self._is_csa_linear = facts.has_ring
         self._ple_group_index = facts.replicated_state_kv_cache_group
@@ -334,27 +347,36 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         )
 
         for layer, traits in self.layout_facts.layer_traits.items():
-            if (traits.token_scope is TokenScope.RECURRENT_STATE
-                    and (not self.layout_facts.has_ring
-                         or traits.tp_layout is not TPLayout.REPLICATED)):
+            if traits.token_scope is TokenScope.RECURRENT_STATE and (
+                not self.layout_facts.has_ring or traits.tp_layout is not TPLayout.REPLICATED
+            ):
                 return derive_mamba_conv_split(
                     self._layer_specs[layer],  # type: ignore[arg-type]  # a state spec
-                    self.vllm_config.parallel_config.tensor_parallel_size)
-        raise ValueError(f"{CONNECTOR_NAME}: no TP-sharded recurrent state layer to "
-                         f"derive the conv/SSM split from")
+                    self.vllm_config.parallel_config.tensor_parallel_size,
+                )
+        raise ValueError(
+            f"{CONNECTOR_NAME}: no TP-sharded recurrent state layer to "
+            f"derive the conv/SSM split from"
+        )
 
     def _check_upstream_group_kinds(self) -> None:
         """Upstream's descriptor-id math classifies groups by class (attention vs SSM);
         it must agree with the traits or the descriptors would not match our regions."""
         for index, (spec_type, is_state) in enumerate(
-                zip(self._group_spec_types, self.layout_facts.group_is_state, strict=True)):
-            upstream = ("state" if _is_ssm_spec(spec_type)
-                        else "paged" if _is_attention_spec(spec_type) else "unknown")
+            zip(self._group_spec_types, self.layout_facts.group_is_state, strict=True)
+        ):
+            upstream = (
+                "state"
+                if _is_ssm_spec(spec_type)
+                else "paged"
+                if _is_attention_spec(spec_type)
+                else "unknown"
+            )
             ours = "state" if is_state else "paged"
             if upstream != ours:
                 raise UpstreamDisagreesError(
-                    f"the kind of transfer group {index} ({spec_type.__qualname__})",
-                    upstream, ours)
+                    f"the kind of transfer group {index} ({spec_type.__qualname__})", upstream, ours
+                )
 
     # -- register_kv_caches -------------------------------------------------------------
 
@@ -364,15 +386,20 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         # (the planner reads KVCacheConfig.hisparse_host_num_blocks), as vLLM does.
         # vLLM's descriptor ids count kernel blocks (its worker's block_size and
         # num_blocks are per kernel block), so the regions must be planned in them.
-        return plan_regions(kv_caches, self.kv_cache_config,
-                            tp_size=self.transfer_tp_size, tp_rank=self.transfer_tp_rank,
-                            registry=self._traits_registry, kernel_blocks=True,
-                            kernel_ratio=self._physical_blocks_per_logical_kv_block,
-                            # vLLM orders CSA-linear regions as the caches come.
-                            model_order=not self._is_csa_linear,
-                            whole_rows=not (self._is_csa_linear or self._has_mamba),
-                            split_by_block_len=self._quirks.regions_keyed_by_block_len,
-                            packed_member_rows=self._packs_member_rows())
+        return plan_regions(
+            kv_caches,
+            self.kv_cache_config,
+            tp_size=self.transfer_tp_size,
+            tp_rank=self.transfer_tp_rank,
+            registry=self._traits_registry,
+            kernel_blocks=True,
+            kernel_ratio=self._physical_blocks_per_logical_kv_block,
+            # vLLM orders CSA-linear regions as the caches come.
+            model_order=not self._is_csa_linear,
+            whole_rows=not (self._is_csa_linear or self._has_mamba),
+            split_by_block_len=self._quirks.regions_keyed_by_block_len,
+            packed_member_rows=self._packs_member_rows(),
+        )
 
     def _packs_member_rows(self) -> bool:
         """Whether whole block rows are registered for the latent pages (vLLM 0.33+:
@@ -380,16 +407,21 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         checks the views share one storage and stride, and takes the replicated
         latent token pages)."""
         facts = self._layout_facts()
-        return (self._quirks.packed_mla_rows and facts.mla and not facts.has_state
-                and bool(getattr(self, "_has_packed_cache", False))
-                and self.pp_size == 1)
+        return (
+            self._quirks.packed_mla_rows
+            and facts.mla
+            and not facts.has_state
+            and bool(getattr(self, "_has_packed_cache", False))
+            and self.pp_size == 1
+        )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV caches with NIXL, regions planned from traits."""
         if self.use_host_buffer:
             raise NotImplementedError(
                 f"{CONNECTOR_NAME} registers device/CPU caches directly; host staging "
-                f"buffers (kv_buffer_device cpu on an accelerator) are upstream-only")
+                f"buffers (kv_buffer_device cpu on an accelerator) are upstream-only"
+            )
         # Through base_worker's names: vLLM's tests (and users' hooks) patch them there.
         self.transfer_topo = _bw.TransferTopology(  # type: ignore[attr-defined]
             tp_rank=self.transfer_tp_rank,
@@ -397,15 +429,15 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             block_size=self.block_size,
             engine_id=self.engine_id,
             is_mla=self.use_mla,
-            total_num_kv_heads=1 if self.use_mla
-            else self.model_config.get_total_num_kv_heads(),
+            total_num_kv_heads=1 if self.use_mla else self.model_config.get_total_num_kv_heads(),
             attn_backends=self.attn_backends,
             dcp_size=self.dcp_size,
             tensor_shape=None if self._has_mamba else next(iter(kv_caches.values())).shape,
             is_mamba=self._has_mamba,
         )
         self.compat_hash = _bw.compute_nixl_compatibility_hash(  # type: ignore[attr-defined]
-            self.vllm_config, self.backend_name, transfer_mode=self._TRANSFER_MODE)
+            self.vllm_config, self.backend_name, transfer_mode=self._TRANSFER_MODE
+        )
 
         plan = self.plan(kv_caches)
         self.region_plan = plan
@@ -414,8 +446,11 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         for mem_type in sorted({r.mem_type for r in plan.registrations}):
             if mem_type == "DRAM" and self._skip_dram_xfer:
                 continue
-            ranges = [(r.base, r.length, r.device_id, "") for r in plan.registrations
-                      if r.mem_type == mem_type]
+            ranges = [
+                (r.base, r.length, r.device_id, "")
+                for r in plan.registrations
+                if r.mem_type == mem_type
+            ]
             descs = self.nixl_wrapper.get_reg_descs(ranges, mem_type)
             self.nixl_wrapper.register_memory(descs, backends=self.nixl_backends)
             self._registered_descs.append(descs)
@@ -425,17 +460,22 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self.dst_region_num_blocks[self.engine_id] = self._xfer_region_num_blocks()
         self.dst_region_group_ids[self.engine_id] = self.region_group_ids
         if hasattr(self, "dst_uses_region_group_mapping"):  # vLLM 0.32/0.33
-            self.dst_uses_region_group_mapping[self.engine_id] = (
-                self._uses_region_group_mapping)
+            self.dst_uses_region_group_mapping[self.engine_id] = self._uses_region_group_mapping
         self.dst_region_mem_types[self.engine_id] = self.region_mem_types
 
         self.src_xfer_handles_by_block_size[self.block_size], self.src_blocks_data = (
-            self.register_local_xfer_handler(self.block_size))
+            self.register_local_xfer_handler(self.block_size)
+        )
 
         self.traits_fingerprint = plan.fingerprint()
-        logger.info("%s: registered %d NIXL regions planned from layout traits "
-                    "(fingerprint %s, replicated %s)", CONNECTOR_NAME, len(plan.regions),
-                    self.traits_fingerprint.digest[:16], plan.region_replicated)
+        logger.info(
+            "%s: registered %d NIXL regions planned from layout traits "
+            "(fingerprint %s, replicated %s)",
+            CONNECTOR_NAME,
+            len(plan.regions),
+            self.traits_fingerprint.digest[:16],
+            plan.region_replicated,
+        )
         packed: dict[str, tuple[int, int]] = getattr(self, "_packed_member_layouts", {})
         agent_metadata = TraitsNixlAgentMetadata(
             engine_id=self.engine_id,
@@ -474,8 +514,11 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         if "layer_group_ids" not in {f.name for f in dataclasses.fields(NixlAgentMetadata)}:
             return {}
         by_layer = self.kv_cache_config.transfer_group_index_by_layer
-        return {"layer_group_ids": {name: by_layer[name] for names in self.region_members
-                                    for name in names}}
+        return {
+            "layer_group_ids": {
+                name: by_layer[name] for names in self.region_members for name in names
+            }
+        }
 
     def _xfer_region_num_blocks(self) -> list[int]:
         # vLLM 0.33 narrows them to the transfer layers' regions; 0.34 has no such list.
@@ -499,20 +542,22 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self._scratch_region_indices = plan.scratch_region_indices
         replicated_states = plan.replicated_state_region_indices
         if len(replicated_states) > 1:
-            raise ValueError(f"{CONNECTOR_NAME}: at most one replicated recurrent-state "
-                             f"region is supported, got {replicated_states}")
+            raise ValueError(
+                f"{CONNECTOR_NAME}: at most one replicated recurrent-state "
+                f"region is supported, got {replicated_states}"
+            )
         self._ple_region_index = replicated_states[0] if replicated_states else None
         self._ple_block_len = None
         if self._ple_region_index is not None:
             region = regions[self._ple_region_index]
             layer_traits = self._layout_facts().layer_traits
-            state_pages = [layer_traits[layer].page_size_bytes
-                           for layer in region.layers
-                           if layer_traits[layer].token_scope
-                           is TokenScope.RECURRENT_STATE]
+            state_pages = [
+                layer_traits[layer].page_size_bytes
+                for layer in region.layers
+                if layer_traits[layer].token_scope is TokenScope.RECURRENT_STATE
+            ]
             # Per kernel block, as vLLM keeps it (it reads ratio of them per page).
-            self._ple_block_len = (max(state_pages)
-                                   // self._physical_blocks_per_logical_kv_block)
+            self._ple_block_len = max(state_pages) // self._physical_blocks_per_logical_kv_block
         devices = {r.device_id for r in regions if r.mem_type != "DRAM"}
         if devices:
             self.device_id = max(devices)
@@ -525,38 +570,46 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         # vLLM 0.33 tracks region members only where it routes by layer name; 0.34
         # always does.
         tracks = getattr(self, "_tracks_region_layers", None)
-        region_layers = ([list(r.layers) for r in regions]
-                         if tracks is None or tracks() else [])
+        region_layers = [list(r.layers) for r in regions] if tracks is None or tracks() else []
         self._set_region_layers(region_layers)
         if hasattr(self, "_group_region_indices"):
             # vLLM 0.34: per transfer group, its regions in region order.
             self._group_region_indices = [
                 [r.index for r in regions if group in r.group_ids] or None
-                for group in range(len(self.kv_cache_config.transfer_groups))]
+                for group in range(len(self.kv_cache_config.transfer_groups))
+            ]
         if self.pp_size > 1 and not self._requires_layer_name_routing():
             start, end = self.model_config.get_layers_start_end_indices(
-                self.vllm_config.parallel_config)
+                self.vllm_config.parallel_config
+            )
             if end <= start or self.num_regions % (end - start):
-                raise ValueError(f"{CONNECTOR_NAME}: {self.num_regions} regions do not "
-                                 f"split over {end - start} local layers")
+                raise ValueError(
+                    f"{CONNECTOR_NAME}: {self.num_regions} regions do not "
+                    f"split over {end - start} local layers"
+                )
             self._remote_region_offset = self.num_regions // (end - start) * start
         self.num_descs = sum(self._xfer_region_num_blocks())
         self._skip_dram_xfer = self._leaves_dram_xfer_to_rank0()
         if self._mixed_mem_types and (not self.use_mla or self._has_mamba):
-            raise ValueError(f"{CONNECTOR_NAME}: mixed-device KV registration is only "
-                             f"supported for MLA models without recurrent state")
+            raise ValueError(
+                f"{CONNECTOR_NAME}: mixed-device KV registration is only "
+                f"supported for MLA models without recurrent state"
+            )
         # vLLM 0.33 derives these from the regions at the same point.
         if hasattr(self, "_get_head_sharded_draft_regions"):
             self._head_sharded_draft_regions = self._get_head_sharded_draft_regions()
         if hasattr(self, "_packed_member_layouts"):
             self._packed_member_layouts: dict[str, tuple[int, int]] = {
-                layer: (offset, length) for r in regions
-                for layer, offset, length in r.packed_members}
+                layer: (offset, length)
+                for r in regions
+                for layer, offset, length in r.packed_members
+            }
 
     # -- handshake ----------------------------------------------------------------------
 
-    def _nixl_handshake(self, host: str, port: int, remote_tp_size: int,
-                        *args: Any, **kwargs: Any) -> Any:
+    def _nixl_handshake(
+        self, host: str, port: int, remote_tp_size: int, *args: Any, **kwargs: Any
+    ) -> Any:
         remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
         if remote_pp_size > 1 or self.pp_size > 1:
             # The fingerprint covers this stage's regions only; comparing it with remote PP
@@ -578,8 +631,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
 
     def _require_traits_peer(self) -> bool:
         config = self.vllm_config.kv_transfer_config
-        return config is not None and bool(
-            config.get_from_extra_config(REQUIRE_TRAITS_PEER, False))
+        return config is not None and bool(config.get_from_extra_config(REQUIRE_TRAITS_PEER, False))
 
     def check_remote_fingerprint(self, agent_metadata: NixlAgentMetadata) -> None:
         """Compare the peer's per-region traits fingerprint with ours.
@@ -611,11 +663,16 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                 check_region_bounds(_peer_regions(agent_metadata))
             except MalformedMetadataError as exc:
                 raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
-            logger.warning("%s: NIXL peer %s (engine %s) runs upstream's NixlConnector "
-                           "(no kvspec-traits fingerprint); its layout is checked by "
-                           "vLLM's compatibility hash only. Set kv_connector_extra_config "
-                           "%s=true to refuse such peers.", CONNECTOR_NAME, peer,
-                           agent_metadata.engine_id, REQUIRE_TRAITS_PEER)
+            logger.warning(
+                "%s: NIXL peer %s (engine %s) runs upstream's NixlConnector "
+                "(no kvspec-traits fingerprint); its layout is checked by "
+                "vLLM's compatibility hash only. Set kv_connector_extra_config "
+                "%s=true to refuse such peers.",
+                CONNECTOR_NAME,
+                peer,
+                agent_metadata.engine_id,
+                REQUIRE_TRAITS_PEER,
+            )
             return
         try:  # hostile JSON (deep, huge integers, not UTF-8) is a named error too
             remote = decode_fingerprint(fingerprint)
@@ -624,19 +681,33 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         try:
             check_handshake(self.traits_fingerprint, remote)
         except HandshakeMismatchError as err:
-            logger.error("%s: refusing NIXL peer %s (engine %s): %s", CONNECTOR_NAME, peer,
-                         agent_metadata.engine_id, err)
+            logger.error(
+                "%s: refusing NIXL peer %s (engine %s): %s",
+                CONNECTOR_NAME,
+                peer,
+                agent_metadata.engine_id,
+                err,
+            )
             raise
         # The same layout, claimed: now the addresses the peer sends must be what that
         # layout implies, before vLLM builds a descriptor from them.
         try:
             check_peer_geometry(remote, _peer_regions(agent_metadata), remote.tp_size)
         except MalformedMetadataError as exc:
-            logger.error("%s: refusing NIXL peer %s (engine %s): %s", CONNECTOR_NAME, peer,
-                         agent_metadata.engine_id, exc)
+            logger.error(
+                "%s: refusing NIXL peer %s (engine %s): %s",
+                CONNECTOR_NAME,
+                peer,
+                agent_metadata.engine_id,
+                exc,
+            )
             raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
-        logger.info("%s: peer %s has the same KV layout (fingerprint %s)", CONNECTOR_NAME,
-                    peer, self.traits_fingerprint.digest[:16])
+        logger.info(
+            "%s: peer %s has the same KV layout (fingerprint %s)",
+            CONNECTOR_NAME,
+            peer,
+            self.traits_fingerprint.digest[:16],
+        )
 
 
 def _peer_regions(meta: NixlAgentMetadata) -> list[PeerRegion]:
@@ -645,17 +716,34 @@ def _peer_regions(meta: NixlAgentMetadata) -> list[PeerRegion]:
     num_blocks = meta.region_num_blocks or [meta.num_blocks] * count
     mem_types = meta.region_mem_types or ["DRAM"] * count
     lists: dict[str, list[Any]] = {
-        "block_lens": meta.block_lens, "block_strides": meta.block_strides,
-        "region_num_blocks": num_blocks, "region_mem_types": mem_types}
+        "block_lens": meta.block_lens,
+        "block_strides": meta.block_strides,
+        "region_num_blocks": num_blocks,
+        "region_mem_types": mem_types,
+    }
     uneven = {name: len(v) for name, v in lists.items() if len(v) != count}
     if uneven:
         raise MalformedMetadataError(
-            f"{count} region base addresses but per-region lists of other lengths: {uneven}")
-    return [PeerRegion(base_addr=base, block_len=length, block_stride=stride,
-                       num_blocks=blocks, device_id=meta.device_id, mem_type=mem)
-            for base, length, stride, blocks, mem in zip(
-                meta.kv_caches_base_addr, meta.block_lens, meta.block_strides, num_blocks,
-                mem_types, strict=True)]
+            f"{count} region base addresses but per-region lists of other lengths: {uneven}"
+        )
+    return [
+        PeerRegion(
+            base_addr=base,
+            block_len=length,
+            block_stride=stride,
+            num_blocks=blocks,
+            device_id=meta.device_id,
+            mem_type=mem,
+        )
+        for base, length, stride, blocks, mem in zip(
+            meta.kv_caches_base_addr,
+            meta.block_lens,
+            meta.block_strides,
+            num_blocks,
+            mem_types,
+            strict=True,
+        )
+    ]
 
 
 class TraitsNixlConnector(NixlBaseConnector):
@@ -664,16 +752,19 @@ class TraitsNixlConnector(NixlBaseConnector):
     Refuses at construction on a vLLM outside :data:`SUPPORTED_VLLM_SERIES`.
     """
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(
-                vllm_config, self.engine_id, kv_cache_config)
+                vllm_config, self.engine_id, kv_cache_config
+            )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = TraitsNixlConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config)
+                vllm_config, self.engine_id, kv_cache_config
+            )
         else:
             raise ValueError(f"{CONNECTOR_NAME}: unknown connector role {role!r}")
 
@@ -683,6 +774,8 @@ class TraitsNixlConnector(NixlBaseConnector):
             raise RuntimeError(f"{CONNECTOR_NAME}.start_load_kv called without a worker")
         metadata = self._connector_metadata
         if not isinstance(metadata, NixlConnectorMetadata):
-            raise RuntimeError(f"{CONNECTOR_NAME}: expected NIXL connector metadata, got "
-                               f"{type(metadata).__qualname__}")
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: expected NIXL connector metadata, got "
+                f"{type(metadata).__qualname__}"
+            )
         worker.start_load_kv(metadata)

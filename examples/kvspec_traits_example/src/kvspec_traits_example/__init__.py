@@ -42,8 +42,9 @@ class ScaledLatentSpec(MLAAttentionSpec):
 def adapt_scaled_latent(spec: ScaledLatentSpec) -> LayoutTraits:
     """Traits from the spec's fields: each cell is the int8 latent then its float32 scale;
     one latent slot, replicated like any MLA cache (the built-in attention math)."""
-    return attention_traits(spec, cell=(("latent", spec.head_size, spec.dtype),
-                                        ("scale", 1, "float32")))
+    return attention_traits(
+        spec, cell=(("latent", spec.head_size, spec.dtype), ("scale", 1, "float32"))
+    )
 
 
 def register(registry: Registry) -> None:
@@ -54,5 +55,8 @@ def register(registry: Registry) -> None:
 def representative_specs() -> list[ScaledLatentSpec]:
     """Real instances of this package's spec classes, for ``kvspec-traits audit``'s class
     sets (the optional hook next to the entry point): a DeepSeek-sized latent."""
-    return [ScaledLatentSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
-                             dtype=torch.int8)]
+    return [
+        ScaledLatentSpec(
+            block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.int8
+        )
+    ]
