@@ -69,7 +69,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import traits_of
-from kvspec_traits.nixl import HandshakeMismatchError
+from kvspec_traits.transfer import HandshakeMismatchError
 from kvspec_traits.vllm_connector import CONNECTOR_NAME
 from kvspec_traits.vllm_connector._connector import (
     REQUIRE_TRAITS_PEER,

@@ -31,22 +31,24 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import LayoutTraits, TokenScope, TPLayout, default_registry
 from kvspec_traits.nixl import (
-    SHARED_REGION_GROUP_ID,
     BlockIdError,
-    MissingLayerError,
     MissingPeerError,
-    Read,
-    RegionConflictError,
-    RegionPlan,
-    UnsupportedLayoutError,
     block_desc_ids,
     build_block_descs,
     build_state_descs,
     merge_runs,
     peer_regions,
+    transfer_items,
+)
+from kvspec_traits.transfer import (
+    SHARED_REGION_GROUP_ID,
+    MissingLayerError,
+    Read,
+    RegionConflictError,
+    RegionPlan,
+    UnsupportedLayoutError,
     plan_regions,
     tp_reads,
-    transfer_items,
 )
 from tests.nixl_helpers import layouts
 

@@ -8,7 +8,7 @@ class is named here):
   vLLM's kernel block-size sync;
 - ``register_kv_caches``: every region (base, block length, stride, block count, group
   id, name), the REPLICATE/SPLIT flag of each region, the state and scratch region
-  indices, and the memory to register, from :func:`kvspec_traits.nixl.plan_regions`;
+  indices, and the memory to register, from :func:`kvspec_traits.transfer.plan_regions`;
 - the per-region traits fingerprint, sent inside the NIXL agent metadata, and checked
   against the peer's before vLLM's own handshake, so a layout mismatch is refused with
   the named diff.
@@ -50,7 +50,7 @@ from vllm.logger import init_logger
 from kvspec_traits._group import representative_traits, traits_for_layer
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
-from kvspec_traits.nixl import (
+from kvspec_traits.transfer import (
     HandshakeMismatchError,
     MalformedMetadataError,
     PeerRegion,
@@ -638,13 +638,13 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
 
         Called by vLLM's handshake once the peer's compatibility hash matched and its
         agent metadata decoded. A layout mismatch raises
-        :class:`~kvspec_traits.nixl.HandshakeMismatchError` naming the region and every
+        :class:`~kvspec_traits.transfer.HandshakeMismatchError` naming the region and every
         differing trait; a peer without a fingerprint raises
         :class:`PeerWithoutTraitsError`; one that is not a fingerprint, or whose region
         addresses contradict it (block length other than the page it implies at the
         peer's TP size, overlapping blocks, past 64 bits; see
-        :func:`~kvspec_traits.nixl.check_peer_geometry`),
-        :class:`~kvspec_traits.nixl.MalformedMetadataError`.
+        :func:`~kvspec_traits.transfer.check_peer_geometry`),
+        :class:`~kvspec_traits.transfer.MalformedMetadataError`.
         """
         if self.traits_fingerprint is None:
             raise RuntimeError(f"{CONNECTOR_NAME}: handshake before register_kv_caches")
