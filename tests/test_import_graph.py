@@ -37,8 +37,8 @@ def _imports(path: Path) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _type_checking(node):
-            for child in node.orelse:
-                visit(child)
+            for other in node.orelse:
+                visit(other)
             return
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
