@@ -655,8 +655,10 @@ def test_every_decision_follows_the_registry() -> None:
 
 
 def test_vllm_field_view() -> None:
+    from kvspec_traits.vllm_connector._fields import worker_fields
+
     plan, _ = _plan("qwen35")
-    fields = plan.as_vllm_fields()
+    fields = worker_fields(plan)
     assert fields["block_len_per_layer"] == plan.block_lens
     assert fields["_region_is_mla"] == [False] * 3
     assert fields["_ssm_region_indices"] == [0, 1, 2]
@@ -664,7 +666,7 @@ def test_vllm_field_view() -> None:
     assert fields["num_regions"] == 3 and fields["num_descs"] == 3 * NB
     assert fields["region_mem_types"] == ["DRAM"] * 3
     v4, _ = _plan("deepseek_v4")
-    assert v4.as_vllm_fields()["_scratch_region_indices"] == [0, 1]
+    assert worker_fields(v4)["_scratch_region_indices"] == [0, 1]
 
 
 @pytest.mark.parametrize(("family", "kernel"), [("llama_gqa", 8), ("qwen35", 16)])

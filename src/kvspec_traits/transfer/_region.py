@@ -248,27 +248,6 @@ class RegionPlan:
     def scratch_region_indices(self) -> list[int]:
         return [r.index for r in self.regions if r.scratch]
 
-    def as_vllm_fields(self) -> dict[str, object]:
-        """This plan under the attribute names of vLLM's NIXL worker (0.32/0.33), for a
-        field-by-field comparison with ``register_kv_caches``' bookkeeping."""
-        ple = self.replicated_state_region_indices
-        return {
-            "kv_caches_base_addr": self.base_addresses,
-            "block_len_per_layer": self.block_lens,
-            "block_stride_per_layer": self.block_strides,
-            "region_num_blocks": self.region_num_blocks,
-            "region_group_ids": self.region_group_ids,
-            "region_names": self.region_names,
-            "region_members": self.region_members,
-            "region_mem_types": [r.mem_type for r in self.regions],
-            "_region_is_mla": self.region_replicated,
-            "_ssm_region_indices": self.state_region_indices,
-            "_scratch_region_indices": self.scratch_region_indices,
-            "_ple_region_index": ple[0] if ple else None,
-            "num_regions": len(self.regions),
-            "num_descs": self.num_descs,
-        }
-
     def region_of(self, layer: str) -> Region:
         """The (first) region holding ``layer``; ``KeyError`` if it has none."""
         for region in self.regions:
