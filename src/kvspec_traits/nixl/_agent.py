@@ -27,7 +27,6 @@ from kvspec_traits._deps import needs
 from kvspec_traits.nixl._descs import BlockIds, Request, build_block_descs
 from kvspec_traits.nixl._errors import (
     MemoryTypeMismatchError,
-    MissingPeerError,
     TransferFailedError,
 )
 from kvspec_traits.nixl._items import ReadCache, TransferItems, merge_runs, transfer_items_of
@@ -36,6 +35,8 @@ from kvspec_traits.nixl._peer import (
     DescMode,
     RemotePeer,
     TransferResult,
+    check_prepped_rank,
+    plan_mem_type,
     prepped_desc_ids,
 )
 from kvspec_traits.nixl._register import deregister_all, register_ranges
@@ -108,7 +109,7 @@ class TraitsNixlAgent:
             raise RuntimeError(f"agent {self.name}: a plan is already registered")
         # Validate everything before NIXL or this agent changes: a refused plan leaves
         # the agent as it was (no memory registered, no plan).
-        mem_type = self._mem_type(plan)
+        mem_type = plan_mem_type(plan)
         local_descs = build_block_descs(plan)
         register_ranges(self._agent, plan.registrations, self._backends, self._reg_descs)
         try:
@@ -120,24 +121,6 @@ class TraitsNixlAgent:
             raise
         self._plan = plan
         self._local_mem_type = mem_type
-
-    @staticmethod
-    def _mem_type(plan: RegionPlan) -> str:
-        """The one memory type of ``plan``'s regions."""
-        kinds = sorted({r.mem_type for r in plan.regions})
-        if not kinds:
-            raise ValueError(
-                "the plan has no regions (every layer was skipped: see "
-                "RegionPlan.skipped_layers); there is nothing to register"
-            )
-        if len(kinds) != 1:
-            raise MemoryTypeMismatchError(
-                None,
-                kinds,
-                "an agent registers one memory type: plan and register the "
-                "caches of each memory type with their own agent",
-            )
-        return kinds[0]
 
     def metadata(self) -> bytes:
         """The handshake message for peers (NIXL agent metadata + fingerprint +
@@ -298,7 +281,7 @@ class TraitsNixlAgent:
                 if len(by_rank) != 1 or remote_tp != plan.tp_size:
                     raise ValueError("mode='prepped' needs one peer of the same TP size")
                 peer = next(iter(by_rank.values()))
-                self._check_prepped_rank(plan, peer)
+                check_prepped_rank(plan, peer)
                 local_ids, remote_ids, nbytes = prepped_desc_ids(
                     plan, peer, block_ids, remote_block_ids
                 )
@@ -338,23 +321,6 @@ class TraitsNixlAgent:
             nbytes=nbytes,
             seconds=time.perf_counter() - start,
         )
-
-    @staticmethod
-    def _check_prepped_rank(plan: RegionPlan, peer: RemotePeer) -> None:
-        """A prepared list reads every region whole from the one peer: that is this
-        rank's data only if the peer is the same TP rank, or every region holds the
-        same bytes on every rank."""
-        if peer.tp_rank == plan.tp_rank:
-            return
-        for region in plan.regions:
-            if not region.replicated or region.sharded_state:
-                raise MissingPeerError(
-                    region.name,
-                    plan.tp_rank,
-                    [peer.tp_rank],
-                    f": mode='prepped' reads each block whole from peer {peer.name}, "
-                    f"whose rank {peer.tp_rank} holds other heads or state shards",
-                )
 
     def _make_prepped(
         self,

@@ -9,12 +9,21 @@ from typing import Any, Literal, get_args
 import numpy.typing as npt
 
 from kvspec_traits.nixl._descs import BlockIds, DescIndex, Request, desc_ids_of, desc_index
+from kvspec_traits.nixl._errors import MemoryTypeMismatchError, MissingPeerError
 from kvspec_traits.nixl._items import ReadCache, check_lengths
 from kvspec_traits.nixl._wire import PeerMetadata
 from kvspec_traits.transfer import RegionPlan
 from kvspec_traits.transfer._region import desc_offsets
 
-__all__ = ["DESC_MODES", "DescMode", "RemotePeer", "TransferResult", "prepped_desc_ids"]
+__all__ = [
+    "DESC_MODES",
+    "DescMode",
+    "RemotePeer",
+    "TransferResult",
+    "check_prepped_rank",
+    "plan_mem_type",
+    "prepped_desc_ids",
+]
 
 DescMode = Literal["prepped", "per_block", "merged"]
 """How a request's blocks become descriptors:
@@ -92,3 +101,38 @@ def prepped_desc_ids(
     local_ids = desc_ids_of(local_index, lreq, "local", int32=True)
     remote_ids = desc_ids_of(peer.desc_index, rreq, "remote", int32=True)
     return local_ids, remote_ids, local_index.nbytes(lreq)
+
+
+def plan_mem_type(plan: RegionPlan) -> str:
+    """The one memory type of ``plan``'s regions."""
+    kinds = sorted({r.mem_type for r in plan.regions})
+    if not kinds:
+        raise ValueError(
+            "the plan has no regions (every layer was skipped: see "
+            "RegionPlan.skipped_layers); there is nothing to register"
+        )
+    if len(kinds) != 1:
+        raise MemoryTypeMismatchError(
+            None,
+            kinds,
+            "an agent registers one memory type: plan and register the "
+            "caches of each memory type with their own agent",
+        )
+    return kinds[0]
+
+
+def check_prepped_rank(plan: RegionPlan, peer: RemotePeer) -> None:
+    """A prepared list reads every region whole from the one peer: that is this
+    rank's data only if the peer is the same TP rank, or every region holds the
+    same bytes on every rank."""
+    if peer.tp_rank == plan.tp_rank:
+        return
+    for region in plan.regions:
+        if not region.replicated or region.sharded_state:
+            raise MissingPeerError(
+                region.name,
+                plan.tp_rank,
+                [peer.tp_rank],
+                f": mode='prepped' reads each block whole from peer {peer.name}, "
+                f"whose rank {peer.tp_rank} holds other heads or state shards",
+            )
