@@ -50,15 +50,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvspec_traits.nixl import (
-    PeerMetadata,
-    RegionPlan,
-    RemotePeer,
-    peer_regions,
-    plan_regions,
-    prepped_desc_ids,
-)
-from kvspec_traits.nixl._descs import _ReadCache, _Request, _transfer_items, merge_runs
+from kvspec_traits.nixl import PeerMetadata, RemotePeer, peer_regions, prepped_desc_ids
+from kvspec_traits.nixl._descs import Request
+from kvspec_traits.nixl._items import ReadCache, merge_runs, transfer_items_of
+from kvspec_traits.transfer import RegionPlan, plan_regions
 from tests.nixl_helpers import layouts
 
 LAYERS, BLOCKS, TARGET = 60, 10_000, 1.0
@@ -136,7 +131,7 @@ def main(argv: list[str]) -> int:
         f"{'blocks/group':>12} {'descs':>9} | {'upstream us':>11} {'ours us':>9} | "
         f"{'ours/upstream':>13} | {'items+merge us':>14} {'/upstream':>9}"
     )
-    reads = _ReadCache(plan, 1, peer.meta.regions)
+    reads = ReadCache(plan, 1, peer.meta.regions)
     remotes = {0: peer.meta.regions}
     worst = 0.0
     sizes = (16, 256, 2500) if quick else (1, 16, 64, 256, 1024, 2500)
@@ -182,11 +177,11 @@ def main(argv: list[str]) -> int:
             # What read_blocks(mode="merged") builds per request.
             return [
                 merge_runs(i)
-                for i in _transfer_items(
+                for i in transfer_items_of(
                     plan,
                     remotes,
-                    _Request(local, plan.num_groups, "local"),
-                    _Request(remote, plan.num_groups, "remote"),
+                    Request(local, plan.num_groups, "local"),
+                    Request(remote, plan.num_groups, "remote"),
                     reads,
                 )
             ]

@@ -48,9 +48,9 @@ from kvspec_traits.nixl import (
     build_block_descs,
     merge_runs,
     peer_regions,
-    plan_regions,
     transfer_items,
 )
+from kvspec_traits.transfer import plan_regions
 from tests.nixl_helpers import layouts
 
 TARGET = 0.8

@@ -69,11 +69,13 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import traits_of
-from kvspec_traits.nixl import HandshakeMismatchError
-from kvspec_traits.vllm_connector import CONNECTOR_NAME
-from kvspec_traits.vllm_connector._connector import (
+from kvspec_traits.transfer import HandshakeMismatchError
+from kvspec_traits.vllm_connector import (
+    CONNECTOR_NAME,
     REQUIRE_TRAITS_PEER,
     PeerWithoutTraitsError,
+)
+from kvspec_traits.vllm_connector._connector import (
     TraitsNixlAgentMetadata,
     TraitsNixlConnectorWorker,
 )
@@ -785,7 +787,7 @@ def test_handshake_refuses_another_layout_with_the_named_diff(build: Callable[..
 def test_pipeline_parallel_peers_are_refused_before_any_connection(
     build: Callable[..., Built],
 ) -> None:
-    from kvspec_traits.vllm_connector._connector import UnsupportedPipelineParallelError
+    from kvspec_traits.vllm_connector import UnsupportedPipelineParallelError
 
     gqa = build(AGREE["gqa"])
     # Port 1 is never contacted: the refusal comes before vLLM's handshake and ours.

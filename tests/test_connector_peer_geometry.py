@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvspec_traits.nixl import MalformedMetadataError
+from kvspec_traits.transfer import MalformedMetadataError
 from kvspec_traits.vllm_connector._connector import TraitsNixlAgentMetadata
 from tests.test_connector_differential import AGREE, Built, build, distributed
 

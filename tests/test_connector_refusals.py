@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvspec_traits import traits_of
-from kvspec_traits.nixl import UnsupportedLayoutError, plan_regions
+from kvspec_traits.transfer import UnsupportedLayoutError, plan_regions
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from tests.mla_backends import CPU_MLA
 from tests.test_connector_differential import DSV2, LBHNC, _construct, _vllm_config, distributed

@@ -25,11 +25,8 @@ from vllm.config import set_current_vllm_config
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
 from kvspec_traits import traits_of
-from kvspec_traits.vllm_connector._connector import (
-    SeriesQuirks,
-    TraitsNixlConnectorWorker,
-    series_quirks,
-)
+from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
+from kvspec_traits.vllm_connector._quirks import SeriesQuirks, series_quirks
 from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers import layouts
 from tests.test_connector_differential import (

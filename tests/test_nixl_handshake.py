@@ -10,14 +10,13 @@ import struct
 import pytest
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvspec_traits.nixl import (
+from kvspec_traits.nixl import decode_metadata, encode_metadata
+from kvspec_traits.transfer import (
     FINGERPRINT_VERSION,
     HandshakeMismatchError,
     MalformedMetadataError,
     RegionPlan,
     check_handshake,
-    decode_metadata,
-    encode_metadata,
     plan_regions,
 )
 from tests.nixl_helpers import layouts

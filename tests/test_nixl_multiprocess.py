@@ -28,12 +28,8 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvspec_traits.nixl import (
-    RemotePeer,
-    TraitsNixlAgent,
-    TransferFailedError,
-    plan_regions,
-)
+from kvspec_traits.nixl import RemotePeer, TraitsNixlAgent, TransferFailedError
+from kvspec_traits.transfer import plan_regions
 from tests.nixl_helpers import checks, layouts
 
 FAMILY, NB, SEED = "deepseek_v4", 32, 21

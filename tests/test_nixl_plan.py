@@ -31,22 +31,24 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import LayoutTraits, TokenScope, TPLayout, default_registry
 from kvspec_traits.nixl import (
-    SHARED_REGION_GROUP_ID,
     BlockIdError,
-    MissingLayerError,
     MissingPeerError,
-    Read,
-    RegionConflictError,
-    RegionPlan,
-    UnsupportedLayoutError,
     block_desc_ids,
     build_block_descs,
     build_state_descs,
     merge_runs,
     peer_regions,
+    transfer_items,
+)
+from kvspec_traits.transfer import (
+    SHARED_REGION_GROUP_ID,
+    MissingLayerError,
+    Read,
+    RegionConflictError,
+    RegionPlan,
+    UnsupportedLayoutError,
     plan_regions,
     tp_reads,
-    transfer_items,
 )
 from tests.nixl_helpers import layouts
 
@@ -653,8 +655,10 @@ def test_every_decision_follows_the_registry() -> None:
 
 
 def test_vllm_field_view() -> None:
+    from kvspec_traits.vllm_connector._fields import worker_fields
+
     plan, _ = _plan("qwen35")
-    fields = plan.as_vllm_fields()
+    fields = worker_fields(plan)
     assert fields["block_len_per_layer"] == plan.block_lens
     assert fields["_region_is_mla"] == [False] * 3
     assert fields["_ssm_region_indices"] == [0, 1, 2]
@@ -662,7 +666,7 @@ def test_vllm_field_view() -> None:
     assert fields["num_regions"] == 3 and fields["num_descs"] == 3 * NB
     assert fields["region_mem_types"] == ["DRAM"] * 3
     v4, _ = _plan("deepseek_v4")
-    assert v4.as_vllm_fields()["_scratch_region_indices"] == [0, 1]
+    assert worker_fields(v4)["_scratch_region_indices"] == [0, 1]
 
 
 @pytest.mark.parametrize(("family", "kernel"), [("llama_gqa", 8), ("qwen35", 16)])

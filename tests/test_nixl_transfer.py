@@ -18,15 +18,13 @@ import torch
 
 from kvspec_traits.nixl import (
     DescMode,
-    HandshakeMismatchError,
-    MalformedMetadataError,
     MemoryTypeMismatchError,
     MissingPeerError,
     TraitsNixlAgent,
     TransferFailedError,
     encode_metadata,
-    plan_regions,
 )
+from kvspec_traits.transfer import HandshakeMismatchError, MalformedMetadataError, plan_regions
 from tests.nixl_helpers import checks, layouts
 
 NB = 16

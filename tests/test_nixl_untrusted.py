@@ -30,19 +30,21 @@ from kvspec_traits.nixl import (
     BlockIdShapeError,
     BlockIdTypeError,
     DuplicateBlockIdError,
-    HandshakeMismatchError,
-    MalformedMetadataError,
-    RegionPlan,
     TraitsNixlAgent,
     block_desc_ids,
-    check_handshake,
     check_peer_layout,
-    decode_fingerprint,
     decode_metadata,
     encode_metadata,
     peer_regions,
-    plan_regions,
     transfer_items,
+)
+from kvspec_traits.transfer import (
+    HandshakeMismatchError,
+    MalformedMetadataError,
+    RegionPlan,
+    check_handshake,
+    decode_fingerprint,
+    plan_regions,
 )
 from tests.nixl_helpers import checks, layouts
 

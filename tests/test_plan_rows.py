@@ -25,7 +25,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import traits_of
-from kvspec_traits.nixl import RegionPlan, TraitsNixlAgent, plan_regions
+from kvspec_traits.nixl import TraitsNixlAgent
+from kvspec_traits.transfer import RegionPlan, plan_regions
 from tests.nixl_helpers import layouts
 
 NB = 8

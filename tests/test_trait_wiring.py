@@ -8,7 +8,6 @@ A new trait that is not wired fails here, naming the place to edit.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import fields
 
 import pytest
@@ -17,10 +16,12 @@ from kvspec_traits import KVLayoutTraits, LayoutTraits, trait_names
 from kvspec_traits._group import GroupTraits
 from kvspec_traits._registry import _TRAIT_TYPES
 from kvspec_traits.audit._questions import QUESTIONS
-from kvspec_traits.nixl._plan import Region
+from kvspec_traits.transfer import FINGERPRINT_VERSION, Region
+from kvspec_traits.transfer._fingerprint import NOT_FINGERPRINTED, RECORD_KEYS
 
-# Where each trait goes in the per-region handshake fingerprint (nixl/_plan.py,
-# Region.traits_record), or why a peer that differs in it moves the same bytes.
+# Where each trait goes in the per-region handshake fingerprint (a key of the record
+# transfer/_fingerprint.py's traits_record derives from Region's fields), or why a peer
+# that differs in it moves the same bytes.
 FINGERPRINT: dict[str, str | tuple[None, str]] = {
     "spec_name": (None, "a class name; peers pair on what moves, whatever classes say it"),
     "is_mla": "replicated",
@@ -95,8 +96,8 @@ def test_every_trait_is_wired(trait: str) -> None:
         missing.append("_group.py GroupTraits (how a group of layers answers it)")
     if trait not in FINGERPRINT:
         missing.append(
-            "the handshake fingerprint (nixl/_plan.py Region.traits_record), "
-            "then FINGERPRINT in this test"
+            "the handshake fingerprint (a Region field, transfer/_region.py, filled by "
+            "transfer/_merge.py), then FINGERPRINT in this test"
         )
     if trait not in AUDIT:
         missing.append("the audit's questions (audit/_questions.py), then AUDIT in this test")
@@ -106,14 +107,43 @@ def test_every_trait_is_wired(trait: str) -> None:
 
 
 def test_the_checklists_name_real_places() -> None:
-    record = inspect.getsource(Region.traits_record)
+    record = _record_keys()
     questions = {q.name for q in QUESTIONS}
     assert set(FINGERPRINT) == set(AUDIT) == set(TRAITS)
     for trait, where in FINGERPRINT.items():
         if isinstance(where, str):
-            assert f'"{where}":' in record, (trait, where)
+            assert where in record, (trait, where)
     for trait, where in AUDIT.items():
         if isinstance(where, str):
             assert where in questions, (trait, where)
     # Every question is some trait's.
     assert questions <= {w for w in AUDIT.values() if isinstance(w, str)}
+
+
+def _record_keys() -> set[str]:
+    """The keys of a region's fingerprint record: every Region field but those left out."""
+    return {
+        RECORD_KEYS.get(f.name, f.name) for f in fields(Region) if f.name not in NOT_FINGERPRINTED
+    }
+
+
+# The record keys of fingerprint version 3. A new Region field joins the record by itself
+# (traits_record iterates Region's fields): a peer running the previous release would
+# then be refused with a diff in every region, so the version must say so.
+RECORD_V3 = {
+    "name", "layers", "block_len", "replicated", "tp_layout", "tp_shards", "paged", "state",
+    "state_tp_layout", "state_components", "scratch", "scope", "dtype", "kv_quant_mode",
+    "num_head_slots", "head_segment", "head_major", "kv_head_contiguous", "group_id",
+    "replicated_state",
+}  # fmt: skip
+
+
+def test_a_new_region_field_is_fingerprinted_or_says_why_not() -> None:
+    names = {f.name for f in fields(Region)}
+    assert set(NOT_FINGERPRINTED) <= names, set(NOT_FINGERPRINTED) - names
+    assert set(RECORD_KEYS) <= names - set(NOT_FINGERPRINTED)
+    if FINGERPRINT_VERSION == 3:
+        assert _record_keys() == RECORD_V3, (
+            "the fingerprint record changed: bump FINGERPRINT_VERSION "
+            "(transfer/_fingerprint.py), or add the field to NOT_FINGERPRINTED with why"
+        )

@@ -216,7 +216,7 @@ def test_the_order_of_head_slots_is_a_fingerprint_difference() -> None:
     # must not pair up: the NIXL fingerprint carries kv_head_contiguous (and a page that
     # does not keep a head's slots together is never split by heads).
     from kvspec_traits import Registry
-    from kvspec_traits.nixl import HandshakeMismatchError, check_handshake, plan_regions
+    from kvspec_traits.transfer import HandshakeMismatchError, check_handshake, plan_regions
 
     registry = Registry().copy()
     if V034:

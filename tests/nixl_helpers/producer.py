@@ -31,7 +31,8 @@ _LIMIT_S = 60.0
 def main(argv: list[str]) -> int:
     port, family, num_blocks, seed = int(argv[0]), argv[1], int(argv[2]), int(argv[3])
     tp_size, tp_rank = (int(argv[4]), int(argv[5])) if len(argv) > 5 else (1, 0)
-    from kvspec_traits.nixl import TraitsNixlAgent, plan_regions
+    from kvspec_traits.nixl import TraitsNixlAgent
+    from kvspec_traits.transfer import plan_regions
     from tests.nixl_helpers import layouts
 
     config, caches = layouts.build(family, num_blocks, tp=tp_size)

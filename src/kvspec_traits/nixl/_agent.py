@@ -18,94 +18,37 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvspec_traits._deps import needs
-from kvspec_traits.nixl._descs import (
-    BlockIds,
-    TransferItems,
-    _check_lengths,
-    _desc_ids,
-    _desc_index,
-    _DescIndex,
-    _ReadCache,
-    _Request,
-    _transfer_items,
-    build_block_descs,
-    merge_runs,
-)
+from kvspec_traits.nixl._descs import BlockIds, Request, build_block_descs
 from kvspec_traits.nixl._errors import (
-    MalformedMetadataError,
     MemoryTypeMismatchError,
-    MissingPeerError,
     TransferFailedError,
 )
-from kvspec_traits.nixl._handshake import (
+from kvspec_traits.nixl._items import ReadCache, TransferItems, merge_runs, transfer_items_of
+from kvspec_traits.nixl._peer import (
+    DESC_MODES,
+    DescMode,
+    RemotePeer,
+    TransferResult,
+    check_prepped_rank,
+    plan_mem_type,
+    prepped_desc_ids,
+)
+from kvspec_traits.nixl._register import deregister_all, register_ranges
+from kvspec_traits.nixl._wire import (
     PeerMetadata,
-    check_handshake,
     check_peer_layout,
     decode_metadata,
     encode_metadata,
 )
-from kvspec_traits.nixl._plan import RegionPlan, desc_offsets
+from kvspec_traits.transfer import MalformedMetadataError, RegionPlan, check_handshake
 
-__all__ = ["DescMode", "RemotePeer", "TraitsNixlAgent", "TransferResult", "prepped_desc_ids"]
-
-DescMode = Literal["prepped", "per_block", "merged"]
-"""How a request's blocks become descriptors:
-
-- ``"prepped"``: vLLM's way: the strided ``Nx5`` lists prepared once per peer, a
-  request selects one descriptor per block per region (same TP size only);
-- ``"per_block"``: ``Nx3`` rows built per request, one per block per region and read;
-- ``"merged"``: as ``per_block``, with rows contiguous on both sides merged.
-"""
-_DESC_MODES: tuple[DescMode, ...] = get_args(DescMode)
-
-
-@dataclass(slots=True)
-class RemotePeer:
-    """A connected peer rank: its decoded metadata and, for equal TP sizes, the
-    prepared strided descriptor list of its regions."""
-
-    meta: PeerMetadata
-    prepped: Any = None
-    mem_type: str = "DRAM"
-    """Memory type of the peer's regions (the type its descriptors are tagged with)."""
-    region_num_blocks: tuple[int, ...] = field(init=False, repr=False)
-    """The peer's block count of each region (they may differ from ours)."""
-    desc_offsets: tuple[int, ...] = field(init=False, repr=False)
-    """Flat id of each region's block 0 in the peer's prepared list."""
-    reads: _ReadCache | None = field(default=None, repr=False)
-    """This agent's TP reads from this peer, kept across requests (set by connect)."""
-    desc_index: _DescIndex | None = field(default=None, repr=False)
-    """Index of the peer's prepared list for block ids -> descriptor ids (kept)."""
-
-    def __post_init__(self) -> None:
-        self.region_num_blocks = tuple(r.num_blocks for r in self.meta.regions)
-        self.desc_offsets = desc_offsets(self.region_num_blocks)
-
-    @property
-    def name(self) -> str:
-        return self.meta.agent_name
-
-    @property
-    def tp_rank(self) -> int:
-        return self.meta.tp_rank
-
-
-@dataclass(frozen=True, slots=True)
-class TransferResult:
-    """A finished read: every byte of the requested blocks arrived."""
-
-    descriptors: int
-    """Descriptors posted to NIXL."""
-    per_block_descriptors: int
-    """What one descriptor per block (per region, per TP read) would have been."""
-    nbytes: int
-    seconds: float
+__all__ = ["TraitsNixlAgent"]
 
 
 @dataclass(slots=True)
@@ -113,30 +56,6 @@ class _Posted:
     handle: Any
     peer: str
     extra: list[Any] = field(default_factory=list)
-
-
-def prepped_desc_ids(
-    plan: RegionPlan,
-    peer: RemotePeer,
-    block_ids: BlockIds,
-    remote_block_ids: BlockIds | None = None,
-) -> tuple[npt.NDArray[Any], npt.NDArray[Any], int]:
-    """A request's descriptor ids into our prepared list and the peer's, and the bytes
-    they move: the whole per-request descriptor work of ``mode="prepped"`` (vLLM's
-    two ``_compute_desc_ids`` calls), with the ids validated first (types, one list per
-    group, bounds on both sides, distinct destinations). The ids are int32 (NIXL's
-    index type) unless a list holds 2^31 descriptors or more."""
-    lreq = _Request(block_ids, plan.num_groups, "local")
-    rreq = (
-        lreq if remote_block_ids is None else _Request(remote_block_ids, plan.num_groups, "remote")
-    )
-    _check_lengths(lreq, rreq)
-    local_index = _desc_index(plan)
-    if peer.desc_index is None:
-        peer.desc_index = _desc_index(plan, peer.region_num_blocks)
-    local_ids = _desc_ids(local_index, lreq, "local", int32=True)
-    remote_ids = _desc_ids(peer.desc_index, rreq, "remote", int32=True)
-    return local_ids, remote_ids, local_index.nbytes(lreq)
 
 
 class TraitsNixlAgent:
@@ -190,47 +109,18 @@ class TraitsNixlAgent:
             raise RuntimeError(f"agent {self.name}: a plan is already registered")
         # Validate everything before NIXL or this agent changes: a refused plan leaves
         # the agent as it was (no memory registered, no plan).
-        mem_type = self._mem_type(plan)
+        mem_type = plan_mem_type(plan)
         local_descs = build_block_descs(plan)
+        register_ranges(self._agent, plan.registrations, self._backends, self._reg_descs)
         try:
-            for kind in sorted({r.mem_type for r in plan.registrations}):
-                rows = [
-                    (r.base, r.length, r.device_id, "")
-                    for r in plan.registrations
-                    if r.mem_type == kind
-                ]
-                descs = self._agent.get_reg_descs(rows, kind)
-                self._agent.register_memory(descs, backends=self._backends)
-                self._reg_descs.append(descs)
             self._local_prepped = self._agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT", local_descs, mem_type=mem_type
             )
         except BaseException:
-            for descs in self._reg_descs:
-                with contextlib.suppress(Exception):
-                    self._agent.deregister_memory(descs, backends=self._backends)
-            self._reg_descs.clear()
+            deregister_all(self._agent, self._reg_descs, self._backends)
             raise
         self._plan = plan
         self._local_mem_type = mem_type
-
-    @staticmethod
-    def _mem_type(plan: RegionPlan) -> str:
-        """The one memory type of ``plan``'s regions."""
-        kinds = sorted({r.mem_type for r in plan.regions})
-        if not kinds:
-            raise ValueError(
-                "the plan has no regions (every layer was skipped: see "
-                "RegionPlan.skipped_layers); there is nothing to register"
-            )
-        if len(kinds) != 1:
-            raise MemoryTypeMismatchError(
-                None,
-                kinds,
-                "an agent registers one memory type: plan and register the "
-                "caches of each memory type with their own agent",
-            )
-        return kinds[0]
 
     def metadata(self) -> bytes:
         """The handshake message for peers (NIXL agent metadata + fingerprint +
@@ -276,7 +166,7 @@ class TraitsNixlAgent:
                 )
             self._check_registered(meta, mem_type)
             peer = RemotePeer(
-                meta, mem_type=mem_type, reads=_ReadCache(self.plan, meta.tp_size, meta.regions)
+                meta, mem_type=mem_type, reads=ReadCache(self.plan, meta.tp_size, meta.regions)
             )
             if meta.tp_size == self.plan.tp_size:
                 try:
@@ -366,9 +256,9 @@ class TraitsNixlAgent:
         rank that ``peers`` lacks (in ``"prepped"`` mode: a peer of another TP rank,
         unless every region is replicated).
         """
-        if mode not in _DESC_MODES:
+        if mode not in DESC_MODES:
             raise ValueError(
-                f"unknown mode {mode!r}; valid modes: {', '.join(repr(m) for m in _DESC_MODES)}"
+                f"unknown mode {mode!r}; valid modes: {', '.join(repr(m) for m in DESC_MODES)}"
             )
         by_rank = {peers.tp_rank: peers} if isinstance(peers, RemotePeer) else dict(peers)
         if not by_rank:
@@ -391,7 +281,7 @@ class TraitsNixlAgent:
                 if len(by_rank) != 1 or remote_tp != plan.tp_size:
                     raise ValueError("mode='prepped' needs one peer of the same TP size")
                 peer = next(iter(by_rank.values()))
-                self._check_prepped_rank(plan, peer)
+                check_prepped_rank(plan, peer)
                 local_ids, remote_ids, nbytes = prepped_desc_ids(
                     plan, peer, block_ids, remote_block_ids
                 )
@@ -401,15 +291,15 @@ class TraitsNixlAgent:
             else:
                 first = next(iter(by_rank.values()))
                 if first.reads is None:
-                    first.reads = _ReadCache(plan, remote_tp, first.meta.regions)
+                    first.reads = ReadCache(plan, remote_tp, first.meta.regions)
                 remotes = {rank: p.meta.regions for rank, p in by_rank.items()}
-                lreq = _Request(block_ids, plan.num_groups, "local")
+                lreq = Request(block_ids, plan.num_groups, "local")
                 rreq = (
                     lreq
                     if remote_block_ids is None
-                    else _Request(remote_block_ids, plan.num_groups, "remote")
+                    else Request(remote_block_ids, plan.num_groups, "remote")
                 )
-                for items in _transfer_items(plan, remotes, lreq, rreq, first.reads):
+                for items in transfer_items_of(plan, remotes, lreq, rreq, first.reads):
                     per_block += items.count
                     nbytes += items.nbytes
                     if mode == "merged":
@@ -431,23 +321,6 @@ class TraitsNixlAgent:
             nbytes=nbytes,
             seconds=time.perf_counter() - start,
         )
-
-    @staticmethod
-    def _check_prepped_rank(plan: RegionPlan, peer: RemotePeer) -> None:
-        """A prepared list reads every region whole from the one peer: that is this
-        rank's data only if the peer is the same TP rank, or every region holds the
-        same bytes on every rank."""
-        if peer.tp_rank == plan.tp_rank:
-            return
-        for region in plan.regions:
-            if not region.replicated or region.sharded_state:
-                raise MissingPeerError(
-                    region.name,
-                    plan.tp_rank,
-                    [peer.tp_rank],
-                    f": mode='prepped' reads each block whole from peer {peer.name}, "
-                    f"whose rank {peer.tp_rank} holds other heads or state shards",
-                )
 
     def _make_prepped(
         self,

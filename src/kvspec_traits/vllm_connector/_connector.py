@@ -8,7 +8,7 @@ class is named here):
   vLLM's kernel block-size sync;
 - ``register_kv_caches``: every region (base, block length, stride, block count, group
   id, name), the REPLICATE/SPLIT flag of each region, the state and scratch region
-  indices, and the memory to register, from :func:`kvspec_traits.nixl.plan_regions`;
+  indices, and the memory to register, from :func:`kvspec_traits.transfer.plan_regions`;
 - the per-region traits fingerprint, sent inside the NIXL agent metadata, and checked
   against the peer's before vLLM's own handshake, so a layout mismatch is refused with
   the named diff.
@@ -20,10 +20,9 @@ upstream's, unchanged. docs/vllm.md lists the spec-class branches left in that c
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -47,13 +46,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
 )
 from vllm.logger import init_logger
 
-from kvspec_traits._group import representative_traits, traits_for_layer
 from kvspec_traits._registry import Registry, default_registry
-from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
-from kvspec_traits.nixl import (
+from kvspec_traits._traits import TPLayout
+from kvspec_traits.nixl._register import register_ranges
+from kvspec_traits.transfer import (
     HandshakeMismatchError,
     MalformedMetadataError,
-    PeerRegion,
     PlanFingerprint,
     RegionPlan,
     check_handshake,
@@ -62,32 +60,26 @@ from kvspec_traits.nixl import (
     decode_fingerprint,
     plan_regions,
 )
-from kvspec_traits.vllm_connector import CONNECTOR_NAME, check_vllm_version
+from kvspec_traits.transfer._region import is_state
+from kvspec_traits.vllm_connector._errors import (
+    PeerWithoutTraitsError,
+    UnsupportedPipelineParallelError,
+    UpstreamDisagreesError,
+)
+from kvspec_traits.vllm_connector._facts import LayoutFacts, layout_facts
+from kvspec_traits.vllm_connector._fields import peer_regions_of, worker_fields
+from kvspec_traits.vllm_connector._gate import check_vllm_version
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, REQUIRE_TRAITS_PEER
+from kvspec_traits.vllm_connector._quirks import SeriesQuirks, series_quirks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = [
-    "LayoutFacts",
-    "REQUIRE_TRAITS_PEER",
-    "PeerWithoutTraitsError",
-    "SeriesQuirks",
-    "TraitsNixlAgentMetadata",
-    "TraitsNixlConnector",
-    "TraitsNixlConnectorWorker",
-    "UpstreamDisagreesError",
-    "layout_facts",
-    "series_quirks",
-]
+__all__ = ["TraitsNixlAgentMetadata", "TraitsNixlConnector", "TraitsNixlConnectorWorker"]
 
 # Under "vllm." so vLLM's log configuration (handler, level, VLLM_LOGGING_*) applies.
 logger = init_logger("vllm.kvspec_traits.connector")
-
-# Scopes whose pages are not addressed by token position: a recurrent state (one page
-# per request) and a ring (one page rewritten in place). vLLM leaves them out of the
-# transfer block size.
-_NOT_TOKEN_PAGED = frozenset({TokenScope.RECURRENT_STATE, TokenScope.RING})
 
 
 @dataclasses.dataclass
@@ -123,159 +115,9 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
 # field is optional, so the decode keeps the peer's fingerprint for the check that
 # follows it; for every other reader the value is the same metadata.
 setattr(_bw, "NixlAgentMetadata", TraitsNixlAgentMetadata)  # noqa: B010 (not re-exported)
-REQUIRE_TRAITS_PEER: Final = "kvspec_require_traits_peer"
-"""``kv_connector_extra_config`` key: true refuses NIXL peers that send no kvspec-traits
-fingerprint (upstream's ``NixlConnector``) with :class:`PeerWithoutTraitsError`."""
 # The peer address of the handshake running on this thread (handshakes run on vLLM's
 # background executor), for the refusal messages.
 _handshake_peer = threading.local()
-
-
-class PeerWithoutTraitsError(RuntimeError):
-    """The NIXL peer sent no kvspec-traits fingerprint (it runs upstream's connector or
-    an older kvspec-traits). ``.peer`` is ``host:port``."""
-
-    def __init__(self, peer: str) -> None:
-        self.peer = peer
-        super().__init__(
-            f"KV layout handshake refused: the NIXL peer at {peer} sent no kvspec-traits "
-            f"layout fingerprint. Run both prefill and decode with "
-            f'kv_connector "{CONNECTOR_NAME}" (or both with upstream "NixlConnector"), '
-            f'or drop kv_connector_extra_config "kvspec_require_traits_peer" to accept '
-            f"upstream peers on vLLM's compatibility hash alone."
-        )
-
-
-class UnsupportedPipelineParallelError(NotImplementedError):
-    """The layout handshake compares one pipeline stage's regions; pairs with pipeline
-    parallelism on either side are refused until stages are matched by their layers."""
-
-    def __init__(self, local_pp: int, remote_pp: int) -> None:
-        self.local_pp = local_pp
-        self.remote_pp = remote_pp
-        super().__init__(
-            f"{CONNECTOR_NAME} checks KV layouts for pipeline-parallel size 1 only "
-            f"(local {local_pp}, remote {remote_pp}); run both engines with "
-            f"--pipeline-parallel-size 1, or use vLLM's NixlConnector for PP > 1"
-        )
-
-
-class UpstreamDisagreesError(RuntimeError):
-    """A decision that upstream code still takes from spec classes contradicts the
-    traits, so the transfer would be wrong. ``.what`` names the decision."""
-
-    def __init__(self, what: str, upstream: object, traits: object) -> None:
-        self.what = what
-        self.upstream = upstream
-        self.traits = traits
-        super().__init__(
-            f"{CONNECTOR_NAME}: vLLM's NIXL worker decides {what} from spec classes as "
-            f"{upstream!r}, but the layout traits say {traits!r}; refusing to run with "
-            f"a descriptor layout that would not match the registered regions. Report "
-            f"the spec class, or register an adapter that describes it."
-        )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LayoutFacts:
-    """The worker-wide layout facts vLLM's NIXL worker derives from spec classes,
-    here from traits. Group indices are positions in ``transfer_groups`` unless named
-    ``kv_cache_group``."""
-
-    layer_traits: Mapping[str, KVLayoutTraits]
-    group_is_state: tuple[bool, ...]
-    """Per transfer group: holds recurrent states (vLLM: an SSM group)."""
-    transfer_block_size: int | None
-    """LCM of the token-paged transfer groups' block sizes (None if there are none)."""
-    hybrid: bool
-    """Some layer does not keep every token (vLLM: the hybrid allocator is needed)."""
-    has_state: bool
-    has_ring: bool
-    mla: bool
-    """Some transferred layer caches one latent per token (vLLM: ``use_mla``)."""
-    replicated_state_kv_cache_group: int | None
-    """The cache group whose layers are all TP-replicated states next to a ring (vLLM:
-    the CSA-linear PLE group)."""
-
-
-def _members(traits: KVLayoutTraits, layers: list[str]) -> dict[str, KVLayoutTraits]:
-    return {layer: traits_for_layer(traits, layer) for layer in layers}
-
-
-def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = None) -> LayoutFacts:
-    """Answer the worker's layout questions from the traits of ``kv_cache_config``."""
-    reg = registry if registry is not None else default_registry
-    layer_traits: dict[str, KVLayoutTraits] = {}
-    group_is_state: list[bool] = []
-    block_sizes: list[int] = []
-    for group in kv_cache_config.transfer_groups:
-        traits = reg.traits_of(group.kv_cache_spec)
-        layer_traits.update(_members(traits, list(group.layer_names)))
-        kind = representative_traits(traits)
-        group_is_state.append(kind.token_scope is TokenScope.RECURRENT_STATE)
-        if kind.token_scope not in _NOT_TOKEN_PAGED:
-            block_sizes.append(kind.block_size)
-    all_groups = [reg.traits_of(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
-    has_ring = any(representative_traits(t).token_scope is TokenScope.RING for t in all_groups)
-    replicated_state: list[int] = []
-    if has_ring:
-        for index, (group, traits) in enumerate(
-            zip(kv_cache_config.kv_cache_groups, all_groups, strict=True)
-        ):
-            members = _members(traits, list(group.layer_names)).values()
-            if members and all(
-                t.token_scope is TokenScope.RECURRENT_STATE and t.tp_layout is TPLayout.REPLICATED
-                for t in members
-            ):
-                replicated_state.append(index)
-        if len(replicated_state) > 1 or any(
-            len(kv_cache_config.kv_cache_groups[i].layer_names) != 1 for i in replicated_state
-        ):
-            raise ValueError(
-                f"{CONNECTOR_NAME}: a ring-buffer model may have at most one replicated "
-                f"recurrent-state layer (found groups {replicated_state})"
-            )
-    return LayoutFacts(
-        layer_traits=layer_traits,
-        group_is_state=tuple(group_is_state),
-        transfer_block_size=math.lcm(*block_sizes) if block_sizes else None,
-        hybrid=any(t.token_scope is not TokenScope.FULL for t in layer_traits.values()),
-        has_state=any(t.token_scope is TokenScope.RECURRENT_STATE for t in layer_traits.values()),
-        has_ring=has_ring,
-        mla=any(t.is_mla and t.token_scope not in _NOT_TOKEN_PAGED for t in layer_traits.values()),
-        replicated_state_kv_cache_group=replicated_state[0] if replicated_state else None,
-    )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SeriesQuirks:
-    """Where vLLM series register the same layout differently: the one place the
-    connector branches on the installed vLLM series (every other decision comes from
-    traits and the planner's region facts)."""
-
-    series: str
-    regions_keyed_by_block_len: bool
-    """vLLM 0.34 keys a region by (base address, block length): overlaid groups paging
-    the same bytes with different page sizes are separate regions. 0.32/0.33 key by
-    base address only (one region, moving the longest page)."""
-    packed_mla_rows: bool
-    """vLLM 0.33+ pull workers register a block-outermost (``*B*`` first) MLA cache as
-    whole block rows, one descriptor per block, and advertise each layer's page in the
-    row (``packed_member_layouts``); 0.32 does so for push workers only."""
-
-
-def series_quirks(version: str | None = None) -> SeriesQuirks:
-    """The :class:`SeriesQuirks` of vLLM ``version`` (default: the imported vLLM)."""
-    if version is None:
-        import vllm
-
-        version = str(getattr(vllm, "__version__", "0"))
-    major_minor = tuple(int(p) for p in version.split("+", 1)[0].split(".")[:2] if p.isdigit())
-    return SeriesQuirks(
-        series=".".join(str(p) for p in major_minor),
-        regions_keyed_by_block_len=major_minor >= (0, 34),
-        packed_mla_rows=major_minor >= (0, 33),
-    )
 
 
 class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
@@ -347,7 +189,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         )
 
         for layer, traits in self.layout_facts.layer_traits.items():
-            if traits.token_scope is TokenScope.RECURRENT_STATE and (
+            if is_state(traits) and (
                 not self.layout_facts.has_ring or traits.tp_layout is not TPLayout.REPLICATED
             ):
                 return derive_mamba_conv_split(
@@ -362,7 +204,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     def _check_upstream_group_kinds(self) -> None:
         """Upstream's descriptor-id math classifies groups by class (attention vs SSM);
         it must agree with the traits or the descriptors would not match our regions."""
-        for index, (spec_type, is_state) in enumerate(
+        for index, (spec_type, state_group) in enumerate(
             zip(self._group_spec_types, self.layout_facts.group_is_state, strict=True)
         ):
             upstream = (
@@ -372,7 +214,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                 if _is_attention_spec(spec_type)
                 else "unknown"
             )
-            ours = "state" if is_state else "paged"
+            ours = "state" if state_group else "paged"
             if upstream != ours:
                 raise UpstreamDisagreesError(
                     f"the kind of transfer group {index} ({spec_type.__qualname__})", upstream, ours
@@ -443,17 +285,13 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self.region_plan = plan
         self._apply_plan(plan)
 
-        for mem_type in sorted({r.mem_type for r in plan.registrations}):
-            if mem_type == "DRAM" and self._skip_dram_xfer:
-                continue
-            ranges = [
-                (r.base, r.length, r.device_id, "")
-                for r in plan.registrations
-                if r.mem_type == mem_type
-            ]
-            descs = self.nixl_wrapper.get_reg_descs(ranges, mem_type)
-            self.nixl_wrapper.register_memory(descs, backends=self.nixl_backends)
-            self._registered_descs.append(descs)
+        register_ranges(
+            self.nixl_wrapper,
+            plan.registrations,
+            self.nixl_backends,
+            self._registered_descs,
+            skip={"DRAM"} if self._skip_dram_xfer else (),
+        )
 
         self.device_kv_caches = kv_caches
         self.dst_num_blocks[self.engine_id] = self.num_blocks
@@ -528,25 +366,14 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         return list(self.region_num_blocks)
 
     def _apply_plan(self, plan: RegionPlan) -> None:
-        """Fill vLLM's per-region bookkeeping from the plan."""
+        """Fill vLLM's per-region bookkeeping from the plan (the fields of
+        :func:`worker_fields`, then what each vLLM series keeps its own way)."""
         regions = plan.regions
-        self.kv_caches_base_addr[self.engine_id][self.tp_rank] = plan.base_addresses
-        self.block_len_per_layer = plan.block_lens
-        self.block_stride_per_layer = plan.block_strides
-        self.region_group_ids = plan.region_group_ids
-        self.region_names = plan.region_names
-        self.region_num_blocks = plan.region_num_blocks
-        self._region_is_mla = plan.region_replicated
-        self.region_mem_types = [r.mem_type for r in regions]
-        self._ssm_region_indices = plan.state_region_indices
-        self._scratch_region_indices = plan.scratch_region_indices
-        replicated_states = plan.replicated_state_region_indices
-        if len(replicated_states) > 1:
-            raise ValueError(
-                f"{CONNECTOR_NAME}: at most one replicated recurrent-state "
-                f"region is supported, got {replicated_states}"
-            )
-        self._ple_region_index = replicated_states[0] if replicated_states else None
+        fields = worker_fields(plan)
+        self.kv_caches_base_addr[self.engine_id][self.tp_rank] = fields.pop("kv_caches_base_addr")
+        del fields["region_members"], fields["num_descs"]  # set below, per series
+        for name, value in fields.items():
+            setattr(self, name, value)
         self._ple_block_len = None
         if self._ple_region_index is not None:
             region = regions[self._ple_region_index]
@@ -554,14 +381,13 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             state_pages = [
                 layer_traits[layer].page_size_bytes
                 for layer in region.layers
-                if layer_traits[layer].token_scope is TokenScope.RECURRENT_STATE
+                if is_state(layer_traits[layer])
             ]
             # Per kernel block, as vLLM keeps it (it reads ratio of them per page).
             self._ple_block_len = max(state_pages) // self._physical_blocks_per_logical_kv_block
         devices = {r.device_id for r in regions if r.mem_type != "DRAM"}
         if devices:
             self.device_id = max(devices)
-        self.num_regions = len(regions)
         self._uses_region_group_mapping = len(set(self.region_group_ids)) > 1
         self._mixed_mem_types = len(set(self.region_mem_types)) > 1
         if self._has_mamba:
@@ -638,13 +464,13 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
 
         Called by vLLM's handshake once the peer's compatibility hash matched and its
         agent metadata decoded. A layout mismatch raises
-        :class:`~kvspec_traits.nixl.HandshakeMismatchError` naming the region and every
+        :class:`~kvspec_traits.transfer.HandshakeMismatchError` naming the region and every
         differing trait; a peer without a fingerprint raises
         :class:`PeerWithoutTraitsError`; one that is not a fingerprint, or whose region
         addresses contradict it (block length other than the page it implies at the
         peer's TP size, overlapping blocks, past 64 bits; see
-        :func:`~kvspec_traits.nixl.check_peer_geometry`),
-        :class:`~kvspec_traits.nixl.MalformedMetadataError`.
+        :func:`~kvspec_traits.transfer.check_peer_geometry`),
+        :class:`~kvspec_traits.transfer.MalformedMetadataError`.
         """
         if self.traits_fingerprint is None:
             raise RuntimeError(f"{CONNECTOR_NAME}: handshake before register_kv_caches")
@@ -660,7 +486,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             # No layout to check its addresses against; they must still address
             # something sane before vLLM builds descriptors from them.
             try:
-                check_region_bounds(_peer_regions(agent_metadata))
+                check_region_bounds(peer_regions_of(agent_metadata))
             except MalformedMetadataError as exc:
                 raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
             logger.warning(
@@ -692,7 +518,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         # The same layout, claimed: now the addresses the peer sends must be what that
         # layout implies, before vLLM builds a descriptor from them.
         try:
-            check_peer_geometry(remote, _peer_regions(agent_metadata), remote.tp_size)
+            check_peer_geometry(remote, peer_regions_of(agent_metadata), remote.tp_size)
         except MalformedMetadataError as exc:
             logger.error(
                 "%s: refusing NIXL peer %s (engine %s): %s",
@@ -708,42 +534,6 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             peer,
             self.traits_fingerprint.digest[:16],
         )
-
-
-def _peer_regions(meta: NixlAgentMetadata) -> list[PeerRegion]:
-    """The region geometry in vLLM's agent metadata (per-region lists of one length)."""
-    count = len(meta.kv_caches_base_addr)
-    num_blocks = meta.region_num_blocks or [meta.num_blocks] * count
-    mem_types = meta.region_mem_types or ["DRAM"] * count
-    lists: dict[str, list[Any]] = {
-        "block_lens": meta.block_lens,
-        "block_strides": meta.block_strides,
-        "region_num_blocks": num_blocks,
-        "region_mem_types": mem_types,
-    }
-    uneven = {name: len(v) for name, v in lists.items() if len(v) != count}
-    if uneven:
-        raise MalformedMetadataError(
-            f"{count} region base addresses but per-region lists of other lengths: {uneven}"
-        )
-    return [
-        PeerRegion(
-            base_addr=base,
-            block_len=length,
-            block_stride=stride,
-            num_blocks=blocks,
-            device_id=meta.device_id,
-            mem_type=mem,
-        )
-        for base, length, stride, blocks, mem in zip(
-            meta.kv_caches_base_addr,
-            meta.block_lens,
-            meta.block_strides,
-            num_blocks,
-            mem_types,
-            strict=True,
-        )
-    ]
 
 
 class TraitsNixlConnector(NixlBaseConnector):

@@ -1,0 +1,342 @@
+"""Per-request transfer rows: :func:`transfer_items` gives, per remote rank, ``Nx3``
+``(addr, len, device_id)`` rows for both sides, with tensor-parallel head splitting
+applied (:func:`~kvspec_traits.transfer.tp_reads`); :func:`merge_runs` then merges rows
+that are contiguous on both sides, so a run of consecutive block ids in a dense region
+is one descriptor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvspec_traits.nixl._descs import INT64_MAX, U64, BlockIds, Request, desc_index
+from kvspec_traits.nixl._errors import BlockIdError, BlockIdShapeError, MissingPeerError
+from kvspec_traits.transfer import (
+    PeerRegion,
+    Read,
+    RegionPlan,
+    UnsupportedLayoutError,
+    tp_reads,
+)
+
+__all__ = [
+    "ReadCache",
+    "TransferItems",
+    "check_lengths",
+    "merge_runs",
+    "peer_regions",
+    "transfer_items",
+    "transfer_items_of",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferItems:
+    """Matching ``Nx3`` descriptor rows for one remote rank: row ``i`` of ``local`` and
+    of ``remote`` move the same bytes."""
+
+    remote_rank: int
+    local: U64
+    remote: U64
+
+    @property
+    def count(self) -> int:
+        return int(self.local.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local[:, 1].sum()) if self.count else 0
+
+
+def peer_regions(plan: RegionPlan) -> tuple[PeerRegion, ...]:
+    """A plan's own regions as a peer sees them (for loopback and tests)."""
+    return tuple(
+        PeerRegion(
+            base_addr=r.base_addr,
+            block_len=r.block_len,
+            block_stride=r.block_stride,
+            num_blocks=r.num_blocks,
+            device_id=r.device_id,
+            mem_type=r.mem_type,
+        )
+        for r in plan.regions
+    )
+
+
+class ReadCache:
+    """:func:`tp_reads` of each region of a plan against one peer's TP size and block
+    lengths, computed on a region's first use and kept (one per connected peer, not
+    one per region per request). A region that cannot move raises on every use."""
+
+    __slots__ = ("_block_lens", "_plan", "_reads", "_remote_tp", "tables")
+
+    def __init__(
+        self, plan: RegionPlan, remote_tp: int, remote_regions: Sequence[PeerRegion] | None
+    ) -> None:
+        self._plan = plan
+        self._remote_tp = remote_tp
+        self._block_lens: tuple[int | None, ...] = (
+            (None,) * len(plan.regions)
+            if remote_regions is None
+            else tuple(r.block_len for r in remote_regions)
+        )
+        self._reads: list[tuple[Read, ...] | None] = [None] * len(plan.regions)
+        self.tables: dict[tuple[tuple[int, int], ...], ReadTable] = {}
+
+    def __call__(self, index: int) -> tuple[Read, ...]:
+        reads = self._reads[index]
+        if reads is None:
+            plan = self._plan
+            reads = self._reads[index] = tp_reads(
+                plan.regions[index],
+                local_tp=plan.tp_size,
+                local_rank=plan.tp_rank,
+                remote_tp=self._remote_tp,
+                remote_block_len=self._block_lens[index],
+            )
+        return reads
+
+
+def _check_remotes(local: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]]) -> None:
+    for rank, regions in remotes.items():
+        if len(regions) != len(local.regions):
+            raise ValueError(
+                f"remote rank {rank} has {len(regions)} regions, the plan "
+                f"{len(local.regions)}; pass the regions of a peer whose handshake "
+                f"matched (check_handshake)"
+            )
+
+
+def transfer_items(
+    local: RegionPlan,
+    remotes: Mapping[int, Sequence[PeerRegion]],
+    remote_tp: int,
+    local_block_ids: BlockIds,
+    remote_block_ids: BlockIds | None = None,
+) -> list[TransferItems]:
+    """Per remote rank, the descriptor rows that fill ``local_block_ids`` of every
+    region from the peer's ``remote_block_ids`` (default: the same ids).
+
+    ``remotes`` maps each remote TP rank that may be read to its regions (in the same
+    order as ours, which the handshake guarantees). Rows are region-major, then in
+    block order, so :func:`merge_runs` can merge consecutive blocks.
+
+    Raises :class:`MissingPeerError` when a region needs a remote rank that is not in
+    ``remotes``, :class:`BlockIdError` for an id outside a region, ``ValueError`` when a
+    remote rank's region list does not match the plan's.
+    """
+    _check_remotes(local, remotes)
+    request = Request(local_block_ids, local.num_groups, "local")
+    return transfer_items_of(
+        local,
+        remotes,
+        request,
+        request
+        if remote_block_ids is None
+        else Request(remote_block_ids, local.num_groups, "remote"),
+        ReadCache(local, remote_tp, next(iter(remotes.values()), None)),
+    )
+
+
+class _Bucket:
+    """The reads of one cache group's regions from one remote rank, as columns: row
+    ``i`` is one (region, read) pair, in region order."""
+
+    __slots__ = (
+        "count_limit",
+        "lbase",
+        "ldev",
+        "length",
+        "lstride",
+        "rbase",
+        "rdev",
+        "regions",
+        "rstride",
+    )
+
+    def __init__(self, rows: list[tuple[int, int, int, int, int, int, int, int, int]]) -> None:
+        cols = np.asarray(rows, dtype=np.uint64).reshape(-1, 9)
+        self.regions = cols[:, 0].astype(np.int64)
+        self.lbase, self.lstride = cols[:, 1:2].copy(), cols[:, 2:3].copy()
+        self.rbase, self.rstride = cols[:, 3:4].copy(), cols[:, 4:5].copy()
+        self.length, self.ldev, self.rdev = (
+            cols[:, 5:6].copy(),
+            cols[:, 6:7].copy(),
+            cols[:, 7:8].copy(),
+        )
+        self.count_limit = int(cols[:, 8].min()) if len(rows) else INT64_MAX
+
+
+class ReadTable:
+    """Every (region, read) of a plan against one set of remote ranks, bucketed by
+    cache group (as :class:`DescIndex` groups regions) and remote rank: a request is
+    then a few broadcast operations per bucket, not a loop over regions. A region
+    that cannot move (or needs a rank that was not given) raises when a request
+    names blocks of its group."""
+
+    __slots__ = ("buckets", "errors", "mapped")
+
+    def __init__(
+        self, plan: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]], reads: ReadCache
+    ) -> None:
+        index = desc_index(plan)
+        self.mapped = index.mapped
+        self.buckets: list[dict[int, _Bucket]] = []
+        self.errors: list[Exception | None] = []
+        for members in index.by_group:
+            rows: dict[int, list[tuple[int, int, int, int, int, int, int, int, int]]] = {}
+            error: Exception | None = None
+            for i in members.tolist():
+                region = plan.regions[i]
+                try:
+                    region_reads = reads(i)
+                except UnsupportedLayoutError as exc:
+                    error = error or exc
+                    continue
+                for read in region_reads:
+                    if read.remote_rank not in remotes:
+                        error = error or MissingPeerError(
+                            region.name, read.remote_rank, sorted(remotes)
+                        )
+                        continue
+                    peer = remotes[read.remote_rank][i]
+                    rows.setdefault(read.remote_rank, []).append(
+                        (
+                            i,
+                            region.base_addr + read.local_offset,
+                            region.block_stride,
+                            peer.base_addr + read.remote_offset,
+                            peer.block_stride,
+                            read.length,
+                            region.device_id,
+                            peer.device_id,
+                            peer.num_blocks,
+                        )
+                    )
+            self.buckets.append({rank: _Bucket(r) for rank, r in sorted(rows.items())})
+            self.errors.append(error)
+
+
+def read_table(
+    plan: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]], reads: ReadCache
+) -> ReadTable:
+    key = tuple(sorted((rank, id(regions)) for rank, regions in remotes.items()))
+    table = reads.tables.get(key)
+    if table is None:
+        table = reads.tables[key] = ReadTable(plan, remotes, reads)
+    return table
+
+
+def _fill(out: U64, pos: int, bucket: _Bucket, blocks: npt.NDArray[np.uint64], local: bool) -> None:
+    """Write ``(addr, len, dev)`` rows of every (region, read) of ``bucket`` for
+    ``blocks`` into ``out[pos:]``, region-major, in place."""
+    k, n = bucket.regions.size, blocks.size
+    rows = out[pos : pos + k * n]
+    addr = rows[:, 0].reshape(k, n)
+    np.multiply(bucket.lstride if local else bucket.rstride, blocks, out=addr)
+    addr += bucket.lbase if local else bucket.rbase
+    rows[:, 1].reshape(k, n)[...] = bucket.length
+    rows[:, 2].reshape(k, n)[...] = bucket.ldev if local else bucket.rdev
+
+
+def transfer_items_of(
+    local: RegionPlan,
+    remotes: Mapping[int, Sequence[PeerRegion]],
+    lreq: Request,
+    rreq: Request,
+    reads: ReadCache,
+) -> list[TransferItems]:
+    """:func:`transfer_items` with the request's ids converted and the TP reads of
+    the peer kept across requests: validated first (one list per group of paired
+    lengths, bounds on both sides, distinct destinations), then rows written group by
+    group and rank by rank into one array per rank and side."""
+    check_lengths(lreq, rreq)
+    desc_index(local).check(lreq, "local")  # bounds, then distinct destinations
+    table = read_table(local, remotes, reads)
+    groups = (
+        [(lreq.all, rreq.all)]
+        if not table.mapped
+        else list(zip(lreq.groups, rreq.groups, strict=True))
+    )
+    sizes: dict[int, int] = {}
+    for key, (lblocks, _) in enumerate(groups):
+        if not lblocks.size:
+            continue
+        error = table.errors[key]
+        if error is not None:
+            raise error
+        for rank, bucket in table.buckets[key].items():
+            bounds = rreq.bounds(key if table.mapped else -1)
+            if bounds is not None and (bounds[0] < 0 or bounds[1] >= bucket.count_limit):
+                bad = bounds[0] if bounds[0] < 0 else bounds[1]
+                for i in bucket.regions.tolist():
+                    count = remotes[rank][i].num_blocks
+                    if bad < 0 or bad >= count:
+                        raise BlockIdError(local.regions[i].name, bad, count, "remote")
+            sizes[rank] = sizes.get(rank, 0) + bucket.regions.size * lblocks.size
+    out: dict[int, tuple[U64, U64]] = {
+        rank: (np.empty((size, 3), dtype=np.uint64), np.empty((size, 3), dtype=np.uint64))
+        for rank, size in sorted(sizes.items())
+    }
+    pos = dict.fromkeys(out, 0)
+    for key, (lblocks, rblocks) in enumerate(groups):
+        if not lblocks.size:
+            continue
+        lb, rb = lblocks.astype(np.uint64), rblocks.astype(np.uint64)
+        for rank, bucket in table.buckets[key].items():
+            lrows, rrows = out[rank]
+            _fill(lrows, pos[rank], bucket, lb, local=True)
+            _fill(rrows, pos[rank], bucket, rb, local=False)
+            pos[rank] += bucket.regions.size * lb.size
+    return [TransferItems(rank, lrows, rrows) for rank, (lrows, rrows) in out.items()]
+
+
+def check_lengths(lreq: Request, rreq: Request) -> None:
+    """Local and remote ids pair up: the same count in every group."""
+    if lreq is rreq:
+        return
+    for gid, (lb, rb) in enumerate(zip(lreq.groups, rreq.groups, strict=True)):
+        if lb.size != rb.size:
+            raise BlockIdShapeError(
+                "both",
+                lb.size,
+                rb.size,
+                f"cache group {gid} has {lb.size} local but {rb.size} remote ids; each "
+                f"local block is filled from the remote block at the same position",
+            )
+
+
+def merge_runs(items: TransferItems) -> TransferItems:
+    """Merge neighbouring rows that are contiguous on both sides (and on one device)
+    into one descriptor each; the bytes moved are unchanged. Returns ``items`` itself
+    when nothing merges."""
+    n = items.count
+    if n < 2:
+        return items
+    loc, rem = items.local, items.remote
+    laddr, raddr = loc[:, 0], rem[:, 0]
+    joins = laddr[:-1] + loc[:-1, 1] == laddr[1:]
+    joins &= raddr[:-1] + loc[:-1, 1] == raddr[1:]
+    joins &= loc[:-1, 2] == loc[1:, 2]
+    joins &= rem[:-1, 2] == rem[1:, 2]
+    if not joins.any():
+        return items
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lasts = np.empty_like(starts)
+    lasts[:-1] = starts[1:] - 1
+    lasts[-1] = n - 1
+    first_local = laddr.take(starts)
+    lengths = laddr.take(lasts) + loc[:, 1].take(lasts) - first_local
+    new_local = np.empty((starts.size, 3), dtype=np.uint64)
+    new_remote = np.empty((starts.size, 3), dtype=np.uint64)
+    new_local[:, 0] = first_local
+    new_remote[:, 0] = raddr.take(starts)
+    new_local[:, 1] = lengths
+    new_remote[:, 1] = lengths
+    new_local[:, 2] = loc[:, 2].take(starts)
+    new_remote[:, 2] = rem[:, 2].take(starts)
+    return TransferItems(items.remote_rank, new_local, new_remote)

@@ -1,0 +1,51 @@
+"""Backend-neutral KV transfer planning: regions from layout traits, the layout
+fingerprint and the checks a peer must pass.
+
+Pure: imports neither NIXL, numpy nor vLLM (``tests/test_import_graph.py`` checks it).
+:func:`plan_regions` turns one rank's KV cache tensors into a :class:`RegionPlan`;
+:meth:`RegionPlan.fingerprint` is what producer and consumer compare
+(:func:`check_handshake`) before any transfer; :func:`tp_reads` says where a rank's
+block comes from across TP sizes. ``kvspec_traits.nixl`` moves the bytes with NIXL;
+``kvspec_traits.vllm_connector`` feeds the plan to vLLM's NIXL worker. See
+``docs/nixl.md``.
+"""
+
+from kvspec_traits.transfer._errors import (
+    HandshakeMismatchError,
+    MalformedMetadataError,
+    MissingLayerError,
+    RegionConflictError,
+    UnsupportedLayoutError,
+)
+from kvspec_traits.transfer._fingerprint import (
+    FINGERPRINT_VERSION,
+    PlanFingerprint,
+    check_handshake,
+    decode_fingerprint,
+)
+from kvspec_traits.transfer._peer import PeerRegion, check_peer_geometry, check_region_bounds
+from kvspec_traits.transfer._plan import plan_regions
+from kvspec_traits.transfer._region import SHARED_REGION_GROUP_ID, Region, RegionPlan
+from kvspec_traits.transfer._tp import Read, shard_count, tp_reads
+
+__all__ = [
+    "FINGERPRINT_VERSION",
+    "SHARED_REGION_GROUP_ID",
+    "HandshakeMismatchError",
+    "MalformedMetadataError",
+    "MissingLayerError",
+    "PeerRegion",
+    "PlanFingerprint",
+    "Read",
+    "Region",
+    "RegionConflictError",
+    "RegionPlan",
+    "UnsupportedLayoutError",
+    "check_handshake",
+    "check_peer_geometry",
+    "check_region_bounds",
+    "decode_fingerprint",
+    "plan_regions",
+    "shard_count",
+    "tp_reads",
+]

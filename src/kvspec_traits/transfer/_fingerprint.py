@@ -1,0 +1,319 @@
+"""The per-region traits fingerprint and the layout handshake check.
+
+Pure (no NIXL, numpy or vLLM): a consumer decodes the producer's fingerprint and calls
+:func:`check_handshake` before it adds the peer or builds a single descriptor, so a
+mismatch refuses the transfer while nothing has been written. The record of a region
+is derived from :class:`~kvspec_traits.transfer.Region`'s fields (every field is in it
+unless :data:`NOT_FINGERPRINTED` says why not).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Final
+
+from kvspec_traits._traits import TPLayout
+from kvspec_traits.transfer._errors import (
+    HandshakeMismatchError,
+    MalformedMetadataError,
+    TraitDiff,
+)
+from kvspec_traits.transfer._tp import shard_count
+
+if TYPE_CHECKING:
+    from kvspec_traits.transfer._region import Region, RegionPlan
+
+__all__ = [
+    "FINGERPRINT_VERSION",
+    "NOT_FINGERPRINTED",
+    "RECORD_KEYS",
+    "PlanFingerprint",
+    "canonical_json",
+    "check_handshake",
+    "decode_fingerprint",
+    "fingerprint_of",
+    "load_json",
+    "record_page",
+    "traits_record",
+]
+
+FINGERPRINT_VERSION: Final = 3
+"""Version of :func:`traits_record`; 2 added ``head_major`` (the H/N/C order inside a
+page), 3 ``kv_head_contiguous`` (the order of head slots inside a page). A change to
+the record's keys (a new :class:`Region` field) needs a new version."""
+
+NOT_FINGERPRINTED: Final[Mapping[str, str]] = {
+    "index": "its position: records are compared in region order",
+    "base_addr": "an address, different per process (check_peer_layout compares placement)",
+    "block_stride": "an address step, different per allocation (check_peer_geometry bounds it)",
+    "num_blocks": "a pool size: producer and consumer pools may differ",
+    "mem_type": "where the bytes live, not their layout (the agent and vLLM check it)",
+    "device_id": "which device, not the layout",
+    "group_ids": "group_id says it (SHARED_REGION_GROUP_ID for several groups)",
+    "packed_members": "where each page sits in a whole row that moves whole",
+}
+"""Fields of :class:`Region` left out of the record, and why."""
+
+RECORD_KEYS: Final[Mapping[str, str]] = {
+    "token_scopes": "scope",
+    "dtypes": "dtype",
+    "kv_quant_modes": "kv_quant_mode",
+}
+"""Record keys of the :class:`Region` fields whose key is not the field name (the
+names of fingerprint version 1)."""
+
+# Bounds on decoded JSON: a peer's header is small and flat, so anything deeper or any
+# integer outside 64 bits is hostile or corrupt (and would otherwise surface later as
+# RecursionError or OverflowError).
+_MAX_DEPTH: Final = 16
+_INT_MIN: Final = -(1 << 63)
+_U64_END: Final = 1 << 64
+
+
+def _no_constant(name: str) -> object:
+    raise MalformedMetadataError(f"JSON constant {name} is not allowed")
+
+
+def load_json(data: str | bytes | bytearray | memoryview, what: str) -> object:
+    """Decode untrusted JSON: :class:`MalformedMetadataError` for anything that is not
+    UTF-8 JSON nested at most 16 deep with integers in 64 bits (never a
+    ``RecursionError``, ``UnicodeDecodeError``, ``ValueError`` or ``TypeError``)."""
+    try:
+        raw = bytes(data) if isinstance(data, (bytearray, memoryview)) else data
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8")
+        if not isinstance(raw, str):
+            raise TypeError(f"a {type(data).__name__} is not JSON text")
+        value = json.loads(raw, parse_constant=_no_constant)
+    except MalformedMetadataError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError, TypeError) as exc:
+        raise MalformedMetadataError(
+            f"{what} is not JSON ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
+    _check_json(value, what)
+    return value
+
+
+def _check_json(value: object, what: str) -> None:
+    """Depth and integer bounds of decoded JSON, without recursion."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: list[object] = list(item.values())
+        elif isinstance(item, list):
+            children = item
+        else:
+            if (
+                isinstance(item, int)
+                and not isinstance(item, bool)
+                and not _INT_MIN <= item < _U64_END
+            ):
+                raise MalformedMetadataError(
+                    f"{what} holds an integer outside 64 bits ({str(item)[:40]}...)"
+                )
+            continue
+        if depth >= _MAX_DEPTH:
+            raise MalformedMetadataError(f"{what} is nested deeper than {_MAX_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def canonical_json(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _plain(value: object) -> object:
+    """A field value as JSON-able data: enums as their values, tuples as lists."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def traits_record(region: Region, tp_size: int) -> dict[str, Any]:
+    """The canonical, TP-independent facts of ``region`` (for the fingerprint): every
+    field of :class:`Region` but :data:`NOT_FINGERPRINTED`, keyed by name (or
+    :data:`RECORD_KEYS`).
+
+    Sizes of a split region are scaled to the whole TP group, so producer and
+    consumer with different TP sizes compare equal when their layouts agree. The order
+    of data inside a page (``head_major``: LBHNC against LBNHC) and of head slots
+    (``kv_head_contiguous``, vLLM 0.34's kv_head_major_slots) are in it: equal sizes in
+    another order would move every byte to the wrong place.
+    """
+    shards = shard_count(region.tp_layout, region.tp_shards, tp_size)
+    state_shards = (
+        shard_count(region.state_tp_layout, None, tp_size)
+        if region.state_tp_layout is not None
+        else 1
+    )
+    scale = 1 if region.replicated or not region.paged else shards
+    scaled: dict[str, object] = {
+        "block_len": region.block_len * (scale if region.paged else state_shards),
+        "state_components": [[c.name, c.nbytes * state_shards] for c in region.state_components],
+        "num_head_slots": None if region.num_head_slots is None else region.num_head_slots * scale,
+    }
+    record: dict[str, Any] = {}
+    for f in fields(region):
+        if f.name in NOT_FINGERPRINTED:
+            continue
+        value = scaled[f.name] if f.name in scaled else _plain(getattr(region, f.name))
+        record[RECORD_KEYS.get(f.name, f.name)] = value
+    return record
+
+
+@dataclass(frozen=True, slots=True)
+class PlanFingerprint:
+    """Canonical traits of every region, in region order, for one TP group size."""
+
+    version: int
+    tp_size: int
+    regions: tuple[Mapping[str, Any], ...]
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "v": self.version,
+            "tp_size": self.tp_size,
+            "regions": [dict(r) for r in self.regions],
+        }
+
+    def canonical(self) -> bytes:
+        """Sorted-key compact JSON: equal layouts give equal bytes."""
+        return canonical_json(self.payload())
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.canonical()).hexdigest()
+
+    @classmethod
+    def from_payload(cls, payload: object) -> PlanFingerprint:
+        """Validate a decoded payload; :class:`MalformedMetadataError` if not one."""
+        if not isinstance(payload, dict):
+            raise MalformedMetadataError("fingerprint is not a JSON object")
+        version, tp_size, regions = (
+            payload.get("v"),
+            payload.get("tp_size"),
+            payload.get("regions"),
+        )
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise MalformedMetadataError("fingerprint has no integer version 'v'")
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise MalformedMetadataError("fingerprint has no positive 'tp_size'")
+        if not isinstance(regions, list) or not all(isinstance(r, dict) for r in regions):
+            raise MalformedMetadataError("fingerprint 'regions' is not a list of objects")
+        return cls(version=version, tp_size=tp_size, regions=tuple(regions))
+
+
+def decode_fingerprint(data: str | bytes | bytearray | memoryview) -> PlanFingerprint:
+    """A peer's fingerprint from its JSON text (as vLLM's connector carries it);
+    :class:`MalformedMetadataError` for anything hostile or malformed."""
+    return PlanFingerprint.from_payload(load_json(data, "layout fingerprint"))
+
+
+def fingerprint_of(plan: RegionPlan) -> PlanFingerprint:
+    """The fingerprint of a plan (what :meth:`RegionPlan.fingerprint` returns)."""
+    records = tuple(traits_record(r, plan.tp_size) for r in plan.regions)
+    # Round-trip through JSON so local and decoded remote values compare alike
+    # (tuples become lists, enums their values).
+    return PlanFingerprint(
+        version=FINGERPRINT_VERSION,
+        tp_size=plan.tp_size,
+        regions=tuple(json.loads(canonical_json(list(records)))),
+    )
+
+
+def check_handshake(local: PlanFingerprint | RegionPlan, remote: PlanFingerprint) -> None:
+    """Refuse a peer whose layout differs from ours.
+
+    Raises :class:`HandshakeMismatchError` naming the first differing region (its index,
+    name and layers) and every trait that differs there, with both values; or, with
+    ``region=None``, a differing fingerprint version or region count. TP sizes may
+    differ: split sizes are normalised to the whole TP group.
+    """
+    mine = local if isinstance(local, PlanFingerprint) else local.fingerprint()
+    if mine.version != remote.version:
+        raise HandshakeMismatchError(
+            None, "fingerprint version", (), [("version", mine.version, remote.version)]
+        )
+    if len(mine.regions) != len(remote.regions):
+        diffs: list[TraitDiff] = [("region count", len(mine.regions), len(remote.regions))]
+        for i, (a, b) in enumerate(zip(mine.regions, remote.regions, strict=False)):
+            if a.get("name") != b.get("name"):
+                diffs.append((f"region {i} name", a.get("name"), b.get("name")))
+                break
+        mine_names = {str(r.get("name")) for r in mine.regions}
+        theirs = {str(r.get("name")) for r in remote.regions}
+        if mine_names - theirs:
+            diffs.append(("regions only local", sorted(mine_names - theirs), None))
+        if theirs - mine_names:
+            diffs.append(("regions only remote", None, sorted(theirs - mine_names)))
+        raise HandshakeMismatchError(None, "region count", (), diffs)
+    for index, (a, b) in enumerate(zip(mine.regions, remote.regions, strict=True)):
+        if a == b:
+            continue
+        region_diffs: list[TraitDiff] = [
+            (key, a.get(key), b.get(key))
+            for key in sorted(set(a) | set(b))
+            if a.get(key) != b.get(key)
+        ]
+        layers = a.get("layers")
+        raise HandshakeMismatchError(
+            index,
+            str(a.get("name")),
+            [str(x) for x in layers] if isinstance(layers, list) else (),
+            region_diffs,
+        )
+
+
+def record_page(record: Mapping[str, Any], index: int, tp_size: int) -> int:
+    """The block length a rank of ``tp_size`` holds for a region whose fingerprint
+    record is ``record`` (the inverse of :func:`traits_record`'s scaling)."""
+
+    def layout(key: str) -> TPLayout | None:
+        value = record.get(key)
+        if value is None:
+            return None
+        try:
+            return TPLayout(value)
+        except ValueError:
+            raise MalformedMetadataError(
+                f"fingerprint record {index}: {key} {value!r} is not a TP layout"
+            ) from None
+
+    whole, shards_field = record.get("block_len"), record.get("tp_shards")
+    flags = [record.get(k) for k in ("replicated", "paged")]
+    if (
+        not isinstance(whole, int)
+        or isinstance(whole, bool)
+        or whole < 1
+        or not (
+            shards_field is None
+            or (
+                isinstance(shards_field, int)
+                and not isinstance(shards_field, bool)
+                and shards_field >= 1
+            )
+        )
+        or not all(isinstance(f, bool) for f in flags)
+    ):
+        raise MalformedMetadataError(
+            f"fingerprint record {index} lacks block_len / tp_shards / replicated / paged"
+        )
+    tp_layout, state_layout = layout("tp_layout"), layout("state_tp_layout")
+    if tp_layout is None:
+        raise MalformedMetadataError(f"fingerprint record {index} has no tp_layout")
+    replicated, paged = flags
+    shards = shard_count(tp_layout, shards_field, tp_size)
+    state_shards = 1 if state_layout is None else shard_count(state_layout, None, tp_size)
+    scale = (1 if replicated else shards) if paged else state_shards
+    if whole % scale:
+        raise MalformedMetadataError(
+            f"fingerprint record {index}: block_len {whole} does not split into {scale} TP shards"
+        )
+    return whole // scale

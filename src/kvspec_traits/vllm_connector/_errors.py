@@ -1,0 +1,78 @@
+"""The errors a connector user hits, raised by the connector and exported by
+``kvspec_traits.vllm_connector``. Pure: importing them needs no vLLM."""
+
+from __future__ import annotations
+
+from kvspec_traits._deps import SUPPORTED_VLLM_SERIES
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
+
+__all__ = [
+    "PeerWithoutTraitsError",
+    "UnsupportedPipelineParallelError",
+    "UnsupportedVllmVersionError",
+    "UpstreamDisagreesError",
+]
+
+
+class UnsupportedVllmVersionError(RuntimeError):
+    """The installed vLLM is not a series the connector supports.
+
+    ``.installed`` is the installed version, ``.supported`` the supported series.
+    """
+
+    def __init__(
+        self, installed: str, supported: tuple[str, ...] = SUPPORTED_VLLM_SERIES, detail: str = ""
+    ) -> None:
+        self.installed = installed
+        self.supported = supported
+        extra = f" ({detail})" if detail else ""
+        super().__init__(
+            f"{CONNECTOR_NAME} supports vLLM {', '.join(s + '.x' for s in supported)}, "
+            f"but vLLM {installed} is installed{extra}. Install a supported vLLM, or use "
+            f'upstream\'s NixlConnector (kv_connector: "NixlConnector").'
+        )
+
+
+class PeerWithoutTraitsError(RuntimeError):
+    """The NIXL peer sent no kvspec-traits fingerprint (it runs upstream's connector or
+    an older kvspec-traits). ``.peer`` is ``host:port``."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        super().__init__(
+            f"KV layout handshake refused: the NIXL peer at {peer} sent no kvspec-traits "
+            f"layout fingerprint. Run both prefill and decode with "
+            f'kv_connector "{CONNECTOR_NAME}" (or both with upstream "NixlConnector"), '
+            f'or drop kv_connector_extra_config "kvspec_require_traits_peer" to accept '
+            f"upstream peers on vLLM's compatibility hash alone."
+        )
+
+
+class UnsupportedPipelineParallelError(NotImplementedError):
+    """The layout handshake compares one pipeline stage's regions; pairs with pipeline
+    parallelism on either side are refused until stages are matched by their layers."""
+
+    def __init__(self, local_pp: int, remote_pp: int) -> None:
+        self.local_pp = local_pp
+        self.remote_pp = remote_pp
+        super().__init__(
+            f"{CONNECTOR_NAME} checks KV layouts for pipeline-parallel size 1 only "
+            f"(local {local_pp}, remote {remote_pp}); run both engines with "
+            f"--pipeline-parallel-size 1, or use vLLM's NixlConnector for PP > 1"
+        )
+
+
+class UpstreamDisagreesError(RuntimeError):
+    """A decision that upstream code still takes from spec classes contradicts the
+    traits, so the transfer would be wrong. ``.what`` names the decision."""
+
+    def __init__(self, what: str, upstream: object, traits: object) -> None:
+        self.what = what
+        self.upstream = upstream
+        self.traits = traits
+        super().__init__(
+            f"{CONNECTOR_NAME}: vLLM's NIXL worker decides {what} from spec classes as "
+            f"{upstream!r}, but the layout traits say {traits!r}; refusing to run with "
+            f"a descriptor layout that would not match the registered regions. Report "
+            f"the spec class, or register an adapter that describes it."
+        )

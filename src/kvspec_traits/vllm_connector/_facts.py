@@ -1,0 +1,93 @@
+"""The worker-wide layout facts vLLM's NIXL worker derives from spec classes, here from
+traits (pure: vLLM's types are named for type checking only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from kvspec_traits._group import representative_traits, traits_for_layer
+from kvspec_traits._registry import Registry, default_registry
+from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
+from kvspec_traits.transfer._region import is_state
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["LayoutFacts", "layout_facts"]
+
+# Scopes whose pages are not addressed by token position: a recurrent state (one page
+# per request) and a ring (one page rewritten in place). vLLM leaves them out of the
+# transfer block size.
+_NOT_TOKEN_PAGED = frozenset({TokenScope.RECURRENT_STATE, TokenScope.RING})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayoutFacts:
+    """The worker-wide layout facts vLLM's NIXL worker derives from spec classes,
+    here from traits. Group indices are positions in ``transfer_groups`` unless named
+    ``kv_cache_group``."""
+
+    layer_traits: Mapping[str, KVLayoutTraits]
+    group_is_state: tuple[bool, ...]
+    """Per transfer group: holds recurrent states (vLLM: an SSM group)."""
+    transfer_block_size: int | None
+    """LCM of the token-paged transfer groups' block sizes (None if there are none)."""
+    hybrid: bool
+    """Some layer does not keep every token (vLLM: the hybrid allocator is needed)."""
+    has_state: bool
+    has_ring: bool
+    mla: bool
+    """Some transferred layer caches one latent per token (vLLM: ``use_mla``)."""
+    replicated_state_kv_cache_group: int | None
+    """The cache group whose layers are all TP-replicated states next to a ring (vLLM:
+    the CSA-linear PLE group)."""
+
+
+def _members(traits: KVLayoutTraits, layers: list[str]) -> dict[str, KVLayoutTraits]:
+    return {layer: traits_for_layer(traits, layer) for layer in layers}
+
+
+def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = None) -> LayoutFacts:
+    """Answer the worker's layout questions from the traits of ``kv_cache_config``."""
+    reg = registry if registry is not None else default_registry
+    layer_traits: dict[str, KVLayoutTraits] = {}
+    group_is_state: list[bool] = []
+    block_sizes: list[int] = []
+    for group in kv_cache_config.transfer_groups:
+        traits = reg.traits_of(group.kv_cache_spec)
+        layer_traits.update(_members(traits, list(group.layer_names)))
+        kind = representative_traits(traits)
+        group_is_state.append(is_state(kind))
+        if kind.token_scope not in _NOT_TOKEN_PAGED:
+            block_sizes.append(kind.block_size)
+    all_groups = [reg.traits_of(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
+    has_ring = any(representative_traits(t).token_scope is TokenScope.RING for t in all_groups)
+    replicated_state: list[int] = []
+    if has_ring:
+        for index, (group, traits) in enumerate(
+            zip(kv_cache_config.kv_cache_groups, all_groups, strict=True)
+        ):
+            members = _members(traits, list(group.layer_names)).values()
+            if members and all(is_state(t) and t.tp_layout is TPLayout.REPLICATED for t in members):
+                replicated_state.append(index)
+        if len(replicated_state) > 1 or any(
+            len(kv_cache_config.kv_cache_groups[i].layer_names) != 1 for i in replicated_state
+        ):
+            raise ValueError(
+                f"{CONNECTOR_NAME}: a ring-buffer model may have at most one replicated "
+                f"recurrent-state layer (found groups {replicated_state})"
+            )
+    return LayoutFacts(
+        layer_traits=layer_traits,
+        group_is_state=tuple(group_is_state),
+        transfer_block_size=math.lcm(*block_sizes) if block_sizes else None,
+        hybrid=any(t.token_scope is not TokenScope.FULL for t in layer_traits.values()),
+        has_state=any(is_state(t) for t in layer_traits.values()),
+        has_ring=has_ring,
+        mla=any(t.is_mla and t.token_scope not in _NOT_TOKEN_PAGED for t in layer_traits.values()),
+        replicated_state_kv_cache_group=replicated_state[0] if replicated_state else None,
+    )

@@ -1,0 +1,80 @@
+"""A region plan as vLLM's NIXL worker keeps it: the one mapping from a
+:class:`~kvspec_traits.transfer.RegionPlan` to the worker's per-region fields, and the
+region geometry a peer's vLLM agent metadata carries (pure: no vLLM import)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvspec_traits.transfer import MalformedMetadataError, PeerRegion, RegionPlan
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
+
+__all__ = ["peer_regions_of", "worker_fields"]
+
+
+def worker_fields(plan: RegionPlan) -> dict[str, Any]:
+    """``plan`` under the attribute names of vLLM's NIXL worker (0.32-0.34), as
+    ``register_kv_caches`` keeps them: what the connector's worker sets, and what a
+    test compares field by field with upstream's bookkeeping.
+
+    Raises ``ValueError`` for more than one replicated recurrent-state region (vLLM's
+    worker keeps one ``_ple_region_index``).
+    """
+    ple = plan.replicated_state_region_indices
+    if len(ple) > 1:
+        raise ValueError(
+            f"{CONNECTOR_NAME}: at most one replicated recurrent-state "
+            f"region is supported, got {ple}"
+        )
+    return {
+        "kv_caches_base_addr": plan.base_addresses,
+        "block_len_per_layer": plan.block_lens,
+        "block_stride_per_layer": plan.block_strides,
+        "region_num_blocks": plan.region_num_blocks,
+        "region_group_ids": plan.region_group_ids,
+        "region_names": plan.region_names,
+        "region_members": plan.region_members,
+        "region_mem_types": [r.mem_type for r in plan.regions],
+        "_region_is_mla": plan.region_replicated,
+        "_ssm_region_indices": plan.state_region_indices,
+        "_scratch_region_indices": plan.scratch_region_indices,
+        "_ple_region_index": ple[0] if ple else None,
+        "num_regions": len(plan.regions),
+        "num_descs": plan.num_descs,
+    }
+
+
+def peer_regions_of(meta: Any) -> list[PeerRegion]:
+    """The region geometry in vLLM's agent metadata (per-region lists of one length)."""
+    count = len(meta.kv_caches_base_addr)
+    num_blocks = meta.region_num_blocks or [meta.num_blocks] * count
+    mem_types = meta.region_mem_types or ["DRAM"] * count
+    lists: dict[str, list[Any]] = {
+        "block_lens": meta.block_lens,
+        "block_strides": meta.block_strides,
+        "region_num_blocks": num_blocks,
+        "region_mem_types": mem_types,
+    }
+    uneven = {name: len(v) for name, v in lists.items() if len(v) != count}
+    if uneven:
+        raise MalformedMetadataError(
+            f"{count} region base addresses but per-region lists of other lengths: {uneven}"
+        )
+    return [
+        PeerRegion(
+            base_addr=base,
+            block_len=length,
+            block_stride=stride,
+            num_blocks=blocks,
+            device_id=meta.device_id,
+            mem_type=mem,
+        )
+        for base, length, stride, blocks, mem in zip(
+            meta.kv_caches_base_addr,
+            meta.block_lens,
+            meta.block_strides,
+            num_blocks,
+            mem_types,
+            strict=True,
+        )
+    ]

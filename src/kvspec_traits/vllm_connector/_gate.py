@@ -1,0 +1,40 @@
+"""The vLLM version gate and the vLLM plugin entry point (import no vLLM until called)."""
+
+from __future__ import annotations
+
+from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
+from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, IMPL_MODULE
+
+__all__ = ["check_vllm_version", "register_with_vllm", "vllm_series"]
+
+
+def vllm_series(version: str) -> str:
+    parts = version.split("+", 1)[0].split(".")
+    return ".".join(parts[:2])
+
+
+def check_vllm_version(installed: str | None = None) -> str:
+    """Return the installed vLLM version, or raise :class:`UnsupportedVllmVersionError`
+    naming it and the supported series. ``installed`` overrides the lookup (tests)."""
+    if installed is None:
+        with needs(f"{CONNECTOR_NAME} (kvspec_traits.vllm_connector)"):
+            import vllm
+
+        installed = str(getattr(vllm, "__version__", "unknown"))
+    if vllm_series(installed) not in SUPPORTED_VLLM_SERIES:
+        raise UnsupportedVllmVersionError(installed)
+    return installed
+
+
+def register_with_vllm() -> None:
+    """vLLM general plugin: make ``"kv_connector": "TraitsNixlConnector"`` work by name.
+
+    Registers a lazy loader with vLLM's ``KVConnectorFactory``; safe to call more than
+    once (vLLM loads plugins once per process, but may start many processes).
+    """
+    with needs(f"the {CONNECTOR_NAME} vLLM plugin (kvspec_traits.vllm_connector)"):
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, IMPL_MODULE, CONNECTOR_NAME)

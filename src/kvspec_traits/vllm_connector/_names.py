@@ -1,0 +1,15 @@
+"""The connector's names: what vLLM's config refers to it by (pure, no vLLM)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["CONNECTOR_NAME", "IMPL_MODULE", "MODULE_PATH", "REQUIRE_TRAITS_PEER"]
+
+CONNECTOR_NAME: Final = "TraitsNixlConnector"
+MODULE_PATH: Final = "kvspec_traits.vllm_connector"
+IMPL_MODULE: Final = "kvspec_traits.vllm_connector._connector"
+"""The module of the classes that need vLLM (loaded when a connector is built)."""
+REQUIRE_TRAITS_PEER: Final = "kvspec_require_traits_peer"
+"""``kv_connector_extra_config`` key: true refuses NIXL peers that send no kvspec-traits
+fingerprint (upstream's ``NixlConnector``) with :class:`PeerWithoutTraitsError`."""

@@ -1,0 +1,129 @@
+"""The package's import structure: no import cycle, a pure transfer layer, small modules.
+
+The graph is read from the source (``ast``), with imports inside functions counted (a
+lazy import is still a dependency) and imports under ``if TYPE_CHECKING:`` left out
+(they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "kvspec_traits"
+MAX_LINES = 450
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules ``path`` imports at run time (module level or inside functions)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node):
+            for other in node.orelse:
+                visit(other)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found.add(module)
+            # `from pkg import submodule` imports the submodule
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        edges = set()
+        for target in _imports(path):
+            # importing a.b.c runs a/__init__ and a.b/__init__ first
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                prefix = ".".join(parts[:i])
+                if prefix in files and prefix != name:
+                    edges.add(prefix)
+        # a submodule's package __init__ runs before it, which is not an edge of its own
+        graph[name] = {t for t in edges if not name.startswith(t + ".")}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the modules in order (first repeated at the end)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return [*stack[stack.index(target) :], target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_transfer_layer_imports_no_backend_and_no_vllm() -> None:
+    transfer = [p for p in PACKAGE.rglob("*.py") if "transfer" in p.relative_to(PACKAGE).parts]
+    assert transfer, "src/kvspec_traits/transfer/ is missing"
+    forbidden = ("kvspec_traits.nixl", "kvspec_traits.vllm_connector", "vllm", "nixl", "numpy")
+    bad = sorted(
+        f"{p.relative_to(SRC)} imports {m}"
+        for p in transfer
+        for m in _imports(p)
+        if any(m == f or m.startswith(f + ".") for f in forbidden)
+    )
+    assert bad == []
+
+
+def test_no_module_is_over_450_lines() -> None:
+    long = sorted(
+        f"{p.relative_to(SRC.parent)}: {n} lines"
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    )
+    assert long == [], f"modules over {MAX_LINES} lines (split them): {long}"
