@@ -1,9 +1,18 @@
 """Named errors of the NIXL shim (descriptors, agent). Each carries the region or
-message it is about. Planning and handshake errors are kvspec_traits.transfer's."""
+message it is about. Planning, handshake and block-id errors are backend-neutral:
+kvspec_traits.transfer's (the block-id errors are re-exported here, where the NIXL
+shim's users have always imported them)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from kvspec_traits.transfer._errors import (
+    BlockIdError,
+    BlockIdShapeError,
+    BlockIdTypeError,
+    DuplicateBlockIdError,
+)
 
 __all__ = [
     "BlockIdError",
@@ -54,74 +63,6 @@ class MissingPeerError(KeyError):
 
     def __str__(self) -> str:  # KeyError would show the message as a quoted repr
         return self.message
-
-
-class BlockIdError(IndexError):
-    """A request names a block a region does not have (negative, or past its end).
-
-    ``.region`` is the region name, ``.block_id`` the offending id, ``.num_blocks`` the
-    region's block count and ``.side`` ``"local"`` or ``"remote"``.
-    """
-
-    def __init__(self, region: str, block_id: int, num_blocks: int, side: str) -> None:
-        self.region = region
-        self.block_id = block_id
-        self.num_blocks = num_blocks
-        self.side = side
-        super().__init__(
-            f"region {region!r}: {side} block id {block_id} is not in 0..{num_blocks - 1}; "
-            f"pass ids of blocks this {side} cache holds ({side} ids are checked against "
-            f"the {side} region's num_blocks)"
-        )
-
-
-class BlockIdTypeError(TypeError):
-    """Block ids of a type the shim does not take: anything but Python ints (``bool``
-    is refused) or a 1-D integer numpy array, per list. Floats would be truncated,
-    bools read as blocks 0 and 1, strings parsed.
-
-    ``.side`` is ``"local"`` or ``"remote"``, ``.value`` the offending value (an element,
-    or the array's dtype).
-    """
-
-    def __init__(self, side: str, value: object, detail: str) -> None:
-        self.side = side
-        self.value = value
-        super().__init__(
-            f"{side} block ids: {detail}; pass Python ints (not bool) or a 1-D integer "
-            f"numpy array per cache group"
-        )
-
-
-class BlockIdShapeError(ValueError):
-    """Block ids that do not fit the plan: not exactly one list per cache group, or
-    local and remote lists of different lengths.
-
-    ``.side`` is ``"local"``, ``"remote"`` or ``"both"``, ``.expected`` and ``.got`` the
-    counts that differ.
-    """
-
-    def __init__(self, side: str, expected: int, got: int, detail: str) -> None:
-        self.side = side
-        self.expected = expected
-        self.got = got
-        super().__init__(f"{side} block ids: {detail}")
-
-
-class DuplicateBlockIdError(ValueError):
-    """A destination block named twice in one request: two reads would write one block
-    (which source wins is up to the network). ``.block_id`` is a repeated id,
-    ``.group`` its cache group (``None`` for a flat list or a region every group
-    shares)."""
-
-    def __init__(self, block_id: int, group: int | None) -> None:
-        self.block_id = block_id
-        self.group = group
-        where = "the request" if group is None else f"cache group {group}"
-        super().__init__(
-            f"local block id {block_id} appears more than once in {where}; every "
-            f"destination block of a request must be distinct (one read per block)"
-        )
 
 
 class TransferFailedError(RuntimeError):

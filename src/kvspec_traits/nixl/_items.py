@@ -22,6 +22,7 @@ from kvspec_traits.transfer import (
     UnsupportedLayoutError,
     tp_reads,
 )
+from kvspec_traits.transfer._peer import peer_regions
 
 __all__ = [
     "ReadCache",
@@ -50,21 +51,6 @@ class TransferItems:
     @property
     def nbytes(self) -> int:
         return int(self.local[:, 1].sum()) if self.count else 0
-
-
-def peer_regions(plan: RegionPlan) -> tuple[PeerRegion, ...]:
-    """A plan's own regions as a peer sees them (for loopback and tests)."""
-    return tuple(
-        PeerRegion(
-            base_addr=r.base_addr,
-            block_len=r.block_len,
-            block_stride=r.block_stride,
-            num_blocks=r.num_blocks,
-            device_id=r.device_id,
-            mem_type=r.mem_type,
-        )
-        for r in plan.regions
-    )
 
 
 class ReadCache:

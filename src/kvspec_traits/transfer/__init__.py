@@ -11,6 +11,10 @@ block comes from across TP sizes. ``kvspec_traits.nixl`` moves the bytes with NI
 """
 
 from kvspec_traits.transfer._errors import (
+    BlockIdError,
+    BlockIdShapeError,
+    BlockIdTypeError,
+    DuplicateBlockIdError,
     HandshakeMismatchError,
     MalformedMetadataError,
     MissingLayerError,
@@ -23,7 +27,12 @@ from kvspec_traits.transfer._fingerprint import (
     check_handshake,
     decode_fingerprint,
 )
-from kvspec_traits.transfer._peer import PeerRegion, check_peer_geometry, check_region_bounds
+from kvspec_traits.transfer._peer import (
+    PeerRegion,
+    check_peer_geometry,
+    check_region_bounds,
+    peer_regions,
+)
 from kvspec_traits.transfer._plan import plan_regions
 from kvspec_traits.transfer._region import SHARED_REGION_GROUP_ID, Region, RegionPlan
 from kvspec_traits.transfer._tp import Read, shard_count, tp_reads
@@ -31,6 +40,10 @@ from kvspec_traits.transfer._tp import Read, shard_count, tp_reads
 __all__ = [
     "FINGERPRINT_VERSION",
     "SHARED_REGION_GROUP_ID",
+    "BlockIdError",
+    "BlockIdShapeError",
+    "BlockIdTypeError",
+    "DuplicateBlockIdError",
     "HandshakeMismatchError",
     "MalformedMetadataError",
     "MissingLayerError",
@@ -45,6 +58,7 @@ __all__ = [
     "check_peer_geometry",
     "check_region_bounds",
     "decode_fingerprint",
+    "peer_regions",
     "plan_regions",
     "shard_count",
     "tp_reads",

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from kvspec_traits.transfer._errors import MalformedMetadataError
 from kvspec_traits.transfer._fingerprint import PlanFingerprint, record_page
 
-__all__ = ["PeerRegion", "check_peer_geometry", "check_region_bounds"]
+if TYPE_CHECKING:
+    from kvspec_traits.transfer._region import RegionPlan
+
+__all__ = ["PeerRegion", "check_peer_geometry", "check_region_bounds", "peer_regions"]
 
 _U64_END: Final = 1 << 64
 
@@ -28,6 +31,22 @@ class PeerRegion:
     num_blocks: int
     device_id: int
     mem_type: str
+
+
+def peer_regions(plan: RegionPlan) -> tuple[PeerRegion, ...]:
+    """A plan's own regions as a peer sees them (what a backend in the same process, a
+    loopback or a test hands the other side)."""
+    return tuple(
+        PeerRegion(
+            base_addr=r.base_addr,
+            block_len=r.block_len,
+            block_stride=r.block_stride,
+            num_blocks=r.num_blocks,
+            device_id=r.device_id,
+            mem_type=r.mem_type,
+        )
+        for r in plan.regions
+    )
 
 
 def check_peer_geometry(
