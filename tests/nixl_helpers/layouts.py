@@ -217,10 +217,10 @@ def llama_gqa(tp: int, layers: int = 4, **spec: Any) -> list[KVCacheGroupSpec]:
 
 
 def deepseek_v3(
-    tp: int, layers: int = 3, dtype: str = "auto", **spec: Any
+    tp: int, layers: int = 3, cache_dtype: str | None = "auto", **spec: Any
 ) -> list[KVCacheGroupSpec]:
     del tp  # MLA is replicated: the same spec on every rank
-    mla = families.deepseek_v3_mla(cache_dtype=dtype, **spec)  # type: ignore[arg-type]
+    mla = families.deepseek_v3_mla(cache_dtype=cache_dtype, **spec)  # type: ignore[arg-type]
     return [group(layer_names("model.layers.{}.self_attn.attn", range(layers)), mla)]
 
 
@@ -296,7 +296,12 @@ def qwen35(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
     """Qwen3.5, small: GDN state (conv [Q, K, V] 3 x 2048 wide, 16 value heads of
     128 x 128, bf16, TP-sharded) for three of four layers, full attention (2 KV heads of
     256) for the fourth."""
-    gdn = dict(conv_dim=3 * 2048, value_heads=16, dtypes=(torch.bfloat16,) * 2, tp=tp)
+    gdn: dict[str, Any] = {
+        "conv_dim": 3 * 2048,
+        "value_heads": 16,
+        "dtypes": (torch.bfloat16,) * 2,
+        "tp": tp,
+    }
     state = families.gdn_state(conv_layout="DS", **gdn).page_size_bytes
     attn = grown_attention(
         state,
@@ -315,7 +320,7 @@ def qwen35(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
 def jamba(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
     """Jamba, small: Mamba-1 layers (d_inner 512, fp32) with one attention layer in four
     (8 KV heads of 128)."""
-    m1 = dict(d_inner=512, dtypes=(torch.float32,) * 2, tp=tp)
+    m1: dict[str, Any] = {"d_inner": 512, "dtypes": (torch.float32,) * 2, "tp": tp}
     state = families.mamba1_state(conv_layout="DS", **m1).page_size_bytes
     attn = grown_attention(state, lambda block: families.llama_gqa(block_size=block, tp=tp), 16)
     mamba = families.mamba1_state(
@@ -330,7 +335,9 @@ def jamba(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
 FAMILIES: dict[str, Family] = {
     "llama_gqa": Family(llama_gqa, KVCacheLayout.LBHNC),
     "deepseek_v3": Family(deepseek_v3, KVCacheLayout.LBHNC),
-    "deepseek_v3_fp8": Family(lambda tp: deepseek_v3(tp, dtype="fp8_ds_mla"), KVCacheLayout.LBHNC),
+    "deepseek_v3_fp8": Family(
+        lambda tp: deepseek_v3(tp, cache_dtype="fp8_ds_mla"), KVCacheLayout.LBHNC
+    ),
     "deepseek_v32": Family(deepseek_v32, KVCacheLayout.LBHNC),
     "deepseek_v4": Family(deepseek_v4, KVCacheLayout.BLHNC),
     "gpt_oss": Family(gpt_oss, KVCacheLayout.LBHNC),
