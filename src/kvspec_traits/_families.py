@@ -14,7 +14,7 @@ Importing this module imports vLLM and torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 from kvspec_traits._deps import needs
 
@@ -24,6 +24,7 @@ with needs("kvspec_traits._families (real vLLM specs of model families)"):
 
 __all__ = [
     "DeepSeekV4Caches",
+    "StateOptions",
     "deepseek_v3_mla",
     "deepseek_v32_indexer",
     "deepseek_v4",
@@ -231,29 +232,38 @@ def llama4(
 ConvLayout = Literal["SD", "DS"]
 
 
+class StateOptions(TypedDict, total=False):
+    """How a recurrent state is allocated, for :func:`gdn_state` and :func:`mamba1_state`:
+    ``block_size`` (default 1024), ``conv_layout`` (vLLM's default ``"SD"`` stores the conv
+    state transposed, ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` as (conv_dim, kernel - 1)),
+    ``page_size_padded`` (a hybrid model's unified page) and ``mamba_type`` (a
+    ``MambaAttentionBackendEnum`` member's name; default: the spec's own)."""
+
+    block_size: int
+    conv_layout: ConvLayout
+    page_size_padded: int | None
+    mamba_type: str | None
+
+
 def _mamba(
     conv: tuple[int, int],
     ssm: tuple[int, ...],
     dtypes: tuple[torch.dtype, torch.dtype],
-    *,
-    block_size: int,
-    conv_layout: ConvLayout,
-    page_size_padded: int | None,
-    mamba_type: str | None,
+    options: StateOptions,
 ) -> kvi.MambaSpec:
-    # conv is (conv_dim, kernel - 1); vLLM's default conv-state layout (SD) stores it
-    # transposed, VLLM_SSM_CONV_STATE_LAYOUT=DS as is.
-    shape = conv if conv_layout == "DS" else (conv[1], conv[0])
+    # conv is (conv_dim, kernel - 1).
+    shape = conv if options.get("conv_layout", "SD") == "DS" else (conv[1], conv[0])
     extra: dict[str, Any] = {}
+    mamba_type = options.get("mamba_type")
     if mamba_type is not None:
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
         extra["mamba_type"] = MambaAttentionBackendEnum[mamba_type]
     return kvi.MambaSpec(
-        block_size=block_size,
+        block_size=options.get("block_size", 1024),
         shapes=(shape, ssm),
         dtypes=dtypes,
-        page_size_padded=page_size_padded,
+        page_size_padded=options.get("page_size_padded"),
         **extra,
     )
 
@@ -265,25 +275,13 @@ def gdn_state(
     head_k: int = 128,
     head_v: int = 128,
     dtypes: tuple[torch.dtype, torch.dtype] = (BF16, torch.float32),
-    block_size: int = 1024,
     tp: int = 1,
-    conv_layout: ConvLayout = "SD",
-    page_size_padded: int | None = None,
-    mamba_type: str | None = None,
+    **options: Unpack[StateOptions],
 ) -> kvi.MambaSpec:
     """Qwen3.5's Gated DeltaNet state (vllm/model_executor/layers/mamba/abstract.py):
     the conv state (conv_dim [Q, K, V] x kernel 4 - 1, TP-sharded) and the SSM state
-    (value heads x head_k x head_v, TP-sharded); ``mamba_type`` names vLLM's
-    ``MambaAttentionBackendEnum`` member (default: the spec's own)."""
-    return _mamba(
-        (conv_dim // tp, 3),
-        (value_heads // tp, head_k, head_v),
-        dtypes,
-        block_size=block_size,
-        conv_layout=conv_layout,
-        page_size_padded=page_size_padded,
-        mamba_type=mamba_type,
-    )
+    (value heads x head_k x head_v, TP-sharded)."""
+    return _mamba((conv_dim // tp, 3), (value_heads // tp, head_k, head_v), dtypes, options)
 
 
 def mamba1_state(
@@ -291,21 +289,9 @@ def mamba1_state(
     d_inner: int = 8192,
     state_size: int = 16,
     dtypes: tuple[torch.dtype, torch.dtype] = (BF16, BF16),
-    block_size: int = 1024,
     tp: int = 1,
-    conv_layout: ConvLayout = "SD",
-    page_size_padded: int | None = None,
-    mamba_type: str | None = None,
+    **options: Unpack[StateOptions],
 ) -> kvi.MambaSpec:
     """Jamba's Mamba-1 state (vllm/model_executor/layers/mamba/abstract.py): conv state
     (d_inner x kernel 4 - 1) and SSM state (d_inner x 16), d_inner TP-sharded."""
-    d = d_inner // tp
-    return _mamba(
-        (d, 3),
-        (d, state_size),
-        dtypes,
-        block_size=block_size,
-        conv_layout=conv_layout,
-        page_size_padded=page_size_padded,
-        mamba_type=mamba_type,
-    )
+    return _mamba((d_inner // tp, 3), (d_inner // tp, state_size), dtypes, options)
