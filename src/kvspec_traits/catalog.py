@@ -1,8 +1,10 @@
 """Representative real vLLM spec instances, one or more per spec class.
 
 Each entry builds the spec the way a vLLM model's ``get_kv_cache_spec`` builds it (the
-arguments are copied from the model code named in ``source``; sizes are those of the named
-model at TP 1). The report, the audit's class sets and the tests all draw from here.
+model families come from :mod:`kvspec_traits._families`, which the NIXL and connector tests
+build their layouts from too; the arguments follow the model code named in ``source``;
+sizes are those of the named model at TP 1). The report, the audit's class sets and the
+tests all draw from here.
 Importing this module imports vLLM.
 
 Installed extensions (packages in the ``kvspec_traits.adapters`` entry-point group) add
@@ -26,7 +28,9 @@ from kvspec_traits._registry import ENTRY_POINT_GROUP, Registry
 with needs("kvspec_traits.catalog (real specs of every vLLM KV cache spec class)"):
     import torch
     from vllm.v1 import kv_cache_interface as kvi
-    from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_quant_mode
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+from kvspec_traits import _families as families
 
 __all__ = [
     "REPRESENTATIVES_HOOK",
@@ -80,54 +84,25 @@ def _line(cls: type[Any]) -> int:
 
 
 def _entries() -> list[tuple[str, str, str, Callable[[], KVCacheSpec]]]:
-    bf16, fp32, u8 = torch.bfloat16, torch.float32, torch.uint8
-    fp8 = get_kv_quant_mode("fp8_ds_mla")
+    bf16, f16 = torch.bfloat16, torch.float16
     mla = "model_executor/layers/attention/mla_attention.py"
     dsv4 = "models/deepseek_v4/attention.py"
-
-    def dsv4_swa() -> KVCacheSpec:
-        # Sparse SWA cache of DeepSeek-V4: 448 B NoPE + 128 B RoPE + 8 B scale per token.
-        return kvi.SlidingWindowMLASpec(
-            block_size=64,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=512,
-            dtype=u8,
-            sliding_window=128,
-            cache_dtype_str="fp8_ds_mla",
-            state_content_bytes=584,
-            alignment=576,
-            model_version="deepseek_v4",
-            kv_quant_mode=fp8,
-        )
+    attention = "model_executor/layers/attention/attention.py"
+    mamba = "model_executor/layers/mamba/abstract.py"
 
     def group() -> KVCacheSpec:
         layers: dict[str, KVCacheSpec] = {
-            f"model.layers.{i}.attn": kvi.MLAAttentionSpec(
-                block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=bf16
-            )
-            for i in range(2)
+            f"model.layers.{i}.attn": families.deepseek_v3_mla(cache_dtype=None) for i in range(2)
         }
         return kvi.UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=layers)
 
     return [
-        (
-            "Llama-3 8B GQA",
-            "llama",
-            "model_executor/layers/attention/attention.py",
-            lambda: kvi.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=bf16),
-        ),
+        ("Llama-3 8B GQA", "llama", attention, families.llama_gqa),
         (
             "Llama-3 8B GQA, fp8 KV",
             "llama",
-            "model_executor/layers/attention/attention.py",
-            lambda: kvi.FullAttentionSpec(
-                block_size=16,
-                num_kv_heads=8,
-                head_size=128,
-                dtype=torch.float8_e4m3fn,
-                kv_quant_mode=get_kv_quant_mode("fp8"),
-            ),
+            attention,
+            lambda: families.llama_gqa(cache_dtype="fp8"),
         ),
         (
             "bare AttentionSpec",
@@ -135,124 +110,55 @@ def _entries() -> list[tuple[str, str, str, Callable[[], KVCacheSpec]]]:
             "v1/kv_cache_interface.py",
             lambda: kvi.AttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=bf16),
         ),
-        (
-            "DeepSeek-V3 MLA bf16",
-            "deepseek_v3",
-            mla,
-            lambda: kvi.MLAAttentionSpec(
-                block_size=64,
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=576,
-                dtype=bf16,
-                cache_dtype_str="auto",
-            ),
-        ),
+        ("DeepSeek-V3 MLA bf16", "deepseek_v3", mla, families.deepseek_v3_mla),
         (
             "DeepSeek-V3 MLA fp8_ds_mla",
             "deepseek_v3",
             mla,
-            lambda: kvi.MLAAttentionSpec(
-                block_size=64,
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=576,
-                dtype=u8,
-                cache_dtype_str="fp8_ds_mla",
-                kv_quant_mode=fp8,
-                state_content_bytes=656,
-            ),
+            lambda: families.deepseek_v3_mla(cache_dtype="fp8_ds_mla"),
         ),
         (
             "DeepSeek-V3.2 indexer",
             "deepseek_v32",
             "model_executor/models/deepseek_v2.py",
-            # head_dim 128 + 128 // 128 * 4 scale bytes, fp8 as uint8
-            lambda: kvi.MLAAttentionSpec(
-                block_size=64,
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=132,
-                dtype=u8,
-                cache_role=kvi.SparseCacheRole.INDEXER,
-            ),
+            families.deepseek_v32_indexer,
         ),
         (
             "DeepSeek-V4 compressed MLA (ratio 4)",
             "deepseek_v4",
             dsv4,
-            lambda: kvi.MLAAttentionSpec(
-                block_size=64,
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=512,
-                dtype=u8,
-                tokens_per_state=4,
-                cache_dtype_str="fp8_ds_mla",
-                alignment=576,
-                model_version="deepseek_v4",
-                kv_quant_mode=fp8,
-                state_content_bytes=584,
-            ),
+            lambda: families.deepseek_v4().mla,
         ),
         (
             "DeepSeek-V4 indexer (ratio 4)",
             "deepseek_v4",
             dsv4,
-            lambda: kvi.MLAAttentionSpec(
-                block_size=64,
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=132,
-                dtype=u8,
-                tokens_per_state=4,
-                alignment=576,
-            ),
+            lambda: families.deepseek_v4().indexer,
         ),
         (
             "DeepSeek-V4 SWA-MLA compressor state",
             "deepseek_v4",
             "models/deepseek_v4/compressor.py",
-            # state_dim = 2 * coff(2) * head_dim(512); ratio 4 -> block_size 4
-            lambda: kvi.SlidingWindowMLASpec(
-                block_size=4,
-                num_kv_heads=1,
-                max_tp_shards=1,
-                head_size=2048,
-                dtype=fp32,
-                sliding_window=8,
-                alignment=512,
-            ),
+            lambda: families.deepseek_v4().compressor_state,
         ),
         (
             "DeepSeek-V4 sparse SWA cache",
             "deepseek_v4",
             "v1/attention/backends/mla/sparse_swa.py",
-            dsv4_swa,
+            lambda: families.deepseek_v4().swa,
         ),
         (
             "DeepSeek-V4.1 compressor ring",
             "deepseek_v41",
             "models/deepseek_v41/compressor.py",
-            lambda: kvi.CircularBufferSpec(
-                block_size=8, num_kv_heads=1, head_size=1024, head_size_v=0, dtype=fp32
-            ),
+            lambda: families.deepseek_v4().ring,
         ),
-        (
-            "gpt-oss sliding window",
-            "gpt_oss",
-            "model_executor/layers/attention/attention.py",
-            lambda: kvi.SlidingWindowSpec(
-                block_size=16, num_kv_heads=8, head_size=64, dtype=bf16, sliding_window=128
-            ),
-        ),
+        ("gpt-oss sliding window", "gpt_oss", attention, lambda: families.gpt_oss()[1]),
         (
             "Llama-4 chunked local",
             "llama4",
             "model_executor/layers/attention/chunked_local_attention.py",
-            lambda: kvi.ChunkedLocalAttentionSpec(
-                block_size=16, num_kv_heads=8, head_size=128, dtype=bf16, attention_chunk_size=8192
-            ),
+            lambda: families.llama4()[0],
         ),
         (
             "R-SWA (reference sliding window)",
@@ -282,35 +188,19 @@ def _entries() -> list[tuple[str, str, str, Callable[[], KVCacheSpec]]]:
             "Whisper cross-attention",
             "whisper",
             "model_executor/layers/attention/cross_attention.py",
-            lambda: kvi.CrossAttentionSpec(
-                block_size=16, num_kv_heads=20, head_size=64, dtype=torch.float16
-            ),
+            lambda: kvi.CrossAttentionSpec(block_size=16, num_kv_heads=20, head_size=64, dtype=f16),
         ),
         (
             "BERT encoder-only",
             "bert",
             "v1/worker/gpu/model_states/encoder_only.py",
             lambda: kvi.EncoderOnlyAttentionSpec(
-                block_size=16, num_kv_heads=12, head_size=64, dtype=torch.float16
+                block_size=16, num_kv_heads=12, head_size=64, dtype=f16
             ),
         ),
-        (
-            "Qwen3.5 GDN state",
-            "qwen3_5",
-            "model_executor/layers/mamba/abstract.py",
-            # conv state (3, 8192) bf16; SSM state (32 heads, 128, 128) fp32
-            lambda: kvi.MambaSpec(
-                block_size=1024, shapes=((3, 8192), (32, 128, 128)), dtypes=(bf16, fp32)
-            ),
-        ),
-        (
-            "Jamba Mamba-1 state",
-            "jamba",
-            "model_executor/layers/mamba/abstract.py",
-            lambda: kvi.MambaSpec(
-                block_size=1024, shapes=((3, 8192), (8192, 16)), dtypes=(bf16, bf16)
-            ),
-        ),
+        # conv state (3, 8192) bf16; SSM state (32 heads, 128, 128) fp32
+        ("Qwen3.5 GDN state", "qwen3_5", mamba, families.gdn_state),
+        ("Jamba Mamba-1 state", "jamba", mamba, families.mamba1_state),
         (
             "replicated PLE conv state",
             "qwen4_exp",

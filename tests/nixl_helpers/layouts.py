@@ -6,38 +6,54 @@ without a ``VllmConfig``: bytes per block as ``_get_kv_cache_bytes_per_block``, 
 groups aliasing from byte 0. `allocate` is vLLM's ``allocate_kv_cache`` loop over vLLM's
 own ``create_kv_cache_views`` (importing ``vllm.v1.worker.utils`` itself takes 20-50 s).
 
-Each family builder mirrors the model's ``get_kv_cache_spec`` (file named in its
-docstring) with small dimensions where the real ones do not matter.
+Each family builder lays out the specs of ``kvspec_traits._families`` (which mirror the
+models' ``get_kv_cache_spec``, vLLM file named there) in vLLM's cache groups, with small
+dimensions where the real ones do not matter. :class:`Family` is the one description of
+a test layout: its groups per TP size, its layout and, for the connector tests, the tiny
+model and MLA backend of the worker's config.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    CircularBufferSpec,
-    FullAttentionSpec,
+    AttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheTensor,
     MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     compute_layout_strides,
     create_kv_cache_views,
-    get_kv_quant_mode,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-__all__ = ["Family", "FAMILIES", "allocate", "fill_pattern", "kv_cache_config"]
+from kvspec_traits import _families as families
+
+if TYPE_CHECKING:
+    from tests.mla_backends import MLABackend
+
+AttnSpec = TypeVar("AttnSpec", bound=AttentionSpec)
+
+__all__ = [
+    "DSV2",
+    "FAMILIES",
+    "LLAMA",
+    "Family",
+    "allocate",
+    "build",
+    "fill_pattern",
+    "group",
+    "kv_cache_config",
+    "layer_names",
+]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -153,231 +169,181 @@ def backing(caches: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
+LLAMA, DSV2 = "llama", "deepseek-v2"
+"""The tiny served models (tests/conftest.py ``tiny_models``) a connector worker's config
+reads: a Llama (no MLA) and a DeepSeek-V2 (MLA)."""
+
+
 @dataclass(frozen=True)
 class Family:
-    name: str
+    """A model family's cache groups for a TP size, the layout vLLM allocates them in,
+    and, for the connector's worker tests, the tiny model whose config the worker reads
+    and the MLA backend that config selects (None: not an MLA model)."""
+
     groups: Callable[[int], list[KVCacheGroupSpec]]
-    """Cache groups for a TP size."""
     layout: KVCacheLayout
+    model: str = LLAMA
+    mla_backend: MLABackend | None = None
 
 
-def _names(prefix: str, idx: range, suffix: str) -> list[str]:
-    return [f"{prefix}.{i}.{suffix}" for i in idx]
+def layer_names(fmt: str, idx: Iterable[int]) -> list[str]:
+    return [fmt.format(i) for i in idx]
 
 
-def _group(names: list[str], spec: KVCacheSpec) -> KVCacheGroupSpec:
+def group(names: list[str], spec: KVCacheSpec) -> KVCacheGroupSpec:
     return KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)
 
 
-def llama_gqa(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
-    """Llama-3 8B GQA (attention.py get_kv_cache_spec): 8 KV heads of 128 split by TP."""
-    spec = FullAttentionSpec(
-        block_size=16, num_kv_heads=8 // tp, head_size=128, dtype=torch.bfloat16
-    )
-    return [_group(_names("model.layers", range(layers), "self_attn.attn"), spec)]
+def grown_attention(state_bytes: int, attention: Callable[[int], AttnSpec], block: int) -> AttnSpec:
+    """``attention(block)`` at the first block size, doubling from ``block``, whose page
+    holds a recurrent state of ``state_bytes``: vLLM unifies a hybrid model's page size by
+    raising the attention block size and padding the state page to the attention page."""
+    spec = attention(block)
+    while spec.page_size_bytes < state_bytes:
+        block *= 2
+        spec = attention(block)
+    return spec
 
 
-def _mla(dtype: str = "auto", **kw: object) -> MLAAttentionSpec:
-    # mla_attention.py get_kv_cache_spec: one latent of 512 + 64 rope = 576.
-    ds = dtype == "fp8_ds_mla"
-    return MLAAttentionSpec(
-        block_size=64,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=576,
-        dtype=torch.uint8 if ds else torch.bfloat16,
-        cache_dtype_str=dtype,
-        kv_quant_mode=get_kv_quant_mode(dtype),
-        state_content_bytes={"fp8_ds_mla": 656}.get(dtype),
-        **kw,  # type: ignore[arg-type]
-    )
+# Each builder mirrors the model's get_kv_cache_spec through kvspec_traits._families (the
+# vLLM file is named there); ``spec`` overrides that family's sizes (block size, dtype,
+# heads) where a test serves a tiny model or an attention backend's block size.
 
 
-def deepseek_v3(tp: int, layers: int = 3, dtype: str = "auto") -> list[KVCacheGroupSpec]:
+def llama_gqa(tp: int, layers: int = 4, **spec: Any) -> list[KVCacheGroupSpec]:
+    """Llama-3 8B GQA: 8 KV heads of 128 split by TP."""
+    attn = families.llama_gqa(tp=tp, **spec)
+    return [group(layer_names("model.layers.{}.self_attn.attn", range(layers)), attn)]
+
+
+def deepseek_v3(
+    tp: int, layers: int = 3, cache_dtype: str | None = "auto", **spec: Any
+) -> list[KVCacheGroupSpec]:
     del tp  # MLA is replicated: the same spec on every rank
-    return [_group(_names("model.layers", range(layers), "self_attn.attn"), _mla(dtype))]
+    mla = families.deepseek_v3_mla(cache_dtype=cache_dtype, **spec)  # type: ignore[arg-type]
+    return [group(layer_names("model.layers.{}.self_attn.attn", range(layers)), mla)]
 
 
-def deepseek_v32(tp: int, layers: int = 3) -> list[KVCacheGroupSpec]:
-    """MLA (fp8_ds_mla) plus the V3.2 indexer cache (deepseek_v2.py: 128 + 4 scale bytes,
-    uint8, INDEXER role); both FullAttention-type, so one UniformType group."""
-    from vllm.v1.kv_cache_interface import SparseCacheRole
-
+def deepseek_v32(
+    tp: int, layers: int = 3, block_size: int = 64, **mla: Any
+) -> list[KVCacheGroupSpec]:
+    """MLA (fp8_ds_mla unless ``mla`` says otherwise) plus the V3.2 indexer cache; both
+    FullAttention-type, so one UniformType group."""
     del tp
+    mla = {"cache_dtype": "fp8_ds_mla", **mla}
     specs: dict[str, KVCacheSpec] = {}
     for i in range(layers):
-        specs[f"model.layers.{i}.self_attn.attn"] = _mla("fp8_ds_mla")
-        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-            block_size=64,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=132,
-            dtype=torch.uint8,
-            cache_role=SparseCacheRole.INDEXER,
+        specs[f"model.layers.{i}.self_attn.attn"] = families.deepseek_v3_mla(
+            block_size=block_size, **mla
         )
-    uniform = UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=specs)
-    return [_group(list(specs), uniform)]
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = families.deepseek_v32_indexer(
+            block_size=block_size
+        )
+    uniform = UniformTypeKVCacheSpecs(block_size=block_size, kv_cache_specs=specs)
+    return [group(list(specs), uniform)]
 
 
-def deepseek_v4_specs(layers: int) -> dict[str, list[tuple[str, KVCacheSpec]]]:
-    """DeepSeek-V4 caches (models/deepseek_v4/attention.py, compressor.py,
-    deepseek_v41/compressor.py), fp8_ds_mla: compressed MLA (ratio 4, 584 B states,
-    576 B alignment), SWA-MLA compressor state (max_tp_shards=1), the ring
-    (CircularBufferSpec) and the indexer cache (132 B, ratio 4)."""
-    mla = MLAAttentionSpec(
-        block_size=64,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=512,
-        dtype=torch.uint8,
-        tokens_per_state=4,
-        cache_dtype_str="fp8_ds_mla",
-        alignment=576,
-        model_version="deepseek_v4",
-        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
-        state_content_bytes=584,
-    )
-    swa = SlidingWindowMLASpec(
-        block_size=64,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=512,
-        dtype=torch.bfloat16,
-        sliding_window=128,
-        alignment=576,
-    )
-    ring = CircularBufferSpec(
-        block_size=8, num_kv_heads=1, head_size=1024, head_size_v=0, dtype=torch.float32
-    )
-    indexer = MLAAttentionSpec(
-        block_size=64,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=132,
-        dtype=torch.uint8,
-        tokens_per_state=4,
-        alignment=576,
-    )
-    out: dict[str, list[tuple[str, KVCacheSpec]]] = {
-        "mla": [],
-        "swa": [],
-        "ring": [],
-        "indexer": [],
+# The four DeepSeek-V4 caches the NIXL tests lay out per layer (kvspec_traits._families:
+# compressed MLA, the sparse SWA cache, V4.1's compressor ring, the indexer cache), by
+# layer-name suffix.
+DSV4_CACHES = {
+    "mla": "attn.mla",
+    "swa": "attn.compressor.swa",
+    "ring": "attn.compressor.ring",
+    "indexer": "attn.indexer.k_cache",
+}
+
+
+def deepseek_v4_specs(
+    layers: int, block_size: int = 64
+) -> dict[str, list[tuple[str, KVCacheSpec]]]:
+    """Per cache kind of :data:`DSV4_CACHES`, (layer name, spec) of every layer."""
+    caches = families.deepseek_v4(block_size=block_size)
+    return {
+        kind: [(f"model.layers.{i}.{suffix}", getattr(caches, kind)) for i in range(layers)]
+        for kind, suffix in DSV4_CACHES.items()
     }
-    for i in range(layers):
-        out["mla"].append((f"model.layers.{i}.attn.mla", mla))
-        out["swa"].append((f"model.layers.{i}.attn.compressor.swa", swa))
-        out["ring"].append((f"model.layers.{i}.attn.compressor.ring", ring))
-        out["indexer"].append((f"model.layers.{i}.attn.indexer.k_cache", indexer))
-    return out
 
 
-def deepseek_v4(tp: int, layers: int = 2) -> list[KVCacheGroupSpec]:
+def deepseek_v4(tp: int, layers: int = 2, block_size: int = 64) -> list[KVCacheGroupSpec]:
     del tp
     return [
-        _group([n for n, _ in members], members[0][1])
-        for members in deepseek_v4_specs(layers).values()
+        group([n for n, _ in members], members[0][1])
+        for members in deepseek_v4_specs(layers, block_size).values()
     ]
 
 
-def gpt_oss(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
-    """gpt-oss: alternating full and 128-token sliding-window layers, 8 KV heads of 64;
-    two groups of equal page size that alias (hybrid allocator)."""
-    full = FullAttentionSpec(
-        block_size=16, num_kv_heads=8 // tp, head_size=64, dtype=torch.bfloat16
-    )
-    swa = SlidingWindowSpec(
-        block_size=16, num_kv_heads=8 // tp, head_size=64, dtype=torch.bfloat16, sliding_window=128
-    )
+def gpt_oss(tp: int, layers: int = 4, **spec: Any) -> list[KVCacheGroupSpec]:
+    """gpt-oss: alternating full and sliding-window layers; two groups of equal page
+    size that alias (hybrid allocator)."""
+    full, swa = families.gpt_oss(tp=tp, **spec)
     return [
-        _group(_names("model.layers", range(0, layers, 2), "attn"), full),
-        _group(_names("model.layers", range(1, layers, 2), "attn"), swa),
+        group(layer_names("model.layers.{}.attn", range(0, layers, 2)), full),
+        group(layer_names("model.layers.{}.attn", range(1, layers, 2)), swa),
     ]
 
 
-def llama4(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
-    """Llama-4: three chunked-local (8192) layers per global one, 8 KV heads of 128."""
-    local = ChunkedLocalAttentionSpec(
-        block_size=16,
-        num_kv_heads=8 // tp,
-        head_size=128,
-        dtype=torch.bfloat16,
-        attention_chunk_size=8192,
-    )
-    full = FullAttentionSpec(
-        block_size=16, num_kv_heads=8 // tp, head_size=128, dtype=torch.bfloat16
-    )
+def llama4(tp: int, layers: int = 4, **spec: Any) -> list[KVCacheGroupSpec]:
+    """Llama-4: three chunked-local layers per global one."""
+    local, full = families.llama4(tp=tp, **spec)
     return [
-        _group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 != 3], local),
-        _group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 == 3], full),
+        group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 != 3], local),
+        group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 == 3], full),
     ]
 
 
 def qwen35(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
-    """Qwen3.5: GDN (mamba/abstract.py MambaSpec: conv + ssm state, TP-sharded) for three
-    of four layers, full attention for the fourth; vLLM unifies the page size by raising
-    the attention block size and padding the Mamba page to it."""
-    conv = (3 * 2048 // tp, 3)  # conv_dim x (kernel - 1)
-    ssm = (16 // tp, 128, 128)  # value heads x head_k x head_v
-    state = 2 * (conv[0] * conv[1]) + 2 * math.prod(ssm)  # bf16
-    attn_block = 16
-    # 2 KV heads of 256, K and V, bf16: 2048 bytes per token at TP 1.
-    while attn_block * max(2 // tp, 1) * 256 * 2 * 2 < state:
-        attn_block *= 2
-    attn = FullAttentionSpec(
-        block_size=attn_block, num_kv_heads=max(2 // tp, 1), head_size=256, dtype=torch.bfloat16
+    """Qwen3.5, small: GDN state (conv [Q, K, V] 3 x 2048 wide, 16 value heads of
+    128 x 128, bf16, TP-sharded) for three of four layers, full attention (2 KV heads of
+    256) for the fourth."""
+    gdn: dict[str, Any] = {
+        "conv_dim": 3 * 2048,
+        "value_heads": 16,
+        "dtypes": (torch.bfloat16,) * 2,
+        "tp": tp,
+    }
+    state = families.gdn_state(conv_layout="DS", **gdn).page_size_bytes
+    attn = grown_attention(
+        state,
+        lambda block: families.llama_gqa(block_size=block, num_kv_heads=2, head_size=256, tp=tp),
+        16,
     )
-    gdn = MambaSpec(
-        block_size=attn_block,
-        shapes=(conv, ssm),
-        dtypes=(torch.bfloat16, torch.bfloat16),
-        page_size_padded=attn.page_size_bytes,
+    state_spec = families.gdn_state(
+        block_size=attn.block_size, conv_layout="DS", page_size_padded=attn.page_size_bytes, **gdn
     )
     return [
-        _group([f"model.layers.{i}.linear_attn" for i in range(layers) if i % 4 != 3], gdn),
-        _group([f"model.layers.{i}.self_attn.attn" for i in range(layers) if i % 4 == 3], attn),
+        group([f"model.layers.{i}.linear_attn" for i in range(layers) if i % 4 != 3], state_spec),
+        group([f"model.layers.{i}.self_attn.attn" for i in range(layers) if i % 4 == 3], attn),
     ]
 
 
 def jamba(tp: int, layers: int = 4) -> list[KVCacheGroupSpec]:
-    """Jamba: Mamba1 layers (conv (d_inner, 3) + ssm (d_inner, 16), fp32) with one
-    attention layer in four (8 KV heads of 128)."""
-    d_inner = 512 // tp
-    conv, ssm = (d_inner, 3), (d_inner, 16)
-    state = 4 * (math.prod(conv) + math.prod(ssm))
-    block = 16
-    attn = FullAttentionSpec(
-        block_size=block, num_kv_heads=8 // tp, head_size=128, dtype=torch.bfloat16
-    )
-    while attn.page_size_bytes < state:
-        block *= 2
-        attn = FullAttentionSpec(
-            block_size=block, num_kv_heads=8 // tp, head_size=128, dtype=torch.bfloat16
-        )
-    mamba = MambaSpec(
-        block_size=block,
-        shapes=(conv, ssm),
-        dtypes=(torch.float32, torch.float32),
-        page_size_padded=attn.page_size_bytes,
+    """Jamba, small: Mamba-1 layers (d_inner 512, fp32) with one attention layer in four
+    (8 KV heads of 128)."""
+    m1: dict[str, Any] = {"d_inner": 512, "dtypes": (torch.float32,) * 2, "tp": tp}
+    state = families.mamba1_state(conv_layout="DS", **m1).page_size_bytes
+    attn = grown_attention(state, lambda block: families.llama_gqa(block_size=block, tp=tp), 16)
+    mamba = families.mamba1_state(
+        block_size=attn.block_size, conv_layout="DS", page_size_padded=attn.page_size_bytes, **m1
     )
     return [
-        _group([f"model.layers.{i}.mamba" for i in range(layers) if i % 4 != 1], mamba),
-        _group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 == 1], attn),
+        group([f"model.layers.{i}.mamba" for i in range(layers) if i % 4 != 1], mamba),
+        group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 == 1], attn),
     ]
 
 
 FAMILIES: dict[str, Family] = {
-    "llama_gqa": Family("llama_gqa", llama_gqa, KVCacheLayout.LBHNC),
-    "deepseek_v3": Family("deepseek_v3", deepseek_v3, KVCacheLayout.LBHNC),
+    "llama_gqa": Family(llama_gqa, KVCacheLayout.LBHNC),
+    "deepseek_v3": Family(deepseek_v3, KVCacheLayout.LBHNC),
     "deepseek_v3_fp8": Family(
-        "deepseek_v3_fp8", lambda tp: deepseek_v3(tp, dtype="fp8_ds_mla"), KVCacheLayout.LBHNC
+        lambda tp: deepseek_v3(tp, cache_dtype="fp8_ds_mla"), KVCacheLayout.LBHNC
     ),
-    "deepseek_v32": Family("deepseek_v32", deepseek_v32, KVCacheLayout.LBHNC),
-    "deepseek_v4": Family("deepseek_v4", deepseek_v4, KVCacheLayout.BLHNC),
-    "gpt_oss": Family("gpt_oss", gpt_oss, KVCacheLayout.LBHNC),
-    "llama4": Family("llama4", llama4, KVCacheLayout.LBHNC),
-    "qwen35": Family("qwen35", qwen35, KVCacheLayout.LBHNC),
-    "jamba": Family("jamba", jamba, KVCacheLayout.LBHNC),
+    "deepseek_v32": Family(deepseek_v32, KVCacheLayout.LBHNC),
+    "deepseek_v4": Family(deepseek_v4, KVCacheLayout.BLHNC),
+    "gpt_oss": Family(gpt_oss, KVCacheLayout.LBHNC),
+    "llama4": Family(llama4, KVCacheLayout.LBHNC),
+    "qwen35": Family(qwen35, KVCacheLayout.LBHNC),
+    "jamba": Family(jamba, KVCacheLayout.LBHNC),
 }
 
 
