@@ -15,7 +15,7 @@ import pytest
 
 from kvspec_traits import KVLayoutTraits, LayoutTraits, trait_names
 from kvspec_traits._group import GroupTraits
-from kvspec_traits._registry import _TRAIT_TYPES
+from kvspec_traits._result_check import TRAIT_TYPES as _TRAIT_TYPES
 from kvspec_traits.audit._questions import QUESTIONS
 from kvspec_traits.nixl._plan import Region
 
@@ -90,7 +90,7 @@ def test_the_protocol_and_the_value_type_name_the_same_traits_in_order() -> None
 def test_every_trait_is_wired(trait: str) -> None:
     missing = []
     if trait not in _TRAIT_TYPES:
-        missing.append("_registry.py _TRAIT_TYPES (the type check of adapter results)")
+        missing.append("_result_check.py TRAIT_TYPES (the type check of adapter results)")
     if not isinstance(vars(GroupTraits).get(trait), property):
         missing.append("_group.py GroupTraits (how a group of layers answers it)")
     if trait not in FINGERPRINT:
