@@ -3,7 +3,6 @@ and consistent with the others, before the spec's own byte math is compared."""
 
 from __future__ import annotations
 
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Final
 
 from kvspec_traits._errors import (
@@ -13,8 +12,8 @@ from kvspec_traits._errors import (
 from kvspec_traits._traits import (
     PageComponent,
     TokenScope,
-    TPLayout,
     trait_names,
+    trait_types,
 )
 
 if TYPE_CHECKING:
@@ -56,32 +55,8 @@ def snapshot(spec: object, field_names: tuple[str, ...]) -> object:
     return _frozen(dict(getattr(spec, "__dict__", {})))
 
 
-# trait -> (accepted types, may be None)
-_INT: Final = (int,)
-_NUM: Final = (int, Fraction)
-TRAIT_TYPES: Final[dict[str, tuple[tuple[type[Any], ...], bool]]] = {
-    "spec_name": ((str,), False),
-    "is_mla": ((bool,), False),
-    "tp_layout": ((TPLayout,), False),
-    "tp_shards": (_INT, True),
-    "token_scope": ((TokenScope,), False),
-    "window_tokens": (_INT, True),
-    "block_size": (_INT, False),
-    "num_head_slots": (_INT, False),
-    "kv_head_contiguous": ((bool,), False),
-    "tokens_per_state": (_NUM, True),
-    "states_per_block": (_INT, False),
-    "state_bytes": (_INT, False),
-    "unpadded_page_size_bytes": (_INT, False),
-    "page_size_bytes": (_INT, False),
-    "per_token_bytes": (_NUM, True),
-    "dtype": ((str,), True),
-    "kv_quant_mode": ((str,), False),
-    "components": ((tuple,), False),
-    "prefix_cacheable": ((bool,), False),
-    "uses_slot_mapping": ((bool,), False),
-    "transferable": ((bool,), False),
-}
+# trait -> (accepted types, may be None), read from LayoutTraits's annotations.
+TRAIT_TYPES: Final[dict[str, tuple[tuple[type[Any], ...], bool]]] = trait_types()
 _POSITIVE: Final = frozenset(
     {"block_size", "num_head_slots", "states_per_block", "tp_shards", "tokens_per_state"}
 )
