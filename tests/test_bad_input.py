@@ -30,7 +30,7 @@ from kvspec_traits import (
     traits_of,
 )
 
-BUILTIN = "kvspec_traits._vllm_adapters"
+BUILTIN = "kvspec_traits._vllm_adapters._builtins"
 # 16 tokens * 8 heads * (128 + 128) * 2 B (bfloat16) = 65536
 PAGE = 65536
 
@@ -259,7 +259,10 @@ def test_nonsense_state_values_are_refused_naming_the_field(
     spec = kvi.MambaSpec(**{**base, **kwargs})
     with pytest.raises(InvalidSpecError) as info:
         traits_of(spec)
-    assert (info.value.field, info.value.adapter) == (field, f"{BUILTIN}.mamba_traits")
+    assert (info.value.field, info.value.adapter) == (
+        field,
+        "kvspec_traits._vllm_adapters._recurrent.mamba_traits",
+    )
 
 
 @pytest.mark.parametrize("page", [0, -1, "4096"])

@@ -136,8 +136,8 @@ from dataclasses import dataclass
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from kvspec_traits import LayoutTraits, Registry, register_adapter, traits_of
-from kvspec_traits.helpers import attention_traits
+from kvspec_traits import traits_of
+from kvspec_traits.extend import LayoutTraits, Registry, attention_traits, register_adapter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +197,7 @@ def test_decorator_and_entry_point_in_one_module_imported_first(
 
 PUBLIC_MODULES = [
     "kvspec_traits",
+    "kvspec_traits.extend",
     "kvspec_traits.helpers",
     "kvspec_traits.catalog",
     "kvspec_traits.transfer",
@@ -204,6 +205,40 @@ PUBLIC_MODULES = [
     "kvspec_traits.audit",
     "kvspec_traits.vllm_connector",
 ]
+
+
+def test_consumer_and_author_names_are_split_and_all_resolve() -> None:
+    # kvspec_traits.__all__ is what a consumer needs, kvspec_traits.extend.__all__ what an
+    # adapter author adds: no name in both, every name there, helpers a subset of extend.
+    core = importlib.import_module("kvspec_traits")
+    extend = importlib.import_module("kvspec_traits.extend")
+    helpers = importlib.import_module("kvspec_traits.helpers")
+    assert set(core.__all__).isdisjoint(extend.__all__)
+    for module in (core, extend, helpers):
+        assert len(set(module.__all__)) == len(module.__all__)
+        assert all(hasattr(module, name) for name in module.__all__), module.__name__
+    assert {"traits_of", "KVLayoutTraits", "TokenScope", "UnsupportedSpecError"} <= set(
+        core.__all__
+    )
+    assert {"Registry", "register_adapter", "Registration", "attention_traits"} <= set(
+        extend.__all__
+    )
+    assert all(getattr(helpers, n) is getattr(extend, n) for n in helpers.__all__)
+    # the adapter-author names stay importable from the package, as the same objects
+    assert core.Registry is extend.Registry
+    assert core.register_adapter is extend.register_adapter
+
+
+def test_importing_extend_imports_neither_vllm_nor_torch() -> None:
+    code = (
+        "import sys\nimport kvspec_traits.extend as e\n"
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules\n"
+        "e.attention_traits\nassert 'vllm' in sys.modules\nprint('ok')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("module", PUBLIC_MODULES)
@@ -305,7 +340,7 @@ class _Modules:
 @pytest.mark.parametrize(
     ("page", "modules"),
     [
-        ("api.md", ("kvspec_traits", "kvspec_traits.helpers", "kvspec_traits.catalog")),
+        ("api.md", ("kvspec_traits", "kvspec_traits.extend", "kvspec_traits.catalog")),
         ("audit.md", ("kvspec_traits.audit",)),
         ("vllm.md", ("kvspec_traits.vllm_connector",)),
     ],

@@ -10,7 +10,8 @@ from pathlib import Path
 from kvspec_traits.audit import audit_paths, load_universe
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvspec_traits"
-ADAPTERS = "_vllm_adapters.py"  # the one module allowed to name spec classes
+# The one place allowed to name spec classes: the built-in adapters' package.
+ADAPTERS = "*/kvspec_traits/_vllm_adapters/*"
 
 
 def test_only_the_adapters_branch_on_spec_classes() -> None:
@@ -19,6 +20,18 @@ def test_only_the_adapters_branch_on_spec_classes() -> None:
     assert result.errors == ()
     assert result.files_seen > 20  # the whole package was walked, not an empty folder
     assert [f"{s.path}:{s.raw.line}" for s in result.sites] == []
+
+
+def test_the_exception_is_exactly_the_adapters_package() -> None:
+    # The pattern must exclude every module of the adapters package and nothing else: the
+    # adapters themselves do branch on classes they name (the control for the pattern).
+    universe = load_universe()
+    adapters = SRC / "_vllm_adapters"
+    inside = audit_paths([adapters], universe, display_root=SRC)
+    assert inside.files_seen == len(list(adapters.glob("*.py")))
+    excluded = audit_paths([SRC], universe, exclude=[ADAPTERS], display_root=SRC)
+    everything = audit_paths([SRC], universe, display_root=SRC)
+    assert everything.files_seen - excluded.files_seen == inside.files_seen
 
 
 def test_the_same_audit_finds_the_branches_in_vllms_nixl_worker() -> None:

@@ -135,7 +135,7 @@ def _entry_points(monkeypatch: pytest.MonkeyPatch, *values: str) -> None:
     # Real EntryPoint objects loading real objects; only the installed list is replaced.
     from importlib.metadata import EntryPoint
 
-    import kvspec_traits._registry as reg
+    import kvspec_traits._loading as reg
 
     eps = [
         EntryPoint(name=f"ep{i}", value=v, group=reg.ENTRY_POINT_GROUP)

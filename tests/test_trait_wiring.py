@@ -1,8 +1,18 @@
 """Adding a trait: every place that must know it does, or says why not.
 
-A trait is declared once, as a property of the ``KVLayoutTraits`` protocol. The value type
-(``LayoutTraits``) and the trait pages are derived from it or checked against it elsewhere
-(tests/test_docs.py); the places below cannot be derived, so this test is their checklist.
+A trait is declared once, as a property of the ``KVLayoutTraits`` protocol and a field of
+``LayoutTraits``. Derived from that definition: the trait names, the type check of adapter
+results (``_result_check.TRAIT_TYPES``, from the field's annotation) and how a group of
+layers combines it (``_group``, from the ``GroupRule`` on the annotation; COMMON when
+none). The trait pages are checked against it (tests/test_docs.py). The places below
+cannot be derived, so this test is their checklist (each names the file to edit):
+
+- ``_group.py`` GroupTraits: a typed property (the static type the protocol promises);
+- ``_verify.py`` _CHECKS: the spec property the trait is verified against, or why none;
+- ``_result_check.py`` _POSITIVE/_NON_NEGATIVE: the range of a numeric trait, or why none;
+- the handshake fingerprint (nixl/_plan.py) and the audit's questions (audit/_questions.py);
+- the protocol docstring's 'Source:' line.
+
 A new trait that is not wired fails here, naming the place to edit.
 """
 
@@ -13,8 +23,10 @@ from dataclasses import fields
 import pytest
 
 from kvspec_traits import KVLayoutTraits, LayoutTraits, trait_names
-from kvspec_traits._group import GroupTraits
-from kvspec_traits._registry import _TRAIT_TYPES
+from kvspec_traits._group import _RULES, GroupTraits
+from kvspec_traits._result_check import _NON_NEGATIVE, _POSITIVE, TRAIT_TYPES
+from kvspec_traits._traits import GroupRule, trait_types
+from kvspec_traits._verify import _CHECKS
 from kvspec_traits.audit._questions import QUESTIONS
 from kvspec_traits.transfer import FINGERPRINT_VERSION, Region
 from kvspec_traits.transfer._fingerprint import NOT_FINGERPRINTED, RECORD_KEYS
@@ -77,6 +89,47 @@ AUDIT: dict[str, str | tuple[None, str]] = {
     "transferable": "transferable",
 }
 
+# The spec property each trait is checked against on every resolution (_verify.py
+# _CHECKS), or why it is not.
+_NO_PROPERTY = "vLLM's spec API has no property for it"
+VERIFIED: dict[str, tuple[str, ...] | tuple[None, str]] = {
+    "spec_name": (None, "the class name the adapter reports"),
+    "is_mla": (None, _NO_PROPERTY),
+    "tp_layout": (None, _NO_PROPERTY),
+    "tp_shards": (None, _NO_PROPERTY),
+    "token_scope": (None, _NO_PROPERTY),
+    "window_tokens": (None, "a field the adapters read (sliding_window, ...), not a property"),
+    "block_size": ("block_size",),
+    "num_head_slots": ("num_heads",),
+    "kv_head_contiguous": (None, _NO_PROPERTY),
+    "tokens_per_state": ("tokens_per_state",),
+    "states_per_block": ("num_states",),
+    "state_bytes": ("state_content_size_bytes",),
+    "unpadded_page_size_bytes": ("unpadded_page_size_bytes", "real_page_size_bytes"),
+    "page_size_bytes": ("page_size_bytes",),
+    "per_token_bytes": (None, _NO_PROPERTY),
+    "dtype": (None, "a torch dtype on the spec, compared through the page size"),
+    "kv_quant_mode": (None, "an enum field, compared through the page size"),
+    "components": (None, "checked to add up to unpadded_page_size_bytes (LayoutTraits)"),
+    "prefix_cacheable": ("prefix_cacheable",),
+    "uses_slot_mapping": ("uses_slot_mapping",),
+    "transferable": (None, _NO_PROPERTY),
+}
+
+# The range the result check holds a numeric trait to (_result_check.py).
+RANGES: dict[str, str | tuple[None, str]] = {
+    "tp_shards": "positive",
+    "window_tokens": (None, "checked with token_scope: positive exactly when windowed"),
+    "block_size": "positive",
+    "num_head_slots": "positive",
+    "tokens_per_state": "positive",
+    "states_per_block": "positive",
+    "state_bytes": "non-negative",
+    "unpadded_page_size_bytes": "non-negative",
+    "page_size_bytes": "non-negative",
+    "per_token_bytes": "non-negative",
+}
+
 TRAITS = trait_names()
 
 
@@ -90,8 +143,11 @@ def test_the_protocol_and_the_value_type_name_the_same_traits_in_order() -> None
 @pytest.mark.parametrize("trait", TRAITS)
 def test_every_trait_is_wired(trait: str) -> None:
     missing = []
-    if trait not in _TRAIT_TYPES:
-        missing.append("_registry.py _TRAIT_TYPES (the type check of adapter results)")
+    if trait not in VERIFIED:
+        missing.append("_verify.py _CHECKS (a spec property to verify it), then VERIFIED here")
+    accepted, _ = TRAIT_TYPES[trait]
+    if accepted[0] is int and trait not in RANGES:
+        missing.append("_result_check.py _POSITIVE/_NON_NEGATIVE (its range), then RANGES here")
     if not isinstance(vars(GroupTraits).get(trait), property):
         missing.append("_group.py GroupTraits (how a group of layers answers it)")
     if trait not in FINGERPRINT:
@@ -147,3 +203,32 @@ def test_a_new_region_field_is_fingerprinted_or_says_why_not() -> None:
             "the fingerprint record changed: bump FINGERPRINT_VERSION "
             "(transfer/_fingerprint.py), or add the field to NOT_FINGERPRINTED with why"
         )
+
+
+def test_the_derived_places_follow_the_definition() -> None:
+    # Derived, not listed: the result check's types and the group's rules come from
+    # LayoutTraits's annotations, for every trait.
+    assert trait_types() == TRAIT_TYPES
+    assert set(TRAIT_TYPES) == set(_RULES) == set(TRAITS)
+    # hand-checked against vLLM's UniformTypeKVCacheSpecs: sizes add up, the flags hold
+    # only if every member's does, components are the members', the rest is common
+    assert {n: r for n, r in _RULES.items() if r is not GroupRule.COMMON} == {
+        "unpadded_page_size_bytes": GroupRule.SUM,
+        "page_size_bytes": GroupRule.SUM,
+        "per_token_bytes": GroupRule.SUM,
+        "components": GroupRule.MEMBERS,
+        "prefix_cacheable": GroupRule.ALL,
+        "transferable": GroupRule.ALL,
+    }
+
+
+def test_the_hand_checklists_match_their_places() -> None:
+    checked: dict[str, list[str]] = {}
+    for trait, prop, _ in _CHECKS:
+        checked.setdefault(trait, []).append(prop)
+    assert set(VERIFIED) == set(TRAITS)
+    assert {t: tuple(p) for t, p in checked.items()} == {
+        t: v for t, v in VERIFIED.items() if v[0] is not None
+    }
+    assert {t for t, r in RANGES.items() if r == "positive"} == _POSITIVE
+    assert {t for t, r in RANGES.items() if r == "non-negative"} == _NON_NEGATIVE

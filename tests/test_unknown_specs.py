@@ -153,3 +153,57 @@ def test_an_adapter_that_contradicts_its_own_spec_raises_traits_mismatch() -> No
         8192,
         full,
     )
+
+
+# A vLLM release without one of the classes the built-ins name: simulated by removing two
+# real classes from the real module before the adapters load (in a fresh interpreter, so
+# this process's vLLM is untouched).
+_WITHOUT_CLASSES = r"""
+import torch
+from vllm.v1 import kv_cache_interface as kvi
+
+rswa, hot = kvi.RSWASpec, kvi.HiSparseHotSpec
+del kvi.RSWASpec, kvi.HiSparseHotSpec
+
+from kvspec_traits import Registry, UnsupportedSpecError, traits_of
+from kvspec_traits._vllm_adapters import ABSENT, BUILTINS, REGISTERED
+
+assert ABSENT == ("RSWASpec", "HiSparseHotSpec"), ABSENT
+assert "RSWASpec" not in REGISTERED and "FullAttentionSpec" in REGISTERED
+assert rswa not in BUILTINS.adapters() and hot not in BUILTINS.adapters()
+assert kvi.FullAttentionSpec in Registry().adapters()
+full = kvi.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+assert traits_of(full).page_size_bytes == 65536  # 16 * 8 * (128 + 128) * 2 B
+# The class the adapters no longer know is refused, not served by FullAttentionSpec's
+# adapter: rswa_window has no default and no adapter accounts for it.
+spec = rswa(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, rswa_window=64)
+try:
+    traits_of(spec)
+except UnsupportedSpecError as err:
+    assert "rswa_window" in str(err), err
+else:
+    raise SystemExit("an RSWASpec was answered without an adapter of its own")
+print("ok")
+"""
+
+
+def test_a_spec_class_missing_from_vllm_only_loses_its_adapter() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from kvspec_traits._vllm_adapters import ABSENT, REGISTERED
+
+    assert ABSENT == ()  # every supported series has every class the built-ins name
+    # KVCacheSpec, 5 keep-every-token classes, RSWA, chunked, 2 sliding, ring, encoder-only,
+    # cross, Mamba, 2 HiSparse, the group: 17 names registered on 0.32, 0.33 and 0.34.
+    assert len(REGISTERED) == 17
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_CLASSES],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr[-2000:]

@@ -13,19 +13,21 @@ from types import MappingProxyType
 
 from kvspec_traits._errors import MixedGroupTraitsError
 from kvspec_traits._traits import (
+    GroupRule,
     KVLayoutTraits,
     PageComponent,
     TokenScope,
     TPLayout,
     TraitValue,
+    group_rule,
     trait_names,
 )
 
 __all__ = ["GroupTraits", "representative_traits", "traits_for_layer"]
 
-_SUMMED = frozenset({"unpadded_page_size_bytes", "page_size_bytes", "per_token_bytes"})
-# As vLLM's UniformTypeKVCacheSpecs.prefix_cacheable: the group only if every member.
-_ALL = frozenset({"prefix_cacheable", "transferable"})
+# How the group answers each trait: declared once, on the trait's annotation in
+# LayoutTraits (kvspec_traits._traits.GroupRule).
+_RULES = {name: group_rule(name) for name in trait_names()}
 
 
 class GroupTraits(KVLayoutTraits):
@@ -171,9 +173,10 @@ class GroupTraits(KVLayoutTraits):
 
 def _aggregate(name: str, per_layer: dict[str, TraitValue]) -> TraitValue | MixedGroupTraitsError:
     values = list(per_layer.values())
-    if name == "components":
-        return ()  # built on demand from the members, with layer-prefixed names
-    if name in _SUMMED:
+    rule = _RULES[name]
+    if rule is GroupRule.MEMBERS:
+        return ()  # built on demand from the members (the property), e.g. layer-prefixed
+    if rule is GroupRule.SUM:
         if any(v is None for v in values):
             if all(v is None for v in values):
                 return None
@@ -182,7 +185,7 @@ def _aggregate(name: str, per_layer: dict[str, TraitValue]) -> TraitValue | Mixe
         if isinstance(total, Fraction) and total.denominator == 1:
             return int(total)
         return total
-    if name in _ALL:
+    if rule is GroupRule.ALL:
         return all(values)
     first = values[0]
     if all(v == first for v in values[1:]):

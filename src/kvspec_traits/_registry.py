@@ -22,34 +22,33 @@ Resolving a spec, once per distinct spec:
 from __future__ import annotations
 
 import contextvars
-import dataclasses
-import importlib
-import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from fractions import Fraction
-from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Final, TypeVar, overload
 
-from kvspec_traits._deps import needs
+from kvspec_traits._accounting import (
+    LAYOUT_MEMBERS,
+    FieldAccounting,
+    Plan,
+    Registration,
+    _Accounting,
+    field_names_of,
+)
 from kvspec_traits._errors import (
     AdapterConflictError,
     AdapterError,
-    AdapterPluginError,
-    AdapterResultError,
     KVSpecTraitsError,
-    MixedGroupTraitsError,
     TraitsMismatchError,
     UnsupportedSpecError,
 )
+from kvspec_traits._loading import ENTRY_POINT_GROUP, AdapterLoading
+from kvspec_traits._result_check import check_result as _check_result
+from kvspec_traits._result_check import same as _same
+from kvspec_traits._result_check import snapshot as _snapshot
 from kvspec_traits._traits import (
     KVLayoutTraits,
-    PageComponent,
-    TokenScope,
-    TPLayout,
-    trait_names,
 )
-from kvspec_traits._verify import CHECKED_PROPERTIES, first_mismatch
+from kvspec_traits._verify import first_mismatch
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheSpec
@@ -65,37 +64,10 @@ __all__ = [
     "traits_of",
 ]
 
-ENTRY_POINT_GROUP: Final = "kvspec_traits.adapters"
-_BUILTIN_MODULE: Final = "kvspec_traits._vllm_adapters"
 # A spec cache keyed by id() keeps its specs alive; past this many it starts afresh.
 _MAX_CACHED_SPECS: Final = 1 << 16
 # A resolution superseded by a registration is answered again, at most this many times.
 _MAX_ATTEMPTS: Final = 8
-
-LAYOUT_MEMBERS: Final = frozenset(
-    {
-        *CHECKED_PROPERTIES,
-        "max_memory_usage_bytes",
-        "merge",
-        "merge_window_sizes",
-        "get_num_kernel_states",
-        "max_num_blocks_per_req",
-        "max_admission_blocks_per_request",
-        "num_retained_tokens",
-        "prefix_replay_tokens",
-        "copy_with_new_block_size",
-        "get_block_stride_alignment",
-        "block_table_token_alignment",
-        "has_layer_views",
-        "is_uniform_with_collection",
-        "sliding_window",
-        "attention_chunk_size",
-        "rswa_window",
-    }
-)
-"""Members of vLLM's spec API that decide a page's layout or which blocks a request
-keeps. A subclass that overrides one of these (or a member its ancestor's adapter
-``reads``) without an adapter of its own is refused: the parent's answer may not hold."""
 
 SpecT = TypeVar("SpecT", bound="KVCacheSpec")
 TraitsT = TypeVar("TraitsT", bound=KVLayoutTraits)
@@ -114,32 +86,7 @@ def resolving_registry() -> Registry:
     return _resolving.get(default_registry)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Accounting:
-    """What one registration declares: ``reads`` None means 'the fields the class itself
-    declares, plus what its nearest adapted ancestor accounts for'."""
-
-    reads: frozenset[str] | None
-    ignores: frozenset[str]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Plan:
-    """Everything resolution needs to know about one spec class, computed once."""
-
-    owner: type[Any]
-    adapter: Callable[[Any], KVLayoutTraits]
-    adapter_name: str
-    field_names: tuple[str, ...]
-    # Unaccounted fields that must hold their default: (name, default).
-    at_default: tuple[tuple[str, object], ...]
-    # Unaccounted fields without a default: the class is refused outright.
-    required: tuple[str, ...]
-    # Overridden layout members of a subclass without its own adapter.
-    members: tuple[str, ...]
-
-
-class Registry:
+class Registry(FieldAccounting, AdapterLoading):
     """Maps spec classes to adapters and answers :meth:`traits_of`.
 
     ``Registry()`` loads the built-in vLLM adapters and the entry-point adapters on first
@@ -163,7 +110,7 @@ class Registry:
         # Bumped by every change of adapters: an answer computed under an older
         # generation is never cached.
         self._generation = 0
-        self._by_type: dict[type[Any], _Plan] = {}
+        self._by_type: dict[type[Any], Plan] = {}
         # id(spec) -> traits: the warm path. `_alive` holds every spec cached here, so while
         # an entry exists no other live object can have that id; both are cleared together.
         self._by_id: dict[int, KVLayoutTraits] = {}
@@ -216,8 +163,8 @@ class Registry:
                 f"adapter for {spec_type.__qualname__} must be callable, got {adapter!r}"
             )
         accounting = _Accounting(
-            None if reads is None else _names(spec_type, "reads", reads),
-            _names(spec_type, "ignores", ignores),
+            None if reads is None else field_names_of(spec_type, "reads", reads),
+            field_names_of(spec_type, "ignores", ignores),
         )
         # Built-ins first, so a clash with them is refused now. Entry points are not
         # loaded from here: a module registering by decorator may itself be one.
@@ -285,6 +232,18 @@ class Registry:
         self._ensure_loaded()
         return dict(self._adapters)
 
+    def registrations(self) -> Mapping[type[Any], Registration]:
+        """A snapshot of the registrations by class: each adapter with the fields it
+        declared it reads and ignores (loads built-ins first)."""
+        self._ensure_loaded()
+        with self._lock:
+            return {
+                spec_type: Registration(
+                    adapter, self._accounting[spec_type].reads, self._accounting[spec_type].ignores
+                )
+                for spec_type, adapter in self._adapters.items()
+            }
+
     def copy(self, *, name: str | None = None) -> Registry:
         """An isolated registry with the same adapters (built-ins loaded)."""
         self._ensure_loaded()
@@ -293,37 +252,6 @@ class Registry:
             new._adapters = dict(self._adapters)
             new._accounting = dict(self._accounting)
         return new
-
-    # -- questions about classes --------------------------------------------------------
-
-    def owner_of(self, spec_type: type[Any]) -> type[Any]:
-        """The class whose adapter serves ``spec_type`` (itself or an ancestor)."""
-        return self._plan(spec_type).owner
-
-    def accounted_fields(self, spec_type: type[Any]) -> frozenset[str]:
-        """The names the adapter serving ``spec_type`` accounts for (reads or ignores)."""
-        owner = self._plan(spec_type).owner
-        with self._lock:
-            return self._accounted(owner)
-
-    def read_fields(self, spec_type: type[Any]) -> frozenset[str]:
-        """The names the adapter serving ``spec_type`` reads (a subset of
-        :meth:`accounted_fields`; the rest it knows do not affect the layout)."""
-        owner = self._plan(spec_type).owner
-        with self._lock:
-            return self._reads(owner)
-
-    def unaccounted_fields(self, spec_type: type[Any]) -> tuple[str, ...]:
-        """The dataclass fields of ``spec_type`` (own and inherited) that the adapter
-        serving it does not account for. Each must hold its default, or the spec is
-        refused; a field without a default refuses the class outright."""
-        plan = self._plan(spec_type)
-        return (*(name for name, _ in plan.at_default), *plan.required)
-
-    def overridden_members(self, spec_type: type[Any]) -> tuple[str, ...]:
-        """Layout members that ``spec_type`` or a class between it and the class whose
-        adapter serves it overrides (empty when the class has its own adapter)."""
-        return self._plan(spec_type).members
 
     # -- resolution ---------------------------------------------------------------------
 
@@ -370,7 +298,7 @@ class Registry:
             raise RuntimeError("unreachable")
         return traits
 
-    def _answer(self, spec: KVCacheSpec, plan: _Plan) -> KVLayoutTraits:
+    def _answer(self, spec: KVCacheSpec, plan: Plan) -> KVLayoutTraits:
         spec_type = type(spec)
         if plan.required:
             raise UnsupportedSpecError(
@@ -429,95 +357,6 @@ class Registry:
             raise self._members_error(spec_type, plan)
         return traits
 
-    @staticmethod
-    def _members_error(spec_type: type[Any], plan: _Plan) -> UnsupportedSpecError:
-        return UnsupportedSpecError(
-            spec_type,
-            f"it overrides {', '.join(plan.members)}, which the adapter for "
-            f"{plan.owner.__qualname__} relies on, so that adapter's answer may not "
-            "describe it",
-            members=plan.members,
-            adapter=plan.adapter_name,
-        )
-
-    def _plan(self, spec_type: type[Any]) -> _Plan:
-        plan = self._by_type.get(spec_type)
-        if plan is not None:
-            return plan
-        self._ensure_loaded()
-        with self._lock:
-            for klass in spec_type.__mro__:
-                adapter = self._adapters.get(klass)
-                if adapter is not None:
-                    plan = self._make_plan(spec_type, klass, adapter)
-                    self._by_type[spec_type] = plan
-                    return plan
-        raise UnsupportedSpecError(
-            spec_type,
-            "neither it nor any of its bases has an adapter (is it a vLLM KV cache spec? "
-            "traits_of takes a spec instance, such as a FullAttentionSpec)",
-            fixable=False,
-        )
-
-    def _make_plan(
-        self, spec_type: type[Any], owner: type[Any], adapter: Callable[[Any], KVLayoutTraits]
-    ) -> _Plan:
-        accounted = self._accounted(owner)
-        fields = dataclasses.fields(spec_type) if dataclasses.is_dataclass(spec_type) else ()
-        at_default: list[tuple[str, object]] = []
-        required: list[str] = []
-        for f in fields:
-            if f.name in accounted:
-                continue
-            if f.default is not dataclasses.MISSING:
-                at_default.append((f.name, f.default))
-            elif f.default_factory is not dataclasses.MISSING:
-                at_default.append((f.name, f.default_factory()))
-            else:
-                required.append(f.name)
-        field_names = tuple(f.name for f in fields)
-        members: list[str] = []
-        if owner is not spec_type:
-            relied_on = LAYOUT_MEMBERS | self._reads(owner)
-            for klass in spec_type.__mro__:
-                if klass is owner:
-                    break
-                members.extend(
-                    name
-                    for name in vars(klass)
-                    if name in relied_on and name not in field_names and name not in members
-                )
-        return _Plan(
-            owner=owner,
-            adapter=adapter,
-            adapter_name=_adapter_name(adapter),
-            field_names=field_names,
-            at_default=tuple(at_default),
-            required=tuple(required),
-            members=tuple(sorted(members)),
-        )
-
-    def _accounted(self, klass: type[Any]) -> frozenset[str]:
-        """Names the registration for ``klass`` accounts for (reads and ignores)."""
-        declared = self._accounting.get(klass, _Accounting(None, frozenset()))
-        if declared.reads is not None:
-            return declared.reads | declared.ignores
-        return _own_fields(klass) | self._inherited(klass) | declared.ignores
-
-    def _reads(self, klass: type[Any]) -> frozenset[str]:
-        declared = self._accounting.get(klass, _Accounting(None, frozenset()))
-        if declared.reads is not None:
-            return declared.reads
-        return _own_fields(klass) | self._inherited(klass, reads_only=True)
-
-    def _inherited(self, klass: type[Any], *, reads_only: bool = False) -> frozenset[str]:
-        for parent in klass.__mro__[1:]:
-            if parent in self._adapters:
-                return self._reads(parent) if reads_only else self._accounted(parent)
-        # No adapted ancestor accounts for the inherited fields: the adapter written for
-        # this class is taken to account for every field it has.
-        return _all_fields(klass)
-
     def _invalidate(self) -> None:
         # Under self._lock (or before the registry is shared).
         self._generation += 1
@@ -529,250 +368,6 @@ class Registry:
         self._alive.clear()
         self._by_value.clear()
         self._mutable.clear()
-
-    # -- loading ------------------------------------------------------------------------
-
-    def _ensure_builtins(self) -> None:
-        if self._builtins_loaded:
-            return
-        with self._lock:
-            self._copy_builtins()
-
-    def _copy_builtins(self) -> None:
-        if self._builtins_loaded:  # another thread copied them while we waited
-            return
-        # The built-in adapters import vLLM and torch, never pinned by us.
-        with needs("resolving vLLM KV cache specs (kvspec_traits.traits_of)"):
-            builtins: Registry = importlib.import_module(_BUILTIN_MODULE).BUILTINS
-        for spec_type, adapter in builtins._adapters.items():
-            if spec_type not in self._adapters:
-                self._adapters[spec_type] = adapter
-                self._accounting[spec_type] = builtins._accounting[spec_type]
-        self._builtins_loaded = True
-        self._invalidate()
-
-    def _ensure_loaded(self) -> None:
-        if not self._loaded and not self._loading:
-            self._load()
-
-    def _load(self) -> None:
-        self._ensure_builtins()
-        with self._lock:
-            if self._loaded or self._loading:
-                return
-            if not self._want_entry_points:
-                self._loaded = True
-                return
-            # Entry points call back into register(), which must not load again.
-            self._loading = True
-            before = (dict(self._adapters), dict(self._accounting), set(self._hooks_done))
-            deferred = False
-            try:
-                for ep in entry_points(group=ENTRY_POINT_GROUP):
-                    key = f"{ep.name}={ep.value}"
-                    if key in self._hooks_done:
-                        continue
-                    if _importing(ep.module):
-                        # Its module is importing right now (it registers by decorator
-                        # and asked for traits before finishing): load it next time.
-                        deferred = True
-                        continue
-                    self._run_hook(ep)
-                    self._hooks_done.add(key)
-            except BaseException:
-                # All or nothing: a failing plugin leaves the registry as it was, and the
-                # next call tries again (and fails again, naming the plugin).
-                self._adapters, self._accounting, self._hooks_done = before
-                raise
-            else:
-                self._loaded = not deferred
-            finally:
-                self._loading = False
-                self._invalidate()
-
-    def _run_hook(self, ep: EntryPoint) -> None:
-        where = f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r}"
-        try:
-            hook = ep.load()
-        except Exception as exc:
-            raise AdapterPluginError(ep.name, f"{where} failed to import: {exc!r}") from exc
-        if not callable(hook):
-            raise AdapterPluginError(
-                ep.name,
-                f"{where} must name a function "
-                "`register(registry: kvspec_traits.Registry) -> None`",
-            )
-        try:
-            hook(self)
-        except Exception as exc:
-            raise AdapterPluginError(
-                ep.name, f"{where} raised {exc!r}; fix or uninstall that package"
-            ) from exc
-
-
-def _names(spec_type: type[Any], what: str, names: Iterable[str]) -> frozenset[str]:
-    if isinstance(names, str):
-        raise TypeError(
-            f"{what} for {spec_type.__qualname__} takes field names, not one "
-            f"string: write {what}=({names!r},)"
-        )
-    result = frozenset(names)
-    bad = [n for n in result if not isinstance(n, str) or not n.isidentifier()]
-    if bad:
-        raise TypeError(f"{what} for {spec_type.__qualname__} must be field names, got {bad!r}")
-    return result
-
-
-def _own_fields(klass: type[Any]) -> frozenset[str]:
-    """The dataclass fields ``klass`` declares in its own body."""
-    if not dataclasses.is_dataclass(klass):
-        return frozenset()
-    annotations = vars(klass).get("__annotations__", {})
-    return frozenset(f.name for f in dataclasses.fields(klass) if f.name in annotations)
-
-
-def _all_fields(klass: type[Any]) -> frozenset[str]:
-    if not dataclasses.is_dataclass(klass):
-        return frozenset()
-    return frozenset(f.name for f in dataclasses.fields(klass))
-
-
-def _importing(module: str) -> bool:
-    found = sys.modules.get(module)
-    spec = getattr(found, "__spec__", None)
-    return bool(getattr(spec, "_initializing", False))
-
-
-def _same(value: object, default: object) -> bool:
-    if value is default:
-        return True
-    if type(value) is not type(default):
-        return False
-    try:
-        return bool(value == default)
-    except Exception:  # a value that cannot be compared is not the default
-        return False
-
-
-def _frozen(value: object) -> object:
-    # One level: a group spec's dict holds frozen member specs, compared by identity
-    # first. Built in C (items(), tuple()), so a 61-layer group costs a few microseconds.
-    if isinstance(value, dict):
-        return (dict, tuple(value.items()))
-    if isinstance(value, list):
-        return (list, tuple(value))
-    if isinstance(value, set):
-        return (set, frozenset(value))
-    return value
-
-
-def _snapshot(spec: object, field_names: tuple[str, ...]) -> object:
-    """The spec's field values, with containers turned into tuples: equal snapshots mean
-    an unchanged spec (members compare by identity first, so this is cheap)."""
-    if field_names:
-        return tuple(_frozen(getattr(spec, name, None)) for name in field_names)
-    return _frozen(dict(getattr(spec, "__dict__", {})))
-
-
-# trait -> (accepted types, may be None)
-_INT: Final = (int,)
-_NUM: Final = (int, Fraction)
-_TRAIT_TYPES: Final[dict[str, tuple[tuple[type[Any], ...], bool]]] = {
-    "spec_name": ((str,), False),
-    "is_mla": ((bool,), False),
-    "tp_layout": ((TPLayout,), False),
-    "tp_shards": (_INT, True),
-    "token_scope": ((TokenScope,), False),
-    "window_tokens": (_INT, True),
-    "block_size": (_INT, False),
-    "num_head_slots": (_INT, False),
-    "kv_head_contiguous": ((bool,), False),
-    "tokens_per_state": (_NUM, True),
-    "states_per_block": (_INT, False),
-    "state_bytes": (_INT, False),
-    "unpadded_page_size_bytes": (_INT, False),
-    "page_size_bytes": (_INT, False),
-    "per_token_bytes": (_NUM, True),
-    "dtype": ((str,), True),
-    "kv_quant_mode": ((str,), False),
-    "components": ((tuple,), False),
-    "prefix_cacheable": ((bool,), False),
-    "uses_slot_mapping": ((bool,), False),
-    "transferable": ((bool,), False),
-}
-_POSITIVE: Final = frozenset(
-    {"block_size", "num_head_slots", "states_per_block", "tp_shards", "tokens_per_state"}
-)
-_NON_NEGATIVE: Final = frozenset(
-    {"state_bytes", "unpadded_page_size_bytes", "page_size_bytes", "per_token_bytes"}
-)
-_WINDOWED: Final = frozenset(
-    {TokenScope.SLIDING_WINDOW, TokenScope.CHUNKED, TokenScope.PROMPT_AND_WINDOW, TokenScope.RING}
-)
-
-
-def _check_result(spec: object, traits: object, adapter: str) -> None:
-    """Raise :class:`AdapterResultError` unless ``traits`` is a valid KVLayoutTraits."""
-    values: dict[str, object] = {}
-    for name in trait_names():
-        accepted, optional = _TRAIT_TYPES[name]
-        try:
-            value = getattr(traits, name)
-        except MixedGroupTraitsError:
-            continue  # a group whose members disagree: a valid answer, asked per layer
-        except AttributeError:
-            raise AdapterResultError(spec, adapter, name, traits, "is missing") from None
-        except Exception as exc:
-            raise AdapterResultError(
-                spec, adapter, name, traits, f"raised {type(exc).__name__}: {exc}"
-            ) from exc
-        if value is None and optional:
-            values[name] = value
-            continue
-        if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
-            want = " or ".join(t.__name__ for t in accepted) + (" or None" if optional else "")
-            raise AdapterResultError(
-                spec, adapter, name, traits, f"is {value!r} ({type(value).__name__}), not {want}"
-            )
-        if name in _POSITIVE and value <= 0:
-            raise AdapterResultError(spec, adapter, name, traits, f"is {value!r}, not > 0")
-        if name in _NON_NEGATIVE and value < 0:
-            raise AdapterResultError(spec, adapter, name, traits, f"is {value!r}, not >= 0")
-        values[name] = value
-    components = values.get("components", ())
-    if isinstance(components, tuple) and not all(isinstance(c, PageComponent) for c in components):
-        raise AdapterResultError(
-            spec, adapter, "components", traits, "holds something other than PageComponent"
-        )
-    scope, window = values.get("token_scope"), values.get("window_tokens", _NO_DEFAULT)
-    if window is _NO_DEFAULT or scope is None:
-        pass  # a group whose members disagree on one of them
-    elif scope in _WINDOWED and (not isinstance(window, int) or window <= 0):
-        raise AdapterResultError(
-            spec,
-            adapter,
-            "window_tokens",
-            traits,
-            f"is {window!r} for the windowed scope {scope}; a positive "
-            "number of tokens is required",
-        )
-    elif scope not in _WINDOWED and window is not None:
-        raise AdapterResultError(
-            spec,
-            adapter,
-            "window_tokens",
-            traits,
-            f"is {window!r} for the unwindowed scope {scope}; it must be None",
-        )
-    page, unpadded = values.get("page_size_bytes"), values.get("unpadded_page_size_bytes")
-    if isinstance(page, int) and isinstance(unpadded, int) and page < unpadded:
-        raise AdapterResultError(
-            spec,
-            adapter,
-            "page_size_bytes",
-            traits,
-            f"is {page}, smaller than its content {unpadded}",
-        )
 
 
 def _warm_path(
@@ -798,10 +393,6 @@ def _warm_path(
         return resolve(spec)
 
     return traits_of
-
-
-def _adapter_name(adapter: object) -> str:
-    return f"{getattr(adapter, '__module__', '?')}.{getattr(adapter, '__qualname__', adapter)}"
 
 
 default_registry: Final = Registry(name="default")

@@ -7,19 +7,24 @@ dtype travels as its name (``"bfloat16"``), a quantisation mode as vLLM's enum m
 from __future__ import annotations
 
 import enum
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
-from typing import Protocol
+from typing import Annotated, Any, Protocol
 
 __all__ = [
+    "GroupRule",
     "KVLayoutTraits",
     "LayoutTraits",
     "PageComponent",
     "TPLayout",
     "TokenScope",
     "TraitValue",
+    "group_rule",
     "trait_names",
+    "trait_types",
     "traits_as_dict",
 ]
 
@@ -59,6 +64,22 @@ class TokenScope(enum.Enum):
     """HiSparse: reclaimable device copies of pages whose source of truth is on the host."""
     NONE = "none"
     """Nothing is kept across steps (encoder-only attention)."""
+
+
+class GroupRule(enum.Enum):
+    """How a group of layers allocated as one page (``GroupTraits``) answers a trait,
+    declared on the trait's annotation in :class:`LayoutTraits` (``Annotated[int,
+    GroupRule.SUM]``); a trait without one is ``COMMON``."""
+
+    COMMON = "common"
+    """The members' common value; members that disagree raise ``MixedGroupTraitsError``."""
+    SUM = "sum"
+    """The members' values added up (a group page is their pages side by side); ``None``
+    when every member's is ``None``."""
+    ALL = "all"
+    """True only if it is true of every member (as vLLM's group ``prefix_cacheable``)."""
+    MEMBERS = "members"
+    """Built from the members on demand (the components, with layer-prefixed names)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -321,15 +342,15 @@ class LayoutTraits(KVLayoutTraits):
     tokens_per_state: int | Fraction | None
     states_per_block: int
     state_bytes: int
-    unpadded_page_size_bytes: int
-    page_size_bytes: int
-    per_token_bytes: int | Fraction | None
+    unpadded_page_size_bytes: Annotated[int, GroupRule.SUM]
+    page_size_bytes: Annotated[int, GroupRule.SUM]
+    per_token_bytes: Annotated[int | Fraction | None, GroupRule.SUM]
     dtype: str | None
     kv_quant_mode: str
-    components: tuple[PageComponent, ...] = field(default=())
-    prefix_cacheable: bool
+    components: Annotated[tuple[PageComponent, ...], GroupRule.MEMBERS] = field(default=())
+    prefix_cacheable: Annotated[bool, GroupRule.ALL]
     uses_slot_mapping: bool
-    transferable: bool
+    transferable: Annotated[bool, GroupRule.ALL]
 
     def __post_init__(self) -> None:
         # The protocol's properties sit on the base class, so dataclass takes them as the
@@ -379,3 +400,30 @@ def trait_names() -> tuple[str, ...]:
 def traits_as_dict(traits: KVLayoutTraits) -> Mapping[str, TraitValue]:
     """Every trait of any implementation, by name (reads each property once)."""
     return {name: getattr(traits, name) for name in trait_names()}
+
+
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(LayoutTraits, include_extras=True)
+
+
+def group_rule(name: str) -> GroupRule:
+    """How a group answers trait ``name``: the :class:`GroupRule` on its annotation in
+    :class:`LayoutTraits`, else ``COMMON``."""
+    hint = _hints()[name]
+    if typing.get_origin(hint) is Annotated:
+        for extra in hint.__metadata__:
+            if isinstance(extra, GroupRule):
+                return extra
+    return GroupRule.COMMON
+
+
+def trait_types() -> dict[str, tuple[tuple[type[Any], ...], bool]]:
+    """Each trait's accepted runtime types and whether it may be ``None``, read from
+    :class:`LayoutTraits`'s annotations (``int | Fraction | None`` -> ``((int, Fraction),
+    True)``; ``tuple[PageComponent, ...]`` -> ``((tuple,), False)``)."""
+    found: dict[str, tuple[tuple[type[Any], ...], bool]] = {}
+    for name, hint in typing.get_type_hints(LayoutTraits).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        accepted = tuple(typing.get_origin(a) or a for a in args if a is not type(None))
+        found[name] = (accepted, type(None) in args)
+    return {name: found[name] for name in trait_names()}

@@ -1,11 +1,5 @@
-"""Building blocks for adapter authors: the built-in adapters' own math, public.
-
-An adapter for an attention-like spec is then a few lines::
-
-    @register_adapter(ScaledFullSpec, reads=(*ATTENTION_READS, "scale_bytes"),
-                      ignores=ATTENTION_IGNORES)
-    def adapt(spec: ScaledFullSpec) -> LayoutTraits:
-        return attention_traits(spec)
+"""The adapter building blocks under their former name: the same objects as in
+:mod:`kvspec_traits.extend`, where new code imports them from.
 
 Importing this module imports vLLM and torch (as ``kvspec_traits.catalog`` does);
 ``import kvspec_traits`` alone imports neither. See ``docs/extending.md``.
@@ -13,7 +7,7 @@ Importing this module imports vLLM and torch (as ``kvspec_traits.catalog`` does)
 
 from __future__ import annotations
 
-from kvspec_traits._vllm_adapters import (
+from kvspec_traits.extend import (
     ATTENTION_IGNORES,
     ATTENTION_READS,
     BASE_IGNORES,

@@ -16,22 +16,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import importlib
 import importlib.util
 import inspect
-import json
-import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Final, Protocol
 
 from kvspec_traits._errors import AdapterPluginError
-from kvspec_traits._registry import ENTRY_POINT_GROUP
+from kvspec_traits.audit._cache import (
+    cache_file,
+    default_cache_dir,
+    file_stat,
+    installed_extensions,
+    installed_vllm_dir,
+    read_json,
+    write_json,
+)
 from kvspec_traits.audit._questions import QUESTIONS
 
 __all__ = [
@@ -46,7 +49,6 @@ __all__ = [
 ]
 
 _FORMAT: Final = 3
-_CACHE_ENV: Final = "KVSPEC_TRAITS_CACHE_DIR"
 
 
 class ClassDefinitionLike(Protocol):
@@ -243,37 +245,6 @@ class Universe:
         )
 
 
-def installed_vllm_dir() -> Path | None:
-    """The directory of the ``vllm`` package Python would import (``PYTHONPATH`` first),
-    found without importing it; ``None`` when there is none."""
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations))).resolve()
-
-
-def installed_extensions() -> tuple[str, ...]:
-    """The installed packages publishing adapters in the ``kvspec_traits.adapters``
-    entry-point group, as sorted ``"name version"`` strings, read from their metadata
-    (nothing is imported)."""
-    found = set()
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        dist = ep.dist
-        found.add(f"{dist.name} {dist.version}" if dist is not None else f"{ep.value} ?")
-    return tuple(sorted(found))
-
-
-def _stat(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size
-
-
 def build_universe(*, extensions: bool = True) -> Universe:
     """Import vLLM through the catalog and compute every class's answers.
 
@@ -354,7 +325,7 @@ def build_universe(*, extensions: bool = True) -> Universe:
             src = inspect.getsourcefile(obj)
         except TypeError:  # defined in C: no file
             continue
-        st = _stat(src) if src else None
+        st = file_stat(src) if src else None
         if src and st:
             sources[src] = st
     classes = {
@@ -406,56 +377,16 @@ def _group_attributes(cls: type[Any]) -> set[str]:
     return {name for name in own if not name.startswith("__")}
 
 
-def default_cache_dir() -> Path:
-    """``$KVSPEC_TRAITS_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvspec-traits``, else
-    ``~/.cache/kvspec-traits``."""
-    env = os.environ.get(_CACHE_ENV)
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvspec-traits"
-
-
-_ANSWERING_MODULES: Final = (
-    "_vllm_adapters.py",
-    "_traits.py",
-    "_group.py",
-    "_registry.py",
-    "_verify.py",
-    "catalog.py",
-    "audit/_questions.py",
-    "audit/_universe.py",
-)
-
-
-def _library_stamp() -> str:
-    # The adapters, the catalog and the questions decide the answers: a change to any of
-    # them invalidates the cache (other modules of the library do not).
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for name in _ANSWERING_MODULES:
-        h.update(f"{name}:{_stat(str(root / name))}".encode())
-    return h.hexdigest()[:16]
-
-
-def _cache_file(cache_dir: Path, vdir: Path | None, extensions: tuple[str, ...]) -> Path:
-    # Installing, upgrading or removing an extension changes the key: its classes are in
-    # the sets.
-    key = hashlib.sha256(f"{vdir}|{_library_stamp()}|{';'.join(extensions)}".encode()).hexdigest()[
-        :16
-    ]
-    return cache_dir / f"audit-classes-{key}.json"
-
-
 def load_universe(
     *, cache_dir: Path | None = None, refresh: bool = False, extensions: bool = True
 ) -> Universe:
     """The class sets of the vLLM Python would import and of the installed extensions
     (without ``extensions``: of vLLM alone), from the cache when it is fresh.
 
-    The cache is keyed by the vLLM directory, the kvspec-traits sources and the installed
-    extensions (name and version), and is stale when any file defining a spec class
-    changed (size or mtime). ``refresh`` rebuilds.
+    The cache is keyed by the vLLM directory, the kvspec-traits sources (every source
+    file of the package, by path and stat: :func:`kvspec_traits.audit._cache.library_stamp`)
+    and the installed extensions (name and version), and is stale when any file defining a
+    spec class changed (size or mtime). ``refresh`` rebuilds.
     Raises :class:`ClassSetsUnavailableError` when it must be built and vLLM is missing.
     """
     vdir = installed_vllm_dir()
@@ -465,38 +396,24 @@ def load_universe(
             "covers from the installed vLLM; install it, or pass --classes FILE"
         )
     installed = installed_extensions() if extensions else ()
-    path = _cache_file(cache_dir or default_cache_dir(), vdir, installed)
+    path = cache_file(cache_dir or default_cache_dir(), vdir, installed)
     if not refresh:
         cached = _read_cache(path)
         if (
             cached is not None
             and cached.vllm_path == str(vdir)
             and cached.extensions == installed
-            and all(_stat(p) == s for p, s in cached.sources.items())
+            and all(file_stat(p) == s for p, s in cached.sources.items())
         ):
             return cached
     universe = build_universe(extensions=extensions)
-    _write_cache(path, universe)
+    write_json(path, universe.to_json())
     return universe
 
 
 def _read_cache(path: Path) -> Universe | None:
+    data = read_json(path)
     try:
-        return Universe.from_json(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # a missing or damaged cache is rebuilt
-
-
-def _write_cache(path: Path, universe: Universe) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".audit-classes-")
-    except OSError:
-        return  # an unwritable cache only costs the next run the vLLM import
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(universe.to_json(), fh)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        return Universe.from_json(data) if isinstance(data, dict) else None
+    except (ValueError, KeyError, TypeError):
+        return None  # a damaged cache is rebuilt

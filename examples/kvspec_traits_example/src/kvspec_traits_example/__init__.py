@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-from kvspec_traits import LayoutTraits, Registry, register_adapter
-from kvspec_traits.helpers import attention_traits
+from kvspec_traits.extend import LayoutTraits, Registry, attention_traits, register_adapter
 
 __all__ = [
     "SCALE_BYTES",

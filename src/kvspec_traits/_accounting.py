@@ -1,0 +1,255 @@
+"""Field accounting and overridden members: what a registration says about its spec
+class's fields, and which classes an inherited adapter may not answer for.
+
+For each spec class a :class:`Plan` is computed once: the class whose adapter serves it,
+the fields that adapter does not account for (each must hold its default, or the class is
+refused when it has none) and the layout members a subclass overrides without an adapter
+of its own (refused: the parent's answer may not hold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Final
+
+from kvspec_traits._errors import (
+    UnsupportedSpecError,
+)
+from kvspec_traits._traits import (
+    KVLayoutTraits,
+)
+from kvspec_traits._verify import CHECKED_PROPERTIES
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["LAYOUT_MEMBERS", "FieldAccounting", "Plan", "Registration", "adapter_name"]
+
+LAYOUT_MEMBERS: Final = frozenset(
+    {
+        *CHECKED_PROPERTIES,
+        "max_memory_usage_bytes",
+        "merge",
+        "merge_window_sizes",
+        "get_num_kernel_states",
+        "max_num_blocks_per_req",
+        "max_admission_blocks_per_request",
+        "num_retained_tokens",
+        "prefix_replay_tokens",
+        "copy_with_new_block_size",
+        "get_block_stride_alignment",
+        "block_table_token_alignment",
+        "has_layer_views",
+        "is_uniform_with_collection",
+        "sliding_window",
+        "attention_chunk_size",
+        "rswa_window",
+    }
+)
+"""Members of vLLM's spec API that decide a page's layout or which blocks a request
+keeps. A subclass that overrides one of these (or a member its ancestor's adapter
+``reads``) without an adapter of its own is refused: the parent's answer may not hold."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Registration:
+    """One registration: the adapter and what it declares about the class's fields.
+    ``reads`` None means 'the fields the class itself declares, plus what its nearest
+    adapted ancestor accounts for'; ``ignores`` are fields known not to affect the
+    layout."""
+
+    adapter: Callable[[Any], KVLayoutTraits]
+    reads: frozenset[str] | None
+    ignores: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Accounting:
+    """What one registration declares: ``reads`` None means 'the fields the class itself
+    declares, plus what its nearest adapted ancestor accounts for'."""
+
+    reads: frozenset[str] | None
+    ignores: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything resolution needs to know about one spec class, computed once."""
+
+    owner: type[Any]
+    adapter: Callable[[Any], KVLayoutTraits]
+    adapter_name: str
+    field_names: tuple[str, ...]
+    # Unaccounted fields that must hold their default: (name, default).
+    at_default: tuple[tuple[str, object], ...]
+    # Unaccounted fields without a default: the class is refused outright.
+    required: tuple[str, ...]
+    # Overridden layout members of a subclass without its own adapter.
+    members: tuple[str, ...]
+
+
+class FieldAccounting:
+    """The questions about classes a :class:`~kvspec_traits.Registry` answers from its
+    registrations (mixed into it; the registry holds the state)."""
+
+    _adapters: dict[type[Any], Callable[[Any], KVLayoutTraits]]
+    _accounting: dict[type[Any], _Accounting]
+    _by_type: dict[type[Any], Plan]
+    _lock: threading.RLock
+
+    if TYPE_CHECKING:  # provided by the registry this is mixed into
+
+        def _ensure_loaded(self) -> None: ...
+
+    # -- questions about classes --------------------------------------------------------
+
+    def owner_of(self, spec_type: type[Any]) -> type[Any]:
+        """The class whose adapter serves ``spec_type`` (itself or an ancestor)."""
+        return self._plan(spec_type).owner
+
+    def accounted_fields(self, spec_type: type[Any]) -> frozenset[str]:
+        """The names the adapter serving ``spec_type`` accounts for (reads or ignores)."""
+        owner = self._plan(spec_type).owner
+        with self._lock:
+            return self._accounted(owner)
+
+    def read_fields(self, spec_type: type[Any]) -> frozenset[str]:
+        """The names the adapter serving ``spec_type`` reads (a subset of
+        :meth:`accounted_fields`; the rest it knows do not affect the layout)."""
+        owner = self._plan(spec_type).owner
+        with self._lock:
+            return self._reads(owner)
+
+    def unaccounted_fields(self, spec_type: type[Any]) -> tuple[str, ...]:
+        """The dataclass fields of ``spec_type`` (own and inherited) that the adapter
+        serving it does not account for. Each must hold its default, or the spec is
+        refused; a field without a default refuses the class outright."""
+        plan = self._plan(spec_type)
+        return (*(name for name, _ in plan.at_default), *plan.required)
+
+    def overridden_members(self, spec_type: type[Any]) -> tuple[str, ...]:
+        """Layout members that ``spec_type`` or a class between it and the class whose
+        adapter serves it overrides (empty when the class has its own adapter)."""
+        return self._plan(spec_type).members
+
+    @staticmethod
+    def _members_error(spec_type: type[Any], plan: Plan) -> UnsupportedSpecError:
+        return UnsupportedSpecError(
+            spec_type,
+            f"it overrides {', '.join(plan.members)}, which the adapter for "
+            f"{plan.owner.__qualname__} relies on, so that adapter's answer may not "
+            "describe it",
+            members=plan.members,
+            adapter=plan.adapter_name,
+        )
+
+    def _plan(self, spec_type: type[Any]) -> Plan:
+        plan = self._by_type.get(spec_type)
+        if plan is not None:
+            return plan
+        self._ensure_loaded()
+        with self._lock:
+            for klass in spec_type.__mro__:
+                adapter = self._adapters.get(klass)
+                if adapter is not None:
+                    plan = self._make_plan(spec_type, klass, adapter)
+                    self._by_type[spec_type] = plan
+                    return plan
+        raise UnsupportedSpecError(
+            spec_type,
+            "neither it nor any of its bases has an adapter (is it a vLLM KV cache spec? "
+            "traits_of takes a spec instance, such as a FullAttentionSpec)",
+            fixable=False,
+        )
+
+    def _make_plan(
+        self, spec_type: type[Any], owner: type[Any], adapter: Callable[[Any], KVLayoutTraits]
+    ) -> Plan:
+        accounted = self._accounted(owner)
+        fields = dataclasses.fields(spec_type) if dataclasses.is_dataclass(spec_type) else ()
+        at_default: list[tuple[str, object]] = []
+        required: list[str] = []
+        for f in fields:
+            if f.name in accounted:
+                continue
+            if f.default is not dataclasses.MISSING:
+                at_default.append((f.name, f.default))
+            elif f.default_factory is not dataclasses.MISSING:
+                at_default.append((f.name, f.default_factory()))
+            else:
+                required.append(f.name)
+        field_names = tuple(f.name for f in fields)
+        members: list[str] = []
+        if owner is not spec_type:
+            relied_on = LAYOUT_MEMBERS | self._reads(owner)
+            for klass in spec_type.__mro__:
+                if klass is owner:
+                    break
+                members.extend(
+                    name
+                    for name in vars(klass)
+                    if name in relied_on and name not in field_names and name not in members
+                )
+        return Plan(
+            owner=owner,
+            adapter=adapter,
+            adapter_name=adapter_name(adapter),
+            field_names=field_names,
+            at_default=tuple(at_default),
+            required=tuple(required),
+            members=tuple(sorted(members)),
+        )
+
+    def _accounted(self, klass: type[Any]) -> frozenset[str]:
+        """Names the registration for ``klass`` accounts for (reads and ignores)."""
+        declared = self._accounting.get(klass, _Accounting(None, frozenset()))
+        if declared.reads is not None:
+            return declared.reads | declared.ignores
+        return _own_fields(klass) | self._inherited(klass) | declared.ignores
+
+    def _reads(self, klass: type[Any]) -> frozenset[str]:
+        declared = self._accounting.get(klass, _Accounting(None, frozenset()))
+        if declared.reads is not None:
+            return declared.reads
+        return _own_fields(klass) | self._inherited(klass, reads_only=True)
+
+    def _inherited(self, klass: type[Any], *, reads_only: bool = False) -> frozenset[str]:
+        for parent in klass.__mro__[1:]:
+            if parent in self._adapters:
+                return self._reads(parent) if reads_only else self._accounted(parent)
+        # No adapted ancestor accounts for the inherited fields: the adapter written for
+        # this class is taken to account for every field it has.
+        return _all_fields(klass)
+
+
+def field_names_of(spec_type: type[Any], what: str, names: Iterable[str]) -> frozenset[str]:
+    if isinstance(names, str):
+        raise TypeError(
+            f"{what} for {spec_type.__qualname__} takes field names, not one "
+            f"string: write {what}=({names!r},)"
+        )
+    result = frozenset(names)
+    bad = [n for n in result if not isinstance(n, str) or not n.isidentifier()]
+    if bad:
+        raise TypeError(f"{what} for {spec_type.__qualname__} must be field names, got {bad!r}")
+    return result
+
+
+def _own_fields(klass: type[Any]) -> frozenset[str]:
+    """The dataclass fields ``klass`` declares in its own body."""
+    if not dataclasses.is_dataclass(klass):
+        return frozenset()
+    annotations = vars(klass).get("__annotations__", {})
+    return frozenset(f.name for f in dataclasses.fields(klass) if f.name in annotations)
+
+
+def _all_fields(klass: type[Any]) -> frozenset[str]:
+    if not dataclasses.is_dataclass(klass):
+        return frozenset()
+    return frozenset(f.name for f in dataclasses.fields(klass))
+
+
+def adapter_name(adapter: object) -> str:
+    return f"{getattr(adapter, '__module__', '?')}.{getattr(adapter, '__qualname__', adapter)}"
