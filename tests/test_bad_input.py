@@ -192,6 +192,22 @@ def _window_specs(window: Any) -> list[tuple[kvi.KVCacheSpec, str, str]]:
     ]
 
 
+@pytest.mark.parametrize(("good", "bad"), [(128, 128.0), (1, True)], ids=["float", "bool"])
+def test_a_valid_equal_spec_answered_first_does_not_answer_for_an_invalid_one(
+    good: int, bad: object
+) -> None:
+    # Python calls 128 == 128.0 and 1 == True, so the two specs compare (and hash) equal;
+    # an answer cached by value for the valid one must not be handed to the invalid one.
+    # (Found when this file ran after tests that had resolved the window-128 specs.)
+    registry = Registry().copy()
+    for (spec, field, _), (twin, _, _) in zip(_window_specs(good), _window_specs(bad), strict=True):
+        assert spec == twin and hash(spec) == hash(twin)
+        assert registry.traits_of(spec).window_tokens == good
+        with pytest.raises(InvalidSpecError) as info:
+            registry.traits_of(twin)
+        assert (info.value.field, info.value.value) == (field, bad)
+
+
 @pytest.mark.parametrize(
     "window", [None, 0, -128, "128", 128.0, True], ids=["None", "0", "-128", "str", "float", "bool"]
 )

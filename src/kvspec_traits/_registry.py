@@ -45,6 +45,7 @@ from kvspec_traits._loading import ENTRY_POINT_GROUP, AdapterLoading
 from kvspec_traits._result_check import check_result as _check_result
 from kvspec_traits._result_check import same as _same
 from kvspec_traits._result_check import snapshot as _snapshot
+from kvspec_traits._result_check import value_types
 from kvspec_traits._traits import (
     KVLayoutTraits,
 )
@@ -269,7 +270,7 @@ class Registry(FieldAccounting, AdapterLoading):
             key: object = None
             try:
                 hash(spec)
-                key = spec
+                key = (spec, value_types(spec, plan.field_names))
             except TypeError:  # unhashable: keyed by a snapshot of its fields
                 snapshot = _snapshot(spec, plan.field_names)
                 try:

@@ -19,7 +19,7 @@ from kvspec_traits._traits import (
 if TYPE_CHECKING:
     pass
 
-__all__ = ["TRAIT_TYPES", "check_result", "same", "snapshot"]
+__all__ = ["TRAIT_TYPES", "check_result", "same", "snapshot", "value_types"]
 
 _NO_DEFAULT: Final = object()
 
@@ -48,11 +48,36 @@ def _frozen(value: object) -> object:
 
 
 def snapshot(spec: object, field_names: tuple[str, ...]) -> object:
-    """The spec's field values, with containers turned into tuples: equal snapshots mean
-    an unchanged spec (members compare by identity first, so this is cheap)."""
+    """The spec's field values, with containers turned into tuples, and the types of
+    those values: equal snapshots mean an unchanged spec (members compare by identity
+    first, so this is cheap)."""
     if field_names:
-        return tuple(_frozen(getattr(spec, name, None)) for name in field_names)
-    return _frozen(dict(getattr(spec, "__dict__", {})))
+        values: object = tuple(_frozen(getattr(spec, name, None)) for name in field_names)
+    else:
+        values = _frozen(dict(getattr(spec, "__dict__", {})))
+    return values, value_types(spec, field_names)
+
+
+def value_types(spec: object, field_names: tuple[str, ...]) -> object:
+    """The types of a spec's field values, through containers and member specs: specs
+    that compare equal while a value differs in type (``128`` and ``128.0``, ``1`` and
+    ``True``: Python calls them equal) must not share one cached answer, since one is
+    refused and the other is not."""
+    names = field_names or tuple(getattr(spec, "__dict__", {}))
+    return tuple(_types(getattr(spec, name, None), 0) for name in names)
+
+
+def _types(value: object, depth: int) -> object:
+    if depth > 4:  # deeper than any spec nests (group -> members -> their fields)
+        return type(value)
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return (type(value), tuple(_types(v, depth + 1) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((_types(k, depth + 1), _types(v, depth + 1)) for k, v in value.items()))
+    fields = getattr(type(value), "__dataclass_fields__", None)
+    if fields is not None:
+        return (type(value), tuple(_types(getattr(value, f, None), depth + 1) for f in fields))
+    return type(value)
 
 
 # trait -> (accepted types, may be None), read from LayoutTraits's annotations.
