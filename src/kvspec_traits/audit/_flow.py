@@ -205,12 +205,13 @@ def iterables_around(region: ast.AST, node: ast.AST) -> set[str]:
         ast.unparse(g.iter)
         for n in ast.walk(region)
         if isinstance(n, ast.GeneratorExp | ast.ListComp | ast.SetComp | ast.DictComp)
-        and _contains(n, node)
+        and contains(n, node)
         for g in n.generators
     }
 
 
-def _contains(tree: ast.AST, node: ast.AST) -> bool:
+def contains(tree: ast.AST, node: ast.AST) -> bool:
+    """Whether ``node`` (by identity) is ``tree`` or inside it."""
     return any(sub is node for sub in ast.walk(tree))
 
 

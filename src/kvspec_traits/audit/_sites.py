@@ -14,6 +14,7 @@ from kvspec_traits.audit._checks import Check, CheckReader
 from kvspec_traits.audit._flow import (
     Constraint,
     TraitGuard,
+    contains,
     exits,
     flow_context,
     iterables_around,
@@ -86,10 +87,6 @@ class RawSite:
 
 def _position(node: ast.AST) -> int:
     return getattr(node, "lineno", 0) * 100_000 + getattr(node, "col_offset", 0)
-
-
-def _contains(tree: ast.AST, node: ast.AST) -> bool:
-    return any(sub is node for sub in ast.walk(tree))
 
 
 class SiteFinder(CheckReader):
@@ -345,7 +342,7 @@ class SiteFinder(CheckReader):
         stmt = self.stmt
         if isinstance(stmt, ast.Assert) or check.asserted:
             flags.append("assert")
-        if isinstance(stmt, ast.If) and _contains(stmt.test, check.node):
+        if isinstance(stmt, ast.If) and contains(stmt.test, check.node):
             if raises(stmt.body):
                 flags.append("validation")
             tail: ast.If = stmt
