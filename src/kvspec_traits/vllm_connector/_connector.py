@@ -19,7 +19,6 @@ upstream's, unchanged. docs/vllm.md lists the spec-class branches left in that c
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +48,7 @@ from kvspec_traits._traits import TPLayout
 from kvspec_traits.nixl._register import register_ranges
 from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
 from kvspec_traits.transfer._region import is_state
+from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector._errors import UpstreamDisagreesError
 from kvspec_traits.vllm_connector._facts import LayoutFacts, layout_facts
 from kvspec_traits.vllm_connector._fields import worker_fields
@@ -153,8 +153,15 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         )
 
     def _check_upstream_group_kinds(self) -> None:
-        """Upstream's descriptor-id math classifies groups by class (attention vs SSM);
-        it must agree with the traits or the descriptors would not match our regions."""
+        """Upstream's descriptor-id math numbers the groups of its ``transfer_groups``
+        and classifies them by class (attention vs SSM); both must agree with the
+        planner's or the descriptors would not match our regions."""
+        planned = tuple(g.kv_cache_group for g in self.layout_facts.transfer_groups)
+        if tuple(self.kv_cache_config.transfer_group_ids) != planned:
+            raise ValueError(
+                f"{CONNECTOR_NAME}: vLLM transfers cache groups "
+                f"{self.kv_cache_config.transfer_group_ids}, the region planner {planned}"
+            )
         for index, (spec_type, state_group) in enumerate(
             zip(self._group_spec_types, self.layout_facts.group_is_state, strict=True)
         ):
@@ -204,7 +211,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             self._quirks.packed_mla_rows
             and facts.mla
             and not facts.has_state
-            and bool(getattr(self, "_has_packed_cache", False))
+            and quirks.has_packed_cache(self)
             and self.pp_size == 1
         )
 
@@ -248,8 +255,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self.dst_num_blocks[self.engine_id] = self.num_blocks
         self.dst_region_num_blocks[self.engine_id] = self._xfer_region_num_blocks()
         self.dst_region_group_ids[self.engine_id] = self.region_group_ids
-        if hasattr(self, "dst_uses_region_group_mapping"):  # vLLM 0.32/0.33
-            self.dst_uses_region_group_mapping[self.engine_id] = self._uses_region_group_mapping
+        quirks.keep_dst_region_group_mapping(self, self.engine_id, self._uses_region_group_mapping)
         self.dst_region_mem_types[self.engine_id] = self.region_mem_types
 
         self.src_xfer_handles_by_block_size[self.block_size], self.src_blocks_data = (
@@ -265,7 +271,6 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             self.traits_fingerprint.digest[:16],
             plan.region_replicated,
         )
-        packed: dict[str, tuple[int, int]] = getattr(self, "_packed_member_layouts", {})
         agent_metadata = TraitsNixlAgentMetadata(
             engine_id=self.engine_id,
             agent_metadata=self.nixl_wrapper.get_agent_metadata(),
@@ -287,7 +292,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             dcp_size=self.dcp_size,
             pcp_size=self.pcp_size,
             region_members=self.region_members,
-            packed_member_layouts=packed,
+            packed_member_layouts=quirks.packed_member_layouts(self),
             kvspec_traits_fingerprint=self.traits_fingerprint.canonical(),
             **self._layer_group_ids(),
         )
@@ -300,9 +305,11 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
 
     def _layer_group_ids(self) -> dict[str, dict[str, int]]:
         """vLLM 0.34's metadata names each region member's transfer group."""
-        if "layer_group_ids" not in {f.name for f in dataclasses.fields(NixlAgentMetadata)}:
+        if not quirks.metadata_has_layer_group_ids(NixlAgentMetadata):
             return {}
-        by_layer = self.kv_cache_config.transfer_group_index_by_layer
+        by_layer = {
+            layer: g.index for g in self._layout_facts().transfer_groups for layer in g.layer_names
+        }
         return {
             "layer_group_ids": {
                 name: by_layer[name] for names in self.region_members for name in names
@@ -310,8 +317,8 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         }
 
     def _xfer_region_num_blocks(self) -> list[int]:
-        # vLLM 0.33 narrows them to the transfer layers' regions; 0.34 has no such list.
-        indices: list[int] = getattr(self, "_transfer_layer_region_indices", [])
+        # vLLM 0.33 narrows them to the transfer layers' regions.
+        indices = quirks.transfer_layer_region_indices(self)
         if indices:
             return [self.region_num_blocks[i] for i in indices]
         return list(self.region_num_blocks)
@@ -344,17 +351,14 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         if self._has_mamba:
             # vLLM counts state descriptors per logical block in every region.
             self.region_num_blocks = [self.num_blocks] * self.num_regions
-        # vLLM 0.33 tracks region members only where it routes by layer name; 0.34
-        # always does.
-        tracks = getattr(self, "_tracks_region_layers", None)
-        region_layers = [list(r.layers) for r in regions] if tracks is None or tracks() else []
-        self._set_region_layers(region_layers)
-        if hasattr(self, "_group_region_indices"):
-            # vLLM 0.34: per transfer group, its regions in region order.
-            self._group_region_indices = [
-                [r.index for r in regions if group in r.group_ids] or None
-                for group in range(len(self.kv_cache_config.transfer_groups))
-            ]
+        self._set_region_layers(
+            [list(r.layers) for r in regions] if quirks.tracks_region_layers(self) else []
+        )
+        quirks.keep_group_region_indices(
+            self,
+            [(r.index, r.group_ids) for r in regions],
+            len(self._layout_facts().transfer_groups),
+        )
         if self.pp_size > 1 and not self._requires_layer_name_routing():
             start, end = self.model_config.get_layers_start_end_indices(
                 self.vllm_config.parallel_config
@@ -372,15 +376,8 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                 f"{CONNECTOR_NAME}: mixed-device KV registration is only "
                 f"supported for MLA models without recurrent state"
             )
-        # vLLM 0.33 derives these from the regions at the same point.
-        if hasattr(self, "_get_head_sharded_draft_regions"):
-            self._head_sharded_draft_regions = self._get_head_sharded_draft_regions()
-        if hasattr(self, "_packed_member_layouts"):
-            self._packed_member_layouts: dict[str, tuple[int, int]] = {
-                layer: (offset, length)
-                for r in regions
-                for layer, offset, length in r.packed_members
-            }
+        # vLLM 0.33+ derives these from the regions at the same point.
+        quirks.derive_region_sets(self, [r.packed_members for r in regions])
 
     # -- handshake (the checks are vllm_connector._handshake's) --------------------------
 
