@@ -1,11 +1,17 @@
-"""Reading vLLM's KV cache config (or specs) for planning: traits, transfer group and
-block count of every layer. One traits lookup per layer (or per group spec).
+"""Reading vLLM's KV cache config (or specs) for planning: which cache groups are
+transferred and in what order (:func:`transfer_groups`, the one answer the planner and
+the connector share), and the traits, transfer group and block count of every layer.
+One traits lookup per layer (or per group spec).
 
-Pure: vLLM's types are named for type checking only.
+Pure: vLLM's types are named for type checking only. The config is read through the
+fields every vLLM series the connector supports (0.32-0.34) has (``enable_kv_transfer``,
+``host_resident``, ``hisparse_host_num_blocks``), without probing: no vLLM version
+knowledge lives in this package (the connector's is in ``vllm_connector._quirks``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +24,48 @@ from kvspec_traits.transfer._region import region_sort_key
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
-__all__ = ["config_facts"]
+__all__ = ["TransferGroup", "config_facts", "transfer_groups"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferGroup:
+    """A cache group that takes part in KV transfer."""
+
+    index: int
+    """Its position among the transferred groups (vLLM's ``transfer_groups``): the
+    region group id of its layers."""
+    kv_cache_group: int
+    """Its position in ``kv_cache_groups``."""
+    layer_names: tuple[str, ...]
+    spec: KVCacheSpec
+    host_resident: bool
+    """Lives in vLLM's HiSparse host pool (on the host, its own block count)."""
+    num_blocks: int | None
+    """The block count of its pool when that is not the config's ``num_blocks`` (the
+    host pool's for a host-resident group, as vLLM's ``KVCacheConfig.num_blocks_of``)."""
+
+
+def transfer_groups(config: KVCacheConfig) -> tuple[TransferGroup, ...]:
+    """The cache groups of ``config`` that are transferred, in transfer order: those
+    with ``enable_kv_transfer``, numbered as vLLM's ``KVCacheConfig.transfer_groups``.
+    Host-resident groups are transferred too (vLLM's NIXL worker registers them from
+    the host pool), over their pool's block count."""
+    host_blocks = config.hisparse_host_num_blocks
+    found: list[TransferGroup] = []
+    for position, group in enumerate(config.kv_cache_groups):
+        if not group.enable_kv_transfer:
+            continue
+        found.append(
+            TransferGroup(
+                index=len(found),
+                kv_cache_group=position,
+                layer_names=tuple(group.layer_names),
+                spec=group.kv_cache_spec,
+                host_resident=group.host_resident,
+                num_blocks=host_blocks if group.host_resident else None,
+            )
+        )
+    return tuple(found)
 
 
 def _not_transferable(traits: KVLayoutTraits) -> str:
@@ -45,26 +92,23 @@ def config_facts(
         if specs is not None:
             raise ValueError("pass kv_cache_config or specs, not both")
         n_blocks = config.num_blocks if num_blocks is None else num_blocks
-        transfer_index = 0
-        for group in config.kv_cache_groups:
-            if not group.enable_kv_transfer:
+        transferred = {g.kv_cache_group: g for g in transfer_groups(config)}
+        for position, group in enumerate(config.kv_cache_groups):
+            transfer = transferred.get(position)
+            if transfer is None:
                 for layer in group.layer_names:
                     skipped[layer] = "its cache group has enable_kv_transfer=False"
                 continue
-            group_traits = reg.traits_of(group.kv_cache_spec)
-            host_blocks = getattr(config, "hisparse_host_num_blocks", None)
-            for layer in group.layer_names:
-                if getattr(group, "host_resident", False) and host_blocks is not None:
-                    # A host-resident group lives in the HiSparse host pool, which has
-                    # its own block count (vLLM's KVCacheConfig.num_blocks_of).
-                    blocks[layer] = host_blocks
+            group_traits = reg.traits_of(transfer.spec)
+            for layer in transfer.layer_names:
+                if transfer.num_blocks is not None:
+                    blocks[layer] = transfer.num_blocks
                 layer_traits = traits_for_layer(group_traits, layer)
                 if not layer_traits.transferable:
                     skipped[layer] = _not_transferable(layer_traits)
                     continue
                 traits[layer] = layer_traits
-                groups[layer] = transfer_index
-            transfer_index += 1
+                groups[layer] = transfer.index
         return traits, groups, blocks, n_blocks, skipped
     if specs is None or num_blocks is None:
         raise ValueError("plan_regions needs kv_cache_config, or specs and num_blocks")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import TokenScope
-from kvspec_traits.transfer._config import config_facts
+from kvspec_traits.transfer._config import config_facts, transfer_groups
 from kvspec_traits.transfer._errors import MissingLayerError
 from kvspec_traits.transfer._geometry import (
     Piece,
@@ -189,7 +189,7 @@ def plan_regions(
     for region in regions:
         shard_count(region.tp_layout, region.tp_shards, tp_size, region=region.name)
     if kv_cache_config is not None:
-        num_groups = sum(1 for g in kv_cache_config.kv_cache_groups if g.enable_kv_transfer)
+        num_groups = len(transfer_groups(kv_cache_config))
     else:
         num_groups = max(group_ids.values(), default=0) + 1 if group_ids else 1
     return RegionPlan(

@@ -10,8 +10,8 @@ class is named here):
   id, name), the REPLICATE/SPLIT flag of each region, the state and scratch region
   indices, and the memory to register, from :func:`kvspec_traits.transfer.plan_regions`;
 - the per-region traits fingerprint, sent inside the NIXL agent metadata, and checked
-  against the peer's before vLLM's own handshake, so a layout mismatch is refused with
-  the named diff.
+  (by :mod:`~kvspec_traits.vllm_connector._handshake`) against the peer's inside vLLM's
+  handshake, so a layout mismatch is refused with the named diff.
 
 Everything else (transfers, descriptor ids, TP mapping, heartbeats, the scheduler) is
 upstream's, unchanged. docs/vllm.md lists the spec-class branches left in that code.
@@ -19,8 +19,6 @@ upstream's, unchanged. docs/vllm.md lists the spec-class branches left in that c
 
 from __future__ import annotations
 
-import dataclasses
-import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -44,32 +42,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
     _is_attention_spec,
     _is_ssm_spec,
 )
-from vllm.logger import init_logger
 
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import TPLayout
 from kvspec_traits.nixl._register import register_ranges
-from kvspec_traits.transfer import (
-    HandshakeMismatchError,
-    MalformedMetadataError,
-    PlanFingerprint,
-    RegionPlan,
-    check_handshake,
-    check_peer_geometry,
-    check_region_bounds,
-    decode_fingerprint,
-    plan_regions,
-)
+from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
 from kvspec_traits.transfer._region import is_state
-from kvspec_traits.vllm_connector._errors import (
-    PeerWithoutTraitsError,
-    UnsupportedPipelineParallelError,
-    UpstreamDisagreesError,
-)
+from kvspec_traits.vllm_connector import _quirks as quirks
+from kvspec_traits.vllm_connector._errors import UpstreamDisagreesError
 from kvspec_traits.vllm_connector._facts import LayoutFacts, layout_facts
-from kvspec_traits.vllm_connector._fields import peer_regions_of, worker_fields
+from kvspec_traits.vllm_connector._fields import worker_fields
 from kvspec_traits.vllm_connector._gate import check_vllm_version
-from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, REQUIRE_TRAITS_PEER
+from kvspec_traits.vllm_connector._handshake import (
+    TraitsNixlAgentMetadata,
+    check_pipeline_parallel,
+    check_remote_fingerprint,
+    handshake_with,
+    logger,
+    requires_traits_peer,
+)
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 from kvspec_traits.vllm_connector._quirks import SeriesQuirks, series_quirks
 
 if TYPE_CHECKING:
@@ -77,47 +69,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["TraitsNixlAgentMetadata", "TraitsNixlConnector", "TraitsNixlConnectorWorker"]
-
-# Under "vllm." so vLLM's log configuration (handler, level, VLLM_LOGGING_*) applies.
-logger = init_logger("vllm.kvspec_traits.connector")
-
-
-@dataclasses.dataclass
-class TraitsNixlAgentMetadata(NixlAgentMetadata):
-    """vLLM's agent metadata plus the canonical per-region traits fingerprint.
-
-    Upstream decoders ignore the extra field, so the wire stays readable by vLLM.
-    """
-
-    kvspec_traits_fingerprint: bytes | None = None
-
-    def __eq__(self, other: object) -> bool:
-        # Against upstream's own class (what vLLM's code and tests decode with), equal
-        # when every field upstream knows is: the fingerprint is ours alone, and the
-        # handshake decodes into this subclass, so a strict class check would make the
-        # same peer metadata unequal to itself as upstream reads it.
-        if type(other) is NixlAgentMetadata:
-            return all(
-                getattr(self, f.name) == getattr(other, f.name)
-                for f in dataclasses.fields(NixlAgentMetadata)
-            )
-        if isinstance(other, TraitsNixlAgentMetadata):
-            return all(
-                getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self)
-            )
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it extends
-
-
-# vLLM's handshake decodes the peer's agent metadata as base_worker.NixlAgentMetadata
-# (after its compatibility-hash check). That name is made this subclass, whose one extra
-# field is optional, so the decode keeps the peer's fingerprint for the check that
-# follows it; for every other reader the value is the same metadata.
-setattr(_bw, "NixlAgentMetadata", TraitsNixlAgentMetadata)  # noqa: B010 (not re-exported)
-# The peer address of the handshake running on this thread (handshakes run on vLLM's
-# background executor), for the refusal messages.
-_handshake_peer = threading.local()
 
 
 class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
@@ -202,8 +153,15 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         )
 
     def _check_upstream_group_kinds(self) -> None:
-        """Upstream's descriptor-id math classifies groups by class (attention vs SSM);
-        it must agree with the traits or the descriptors would not match our regions."""
+        """Upstream's descriptor-id math numbers the groups of its ``transfer_groups``
+        and classifies them by class (attention vs SSM); both must agree with the
+        planner's or the descriptors would not match our regions."""
+        planned = tuple(g.kv_cache_group for g in self.layout_facts.transfer_groups)
+        if tuple(self.kv_cache_config.transfer_group_ids) != planned:
+            raise ValueError(
+                f"{CONNECTOR_NAME}: vLLM transfers cache groups "
+                f"{self.kv_cache_config.transfer_group_ids}, the region planner {planned}"
+            )
         for index, (spec_type, state_group) in enumerate(
             zip(self._group_spec_types, self.layout_facts.group_is_state, strict=True)
         ):
@@ -253,7 +211,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             self._quirks.packed_mla_rows
             and facts.mla
             and not facts.has_state
-            and bool(getattr(self, "_has_packed_cache", False))
+            and quirks.has_packed_cache(self)
             and self.pp_size == 1
         )
 
@@ -297,8 +255,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self.dst_num_blocks[self.engine_id] = self.num_blocks
         self.dst_region_num_blocks[self.engine_id] = self._xfer_region_num_blocks()
         self.dst_region_group_ids[self.engine_id] = self.region_group_ids
-        if hasattr(self, "dst_uses_region_group_mapping"):  # vLLM 0.32/0.33
-            self.dst_uses_region_group_mapping[self.engine_id] = self._uses_region_group_mapping
+        quirks.keep_dst_region_group_mapping(self, self.engine_id, self._uses_region_group_mapping)
         self.dst_region_mem_types[self.engine_id] = self.region_mem_types
 
         self.src_xfer_handles_by_block_size[self.block_size], self.src_blocks_data = (
@@ -314,7 +271,6 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             self.traits_fingerprint.digest[:16],
             plan.region_replicated,
         )
-        packed: dict[str, tuple[int, int]] = getattr(self, "_packed_member_layouts", {})
         agent_metadata = TraitsNixlAgentMetadata(
             engine_id=self.engine_id,
             agent_metadata=self.nixl_wrapper.get_agent_metadata(),
@@ -336,7 +292,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             dcp_size=self.dcp_size,
             pcp_size=self.pcp_size,
             region_members=self.region_members,
-            packed_member_layouts=packed,
+            packed_member_layouts=quirks.packed_member_layouts(self),
             kvspec_traits_fingerprint=self.traits_fingerprint.canonical(),
             **self._layer_group_ids(),
         )
@@ -349,9 +305,11 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
 
     def _layer_group_ids(self) -> dict[str, dict[str, int]]:
         """vLLM 0.34's metadata names each region member's transfer group."""
-        if "layer_group_ids" not in {f.name for f in dataclasses.fields(NixlAgentMetadata)}:
+        if not quirks.metadata_has_layer_group_ids(NixlAgentMetadata):
             return {}
-        by_layer = self.kv_cache_config.transfer_group_index_by_layer
+        by_layer = {
+            layer: g.index for g in self._layout_facts().transfer_groups for layer in g.layer_names
+        }
         return {
             "layer_group_ids": {
                 name: by_layer[name] for names in self.region_members for name in names
@@ -359,8 +317,8 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         }
 
     def _xfer_region_num_blocks(self) -> list[int]:
-        # vLLM 0.33 narrows them to the transfer layers' regions; 0.34 has no such list.
-        indices: list[int] = getattr(self, "_transfer_layer_region_indices", [])
+        # vLLM 0.33 narrows them to the transfer layers' regions.
+        indices = quirks.transfer_layer_region_indices(self)
         if indices:
             return [self.region_num_blocks[i] for i in indices]
         return list(self.region_num_blocks)
@@ -393,17 +351,14 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         if self._has_mamba:
             # vLLM counts state descriptors per logical block in every region.
             self.region_num_blocks = [self.num_blocks] * self.num_regions
-        # vLLM 0.33 tracks region members only where it routes by layer name; 0.34
-        # always does.
-        tracks = getattr(self, "_tracks_region_layers", None)
-        region_layers = [list(r.layers) for r in regions] if tracks is None or tracks() else []
-        self._set_region_layers(region_layers)
-        if hasattr(self, "_group_region_indices"):
-            # vLLM 0.34: per transfer group, its regions in region order.
-            self._group_region_indices = [
-                [r.index for r in regions if group in r.group_ids] or None
-                for group in range(len(self.kv_cache_config.transfer_groups))
-            ]
+        self._set_region_layers(
+            [list(r.layers) for r in regions] if quirks.tracks_region_layers(self) else []
+        )
+        quirks.keep_group_region_indices(
+            self,
+            [(r.index, r.group_ids) for r in regions],
+            len(self._layout_facts().transfer_groups),
+        )
         if self.pp_size > 1 and not self._requires_layer_name_routing():
             start, end = self.model_config.get_layers_start_end_indices(
                 self.vllm_config.parallel_config
@@ -421,118 +376,34 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
                 f"{CONNECTOR_NAME}: mixed-device KV registration is only "
                 f"supported for MLA models without recurrent state"
             )
-        # vLLM 0.33 derives these from the regions at the same point.
-        if hasattr(self, "_get_head_sharded_draft_regions"):
-            self._head_sharded_draft_regions = self._get_head_sharded_draft_regions()
-        if hasattr(self, "_packed_member_layouts"):
-            self._packed_member_layouts: dict[str, tuple[int, int]] = {
-                layer: (offset, length)
-                for r in regions
-                for layer, offset, length in r.packed_members
-            }
+        # vLLM 0.33+ derives these from the regions at the same point.
+        quirks.derive_region_sets(self, [r.packed_members for r in regions])
 
-    # -- handshake ----------------------------------------------------------------------
+    # -- handshake (the checks are vllm_connector._handshake's) --------------------------
 
     def _nixl_handshake(
         self, host: str, port: int, remote_tp_size: int, *args: Any, **kwargs: Any
     ) -> Any:
         remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
-        if remote_pp_size > 1 or self.pp_size > 1:
-            # The fingerprint covers this stage's regions only; comparing it with remote PP
-            # rank 0 would refuse a good pair or check one stage of several.
-            raise UnsupportedPipelineParallelError(self.pp_size, remote_pp_size)
+        check_pipeline_parallel(self.pp_size, remote_pp_size)
         # vLLM's handshake (its socket through base_worker.zmq_ctx, its order: the
         # compatibility hash, then the agent metadata decode) calls
         # _validate_remote_parallel_config with the decoded metadata, where the
         # fingerprint is checked; the peer's address is kept for the messages.
-        _handshake_peer.name = f"{host}:{port}"
-        try:
+        with handshake_with(host, port):
             return super()._nixl_handshake(host, port, remote_tp_size, *args, **kwargs)
-        finally:
-            _handshake_peer.name = None
 
     def _validate_remote_parallel_config(self, agent_metadata: Any) -> None:
         super()._validate_remote_parallel_config(agent_metadata)
         self.check_remote_fingerprint(agent_metadata)
 
-    def _require_traits_peer(self) -> bool:
-        config = self.vllm_config.kv_transfer_config
-        return config is not None and bool(config.get_from_extra_config(REQUIRE_TRAITS_PEER, False))
-
     def check_remote_fingerprint(self, agent_metadata: NixlAgentMetadata) -> None:
-        """Compare the peer's per-region traits fingerprint with ours.
-
-        Called by vLLM's handshake once the peer's compatibility hash matched and its
-        agent metadata decoded. A layout mismatch raises
-        :class:`~kvspec_traits.transfer.HandshakeMismatchError` naming the region and every
-        differing trait; a peer without a fingerprint raises
-        :class:`PeerWithoutTraitsError`; one that is not a fingerprint, or whose region
-        addresses contradict it (block length other than the page it implies at the
-        peer's TP size, overlapping blocks, past 64 bits; see
-        :func:`~kvspec_traits.transfer.check_peer_geometry`),
-        :class:`~kvspec_traits.transfer.MalformedMetadataError`.
-        """
-        if self.traits_fingerprint is None:
-            raise RuntimeError(f"{CONNECTOR_NAME}: handshake before register_kv_caches")
-        peer = getattr(_handshake_peer, "name", None) or "unknown address"
-        fingerprint = getattr(agent_metadata, "kvspec_traits_fingerprint", None)
-        if fingerprint is None:
-            # The peer sent upstream's NixlAgentMetadata: it runs vLLM's NixlConnector,
-            # which this connector is a drop-in for. vLLM's checks (the compatibility
-            # hash above, the geometry checks of add_remote_agent) guard the pair, as
-            # between two upstream connectors; the opt-in below refuses such peers.
-            if self._require_traits_peer():
-                raise PeerWithoutTraitsError(peer)
-            # No layout to check its addresses against; they must still address
-            # something sane before vLLM builds descriptors from them.
-            try:
-                check_region_bounds(peer_regions_of(agent_metadata))
-            except MalformedMetadataError as exc:
-                raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
-            logger.warning(
-                "%s: NIXL peer %s (engine %s) runs upstream's NixlConnector "
-                "(no kvspec-traits fingerprint); its layout is checked by "
-                "vLLM's compatibility hash only. Set kv_connector_extra_config "
-                "%s=true to refuse such peers.",
-                CONNECTOR_NAME,
-                peer,
-                agent_metadata.engine_id,
-                REQUIRE_TRAITS_PEER,
-            )
-            return
-        try:  # hostile JSON (deep, huge integers, not UTF-8) is a named error too
-            remote = decode_fingerprint(fingerprint)
-        except MalformedMetadataError as exc:
-            raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
-        try:
-            check_handshake(self.traits_fingerprint, remote)
-        except HandshakeMismatchError as err:
-            logger.error(
-                "%s: refusing NIXL peer %s (engine %s): %s",
-                CONNECTOR_NAME,
-                peer,
-                agent_metadata.engine_id,
-                err,
-            )
-            raise
-        # The same layout, claimed: now the addresses the peer sends must be what that
-        # layout implies, before vLLM builds a descriptor from them.
-        try:
-            check_peer_geometry(remote, peer_regions_of(agent_metadata), remote.tp_size)
-        except MalformedMetadataError as exc:
-            logger.error(
-                "%s: refusing NIXL peer %s (engine %s): %s",
-                CONNECTOR_NAME,
-                peer,
-                agent_metadata.engine_id,
-                exc,
-            )
-            raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
-        logger.info(
-            "%s: peer %s has the same KV layout (fingerprint %s)",
-            CONNECTOR_NAME,
-            peer,
-            self.traits_fingerprint.digest[:16],
+        """Compare the peer's per-region traits fingerprint with ours (see
+        :func:`~kvspec_traits.vllm_connector._handshake.check_remote_fingerprint`)."""
+        check_remote_fingerprint(
+            self.traits_fingerprint,
+            agent_metadata,
+            require_traits_peer=requires_traits_peer(self.vllm_config),
         )
 
 

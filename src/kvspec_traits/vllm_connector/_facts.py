@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 from kvspec_traits._group import representative_traits, traits_for_layer
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
+from kvspec_traits.transfer._config import TransferGroup, transfer_groups
 from kvspec_traits.transfer._region import is_state
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["LayoutFacts", "layout_facts"]
+__all__ = ["LayoutFacts", "layout_facts", "replicated_state_group"]
 
 # Scopes whose pages are not addressed by token position: a recurrent state (one page
 # per request) and a ring (one page rewritten in place). vLLM leaves them out of the
@@ -31,6 +32,9 @@ class LayoutFacts:
     here from traits. Group indices are positions in ``transfer_groups`` unless named
     ``kv_cache_group``."""
 
+    transfer_groups: tuple[TransferGroup, ...]
+    """The transferred cache groups, as the planner numbers them
+    (:func:`kvspec_traits.transfer._config.transfer_groups`)."""
     layer_traits: Mapping[str, KVLayoutTraits]
     group_is_state: tuple[bool, ...]
     """Per transfer group: holds recurrent states (vLLM: an SSM group)."""
@@ -57,8 +61,9 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
     layer_traits: dict[str, KVLayoutTraits] = {}
     group_is_state: list[bool] = []
     block_sizes: list[int] = []
-    for group in kv_cache_config.transfer_groups:
-        traits = reg.traits_of(group.kv_cache_spec)
+    transferred = transfer_groups(kv_cache_config)
+    for group in transferred:
+        traits = reg.traits_of(group.spec)
         layer_traits.update(_members(traits, list(group.layer_names)))
         kind = representative_traits(traits)
         group_is_state.append(is_state(kind))
@@ -66,22 +71,8 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
             block_sizes.append(kind.block_size)
     all_groups = [reg.traits_of(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
     has_ring = any(representative_traits(t).token_scope is TokenScope.RING for t in all_groups)
-    replicated_state: list[int] = []
-    if has_ring:
-        for index, (group, traits) in enumerate(
-            zip(kv_cache_config.kv_cache_groups, all_groups, strict=True)
-        ):
-            members = _members(traits, list(group.layer_names)).values()
-            if members and all(is_state(t) and t.tp_layout is TPLayout.REPLICATED for t in members):
-                replicated_state.append(index)
-        if len(replicated_state) > 1 or any(
-            len(kv_cache_config.kv_cache_groups[i].layer_names) != 1 for i in replicated_state
-        ):
-            raise ValueError(
-                f"{CONNECTOR_NAME}: a ring-buffer model may have at most one replicated "
-                f"recurrent-state layer (found groups {replicated_state})"
-            )
     return LayoutFacts(
+        transfer_groups=transferred,
         layer_traits=layer_traits,
         group_is_state=tuple(group_is_state),
         transfer_block_size=math.lcm(*block_sizes) if block_sizes else None,
@@ -89,5 +80,40 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
         has_state=any(is_state(t) for t in layer_traits.values()),
         has_ring=has_ring,
         mla=any(t.is_mla and t.token_scope not in _NOT_TOKEN_PAGED for t in layer_traits.values()),
-        replicated_state_kv_cache_group=replicated_state[0] if replicated_state else None,
+        replicated_state_kv_cache_group=(
+            replicated_state_group(kv_cache_config, all_groups) if has_ring else None
+        ),
     )
+
+
+def replicated_state_group(
+    kv_cache_config: KVCacheConfig, group_traits: list[KVLayoutTraits]
+) -> int | None:
+    """The cache group (index in ``kv_cache_groups``, transferred or not) whose layers
+    are all TP-replicated recurrent states, as vLLM's worker finds its PLE group
+    (``_ple_group_index``) in a ring-buffer (CSA-linear) model; ``group_traits`` are
+    the groups' traits.
+
+    A question about cache groups, asked before any region exists: raises
+    ``ValueError`` for more than one such group, or one of several layers (vLLM keeps
+    one PLE layer). It differs from
+    :func:`~kvspec_traits.vllm_connector._fields.replicated_state_region`, which asks
+    the plan how many *regions* hold a replicated state member (in any model, mixed
+    with other members or not): two replicated-state layers overlaid on one region pass
+    that rule and fail this one; a model without a ring is never asked this one.
+    """
+    found: list[int] = []
+    for index, (group, traits) in enumerate(
+        zip(kv_cache_config.kv_cache_groups, group_traits, strict=True)
+    ):
+        members = _members(traits, list(group.layer_names)).values()
+        if members and all(is_state(t) and t.tp_layout is TPLayout.REPLICATED for t in members):
+            found.append(index)
+    if len(found) > 1 or any(
+        len(kv_cache_config.kv_cache_groups[i].layer_names) != 1 for i in found
+    ):
+        raise ValueError(
+            f"{CONNECTOR_NAME}: a ring-buffer model may have at most one replicated "
+            f"recurrent-state layer (found groups {found})"
+        )
+    return found[0] if found else None

@@ -9,7 +9,7 @@ from typing import Any
 from kvspec_traits.transfer import MalformedMetadataError, PeerRegion, RegionPlan
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
-__all__ = ["peer_regions_of", "worker_fields"]
+__all__ = ["peer_regions_of", "replicated_state_region", "worker_fields"]
 
 
 def worker_fields(plan: RegionPlan) -> dict[str, Any]:
@@ -17,15 +17,8 @@ def worker_fields(plan: RegionPlan) -> dict[str, Any]:
     ``register_kv_caches`` keeps them: what the connector's worker sets, and what a
     test compares field by field with upstream's bookkeeping.
 
-    Raises ``ValueError`` for more than one replicated recurrent-state region (vLLM's
-    worker keeps one ``_ple_region_index``).
+    Raises ``ValueError`` as :func:`replicated_state_region` does.
     """
-    ple = plan.replicated_state_region_indices
-    if len(ple) > 1:
-        raise ValueError(
-            f"{CONNECTOR_NAME}: at most one replicated recurrent-state "
-            f"region is supported, got {ple}"
-        )
     return {
         "kv_caches_base_addr": plan.base_addresses,
         "block_len_per_layer": plan.block_lens,
@@ -38,10 +31,30 @@ def worker_fields(plan: RegionPlan) -> dict[str, Any]:
         "_region_is_mla": plan.region_replicated,
         "_ssm_region_indices": plan.state_region_indices,
         "_scratch_region_indices": plan.scratch_region_indices,
-        "_ple_region_index": ple[0] if ple else None,
+        "_ple_region_index": replicated_state_region(plan),
         "num_regions": len(plan.regions),
         "num_descs": plan.num_descs,
     }
+
+
+def replicated_state_region(plan: RegionPlan) -> int | None:
+    """The region holding a TP-replicated recurrent-state member (vLLM's
+    ``_ple_region_index``), or None.
+
+    A question about the plan's regions, in any model: raises ``ValueError`` for more
+    than one such region (vLLM's worker keeps one index). It differs from
+    :func:`~kvspec_traits.vllm_connector._facts.replicated_state_group`, the rule on
+    cache groups of ring-buffer models asked before planning (one group of one layer,
+    all of whose layers are replicated states): here several replicated-state layers
+    may share the one region, and the region may hold other members too.
+    """
+    ple = plan.replicated_state_region_indices
+    if len(ple) > 1:
+        raise ValueError(
+            f"{CONNECTOR_NAME}: at most one replicated recurrent-state "
+            f"region is supported, got {ple}"
+        )
+    return ple[0] if ple else None
 
 
 def peer_regions_of(meta: Any) -> list[PeerRegion]:

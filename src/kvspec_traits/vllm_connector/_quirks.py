@@ -1,11 +1,26 @@
 """Where vLLM series differ: the one place the connector branches on the installed
-vLLM series (every other decision comes from traits and the planner's region facts)."""
+vLLM series, or probes a vLLM object for what its series keeps (every other decision
+comes from traits and the planner's region facts). Pure: no vLLM import at import time.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
 
-__all__ = ["SeriesQuirks", "series_quirks"]
+__all__ = [
+    "SeriesQuirks",
+    "derive_region_sets",
+    "has_packed_cache",
+    "keep_dst_region_group_mapping",
+    "keep_group_region_indices",
+    "metadata_has_layer_group_ids",
+    "packed_member_layouts",
+    "series_quirks",
+    "tracks_region_layers",
+    "transfer_layer_region_indices",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,3 +52,71 @@ def series_quirks(version: str | None = None) -> SeriesQuirks:
         regions_keyed_by_block_len=major_minor >= (0, 34),
         packed_mla_rows=major_minor >= (0, 33),
     )
+
+
+# -- what a vLLM worker of each series keeps ------------------------------------------
+# Probed on the worker (or vLLM's metadata class), not read from the series: vLLM's
+# tests build workers with object.__new__ and set only the attributes they need, so an
+# attribute is present exactly when the code reading it can be. Every hasattr/getattr
+# the connector does on vLLM objects is here.
+
+
+def has_packed_cache(worker: Any) -> bool:
+    """vLLM 0.33+: the worker's cache layout is block-outermost (``_has_packed_cache``)."""
+    return bool(getattr(worker, "_has_packed_cache", False))
+
+
+def packed_member_layouts(worker: Any) -> dict[str, tuple[int, int]]:
+    """vLLM 0.33+: each layer's (offset, length) in a packed row (``{}`` before)."""
+    layouts: dict[str, tuple[int, int]] = getattr(worker, "_packed_member_layouts", {})
+    return layouts
+
+
+def transfer_layer_region_indices(worker: Any) -> list[int]:
+    """vLLM 0.33: the regions of the transfer layers (0.32/0.34 keep no such list)."""
+    return list(getattr(worker, "_transfer_layer_region_indices", []))
+
+
+def tracks_region_layers(worker: Any) -> bool:
+    """Whether the worker keeps each region's member layers: vLLM 0.33 only where it
+    routes by layer name (``_tracks_region_layers()``); 0.32/0.34 always."""
+    tracks = getattr(worker, "_tracks_region_layers", None)
+    return tracks is None or bool(tracks())
+
+
+def metadata_has_layer_group_ids(metadata_class: type) -> bool:
+    """vLLM 0.34's agent metadata names each region member's transfer group."""
+    return "layer_group_ids" in {f.name for f in dataclasses.fields(metadata_class)}
+
+
+def keep_dst_region_group_mapping(worker: Any, engine_id: str, uses_mapping: bool) -> None:
+    """vLLM 0.32/0.33 keep, per engine, whether region group ids route transfers."""
+    if hasattr(worker, "dst_uses_region_group_mapping"):
+        worker.dst_uses_region_group_mapping[engine_id] = uses_mapping
+
+
+def keep_group_region_indices(
+    worker: Any, regions: Sequence[tuple[int, Collection[int]]], groups: int
+) -> None:
+    """vLLM 0.34: per transfer group (``groups`` of them), its regions in region order
+    (``None`` for a group without one); ``regions``: each region's (index, group ids)."""
+    if hasattr(worker, "_group_region_indices"):
+        worker._group_region_indices = [
+            [index for index, ids in regions if group in ids] or None for group in range(groups)
+        ]
+
+
+def derive_region_sets(
+    worker: Any, packed_members: Sequence[Iterable[tuple[str, int, int]]]
+) -> None:
+    """What vLLM 0.33+ derives from the regions once they are set: the head-sharded
+    draft regions, and each layer's place in a packed row (``packed_members``: each
+    region's (layer, offset, length))."""
+    if hasattr(worker, "_get_head_sharded_draft_regions"):
+        worker._head_sharded_draft_regions = worker._get_head_sharded_draft_regions()
+    if hasattr(worker, "_packed_member_layouts"):
+        worker._packed_member_layouts = {
+            layer: (offset, length)
+            for members in packed_members
+            for layer, offset, length in members
+        }
