@@ -134,3 +134,38 @@ def test_no_module_is_over_450_lines() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     )
     assert long == [], f"modules over {MAX_LINES} lines (split them): {long}"
+
+
+# The packages of docs/architecture.md's picture; every other module is "core".
+PACKAGES = ("_vllm_adapters", "transfer", "nixl", "memcopy", "vllm_connector", "audit", "migrate")
+
+
+def _package_edges() -> dict[str, set[str]]:
+    def package(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else "core"
+
+    edges: dict[str, set[str]] = {p: set() for p in ("core", *PACKAGES)}
+    for source, targets in _graph().items():
+        for target in targets:
+            if package(source) != package(target):
+                edges[package(source)].add(package(target))
+    return edges
+
+
+def _documented_edges() -> dict[str, set[str]]:
+    text = (SRC.parent / "docs" / "architecture.md").read_text()
+    block = text.split("```text\n", 1)[1].split("```", 1)[0]
+    documented: dict[str, set[str]] = {}
+    for line in block.strip().splitlines():
+        source, _, targets = (part.strip() for part in line.partition("->"))
+        documented[source] = (
+            set() if targets == "(nothing)" else {t.strip() for t in targets.split(",")}
+        )
+    return documented
+
+
+def test_the_documented_import_picture_is_the_real_one() -> None:
+    # docs/architecture.md draws who imports whom; a new arrow in the code (or a stale
+    # one in the doc) fails here, naming the package.
+    assert _documented_edges() == _package_edges()
