@@ -403,7 +403,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         check_remote_fingerprint(
             self.traits_fingerprint,
             agent_metadata,
-            require_traits_peer=requires_traits_peer(self.vllm_config),
+            require_traits_peer=lambda: requires_traits_peer(self.vllm_config),
         )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _bw
@@ -122,13 +122,17 @@ def _refuse(peer: str, agent_metadata: Any, err: Exception) -> None:
 
 
 def check_remote_fingerprint(
-    local: PlanFingerprint | None, agent_metadata: Any, *, require_traits_peer: bool
+    local: PlanFingerprint | None,
+    agent_metadata: Any,
+    *,
+    require_traits_peer: Callable[[], bool],
 ) -> None:
     """Compare the peer's per-region traits fingerprint with ``local`` (this rank's).
 
     A layout mismatch raises :class:`~kvspec_traits.transfer.HandshakeMismatchError`
     naming the region and every differing trait; a peer without a fingerprint raises
-    :class:`PeerWithoutTraitsError` when ``require_traits_peer``; one that is not a
+    :class:`PeerWithoutTraitsError` when ``require_traits_peer()`` (asked only then: the
+    configuration is read for a peer without a fingerprint alone); one that is not a
     fingerprint, or whose region addresses contradict it (block length other than the
     page it implies at the peer's TP size, overlapping blocks, past 64 bits; see
     :func:`~kvspec_traits.transfer.check_peer_geometry`),
@@ -143,7 +147,7 @@ def check_remote_fingerprint(
         # which this connector is a drop-in for. vLLM's checks (the compatibility
         # hash, the geometry checks of add_remote_agent) guard the pair, as between
         # two upstream connectors; the opt-in refuses such peers.
-        if require_traits_peer:
+        if require_traits_peer():
             raise PeerWithoutTraitsError(peer)
         # No layout to check its addresses against; they must still address
         # something sane before vLLM builds descriptors from them.
