@@ -98,3 +98,25 @@ def test_module_path_finds_the_connector_without_the_plugin() -> None:
         kv_buffer_device="cpu",
     )
     assert KVConnectorFactory.get_connector_class(config) is TraitsNixlConnector
+
+
+def test_every_method_of_vllms_pull_connector_is_ours_too() -> None:
+    # vLLM 0.33 gave NixlPullConnector sleep mode (unregister_kv_caches,
+    # restore_kv_caches); a connector derived from the base class alone silently fell
+    # back to the no-op defaults of KVConnectorBase_V1 (vLLM 0.33's
+    # test_sleep_unregisters_and_restores_kv_caches caught it). Derived from the pull
+    # connector, whatever a series adds is inherited; ours overrides only these.
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+
+    from kvspec_traits.vllm_connector._connector import TraitsNixlConnector
+
+    assert issubclass(TraitsNixlConnector, NixlPullConnector)
+    overridden = {
+        name
+        for name, value in vars(TraitsNixlConnector).items()
+        if callable(value) and name in vars(NixlPullConnector)
+    }
+    assert overridden == {"__init__", "start_load_kv"}
+    for name in ("unregister_kv_caches", "restore_kv_caches"):
+        if name in vars(NixlPullConnector):  # vLLM 0.33 and later
+            assert getattr(TraitsNixlConnector, name) is getattr(NixlPullConnector, name)

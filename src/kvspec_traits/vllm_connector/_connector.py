@@ -26,7 +26,10 @@ import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _bw
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlPullConnector,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata,
     NixlConnectorMetadata,
@@ -407,17 +410,21 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         )
 
 
-class TraitsNixlConnector(NixlBaseConnector):
+class TraitsNixlConnector(NixlPullConnector):
     """vLLM's pull-mode ``NixlConnector`` whose worker plans regions from traits.
 
-    Refuses at construction on a vLLM outside :data:`SUPPORTED_VLLM_SERIES`.
+    A subclass of vLLM's own pull connector: every method a vLLM series gives it (0.33's
+    sleep mode: ``unregister_kv_caches``, ``restore_kv_caches``) is this one's too; only
+    the worker differs. Refuses on a vLLM outside :data:`SUPPORTED_VLLM_SERIES`.
     """
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         check_vllm_version()
-        super().__init__(vllm_config, role, kv_cache_config)
+        # NixlPullConnector.__init__ would build upstream's worker (a NIXL agent) first:
+        # its base's constructor, then ours.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config
