@@ -98,6 +98,39 @@ def shards(count: int) -> list[list[str]]:
     return [s for s in out if s]
 
 
+def rerun_alone(
+    tests_root: Path, out_dir: Path, env: dict[str, str], python: str, ids: list[str], port: int
+) -> dict[str, str]:
+    """Run ``ids`` again with ours, in one process with nothing beside it; their outcomes.
+    A test that passed upstream, failed with ours under the passes' load and passes alone
+    is a timing flake, not a difference (the rerun's log says which)."""
+    report = out_dir / "traits-rerun.json"
+    report.unlink(missing_ok=True)
+    env.update(
+        KVSPEC_CONFORMANCE_SUBJECT="traits",
+        KVSPEC_CONFORMANCE_REPORT=str(report),
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(port),
+    )
+    log_path = out_dir / "traits-rerun.log"
+    with log_path.open("wb") as log:
+        subprocess.run(
+            [
+                *(python, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tests_root), "-q"),
+                *("-p", "no:cacheprovider", "-p", "kvspec_conformance", "--timeout", "600"),
+                *ids,
+            ],
+            cwd=tests_root,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
+    if not report.exists():
+        return {}
+    outcomes: dict[str, str] = json.loads(report.read_text())["outcomes"]
+    return outcomes
+
+
 def main() -> int:
     args = sys.argv[1:]
     summarize_only = "--summarize" in args
@@ -236,6 +269,26 @@ def main() -> int:
         ran_both = outcomes["upstream"].keys() & outcomes["traits"].keys()
         for subject in SUBJECTS:
             outcomes[subject] = {k: v for k, v in outcomes[subject].items() if k in ran_both}
+
+    # A difference must reproduce with ours alone: vLLM's handshake tests wait a fixed
+    # 2.5 s, which the passes running beside each other can exceed on 2 cores.
+    flaky = sorted(
+        k
+        for k, v in outcomes["upstream"].items()
+        if v == "passed"
+        and outcomes["traits"].get(k, "not run") not in ("passed", "not run")
+        and k not in expected_differences(series)
+        and not any(name in k for name in ("NixlPullConnectorWorker",))
+    )
+    if flaky:
+        port = port_base + 2000 * list(SERIES).index(series) + 1900
+        again = rerun_alone(tests_root, out_dir, dict(base_env), python, flaky, port)
+        for k in flaky:
+            print(
+                f"== rerun alone with ours ({out_dir / 'traits-rerun.log'}): {again.get(k, 'not run')}: {k}"
+            )
+            if again.get(k) == "passed":
+                outcomes["traits"][k] = "passed"
 
     print(f"\nvLLM {version} NIXL connector tests ({series} series): passed / run")
     print(f"{'file':45} {'upstream':>12} {'traits':>12}")
