@@ -104,14 +104,14 @@ def rerun_alone(
     """Run ``ids`` again with ours, in one process with nothing beside it; their outcomes.
     A test that passed upstream, failed with ours under the passes' load and passes alone
     is a timing flake, not a difference (the rerun's log says which)."""
-    report = out_dir / "traits-rerun.json"
+    report = out_dir / "rerun-traits.json"
     report.unlink(missing_ok=True)
     env.update(
         KVSPEC_CONFORMANCE_SUBJECT="traits",
         KVSPEC_CONFORMANCE_REPORT=str(report),
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(port),
     )
-    log_path = out_dir / "traits-rerun.log"
+    log_path = out_dir / "rerun-traits.log"
     with log_path.open("wb") as log:
         subprocess.run(
             [
@@ -283,10 +283,9 @@ def main() -> int:
     if flaky:
         port = port_base + 2000 * list(SERIES).index(series) + 1900
         again = rerun_alone(tests_root, out_dir, dict(base_env), python, flaky, port)
+        print(f"== rerun alone with ours (log {out_dir / 'rerun-traits.log'}):")
         for k in flaky:
-            print(
-                f"== rerun alone with ours ({out_dir / 'traits-rerun.log'}): {again.get(k, 'not run')}: {k}"
-            )
+            print(f"   {again.get(k, 'not run')}: {k}")
             if again.get(k) == "passed":
                 outcomes["traits"][k] = "passed"
 
