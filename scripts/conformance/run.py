@@ -98,6 +98,18 @@ def shards(count: int) -> list[list[str]]:
     return [s for s in out if s]
 
 
+def pytest_command(
+    python: str, tests_root: Path, targets: list[str], plugins: tuple[str, ...] = ()
+) -> list[str]:
+    """One pytest process over vLLM's tests tree with the conformance plugin (and
+    ``plugins`` before it), no config of its own, and pytest-timeout's 600 s."""
+    loaded = [arg for plugin in (*plugins, "kvspec_conformance") for arg in ("-p", plugin)]
+    return [
+        *(python, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tests_root), "-q"),
+        *("-p", "no:cacheprovider", *loaded, "--timeout", "600", *targets),
+    ]
+
+
 def rerun_alone(
     tests_root: Path, out_dir: Path, env: dict[str, str], python: str, ids: list[str], port: int
 ) -> dict[str, str]:
@@ -114,11 +126,7 @@ def rerun_alone(
     log_path = out_dir / "rerun-traits.log"
     with log_path.open("wb") as log:
         subprocess.run(
-            [
-                *(python, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tests_root), "-q"),
-                *("-p", "no:cacheprovider", "-p", "kvspec_conformance", "--timeout", "600"),
-                *ids,
-            ],
+            pytest_command(python, tests_root, ids),
             cwd=tests_root,
             env=env,
             stdout=log,
@@ -195,23 +203,7 @@ def main() -> int:
                 KVSPEC_CONFORMANCE_REPORT=str(report),
                 VLLM_NIXL_SIDE_CHANNEL_PORT=str(port),
             )
-            cmd = [
-                python,
-                "-m",
-                "pytest",
-                "-c",
-                os.devnull,
-                "--rootdir",
-                str(tests_root),
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-p",
-                "kvspec_conformance",
-                "--timeout",
-                "600",
-                *files,
-            ]
+            cmd = pytest_command(python, tests_root, files)
             proc = subprocess.Popen(
                 cmd, cwd=tests_root, env=env, stdout=log, stderr=subprocess.STDOUT
             )

@@ -22,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run import REPO, shards  # noqa: E402
+from run import REPO, pytest_command, shards  # noqa: E402
 
 RUNS = ("unmigrated", "migrated")
 
@@ -51,25 +51,9 @@ def main() -> int:
             KVSPEC_MIGRATED_PROOF=str(proof),
             KVSPEC_MIGRATED_ROOT=root if run == "migrated" else "",
         )
-        cmd = [
-            str(REPO / ".venv" / "bin" / "python"),
-            "-m",
-            "pytest",
-            "-c",
-            os.devnull,
-            "--rootdir",
-            str(tests_root),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "kvspec_migrated",
-            "-p",
-            "kvspec_conformance",
-            "--timeout",
-            "600",
-            *files,
-        ]
+        cmd = pytest_command(
+            str(REPO / ".venv" / "bin" / "python"), tests_root, files, ("kvspec_migrated",)
+        )
         log = (out_dir / f"{run}.log").open("wb")
         procs.append(
             (
