@@ -6,9 +6,9 @@ with ours bound in their place, on one vLLM series.
     run.py 0.34   # the same with 0.34.0 (vLLM's triton-cpu platform check lifted: the
                   # plugin, kvspec_conformance.py, says why)
 
-Upstream's outcomes depend only on vLLM, its tests and this harness, so they are kept in
-~/.cache/kvspec-traits/conformance/ under a key of those (KVSPEC_CONFORMANCE_FRESH=1
-reruns them). Both subjects run at the same time, each in its own pytest process (no xdist), each
+Upstream's outcomes depend only on vLLM, its tests and this harness, so they are kept, one
+file per vLLM test file, in ~/.cache/kvspec-traits/conformance/upstream-SERIES/ under a key of
+those (KVSPEC_CONFORMANCE_FRESH=1 reruns them). Both subjects run at the same time, each in its own pytest process (no xdist), each
 split into ``KVSPEC_CONFORMANCE_SHARDS`` processes (default 1) by test file, each with its
 own NIXL side-channel port (from ``KVSPEC_CONFORMANCE_PORT_BASE``, default 25600, one
 range per series and subject). Prints both
@@ -46,6 +46,9 @@ FILES = (
     "test_multi_connector.py",
 )
 SUBJECTS = ("upstream", "traits")
+# How upstream's tests are run (pytest options, shard layout): part of the cache key of
+# upstream's outcomes; bump it when a change here can change an outcome.
+HARNESS = "pytest -q --timeout 600, one process per shard, gc frozen after collection: 1"
 
 
 def expected_differences(series: str) -> dict[str, dict[str, object]]:
@@ -60,17 +63,21 @@ def expected_differences(series: str) -> dict[str, dict[str, object]]:
     return entries
 
 
-def upstream_cache(series: str, tests_root: Path) -> Path:
-    """Where upstream's outcomes for this vLLM, tests tree, harness and installed packages
-    are kept (a package installed or upgraded, e.g. orjson, which vLLM 0.33's tests import,
-    changes which of upstream's tests can run)."""
-    digest = hashlib.sha256()
-    for path in (
-        sorted((tests_root / UNIT).glob("*.py"))
-        + sorted(HERE.glob("**/*.py"))
-        + sorted((HERE / "hub").glob("*.json"))
-    ):
-        digest.update(path.name.encode() + path.read_bytes())
+def upstream_cache(series: str, tests_root: Path) -> dict[str, Path]:
+    """Where upstream's outcomes are kept, one file per vLLM test file: keyed by that test
+    file, the tests tree's shared files (conftests, helpers), the harness that runs them
+    (plugin, stubs, hub configs, HARNESS), the series and the installed packages (a package
+    installed or upgraded, e.g. orjson, which vLLM 0.33's tests import, changes which of
+    upstream's tests can run). A file added to FILES, or one test file changed upstream,
+    costs only that file's upstream run."""
+    common = hashlib.sha256(HARNESS.encode())
+    unit = tests_root / UNIT
+    shared = [p for p in sorted(unit.rglob("*.py")) if not p.name.startswith("test_")]
+    shared += [tests_root / "tests" / "conftest.py", tests_root / "tests" / "v1" / "conftest.py"]
+    harness = sorted(HERE.glob("**/*.py")) + sorted((HERE / "hub").glob("*.json"))
+    for path in shared + [p for p in harness if p.name not in ("run.py", "run_migrated.py")]:
+        if path.exists():
+            common.update(str(path.relative_to(path.parents[1])).encode() + path.read_bytes())
     vllm_root = REPO / ".cache" / f"vllm-{SERIES[series]}" if series != "0.32" else None
     version = subprocess.run(
         [
@@ -83,17 +90,26 @@ def upstream_cache(series: str, tests_root: Path) -> Path:
         text=True,
         check=False,
     ).stdout.strip()
-    digest.update(f"{series} {version} {vllm_root}".encode())
+    common.update(f"{series} {version} {vllm_root}".encode())
     cache = Path(os.environ.get("KVSPEC_CACHE", Path.home() / ".cache" / "kvspec-traits"))
-    return cache / "conformance" / f"upstream-{series}-{digest.hexdigest()[:16]}.json"
+    out: dict[str, Path] = {}
+    for name in FILES:
+        digest = common.copy()
+        test_file = unit / name
+        digest.update(test_file.read_bytes() if test_file.exists() else b"(absent)")
+        out[name] = (
+            cache / "conformance" / f"upstream-{series}" / f"{name}-{digest.hexdigest()[:16]}.json"
+        )
+    return out
 
 
-def shards(count: int) -> list[list[str]]:
-    """Files dealt round-robin, largest first (the order of FILES); KVSPEC_CONFORMANCE_FILES
-    (space-separated names) narrows them while working on one."""
+def shards(count: int, names: list[str] | None = None) -> list[list[str]]:
+    """Files (``names``, default FILES) dealt round-robin, largest first (the order of
+    FILES); KVSPEC_CONFORMANCE_FILES (space-separated names) narrows them while working on one."""
     only = os.environ.get("KVSPEC_CONFORMANCE_FILES", "").split()
+    wanted = FILES if names is None else tuple(n for n in FILES if n in names)
     out: list[list[str]] = [[] for _ in range(max(1, count))]
-    for index, name in enumerate(n for n in FILES if not only or n in only):
+    for index, name in enumerate(n for n in wanted if not only or n in only):
         out[index % len(out)].append(f"{UNIT}/{name}")
     return [s for s in out if s]
 
@@ -169,20 +185,34 @@ def main() -> int:
     runs: list[tuple[str, int, subprocess.Popen[bytes], Path, float]] = []
     count = int(os.environ.get("KVSPEC_CONFORMANCE_SHARDS", "1"))
     port_base = int(os.environ.get("KVSPEC_CONFORMANCE_PORT_BASE", "25600"))
-    # Upstream's outcomes depend only on vLLM, its tests and this harness: kept per that
-    # key outside the checkout (like the wheels), so a second run measures only ours.
-    cached = upstream_cache(series, tests_root)
-    if cached.exists() and not os.environ.get("KVSPEC_CONFORMANCE_FRESH"):
-        print(f"== {series} upstream: outcomes from {cached} (KVSPEC_CONFORMANCE_FRESH=1 reruns)")
-        data = json.loads(cached.read_text())
-        outcomes_cached: dict[str, str] | None = data["outcomes"]
-        binding_cached = data["binding"]
-    else:
-        outcomes_cached, binding_cached = None, None
-    for subject in SUBJECTS if not summarize_only else ():
-        if subject == "upstream" and outcomes_cached is not None:
+    # Upstream's outcomes depend only on vLLM, its tests and this harness: kept per test
+    # file under that key outside the checkout (like the wheels), so a second run measures
+    # only ours, and a new or changed test file costs only its own upstream run.
+    caches = upstream_cache(series, tests_root)
+    fresh = bool(os.environ.get("KVSPEC_CONFORMANCE_FRESH"))
+    outcomes_cached: dict[str, str] = {}
+    binding_cached: list[object] = []
+    uncached: list[str] = []
+    only = os.environ.get("KVSPEC_CONFORMANCE_FILES", "").split()
+    for name, path in caches.items():
+        if only and name not in only:
             continue
-        for index, files in enumerate(shards(count)):
+        if path.exists() and not fresh:
+            data = json.loads(path.read_text())
+            outcomes_cached.update(data["outcomes"])
+            binding_cached.append(data["binding"])
+        else:
+            uncached.append(name)
+    if len(binding_cached):
+        print(
+            f"== {series} upstream: outcomes of {len(binding_cached)} of {len(caches)} "
+            f"files from {caches[FILES[0]].parent} (KVSPEC_CONFORMANCE_FRESH=1 reruns)"
+        )
+    for subject in SUBJECTS if not summarize_only else ():
+        names = uncached if subject == "upstream" else None
+        if names == []:
+            continue
+        for index, files in enumerate(shards(count, names)):
             report = out_dir / f"{subject}-{index}.json"
             report.unlink(missing_ok=True)
             log = (out_dir / f"{subject}-{index}.log").open("wb")
@@ -241,14 +271,23 @@ def main() -> int:
         bindings[subject].append(data["binding"])
     if status:
         return status
-    if outcomes_cached is not None and not summarize_only:
-        outcomes["upstream"] = outcomes_cached
-        bindings["upstream"] = [binding_cached]
-    elif not summarize_only and not os.environ.get("KVSPEC_CONFORMANCE_FILES"):
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(
-            json.dumps({"outcomes": outcomes["upstream"], "binding": bindings["upstream"][0]})
-        )
+    if not summarize_only:
+        # A narrowed run (KVSPEC_CONFORMANCE_FILES) writes the files it ran, each its own key.
+        for name in uncached:
+            prefix = f"{UNIT}/{name}::"
+            caches[name].parent.mkdir(parents=True, exist_ok=True)
+            caches[name].write_text(
+                json.dumps(
+                    {
+                        "outcomes": {
+                            k: v for k, v in outcomes["upstream"].items() if k.startswith(prefix)
+                        },
+                        "binding": bindings["upstream"][0] if bindings["upstream"] else {},
+                    }
+                )
+            )
+        outcomes["upstream"].update(outcomes_cached)
+        bindings["upstream"].extend(binding_cached)
     if summarize_only:
         # The reports of a run in progress or stopped early: only tests both ran compare.
         for subject in SUBJECTS:
