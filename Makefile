@@ -21,6 +21,9 @@ report: setup  ## the main job: traits and fields of every vLLM KV spec class (V
 test: setup  ## lint, typing, and the whole test suite (on vLLM 0.32, the 0.33 and 0.34 modules)
 	bash scripts/test.sh
 
+test-fast: setup  ## the inner loop: lint, the series-independent tests, the 0.32 suite without servers
+	KVSPEC_PASSES="lint common v032" KVSPEC_MARK="not slow" bash scripts/test.sh
+
 conformance: setup  ## vLLM's own NIXL connector tests, upstream vs TraitsNixlConnector (0.32-0.34)
 	KVSPEC_PASSES="conformance032 conformance033 conformance034" bash scripts/test.sh
 

@@ -7,7 +7,9 @@
 # logs are printed whole, in order, at the end. Pytest's exit 5 ("no tests ran") fails: never green.
 #
 # KVSPEC_MARK narrows the suite's pytest passes (e.g. KVSPEC_MARK="not slow" skips the server tests);
-# KVSPEC_PASSES="lint v032" runs only the named passes.
+# KVSPEC_PASSES="lint v032" runs only the named passes (`make test-fast`: lint, common and
+# v032 without the server tests). The tests that cannot depend on the vLLM series run once,
+# in the common pass (tests/conftest.py says which, and hides vLLM there to prove it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=$PWD/.venv/bin/python
@@ -42,13 +44,20 @@ lint() {
   "$PY" -m ruff check src tests examples benchmarks scripts &&
     "$PY" -m ruff format --check src tests examples benchmarks scripts && "$PY" -m mypy
 }
-# pytest_on VERSION [PYTHONPATH-PREFIX] [extra marker]: the suite on one vLLM series.
+# pytest_on VERSION [PYTHONPATH-PREFIX] [extra marker]: the suite on one vLLM series, less
+# the series-independent modules (the common pass runs those once). --durations keeps each
+# pass's cost visible in its log.
 pytest_on() {
   local version=$1 prefix=$2 extra=${3:-}
-  local m=$mark
-  if [ -n "$extra" ]; then m="$extra${mark:+ and ($mark)}"; fi
+  local m="not series_independent${extra:+ and $extra}${mark:+ and ($mark)}"
   PYTHONPATH=${prefix:+$prefix:}$SRC KVSPEC_EXPECT_VLLM=$version \
-    "$PY" -m pytest -p no:cacheprovider ${m:+-m "$m"}
+    "$PY" -m pytest -p no:cacheprovider --durations=15 -m "$m"
+}
+# The modules whose outcome cannot depend on the vLLM series (tests/conftest.py's
+# SERIES_INDEPENDENT), once, with vLLM and torch hidden so that none of them can reach a series.
+common() {
+  PYTHONPATH=$SRC KVSPEC_HIDE_VLLM=1 "$PY" -m pytest -p no:cacheprovider --durations=15 \
+    ${mark:+-m "$mark"}
 }
 
 # conformance SERIES: vLLM's own NIXL connector tests with upstream's classes and with
@@ -61,6 +70,7 @@ conformance() {
 start v032 pytest_on 0.32 ""
 start conformance032 conformance 0.32
 start lint lint
+start common common
 start v033 pytest_on 0.33 "$PWD/.cache/vllm-0.33.0" "not vllm032_only"
 start conformance033 conformance 0.33
 start v034 pytest_on 0.34 "$PWD/.cache/vllm-0.34.0" "not vllm032_only"
