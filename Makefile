@@ -7,7 +7,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help setup report test test-fast typing lint bench audit migrate-demo conformance docs clean
+.PHONY: help setup report test test-fast typing lint bench audit vllm-patch migrate-demo conformance docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -42,6 +42,9 @@ bench: setup  ## benchmarks: ratios against a baseline measured in the same run
 
 audit: setup  ## audit vLLM's own connectors for branches on spec classes
 	$(PY) -m kvspec_traits audit --installed-vllm kv_transfer
+
+vllm-patch: setup  ## the migrated kv_transfer as a patch against vLLM's source (VLLM=0.34: that release)
+	$(REPORT_PATH)$(PY) scripts/vllm_patch.py -o .cache/vllm-patch/vllm-$(or $(VLLM),0.32).patch
 
 migrate-demo: setup  ## the seed line of NIXL's worker before and after `kvspec-traits migrate`
 	$(PY) scripts/migrate_kv_transfer.py --demo

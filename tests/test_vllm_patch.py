@@ -1,0 +1,79 @@
+"""``make vllm-patch``: the migrated kv_transfer of the vLLM on the path, as a patch against
+that release's own source tree (scripts/vllm_patch.py), taken by ``git apply``."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "vllm_patch.py"
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("vllm_patch", SCRIPT)
+    if spec is None or spec.loader is None:
+        raise ImportError(SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_the_patch_applies_to_the_release_tree_and_says_what_it_did(tmp_path: Path) -> None:
+    """The patch is relative to the folder holding ``vllm/``: ``git apply --check`` takes it
+    in a copy of that release's kv_transfer, applying it gives exactly the migrated texts,
+    and the header's counts are the plan's (a header that drifts from the diff would
+    mislead the maintainer reading it)."""
+    import vllm
+
+    script = _script()
+    root = script.vllm_root()
+    assert (root / "vllm" / "__init__.py").resolve() == Path(vllm.__file__).resolve()
+    text, plan = script.vllm_patch(root)
+    tree = tmp_path / script.KV_TRANSFER
+    shutil.copytree(
+        root / script.KV_TRANSFER, tree, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
+    patch = tmp_path / "kv.patch"
+    patch.write_text(text)
+    check = subprocess.run(
+        ["git", "apply", "--check", "-v", str(patch)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert check.returncode == 0, check.stderr
+    subprocess.run(["git", "apply", str(patch)], cwd=tmp_path, check=True)
+    assert plan.files, "nothing was rewritten"
+    for f in plan.files:
+        assert (tmp_path / f.display).read_text() == f.after
+
+    head = text[: text.index("\n---")]
+    assert all(line.startswith("#") or not line for line in head.splitlines())
+    summary = re.search(
+        r"# (\d+) spec-class sites; (\d+) rewritten \(\d+%\) in (\d+) files; (\d+) miss(?:es)? "
+        r"fixed; (\d+) left\.",
+        head,
+    )
+    assert summary is not None, head
+    assert tuple(map(int, summary.groups())) == (
+        plan.sites,
+        len(plan.edits),
+        len(plan.files),
+        sum(e.fixes_miss for e in plan.edits),
+        len(plan.skips),
+    )
+    per_connector = re.findall(r"^#   (\S+) +(\d+)$", head, flags=re.M)
+    assert sum(int(n) for _, n in per_connector) == len(plan.edits)
+    left = re.findall(r"^#   .+ \((\d+)\):$", head, flags=re.M)
+    assert sum(int(n) for n in left) == len(plan.skips)
+    assert f"vLLM {vllm.__version__} " in head
