@@ -32,7 +32,8 @@ from tests.nixl_helpers import layouts
 NB = 4
 
 
-def _modules() -> tuple[Any, Any]:
+@pytest.fixture(scope="module")
+def modules() -> tuple[Any, Any]:
     """vLLM's canonical_mapping module and the same file migrated, as a module."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping
 
@@ -65,10 +66,10 @@ def swa_layer() -> tuple[Any, Any, int]:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_upstream_loses_the_swa_mla_mapping_and_the_migrated_line_certifies_it(
-    swa_layer: tuple[Any, Any, int], tp: int
+    swa_layer: tuple[Any, Any, int], modules: tuple[Any, Any], tp: int
 ) -> None:
     spec, tensor, num_blocks = swa_layer
-    upstream, migrated = _modules()
+    upstream, migrated = modules
 
     def ctx(module: Any, rank: int) -> Any:
         # DeepSeek-V4's model config reports one KV head (MLA), whatever the TP size.
