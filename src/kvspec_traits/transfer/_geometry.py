@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING
 
-from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
+from kvspec_traits._traits import KVLayoutTraits, TPLayout
 from kvspec_traits.transfer._errors import UnsupportedLayoutError
-from kvspec_traits.transfer._region import MemoryRange, Rows, is_state
+from kvspec_traits.transfer._region import MemoryRange, Rows, is_state, is_token_paged
 
 if TYPE_CHECKING:
     import torch
@@ -266,7 +266,7 @@ def _latent(piece: Piece) -> bool:
     return (
         traits.is_mla
         and traits.tp_layout is TPLayout.REPLICATED
-        and traits.token_scope not in (TokenScope.RING, TokenScope.RECURRENT_STATE)
+        and is_token_paged(traits)
         and piece.head_segment is None
     )
 

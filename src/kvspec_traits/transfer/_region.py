@@ -1,10 +1,9 @@
 """The value types of a plan: regions, what to register, and a rank's region plan.
 
-Pure: imports neither NIXL, numpy nor vLLM. The records mirror vLLM's NIXL worker
-bookkeeping (``kv_caches_base_addr``, ``block_len_per_layer``, ``block_stride_per_layer``,
-``region_num_blocks``, ``region_group_ids``, ``region_names``, ``_region_is_mla``,
-``_ssm_region_indices``, ``_scratch_region_indices``) so a connector can compare them
-field by field.
+Pure: imports neither NIXL, numpy nor vLLM. A region holds every fact vLLM's NIXL worker
+keeps per region (``vllm_connector._fields.worker_fields`` names them as the worker does),
+so a connector can compare them field by field. :class:`PlanLayout` holds the choices two
+valid plans of the same bytes differ in.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ __all__ = [
     "desc_offsets",
     "has_ring",
     "is_state",
+    "is_token_paged",
     "region_sort_key",
 ]
 
@@ -285,3 +285,9 @@ def has_ring(traits: Iterable[KVLayoutTraits]) -> bool:
     place, :attr:`TokenScope.RING`): a region's :attr:`Region.scratch`, a plan's
     default :attr:`PlanLayout.rows`, the connector's CSA-linear models."""
     return any(t.token_scope is TokenScope.RING for t in traits)
+
+
+def is_token_paged(traits: KVLayoutTraits) -> bool:
+    """Whether a layer's pages are addressed by token position: neither a recurrent
+    state (one page per request) nor a ring (one page rewritten in place)."""
+    return not (is_state(traits) or has_ring((traits,)))

@@ -12,18 +12,13 @@ from kvspec_traits._group import representative_traits
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
 from kvspec_traits.transfer._config import CacheGroupTraits, TransferGroup, cache_group_traits
-from kvspec_traits.transfer._region import has_ring, is_state
+from kvspec_traits.transfer._region import has_ring, is_state, is_token_paged
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["LayoutFacts", "layout_facts", "replicated_state_group"]
-
-# Scopes whose pages are not addressed by token position: a recurrent state (one page
-# per request) and a ring (one page rewritten in place). vLLM leaves them out of the
-# transfer block size.
-_NOT_TOKEN_PAGED = frozenset({TokenScope.RECURRENT_STATE, TokenScope.RING})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,7 +54,8 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
     transferred = [g for g in groups if g.transfer is not None]
     layer_traits = {layer: t for g in transferred for layer, t in g.layers.items()}
     kinds = [representative_traits(g.traits) for g in transferred]
-    block_sizes = [k.block_size for k in kinds if k.token_scope not in _NOT_TOKEN_PAGED]
+    # vLLM leaves groups not addressed by token position out of the transfer block size.
+    block_sizes = [k.block_size for k in kinds if is_token_paged(k)]
     ring = has_ring(representative_traits(g.traits) for g in groups)
     return LayoutFacts(
         transfer_groups=tuple(g.transfer for g in transferred if g.transfer is not None),
@@ -69,7 +65,7 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
         hybrid=any(t.token_scope is not TokenScope.FULL for t in layer_traits.values()),
         has_state=any(is_state(t) for t in layer_traits.values()),
         has_ring=ring,
-        mla=any(t.is_mla and t.token_scope not in _NOT_TOKEN_PAGED for t in layer_traits.values()),
+        mla=any(t.is_mla and is_token_paged(t) for t in layer_traits.values()),
         replicated_state_kv_cache_group=replicated_state_group(groups) if ring else None,
     )
 
