@@ -10,6 +10,7 @@ layer ``l`` at ``offset + l * num_blocks * page``; groups alias from byte 0.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 
@@ -664,6 +665,25 @@ def test_kernel_block_splitting_plans_manager_blocks(family: str, kernel: int) -
     assert [r.num_blocks for r in kernel_plan.regions] == [ratio * NB] * len(whole.regions)
     with pytest.raises(UnsupportedLayoutError, match="not split into the worker's"):
         plan_regions(split, config, layout=PlanLayout(sub_blocks=2 * ratio))
+
+
+def test_the_planner_takes_layout_arguments_only() -> None:
+    """No parameter of plan_regions names how a vLLM series registers memory: the
+    choices between valid plans of the same bytes are one neutral PlanLayout (vLLM's
+    are vllm_connector/_policy.py's)."""
+    assert list(inspect.signature(plan_regions).parameters) == [
+        "kv_caches",
+        "kv_cache_config",
+        "specs",
+        "group_ids",
+        "num_blocks",
+        "tp_size",
+        "tp_rank",
+        "registry",
+        "layout",
+    ]
+    with pytest.raises(ValueError, match="sub_blocks 0 must be >= 1"):
+        PlanLayout(sub_blocks=0)
 
 
 def test_untransferable_specs_get_no_region() -> None:
