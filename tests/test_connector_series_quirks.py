@@ -181,7 +181,7 @@ def test_ring_over_swa_mla_matches_upstream_and_moves_every_byte(
     """A ring (32768 B page, traits_of below) and an SWA-MLA cache at one base in BLHNC
     rows of 32768 B: on 0.34 (regions keyed by base and block length) ours registers
     what upstream does, and a read moves every page of both (the planner test
-    test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart covers pages of
+    test_separate_page_sizes_keep_overlaid_pages_of_other_sizes_apart covers pages of
     other lengths at one base)."""
     ring_page = traits_of(DSV4_CACHES.ring).page_size_bytes
     built = build(RING_SWA_MLA)
