@@ -92,7 +92,7 @@ def _upstream(plan: RegionPlan) -> Any:
     worker._conv_decomp = None
     worker._ssm_region_indices = []
     worker._transfer_layer_group_ids = ()  # no layer-name routing
-    worker.block_len_per_layer = plan.block_lens
+    worker.block_len_per_layer = [r.block_len for r in plan.regions]
     worker.num_regions = len(plan.regions)
     worker.region_group_ids = plan.region_group_ids
     worker._uses_region_group_mapping = len(set(plan.region_group_ids)) > 1
@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
     plan = _plan()
     peer = _peer(plan)
     worker = _upstream(plan)
-    counts, gids = plan.region_num_blocks, plan.region_group_ids
+    counts, gids = [r.num_blocks for r in plan.regions], plan.region_group_ids
     rng = np.random.default_rng(0)
     print(
         f"# Per-request descriptor ids, DeepSeek-V4 layout: {LAYERS} layers, "

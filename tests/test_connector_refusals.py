@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvspec_traits import traits_of
-from kvspec_traits.transfer import UnsupportedLayoutError, plan_regions
+from kvspec_traits.transfer import PlanLayout, UnsupportedLayoutError, plan_regions
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers.layouts import DSV2
@@ -213,4 +213,4 @@ def test_state_pages_split_across_interleaved_kernel_rows(monkeypatch: pytest.Mo
         assert layer0 & layer1  # two layers' states in the same bytes
         assert state_bytes(0, block) - layer0 - layer1  # and leaves state bytes behind
     with pytest.raises(UnsupportedLayoutError, match="state pages of 144 bytes at stride 288"):
-        plan_regions(caches, config, kernel_blocks=True, kernel_ratio=ratio)
+        plan_regions(caches, config, layout=PlanLayout(sub_blocks=ratio))

@@ -25,7 +25,10 @@ from vllm.config import set_current_vllm_config
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
 from kvspec_traits import traits_of
+from kvspec_traits.transfer import PlanLayout, Rows, plan_regions
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
+from kvspec_traits.vllm_connector._facts import layout_facts
+from kvspec_traits.vllm_connector._policy import layout_policy
 from kvspec_traits.vllm_connector._quirks import SeriesQuirks, packed_member_layouts, series_quirks
 from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers import layouts
@@ -64,6 +67,48 @@ def test_series_quirks_per_series() -> None:
         series="0.34", regions_keyed_by_block_len=True, packed_mla_rows=True
     )
     assert series_quirks().series == SERIES
+
+
+def test_layout_policy_per_series() -> None:
+    """The plan layout each series' worker registers with, for a two-layer BLHNC MLA
+    cache (MLA, no state): kernel blocks always; model order and scattered pages as rows
+    unless a ring (or a state) is present; latent rows on 0.33+ for a block-outermost
+    cache at PP 1; regions keyed by page size on 0.34. On the same tensors, 0.32's layout
+    gives a region per layer page, 0.33's one region of whole rows (2 pages of 36864 B,
+    as test_packed_mla_rows computes) with each page's place in it."""
+    config = layouts.kv_cache_config(PACKED_MLA.groups(1), NB, PACKED_MLA.layout)
+    caches = layouts.allocate(config, PACKED_MLA.layout)
+    facts = layout_facts(config)
+
+    def layout(
+        version: str, *, ring: bool = False, ratio: int = 1, packed: bool = True, pp: int = 1
+    ) -> PlanLayout:
+        return layout_policy(version).layout(
+            facts, ring=ring, state=False, kernel_ratio=ratio, packed_cache=packed, pp_size=pp
+        )
+
+    expected = {
+        "0.32.1": PlanLayout(sub_blocks=1, rows=Rows.SCATTERED),
+        "0.33.0+cpu": PlanLayout(sub_blocks=1, rows=Rows.SCATTERED | Rows.LATENT),
+        "0.34.0": PlanLayout(
+            sub_blocks=1, rows=Rows.SCATTERED | Rows.LATENT, separate_page_sizes=True
+        ),
+    }
+    for version, want in expected.items():
+        assert layout(version) == want
+    assert layout("0.34.0", ring=True, ratio=4) == PlanLayout(
+        sub_blocks=4, order="given", rows=Rows.LATENT, separate_page_sizes=True
+    )
+    assert layout("0.34.0", pp=2).rows == Rows.SCATTERED
+    assert layout("0.34.0", packed=False).rows == Rows.SCATTERED
+
+    page = traits_of(config.kv_cache_groups[0].kv_cache_spec).page_size_bytes
+    names = list(config.kv_cache_groups[0].layer_names)
+    pages = plan_regions(caches, config, layout=expected["0.32.1"])
+    assert [(r.block_len, r.packed_members) for r in pages.regions] == [(page, ())] * 2
+    (row,) = plan_regions(caches, config, layout=expected["0.33.0+cpu"]).regions
+    assert (row.block_len, row.block_stride) == (2 * page, 2 * page)
+    assert row.packed_members == ((names[0], 0, page), (names[1], page, page))
 
 
 @pytest.fixture
@@ -136,7 +181,7 @@ def test_ring_over_swa_mla_matches_upstream_and_moves_every_byte(
     """A ring (32768 B page, traits_of below) and an SWA-MLA cache at one base in BLHNC
     rows of 32768 B: on 0.34 (regions keyed by base and block length) ours registers
     what upstream does, and a read moves every page of both (the planner test
-    test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart covers pages of
+    test_separate_page_sizes_keep_overlaid_pages_of_other_sizes_apart covers pages of
     other lengths at one base)."""
     ring_page = traits_of(DSV4_CACHES.ring).page_size_bytes
     built = build(RING_SWA_MLA)

@@ -10,6 +10,7 @@ layer ``l`` at ``offset + l * num_blocks * page``; groups alias from byte 0.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 
@@ -40,9 +41,11 @@ from kvspec_traits.nixl import (
 from kvspec_traits.transfer import (
     SHARED_REGION_GROUP_ID,
     MissingLayerError,
+    PlanLayout,
     Read,
     RegionConflictError,
     RegionPlan,
+    Rows,
     UnsupportedLayoutError,
     plan_regions,
     tp_reads,
@@ -59,7 +62,7 @@ def _plan(family: str, num_blocks: int = NB, tp: int = 1, rank: int = 0) -> tupl
 
 
 def _offsets(plan: RegionPlan, base: int) -> list[int]:
-    return [a - base for a in plan.base_addresses]
+    return [r.base_addr - base for r in plan.regions]
 
 
 # -- layout families ---------------------------------------------------------------------
@@ -68,19 +71,19 @@ def _offsets(plan: RegionPlan, base: int) -> list[int]:
 def test_llama_gqa_one_head_sharded_region_per_layer() -> None:
     plan, base = _plan("llama_gqa")
     page = 16 * 8 * (128 + 128) * 2  # block 16, 8 KV heads, K+V of 128, bf16
-    assert plan.block_lens == [page] * 4
-    assert plan.block_strides == [page] * 4
+    assert [r.block_len for r in plan.regions] == [page] * 4
+    assert [r.block_stride for r in plan.regions] == [page] * 4
     assert _offsets(plan, base) == [i * NB * page for i in range(4)]  # layer-outer
-    assert plan.region_replicated == [False] * 4
+    assert [r.replicated for r in plan.regions] == [False] * 4
     assert plan.region_group_ids == [0] * 4
-    assert plan.region_num_blocks == [NB] * 4
+    assert [r.num_blocks for r in plan.regions] == [NB] * 4
     assert all(r.tp_layout is TPLayout.HEAD_SHARDED and r.head_major for r in plan.regions)
     assert plan.registrations[0].length == 4 * NB * page
 
 
 def test_llama_gqa_tp2_halves_the_block() -> None:
     plan, _ = _plan("llama_gqa", tp=2, rank=1)
-    assert plan.block_lens == [16 * 4 * 256 * 2] * 4
+    assert [r.block_len for r in plan.regions] == [16 * 4 * 256 * 2] * 4
     assert all(r.num_head_slots == 4 for r in plan.regions)
 
 
@@ -89,7 +92,7 @@ def test_llama_nhd_layout_is_not_head_major() -> None:
     groups = layouts.llama_gqa(1)
     config = layouts.kv_cache_config(groups, NB, KVCacheLayout.LBNHC)
     plan = plan_regions(layouts.allocate(config, KVCacheLayout.LBNHC), config)
-    assert plan.block_lens == [65536] * 4
+    assert [r.block_len for r in plan.regions] == [65536] * 4
     assert not any(r.head_major for r in plan.regions)
     with pytest.raises(ValueError, match="head slices are not contiguous"):
         tp_reads(plan.regions[0], local_tp=1, local_rank=0, remote_tp=2)
@@ -104,9 +107,9 @@ def test_llama_nhd_layout_is_not_head_major() -> None:
 )
 def test_deepseek_v3_mla_is_replicated(family: str, page: int) -> None:
     plan, base = _plan(family)
-    assert plan.block_lens == [page] * 3
+    assert [r.block_len for r in plan.regions] == [page] * 3
     assert _offsets(plan, base) == [i * NB * page for i in range(3)]
-    assert plan.region_replicated == [True] * 3
+    assert [r.replicated for r in plan.regions] == [True] * 3
     assert all(r.num_head_slots is None for r in plan.regions)
     if family == "deepseek_v3_fp8":
         assert plan.regions[0].dtypes == ("uint8",)
@@ -119,12 +122,12 @@ def test_deepseek_v32_mla_plus_indexer() -> None:
     assert plan.region_names == [
         f"model.layers.{i}.self_attn.{c}" for i in range(3) for c in ("attn", "indexer.k_cache")
     ]
-    assert plan.block_lens == [mla, idx] * 3
+    assert [r.block_len for r in plan.regions] == [mla, idx] * 3
     # One UniformType group, one KVCacheTensor per spec: MLA layers, then indexers.
     assert _offsets(plan, base) == [
         v for i in range(3) for v in (i * NB * mla, 3 * NB * mla + i * NB * idx)
     ]
-    assert plan.region_replicated == [True] * 6
+    assert [r.replicated for r in plan.regions] == [True] * 6
 
 
 def test_deepseek_v4_shared_row_takes_longest_page() -> None:
@@ -157,8 +160,8 @@ def test_deepseek_v4_shared_row_takes_longest_page() -> None:
         "k_cache": (2304, 2304),
         "mla": (9792, 9792),
     }
-    assert plan.scratch_region_indices == [0, 1]
-    assert set(plan.block_strides) == {row}
+    assert [r.index for r in plan.regions if r.scratch] == [0, 1]
+    assert {r.block_stride for r in plan.regions} == {row}
 
 
 def _alias_groups(
@@ -190,7 +193,7 @@ def test_ring_sharing_base_with_swa_mla_keeps_the_longer_block() -> None:
         assert region.group_id == SHARED_REGION_GROUP_ID
 
 
-def test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart() -> None:
+def test_separate_page_sizes_keep_overlaid_pages_of_other_sizes_apart() -> None:
     """vLLM 0.34 keys regions by (base, block_len): the ring and the SWA-MLA page at one
     base are two regions, each moving its own page (SWA 37440 B, ring 32768 B, as the
     test above computes them), at the same base and stride, in model order."""
@@ -198,7 +201,7 @@ def test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart() -> None:
     ring, swa = specs["ring"][0], specs["swa"][0]
     for first, second in ((ring, swa), (swa, ring)):
         config, caches = _alias_groups(first, second)
-        plan = plan_regions(caches, config, split_by_block_len=True)
+        plan = plan_regions(caches, config, layout=PlanLayout(separate_page_sizes=True))
         assert len(plan.regions) == 2
         by_name = {r.name: r for r in plan.regions}
         assert by_name[ring[0]].block_len == 32768
@@ -209,7 +212,7 @@ def test_split_by_block_len_keeps_overlaid_pages_of_other_sizes_apart() -> None:
         # Each region is its own group's (no shared-region group id).
         assert {r.group_id for r in plan.regions} == {0, 1}
         assert plan.region_names == [ring[0], swa[0]]  # model order
-        assert plan.num_descs == 2 * NB
+        assert sum(r.num_blocks for r in plan.regions) == 2 * NB
 
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC])
@@ -267,11 +270,11 @@ def test_mamba_registered_first_does_not_make_an_mla_region_head_sharded() -> No
         assert region.replicated and region.tp_layout is TPLayout.REPLICATED
         assert region.state and region.state_tp_layout is TPLayout.REPLICATED
         assert region.block_len == 64 * 576 * 2  # the MLA page is the longer
-        assert plan.replicated_state_region_indices == [0]
-        assert plan.state_region_indices == []
+        assert [r.index for r in plan.regions if r.replicated_state] == [0]
+        assert [r.index for r in plan.regions if r.sharded_state] == []
 
 
-def test_split_by_block_len_gives_a_wider_replicated_state_its_own_region() -> None:
+def test_separate_page_sizes_give_a_wider_replicated_state_its_own_region() -> None:
     """vLLM 0.34 (CSA-linear PLE): a replicated state page (4 x 1024 x 2 B bf16 = 8192 B,
     MambaSpec's page) wider than the MLA page at its base (block 4 x 576 x 2 B = 4608 B)
     registers as its own region, so its blocks move the whole state page; keyed by base
@@ -281,13 +284,13 @@ def test_split_by_block_len_gives_a_wider_replicated_state_its_own_region() -> N
         block_size=4, num_kv_heads=1, max_tp_shards=1, head_size=576, dtype=torch.bfloat16
     )
     config, caches = _alias_groups(("model.layers.0.a_ple", ple), ("model.layers.0.attn", mla))
-    plan = plan_regions(caches, config, split_by_block_len=True)
+    plan = plan_regions(caches, config, layout=PlanLayout(separate_page_sizes=True))
     assert [(r.name, r.block_len) for r in plan.regions] == [
         ("model.layers.0.a_ple", 8192),
         ("model.layers.0.attn", 4608),
     ]
-    assert len(set(plan.base_addresses)) == 1
-    assert plan.replicated_state_region_indices == [0]
+    assert len({r.base_addr for r in plan.regions}) == 1
+    assert [r.index for r in plan.regions if r.replicated_state] == [0]
     assert len(plan_regions(caches, config).regions) == 1
 
 
@@ -349,7 +352,7 @@ def test_gpt_oss_full_and_sliding_layers_share_regions() -> None:
     assert _offsets(plan, base) == [0, NB * page]
     assert plan.region_group_ids == [SHARED_REGION_GROUP_ID] * 2
     assert plan.regions[0].token_scopes == (TokenScope.FULL, TokenScope.SLIDING_WINDOW)
-    assert plan.region_replicated == [False, False]
+    assert [r.replicated for r in plan.regions] == [False, False]
 
 
 def test_llama4_chunked_local() -> None:
@@ -361,7 +364,7 @@ def test_llama4_chunked_local() -> None:
     ]
     assert plan.region_group_ids == [SHARED_REGION_GROUP_ID, 0, 0]
     assert plan.regions[1].token_scopes == (TokenScope.CHUNKED,)
-    assert plan.block_lens == [65536] * 3
+    assert [r.block_len for r in plan.regions] == [65536] * 3
 
 
 @pytest.mark.parametrize(
@@ -373,7 +376,7 @@ def test_llama4_chunked_local() -> None:
 )
 def test_attention_plus_recurrent_state(family: str, conv: int, ssm: int) -> None:
     plan, _ = _plan(family)
-    assert plan.state_region_indices == [0, 1, 2]
+    assert [r.index for r in plan.regions if r.sharded_state] == [0, 1, 2]
     for region in plan.regions:
         assert [(c.offset, c.nbytes) for c in region.state_components] == [(0, conv), (conv, ssm)]
         assert region.block_len == region.block_stride  # Mamba page padded to attention's
@@ -512,7 +515,7 @@ def test_block_ids_outside_a_region_are_named(
     with pytest.raises(BlockIdError, match=f"{side} block id {bad} ") as info:
         transfer_items(plan, {0: peer_regions(plan)}, 1, local, remote)
     assert (info.value.region, info.value.block_id) == (name, bad)
-    counts = None if remote is None else plan.region_num_blocks
+    counts = None if remote is None else [r.num_blocks for r in plan.regions]
     with pytest.raises(IndexError, match=f"region {name!r}: {side} block id {bad} "):
         block_desc_ids(plan, local if remote is None else remote, region_num_blocks=counts)
 
@@ -557,12 +560,13 @@ def test_importing_the_shim_imports_neither_nixl_nor_vllm_nor_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_packed_rows_make_one_region_per_block_outermost_storage() -> None:
-    """vLLM 0.32 registers padded DeepSeek-V4 rows whole (base = storage, block_len =
-    block_stride = row); packed_rows=True plans that form: one descriptor per block."""
+def test_all_rows_make_one_region_per_block_outermost_storage() -> None:
+    """vLLM 0.32 push workers register padded DeepSeek-V4 rows whole (base = storage,
+    block_len = block_stride = row); Rows.ALL plans that form: one descriptor per
+    block (DeepSeek-V4 has a ring, so its default rows are Rows.NONE)."""
     config, caches = layouts.build("deepseek_v4", NB)
     pages = plan_regions(caches, config)
-    rows = plan_regions(caches, config, packed_rows=True)
+    rows = plan_regions(caches, config, layout=PlanLayout(rows=Rows.ALL))
     row = 2 * 37440
     (region,) = rows.regions
     assert region.base_addr == rows.registrations[0].base
@@ -570,11 +574,15 @@ def test_packed_rows_make_one_region_per_block_outermost_storage() -> None:
     assert set(region.layers) == set(caches)
     assert region.replicated and region.scratch and not region.head_major
     assert region.group_id == SHARED_REGION_GROUP_ID
-    assert rows.num_descs == NB and pages.num_descs == 5 * NB
-    assert rows.region_members == [list(region.layers)]
+    assert (
+        sum(r.num_blocks for r in rows.regions) == NB
+        and sum(r.num_blocks for r in pages.regions) == 5 * NB
+    )
+    assert [list(r.layers) for r in rows.regions] == [list(region.layers)]
     # Layer-outer storages are not rows: nothing changes.
     config, caches = layouts.build("llama_gqa", NB)
-    assert plan_regions(caches, config, packed_rows=True) == plan_regions(caches, config)
+    every = PlanLayout(rows=Rows.SCATTERED | Rows.ALL)  # the default rows, and ALL
+    assert plan_regions(caches, config, layout=every) == plan_regions(caches, config)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -618,7 +626,7 @@ def test_vllm_field_view() -> None:
 
     plan, _ = _plan("qwen35")
     fields = worker_fields(plan)
-    assert fields["block_len_per_layer"] == plan.block_lens
+    assert fields["block_len_per_layer"] == [r.block_len for r in plan.regions]
     assert fields["_region_is_mla"] == [False] * 3
     assert fields["_ssm_region_indices"] == [0, 1, 2]
     assert fields["_ple_region_index"] is None
@@ -639,21 +647,43 @@ def test_kernel_block_splitting_plans_manager_blocks(family: str, kernel: int) -
     attn = next(c for n, c in split.items() if "attn" in n and "linear" not in n)
     assert attn.shape[0] > NB  # rows are kernel blocks
     plan = plan_regions(split, config)
-    assert plan.block_lens == whole.block_lens
-    assert plan.block_strides == whole.block_strides
-    assert plan.region_num_blocks == [NB] * len(plan.regions)
+    assert [r.block_len for r in plan.regions] == [r.block_len for r in whole.regions]
+    assert [r.block_stride for r in plan.regions] == [r.block_stride for r in whole.regions]
+    assert [r.num_blocks for r in plan.regions] == [NB] * len(plan.regions)
     assert [r.layers for r in plan.regions] == [r.layers for r in whole.regions]
     # vLLM's worker granularity: kernel blocks of page / ratio, ratio times as many;
     # a recurrent state sharing the region is registered the same way (vLLM's worker
     # reads it back whole, ratio kernel blocks apart).
     ratio = attn.shape[0] // NB
-    kernel_plan = plan_regions(split, config, kernel_blocks=True)
-    assert kernel_plan.block_lens == [b // ratio for b in whole.block_lens]
-    assert kernel_plan.block_strides == [b // ratio for b in whole.block_strides]
-    assert kernel_plan.region_num_blocks == [ratio * NB] * len(whole.regions)
-    assert plan_regions(split, config, kernel_blocks=True, kernel_ratio=ratio) == kernel_plan
+    kernel_plan = plan_regions(split, config, layout=PlanLayout(sub_blocks=ratio))
+    assert [r.block_len for r in kernel_plan.regions] == [
+        r.block_len // ratio for r in whole.regions
+    ]
+    assert [r.block_stride for r in kernel_plan.regions] == [
+        r.block_stride // ratio for r in whole.regions
+    ]
+    assert [r.num_blocks for r in kernel_plan.regions] == [ratio * NB] * len(whole.regions)
     with pytest.raises(UnsupportedLayoutError, match="not split into the worker's"):
-        plan_regions(split, config, kernel_blocks=True, kernel_ratio=2 * ratio)
+        plan_regions(split, config, layout=PlanLayout(sub_blocks=2 * ratio))
+
+
+def test_the_planner_takes_layout_arguments_only() -> None:
+    """No parameter of plan_regions names how a vLLM series registers memory: the
+    choices between valid plans of the same bytes are one neutral PlanLayout (vLLM's
+    are vllm_connector/_policy.py's)."""
+    assert list(inspect.signature(plan_regions).parameters) == [
+        "kv_caches",
+        "kv_cache_config",
+        "specs",
+        "group_ids",
+        "num_blocks",
+        "tp_size",
+        "tp_rank",
+        "registry",
+        "layout",
+    ]
+    with pytest.raises(ValueError, match="sub_blocks 0 must be >= 1"):
+        PlanLayout(sub_blocks=0)
 
 
 def test_untransferable_specs_get_no_region() -> None:
@@ -719,7 +749,7 @@ def test_desc_ids_equal_upstream_compute_desc_ids(family: str) -> None:
     worker._conv_decomp = None
     worker._ssm_region_indices = []
     worker._transfer_layer_group_ids = ()
-    worker.block_len_per_layer = plan.block_lens
+    worker.block_len_per_layer = [r.block_len for r in plan.regions]
     worker.num_regions = len(plan.regions)
     worker.region_group_ids = plan.region_group_ids
     mapped = len(set(plan.region_group_ids)) > 1
@@ -732,7 +762,7 @@ def test_desc_ids_equal_upstream_compute_desc_ids(family: str) -> None:
             dst_num_blocks=NB,
             block_size_ratio=None,
             physical_blocks_per_logical=1,
-            region_num_blocks=counts or plan.region_num_blocks,
+            region_num_blocks=counts or [r.num_blocks for r in plan.regions],
             region_group_ids=plan.region_group_ids,
             uses_region_group_mapping=mapped,
         )

@@ -24,7 +24,13 @@ from kvspec_traits.nixl import (
     TransferFailedError,
     encode_metadata,
 )
-from kvspec_traits.transfer import HandshakeMismatchError, MalformedMetadataError, plan_regions
+from kvspec_traits.transfer import (
+    HandshakeMismatchError,
+    MalformedMetadataError,
+    PlanLayout,
+    Rows,
+    plan_regions,
+)
 from tests.nixl_helpers import checks, layouts
 
 NB = 16
@@ -281,8 +287,9 @@ def test_packed_rows_move_whole_rows(agents: list[TraitsNixlAgent]) -> None:
     config_d, caches_d = layouts.build("deepseek_v4", NB)
     layouts.fill_pattern(caches_p, seed=12)
     producer, consumer = _agent(agents), _agent(agents)
-    producer.register_plan(plan_regions(caches_p, config_p, packed_rows=True))
-    consumer.register_plan(plan_regions(caches_d, config_d, packed_rows=True))
+    rows = PlanLayout(rows=Rows.ALL)
+    producer.register_plan(plan_regions(caches_p, config_p, layout=rows))
+    consumer.register_plan(plan_regions(caches_d, config_d, layout=rows))
     peer = consumer.connect(producer.metadata())
     block_ids = checks.request_blocks(config_d)  # four runs of three
     result = consumer.read_blocks(peer, block_ids, timeout=20, progress=producer.progress)

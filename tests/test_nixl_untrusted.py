@@ -41,7 +41,9 @@ from kvspec_traits.nixl import (
 from kvspec_traits.transfer import (
     HandshakeMismatchError,
     MalformedMetadataError,
+    PlanLayout,
     RegionPlan,
+    Rows,
     check_handshake,
     decode_fingerprint,
     plan_regions,
@@ -193,14 +195,14 @@ def test_true_geometry_of_every_family_passes(family: str) -> None:
     """The checks refuse nothing our planner produces: every family, packed rows or
     not, every pair of TP 1 / TP 2 ranks and of 8 / 13 blocks whose handshake
     matches (the placement check compares structure, not addresses or counts)."""
-    for packed in (False, True):
+    for layout in (None, PlanLayout(rows=Rows.SCATTERED | Rows.ALL)):
         plans, keep = [], []
         for tp in (1, 2):
             for num_blocks in (NB, 13):
                 config, caches = layouts.build(family, num_blocks, tp=tp)
                 keep.append(caches)
                 plans += [
-                    plan_regions(caches, config, tp_size=tp, tp_rank=rank, packed_rows=packed)
+                    plan_regions(caches, config, tp_size=tp, tp_rank=rank, layout=layout)
                     for rank in range(tp)
                 ]
         checked = 0
@@ -515,7 +517,5 @@ def test_pure_descriptor_functions_validate_alike() -> None:
     # vLLM's region-major order for one group: region r's blocks at r * NB + b.
     assert expected == [r * NB + b for r in range(len(plan.regions)) for b in (3, 1)]
     # Remote ids (another peer's list) may repeat; they are bounds-checked.
-    assert block_desc_ids(plan, [2, 2], region_num_blocks=plan.region_num_blocks).tolist()[:2] == [
-        2,
-        2,
-    ]
+    counts = [r.num_blocks for r in plan.regions]
+    assert block_desc_ids(plan, [2, 2], region_num_blocks=counts).tolist()[:2] == [2, 2]

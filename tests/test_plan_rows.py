@@ -154,4 +154,5 @@ def test_rows_are_not_used_for_dense_pages() -> None:
     config = layouts.kv_cache_config(groups, NB, KVCacheLayout.LBHNC)
     plan = plan_regions(layouts.allocate(config, KVCacheLayout.LBHNC), config)
     assert len(plan.regions) == 4
-    assert plan.block_lens == plan.block_strides == [16 * 8 * 2 * 128 * 2] * 4
+    page = 16 * 8 * 2 * 128 * 2
+    assert [(r.block_len, r.block_stride) for r in plan.regions] == [(page, page)] * 4

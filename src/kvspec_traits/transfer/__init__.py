@@ -34,7 +34,13 @@ from kvspec_traits.transfer._peer import (
     peer_regions,
 )
 from kvspec_traits.transfer._plan import plan_regions
-from kvspec_traits.transfer._region import SHARED_REGION_GROUP_ID, Region, RegionPlan
+from kvspec_traits.transfer._region import (
+    SHARED_REGION_GROUP_ID,
+    PlanLayout,
+    Region,
+    RegionPlan,
+    Rows,
+)
 from kvspec_traits.transfer._tp import Read, shard_count, tp_reads
 
 __all__ = [
@@ -49,10 +55,12 @@ __all__ = [
     "MissingLayerError",
     "PeerRegion",
     "PlanFingerprint",
+    "PlanLayout",
     "Read",
     "Region",
     "RegionConflictError",
     "RegionPlan",
+    "Rows",
     "UnsupportedLayoutError",
     "check_handshake",
     "check_peer_geometry",

@@ -1,7 +1,7 @@
 """Reading vLLM's KV cache config (or specs) for planning: which cache groups are
-transferred and in what order (:func:`transfer_groups`, the one answer the planner and
-the connector share), and the traits, transfer group and block count of every layer.
-One traits lookup per layer (or per group spec).
+transferred and in what order (:func:`transfer_groups`), the traits of each group and
+of its layers (:func:`cache_group_traits`): the answers the planner and the connector
+share. One traits lookup per group spec (or per layer spec).
 
 Pure: vLLM's types are named for type checking only. The config is read through the
 fields every vLLM series the connector supports (0.32-0.34) has (``enable_kv_transfer``,
@@ -24,7 +24,13 @@ from kvspec_traits.transfer._region import region_sort_key
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
-__all__ = ["TransferGroup", "config_facts", "transfer_groups"]
+__all__ = [
+    "CacheGroupTraits",
+    "TransferGroup",
+    "cache_group_traits",
+    "config_facts",
+    "transfer_groups",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,39 @@ def transfer_groups(config: KVCacheConfig) -> tuple[TransferGroup, ...]:
     return tuple(found)
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheGroupTraits:
+    """The traits of one cache group of a ``KVCacheConfig`` and of its layers."""
+
+    kv_cache_group: int
+    """Its position in ``kv_cache_groups``."""
+    traits: KVLayoutTraits
+    """Of the group's spec (a group of several spec types: its ``GroupTraits``)."""
+    layers: Mapping[str, KVLayoutTraits]
+    """Each member layer's traits (:func:`traits_for_layer`), in the group's order,
+    transferable or not."""
+    transfer: TransferGroup | None
+    """Its place among the transferred groups; ``None`` if it is not transferred."""
+
+
+def cache_group_traits(
+    config: KVCacheConfig, reg: Registry, *, every_group: bool = False
+) -> tuple[CacheGroupTraits, ...]:
+    """The traits of the transferred cache groups of ``config`` and of their layers, in
+    ``kv_cache_groups`` order; with ``every_group``, of the groups that are not
+    transferred too (their specs must then have adapters). One lookup per group."""
+    transferred = {g.kv_cache_group: g for g in transfer_groups(config)}
+    found: list[CacheGroupTraits] = []
+    for position, group in enumerate(config.kv_cache_groups):
+        transfer = transferred.get(position)
+        if transfer is None and not every_group:
+            continue
+        traits = reg.traits_of(group.kv_cache_spec)
+        layers = {layer: traits_for_layer(traits, layer) for layer in group.layer_names}
+        found.append(CacheGroupTraits(position, traits, layers, transfer))
+    return tuple(found)
+
+
 def _not_transferable(traits: KVLayoutTraits) -> str:
     """The :attr:`RegionPlan.skipped_layers` reason of a layer whose traits say it is
     not transferable."""
@@ -92,18 +131,17 @@ def config_facts(
         if specs is not None:
             raise ValueError("pass kv_cache_config or specs, not both")
         n_blocks = config.num_blocks if num_blocks is None else num_blocks
-        transferred = {g.kv_cache_group: g for g in transfer_groups(config)}
+        transferred = {g.kv_cache_group: g for g in cache_group_traits(config, reg)}
         for position, group in enumerate(config.kv_cache_groups):
-            transfer = transferred.get(position)
-            if transfer is None:
+            found = transferred.get(position)
+            if found is None or found.transfer is None:
                 for layer in group.layer_names:
                     skipped[layer] = "its cache group has enable_kv_transfer=False"
                 continue
-            group_traits = reg.traits_of(transfer.spec)
-            for layer in transfer.layer_names:
+            transfer = found.transfer
+            for layer, layer_traits in found.layers.items():
                 if transfer.num_blocks is not None:
                     blocks[layer] = transfer.num_blocks
-                layer_traits = traits_for_layer(group_traits, layer)
                 if not layer_traits.transferable:
                     skipped[layer] = _not_transferable(layer_traits)
                     continue

@@ -6,26 +6,26 @@ Pure: a tensor is read only for its address, shape, strides, element size and st
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING
 
-from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
+from kvspec_traits._traits import KVLayoutTraits, TPLayout
 from kvspec_traits.transfer._errors import UnsupportedLayoutError
-from kvspec_traits.transfer._region import MemoryRange, is_state
+from kvspec_traits.transfer._region import MemoryRange, Rows, is_state, is_token_paged
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "Piece",
-    "as_member_row",
-    "as_rows",
+    "as_row",
+    "block_major",
     "device_id_of",
     "layer_pieces",
     "mem_type_of",
-    "paged_ratio",
+    "rows_of",
 ]
 
 
@@ -69,42 +69,19 @@ def _dense(sizes: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
     return True
 
 
-def paged_ratio(
-    kv_caches: Mapping[str, torch.Tensor],
-    layer_traits: Mapping[str, KVLayoutTraits],
-    layer_blocks: Mapping[str, int],
-    num_blocks: int,
-) -> int:
-    """The kernel blocks per manager block of the paged views (1 if none is split)."""
-    ratios = {
-        layer: kv_caches[layer].shape[0] // layer_blocks.get(layer, num_blocks)
-        for layer, traits in layer_traits.items()
-        if not is_state(traits)
-        and kv_caches[layer].ndim > 1
-        and layer_blocks.get(layer, num_blocks) > 0
-    }
-    distinct = set(ratios.values())
-    if len(distinct) > 1:
-        raise ValueError(
-            f"paged views split manager blocks into different numbers of "
-            f"kernel blocks {ratios}; pass kernel_ratio"
-        )
-    return distinct.pop() if distinct else 1
-
-
 def layer_pieces(
     layer: str,
     cache: torch.Tensor,
     traits: KVLayoutTraits,
     group_id: int,
     num_blocks: int,
-    kernel_blocks: bool = False,
-    kernel_ratio: int | None = None,
+    sub_blocks: int | None = None,
     storage: MemoryRange | None = None,
 ) -> Iterable[Piece]:
-    """The region(s) of one layer's cache view. With ``storage`` (the allocation the
-    view lies in), a paged view whose block is not one dense page, in a block-major
-    storage, is the whole storage row (vLLM's rule)."""
+    """The region(s) of one layer's cache view, in ``sub_blocks`` per block
+    (:attr:`PlanLayout.sub_blocks`). With ``storage`` (the allocation the view lies
+    in), a paged view whose block is not one dense page is the whole row of its
+    block-major storage (:attr:`Rows.SCATTERED`)."""
     mem_type, device_id = mem_type_of(cache), device_id_of(cache)
     page = traits.page_size_bytes
     state = is_state(traits)
@@ -131,35 +108,34 @@ def layer_pieces(
             head_segment=segment,
         )
 
-    if state and kernel_blocks and kernel_ratio is not None and kernel_ratio > 1:
-        # vLLM's worker registers a state page as `ratio` kernel-sized blocks (a region
-        # it can share with split attention pages) and reads it back whole, `ratio`
-        # kernel blocks apart: valid only when the state pages abut.
+    if state and sub_blocks is not None and sub_blocks > 1:
+        # A state page as `sub_blocks` sub-blocks (a region it can share with split
+        # pages), read back whole `sub_blocks` apart: valid only when state pages abut.
         rows = cache.shape[0] if cache.ndim > 1 else num_blocks
         logical_stride = (
             cache.stride(0) * cache.element_size() * (rows // num_blocks)
             if cache.ndim > 1 and num_blocks
             else page
         )
-        if page % kernel_ratio or rows % max(num_blocks, 1) or logical_stride != page:
+        if page % sub_blocks or rows % max(num_blocks, 1) or logical_stride != page:
             raise UnsupportedLayoutError(
                 layer,
                 f"state pages of {page} bytes at stride {logical_stride} cannot "
-                f"be registered as {kernel_ratio} kernel blocks each",
+                f"be registered as {sub_blocks} kernel blocks each",
             )
-        kernel_page = page // kernel_ratio
-        return [piece(cache.data_ptr(), kernel_page, kernel_page, num_blocks * kernel_ratio, True)]
+        kernel_page = page // sub_blocks
+        return [piece(cache.data_ptr(), kernel_page, kernel_page, num_blocks * sub_blocks, True)]
     if cache.ndim <= 1:
         # A flat byte view (a raw buffer shared between layer types) has no block
         # dimension: blocks abut, one page apart.
-        if kernel_blocks and kernel_ratio is not None and kernel_ratio > 1 and not state:
-            if page % kernel_ratio:
+        if sub_blocks is not None and sub_blocks > 1 and not state:
+            if page % sub_blocks:
                 raise UnsupportedLayoutError(
-                    layer, f"page of {page} bytes does not split into {kernel_ratio} kernel blocks"
+                    layer, f"page of {page} bytes does not split into {sub_blocks} kernel blocks"
                 )
-            kernel_page = page // kernel_ratio
+            kernel_page = page // sub_blocks
             return [
-                piece(cache.data_ptr(), kernel_page, kernel_page, num_blocks * kernel_ratio, True)
+                piece(cache.data_ptr(), kernel_page, kernel_page, num_blocks * sub_blocks, True)
             ]
         return [piece(cache.data_ptr(), page, page, num_blocks, True)]
     itemsize = cache.element_size()
@@ -168,11 +144,11 @@ def layer_pieces(
     # Kernel block splitting views a manager block as `ratio` kernel blocks; a
     # recurrent state is indivisible and never split.
     ratio = 1 if state else rows // num_blocks
-    if kernel_blocks and kernel_ratio is not None and not state and ratio != kernel_ratio:
+    if sub_blocks is not None and not state and ratio != sub_blocks:
         raise UnsupportedLayoutError(
             layer,
             f"{rows} rows for {num_blocks} blocks are not split into the worker's "
-            f"{kernel_ratio} kernel blocks per block (shape {tuple(cache.shape)})",
+            f"{sub_blocks} kernel blocks per block (shape {tuple(cache.shape)})",
         )
     if ratio < 1 or (not state and rows != ratio * num_blocks) or rows < num_blocks:
         raise UnsupportedLayoutError(
@@ -182,7 +158,7 @@ def layer_pieces(
         )
     sizes = tuple(cache.shape[1:])
     strides = tuple(s * itemsize for s in cache.stride()[1:])
-    if ratio > 1 and not kernel_blocks:
+    if ratio > 1 and sub_blocks is None:
         # vLLM splits a manager block into kernel blocks only when the block is one
         # dense page (create_kv_cache_views), so `ratio` abutting kernel pages are the
         # manager page: plan in manager blocks, the ids requests use (vLLM's worker
@@ -205,17 +181,14 @@ def layer_pieces(
         )
     block_len, blocks = page // ratio, num_blocks * ratio
     page_dense = _dense(sizes, strides, itemsize)
-    if (
-        storage is not None
-        and not (page_dense and prod(sizes) * itemsize == block_len)
-        and 0 <= storage.length - blocks * stride0 < stride0
-        and storage.base <= cache.data_ptr() < storage.base + stride0
-    ):
+    if storage is not None and not (page_dense and prod(sizes) * itemsize == block_len):
         # The view's block is not one dense page (layers interleaved inside a block,
-        # BHLNC; or a page padded past its content, DeepSeek-V4 rows) in a storage of
-        # `blocks` rows: the region is the whole row, shared by every layer of the
-        # storage, as vLLM registers it. Moving the row moves each member's block.
-        return [piece(storage.base, stride0, stride0, blocks, False)]
+        # BHLNC; or a page padded past its content, DeepSeek-V4 rows): in a block-major
+        # storage the region is the whole row, shared by every layer of the storage.
+        # Moving the row moves each member's block.
+        row = as_row(piece(cache.data_ptr(), block_len, stride0, blocks, False), storage)
+        if row is not None:
+            return [row]
     if page_dense:
         if blocks > 1 and block_len > stride0:
             raise UnsupportedLayoutError(
@@ -252,57 +225,28 @@ def layer_pieces(
     )
 
 
-def as_rows(pieces: list[Piece], storage: MemoryRange) -> list[Piece]:
-    """The pieces of one storage as whole-row pieces, if it is block-outermost."""
-    strides = {p.block_stride for p in pieces}
-    counts = {p.num_blocks for p in pieces}
-    if len(strides) != 1 or len(counts) != 1:
-        return pieces
-    stride, count = strides.pop(), counts.pop()
-    block_major = 0 <= storage.length - count * stride < stride
-    inside = all(
-        storage.base <= p.base and p.base - storage.base + p.block_len <= stride for p in pieces
-    )
-    has_state = any(is_state(p.traits) for p in pieces)
-    if not block_major or not inside or has_state or stride <= max(p.block_len for p in pieces):
-        return pieces
-    return [
-        Piece(
-            layer=p.layer,
-            traits=p.traits,
-            group_id=p.group_id,
-            base=storage.base,
-            block_len=stride,
-            block_stride=stride,
-            num_blocks=count,
-            mem_type=p.mem_type,
-            device_id=p.device_id,
-            head_major=False,
-            head_segment=None,
-        )
-        for p in pieces
-    ]
+def block_major(storage: MemoryRange, num_blocks: int, stride: int) -> bool:
+    """Whether ``storage`` is ``num_blocks`` rows of ``stride`` bytes (plus less than a
+    row): blocks outermost, so a block's row holds every page of it."""
+    return 0 <= storage.length - num_blocks * stride < stride
 
 
-def as_member_row(piece: Piece, storage: MemoryRange) -> Piece:
-    """``piece`` as a whole-row piece remembering where its page sits, if it is a
-    replicated latent token page of a block-major storage; else ``piece``."""
-    traits = piece.traits
+def as_row(piece: Piece, storage: MemoryRange, *, member: bool = False) -> Piece | None:
+    """``piece`` as the whole row of its block-major storage (base = the storage's, block
+    length = stride, never split by heads), if its page lies inside the first row; with
+    ``member``, remembering where the page sits in the row. ``None`` otherwise. The one
+    whole-row mechanism: every :class:`Rows` choice goes through it."""
     stride = piece.block_stride
     offset = piece.base - storage.base
     if not (
-        traits.is_mla
-        and traits.tp_layout is TPLayout.REPLICATED
-        and traits.token_scope not in (TokenScope.RING, TokenScope.RECURRENT_STATE)
-        and piece.head_segment is None
-        and 0 <= storage.length - piece.num_blocks * stride < stride
+        block_major(storage, piece.num_blocks, stride)
         and offset >= 0
         and offset + piece.block_len <= stride
     ):
-        return piece
+        return None
     return Piece(
         layer=piece.layer,
-        traits=traits,
+        traits=piece.traits,
         group_id=piece.group_id,
         base=storage.base,
         block_len=stride,
@@ -312,5 +256,38 @@ def as_member_row(piece: Piece, storage: MemoryRange) -> Piece:
         device_id=piece.device_id,
         head_major=False,
         head_segment=None,
-        row_member=(offset, piece.block_len),
+        row_member=(offset, piece.block_len) if member else None,
     )
+
+
+def _latent(piece: Piece) -> bool:
+    """A replicated latent token page (:attr:`Rows.LATENT`), whole in one piece."""
+    traits = piece.traits
+    return (
+        traits.is_mla
+        and traits.tp_layout is TPLayout.REPLICATED
+        and is_token_paged(traits)
+        and piece.head_segment is None
+    )
+
+
+def rows_of(
+    pieces: list[Piece], storage: MemoryRange, rows: Rows, *, one_stride: bool
+) -> list[Piece]:
+    """The pieces of one storage with :attr:`Rows.ALL` and :attr:`Rows.LATENT` applied
+    (:attr:`Rows.SCATTERED` is :func:`layer_pieces`'s, which sees the view's strides).
+    ``one_stride``: every view of the plan shares this storage and one block stride
+    (what :attr:`Rows.LATENT` needs)."""
+    if Rows.ALL in rows and pieces:
+        stride = pieces[0].block_stride
+        if (
+            {(p.block_stride, p.num_blocks) for p in pieces} == {(stride, pieces[0].num_blocks)}
+            and not any(is_state(p.traits) for p in pieces)
+            and stride > max(p.block_len for p in pieces)
+        ):
+            whole = [as_row(p, storage) for p in pieces]
+            if all(row is not None for row in whole):
+                pieces = [row for row in whole if row is not None]
+    if Rows.LATENT in rows and one_stride:
+        pieces = [(as_row(p, storage, member=True) if _latent(p) else None) or p for p in pieces]
+    return pieces

@@ -8,13 +8,14 @@ from collections.abc import Mapping, Sequence
 from math import gcd
 from typing import TypeVar
 
-from kvspec_traits._traits import TokenScope, TPLayout
+from kvspec_traits._traits import TPLayout
 from kvspec_traits.transfer._errors import RegionConflictError
 from kvspec_traits.transfer._geometry import Piece
 from kvspec_traits.transfer._region import (
     SHARED_REGION_GROUP_ID,
     Region,
     StateComponent,
+    has_ring,
     is_state,
 )
 
@@ -122,7 +123,7 @@ def merge_region(index: int, members: list[Piece]) -> Region:
         state=bool(states),
         state_tp_layout=state_layout,
         state_components=components,
-        scratch=any(m.traits.token_scope is TokenScope.RING for m in members),
+        scratch=has_ring(m.traits for m in members),
         token_scopes=tuple(sorted({m.traits.token_scope for m in members}, key=lambda s: s.value)),
         dtypes=tuple(sorted({m.traits.dtype or "mixed" for m in members})),
         kv_quant_modes=tuple(sorted({m.traits.kv_quant_mode for m in members})),

@@ -1,20 +1,20 @@
 """The value types of a plan: regions, what to register, and a rank's region plan.
 
-Pure: imports neither NIXL, numpy nor vLLM. The records mirror vLLM's NIXL worker
-bookkeeping (``kv_caches_base_addr``, ``block_len_per_layer``, ``block_stride_per_layer``,
-``region_num_blocks``, ``region_group_ids``, ``region_names``, ``_region_is_mla``,
-``_ssm_region_indices``, ``_scratch_region_indices``) so a connector can compare them
-field by field.
+Pure: imports neither NIXL, numpy nor vLLM. A region holds every fact vLLM's NIXL worker
+keeps per region (``vllm_connector._fields.worker_fields`` names them as the worker does),
+so a connector can compare them field by field. :class:`PlanLayout` holds the choices two
+valid plans of the same bytes differ in.
 """
 
 from __future__ import annotations
 
+import enum
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from types import MappingProxyType
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, Literal, TypeVar, cast
 
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
 from kvspec_traits.transfer._fingerprint import PlanFingerprint, fingerprint_of, traits_record
@@ -22,11 +22,15 @@ from kvspec_traits.transfer._fingerprint import PlanFingerprint, fingerprint_of,
 __all__ = [
     "SHARED_REGION_GROUP_ID",
     "MemoryRange",
+    "PlanLayout",
     "Region",
     "RegionPlan",
     "StateComponent",
+    "Rows",
     "desc_offsets",
+    "has_ring",
     "is_state",
+    "is_token_paged",
     "region_sort_key",
 ]
 
@@ -43,6 +47,57 @@ def region_sort_key(layer_name: str) -> tuple[tuple[int, int | str], ...]:
     return tuple(
         (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", layer_name)
     )
+
+
+class Rows(enum.Flag):
+    """Which pages of a block-major storage (``num_blocks`` rows of one block stride,
+    plus less than a row) are registered as the whole row they lie in: base = the
+    storage's, block length = stride, never split by heads. One descriptor per block
+    moves every page of the row."""
+
+    NONE = 0
+    SCATTERED = enum.auto()
+    """A page that is not one dense run of its spec's page size (layers interleaved
+    inside a block, as BHLNC puts them; a page padded past its content): the row is its
+    one contiguous description, shared by every such layer of the storage."""
+    LATENT = enum.auto()
+    """Replicated latent (MLA) token pages, when every view shares one storage and one
+    block stride; :attr:`Region.packed_members` says where each page sits in the row."""
+    ALL = enum.auto()
+    """Every page of a block-outermost storage without a recurrent state (every view
+    at one block stride and count, each page inside the row, the row wider than each)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanLayout:
+    """How :func:`~kvspec_traits.transfer.plan_regions` lays regions over the same
+    bytes: the choices two valid plans of one KV cache differ in (both peers of a
+    transfer must plan with equal layouts; the fingerprint shows where they differ)."""
+
+    sub_blocks: int | None = None
+    """Plan each block as this many equal sub-blocks: ``block_len / n`` bytes,
+    ``num_blocks * n`` of them. A paged view's rows must be its blocks split ``n`` ways
+    (kernel blocks; :class:`UnsupportedLayoutError` otherwise); a recurrent-state page,
+    which no view splits, becomes ``n`` sub-blocks read back whole ``n`` sub-blocks
+    apart (so it can share a region with split pages). ``None``: whole blocks, also
+    for views whose rows are sub-blocks (those rows are merged back)."""
+    order: Literal["model", "given"] = "model"
+    """Region order: model-layer order (:func:`region_sort_key`), or the order of the
+    ``kv_caches`` mapping."""
+    rows: Rows | None = None
+    """Which pages are registered as whole rows. ``None``: :attr:`Rows.SCATTERED`,
+    unless a layer is a ring buffer (:func:`has_ring`): each owner then registers its
+    own page of a shared row, so a ring's page keeps a region of its own."""
+    separate_page_sizes: bool = False
+    """Pages of other sizes at one base (overlaid groups: a compressor ring over an MLA
+    page) are separate regions, each moving its own page; by default they share one
+    region that moves the longest page."""
+
+    def __post_init__(self) -> None:
+        if self.sub_blocks is not None and self.sub_blocks < 1:
+            raise ValueError(f"sub_blocks {self.sub_blocks} must be >= 1 (or None)")
+        if self.order not in ("model", "given"):
+            raise ValueError(f"order {self.order!r} is not 'model' or 'given'")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +175,7 @@ class Region:
     models), next to or instead of a TP-sharded one."""
     packed_members: tuple[tuple[str, int, int], ...] = ()
     """``(layer, offset, page bytes)`` of each member registered as part of a whole
-    block row (``packed_member_rows``): where its page sits in the row (vLLM's
+    block row by :attr:`Rows.LATENT`: where its page sits in the row (vLLM's
     ``packed_member_layouts``)."""
     kv_head_contiguous: bool = True
     """Every paged member keeps each KV head's slots together
@@ -194,59 +249,15 @@ class RegionPlan:
         """Flat descriptor id of block 0 of each region in the plan's strided list."""
         return self._desc_offsets
 
-    # -- upstream-shaped views (vLLM NixlConnectorWorker field names) ---------------
-    @property
-    def base_addresses(self) -> list[int]:
-        return [r.base_addr for r in self.regions]
-
-    @property
-    def block_lens(self) -> list[int]:
-        return [r.block_len for r in self.regions]
-
-    @property
-    def block_strides(self) -> list[int]:
-        return [r.block_stride for r in self.regions]
-
-    @property
-    def region_num_blocks(self) -> list[int]:
-        return [r.num_blocks for r in self.regions]
-
     @property
     def region_group_ids(self) -> list[int]:
+        """Each region's group id (:data:`SHARED_REGION_GROUP_ID` for a shared one)."""
         return list(self._group_ids)
 
     @property
     def region_names(self) -> list[str]:
+        """Each region's name (its first member layer)."""
         return [r.name for r in self.regions]
-
-    @property
-    def region_members(self) -> list[list[str]]:
-        """Member layers of each region (vLLM's ``region_members``)."""
-        return [list(r.layers) for r in self.regions]
-
-    @property
-    def num_descs(self) -> int:
-        """Descriptors of :func:`build_block_descs` expanded (vLLM's ``num_descs``)."""
-        return sum(r.num_blocks for r in self.regions)
-
-    @property
-    def region_replicated(self) -> list[bool]:
-        """vLLM's ``_region_is_mla``: REPLICATE (True) or SPLIT (False) per region."""
-        return [r.replicated for r in self.regions]
-
-    @property
-    def state_region_indices(self) -> list[int]:
-        """Regions holding a TP-sharded recurrent state (vLLM's ``_ssm_region_indices``)."""
-        return [r.index for r in self.regions if r.sharded_state]
-
-    @property
-    def replicated_state_region_indices(self) -> list[int]:
-        """Regions holding a replicated recurrent state (vLLM's ``_ple_region_index``)."""
-        return [r.index for r in self.regions if r.replicated_state]
-
-    @property
-    def scratch_region_indices(self) -> list[int]:
-        return [r.index for r in self.regions if r.scratch]
 
     def region_of(self, layer: str) -> Region:
         """The (first) region holding ``layer``; ``KeyError`` if it has none."""
@@ -267,3 +278,16 @@ def is_state(traits: KVLayoutTraits) -> bool:
     """Whether a layer's cache is a recurrent state (one indivisible page per block,
     never split into kernel blocks nor by heads), not token-addressed pages."""
     return traits.token_scope is TokenScope.RECURRENT_STATE
+
+
+def has_ring(traits: Iterable[KVLayoutTraits]) -> bool:
+    """Whether any of these layers' caches is a ring buffer (one page rewritten in
+    place, :attr:`TokenScope.RING`): a region's :attr:`Region.scratch`, a plan's
+    default :attr:`PlanLayout.rows`, the connector's CSA-linear models."""
+    return any(t.token_scope is TokenScope.RING for t in traits)
+
+
+def is_token_paged(traits: KVLayoutTraits) -> bool:
+    """Whether a layer's pages are addressed by token position: neither a recurrent
+    state (one page per request) nor a ring (one page rewritten in place)."""
+    return not (is_state(traits) or has_ring((traits,)))

@@ -65,7 +65,7 @@ from kvspec_traits.vllm_connector._handshake import (
     requires_traits_peer,
 )
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
-from kvspec_traits.vllm_connector._quirks import SeriesQuirks, series_quirks
+from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,7 +82,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     region_plan: RegionPlan | None = None
     traits_fingerprint: PlanFingerprint | None = None
     _traits_registry: Registry = default_registry
-    _quirks: SeriesQuirks = series_quirks()
+    _policy: VllmLayoutPolicy = layout_policy()
 
     def __init__(
         self,
@@ -184,38 +184,17 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     # -- register_kv_caches -------------------------------------------------------------
 
     def plan(self, kv_caches: Mapping[str, torch.Tensor]) -> RegionPlan:
-        """The region plan of ``kv_caches`` for this rank (no NIXL calls)."""
+        """The region plan of ``kv_caches`` for this rank (no NIXL calls), laid out as
+        this vLLM series registers it (:class:`VllmLayoutPolicy`)."""
         # Host-resident (HiSparse) groups are planned over the host pool's block count
         # (the planner reads KVCacheConfig.hisparse_host_num_blocks), as vLLM does.
-        # vLLM's descriptor ids count kernel blocks (its worker's block_size and
-        # num_blocks are per kernel block), so the regions must be planned in them.
         return plan_regions(
             kv_caches,
             self.kv_cache_config,
             tp_size=self.transfer_tp_size,
             tp_rank=self.transfer_tp_rank,
             registry=self._traits_registry,
-            kernel_blocks=True,
-            kernel_ratio=self._physical_blocks_per_logical_kv_block,
-            # vLLM orders CSA-linear regions as the caches come.
-            model_order=not self._is_csa_linear,
-            whole_rows=not (self._is_csa_linear or self._has_mamba),
-            split_by_block_len=self._quirks.regions_keyed_by_block_len,
-            packed_member_rows=self._packs_member_rows(),
-        )
-
-    def _packs_member_rows(self) -> bool:
-        """Whether whole block rows are registered for the latent pages (vLLM 0.33+:
-        a block-outermost layout, with no recurrent state, PP 1; the planner then
-        checks the views share one storage and stride, and takes the replicated
-        latent token pages)."""
-        facts = self._layout_facts()
-        return (
-            self._quirks.packed_mla_rows
-            and facts.mla
-            and not facts.has_state
-            and quirks.has_packed_cache(self)
-            and self.pp_size == 1
+            layout=self._policy.worker_layout(self, self._layout_facts()),
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -272,7 +251,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             CONNECTOR_NAME,
             len(plan.regions),
             self.traits_fingerprint.digest[:16],
-            plan.region_replicated,
+            self._region_is_mla,
         )
         agent_metadata = TraitsNixlAgentMetadata(
             engine_id=self.engine_id,

@@ -5,25 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvspec_traits._group import representative_traits, traits_for_layer
+from kvspec_traits._group import representative_traits
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
-from kvspec_traits.transfer._config import TransferGroup, transfer_groups
-from kvspec_traits.transfer._region import is_state
+from kvspec_traits.transfer._config import CacheGroupTraits, TransferGroup, cache_group_traits
+from kvspec_traits.transfer._region import has_ring, is_state, is_token_paged
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["LayoutFacts", "layout_facts", "replicated_state_group"]
-
-# Scopes whose pages are not addressed by token position: a recurrent state (one page
-# per request) and a ring (one page rewritten in place). vLLM leaves them out of the
-# transfer block size.
-_NOT_TOKEN_PAGED = frozenset({TokenScope.RECURRENT_STATE, TokenScope.RING})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,48 +46,35 @@ class LayoutFacts:
     the CSA-linear PLE group)."""
 
 
-def _members(traits: KVLayoutTraits, layers: list[str]) -> dict[str, KVLayoutTraits]:
-    return {layer: traits_for_layer(traits, layer) for layer in layers}
-
-
 def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = None) -> LayoutFacts:
     """Answer the worker's layout questions from the traits of ``kv_cache_config``."""
     reg = registry if registry is not None else default_registry
-    layer_traits: dict[str, KVLayoutTraits] = {}
-    group_is_state: list[bool] = []
-    block_sizes: list[int] = []
-    transferred = transfer_groups(kv_cache_config)
-    for group in transferred:
-        traits = reg.traits_of(group.spec)
-        layer_traits.update(_members(traits, list(group.layer_names)))
-        kind = representative_traits(traits)
-        group_is_state.append(is_state(kind))
-        if kind.token_scope not in _NOT_TOKEN_PAGED:
-            block_sizes.append(kind.block_size)
-    all_groups = [reg.traits_of(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
-    has_ring = any(representative_traits(t).token_scope is TokenScope.RING for t in all_groups)
+    # Every group: vLLM's worker finds a ring (CSA-linear) and the PLE group among all.
+    groups = cache_group_traits(kv_cache_config, reg, every_group=True)
+    transferred = [g for g in groups if g.transfer is not None]
+    layer_traits = {layer: t for g in transferred for layer, t in g.layers.items()}
+    kinds = [representative_traits(g.traits) for g in transferred]
+    # vLLM leaves groups not addressed by token position out of the transfer block size.
+    block_sizes = [k.block_size for k in kinds if is_token_paged(k)]
+    ring = has_ring(representative_traits(g.traits) for g in groups)
     return LayoutFacts(
-        transfer_groups=transferred,
+        transfer_groups=tuple(g.transfer for g in transferred if g.transfer is not None),
         layer_traits=layer_traits,
-        group_is_state=tuple(group_is_state),
+        group_is_state=tuple(is_state(k) for k in kinds),
         transfer_block_size=math.lcm(*block_sizes) if block_sizes else None,
         hybrid=any(t.token_scope is not TokenScope.FULL for t in layer_traits.values()),
         has_state=any(is_state(t) for t in layer_traits.values()),
-        has_ring=has_ring,
-        mla=any(t.is_mla and t.token_scope not in _NOT_TOKEN_PAGED for t in layer_traits.values()),
-        replicated_state_kv_cache_group=(
-            replicated_state_group(kv_cache_config, all_groups) if has_ring else None
-        ),
+        has_ring=ring,
+        mla=any(t.is_mla and is_token_paged(t) for t in layer_traits.values()),
+        replicated_state_kv_cache_group=replicated_state_group(groups) if ring else None,
     )
 
 
-def replicated_state_group(
-    kv_cache_config: KVCacheConfig, group_traits: list[KVLayoutTraits]
-) -> int | None:
+def replicated_state_group(groups: Sequence[CacheGroupTraits]) -> int | None:
     """The cache group (index in ``kv_cache_groups``, transferred or not) whose layers
     are all TP-replicated recurrent states, as vLLM's worker finds its PLE group
-    (``_ple_group_index``) in a ring-buffer (CSA-linear) model; ``group_traits`` are
-    the groups' traits.
+    (``_ple_group_index``) in a ring-buffer (CSA-linear) model; ``groups``: every cache
+    group's traits (:func:`~kvspec_traits.transfer._config.cache_group_traits`).
 
     A question about cache groups, asked before any region exists: raises
     ``ValueError`` for more than one such group, or one of several layers (vLLM keeps
@@ -102,18 +84,15 @@ def replicated_state_group(
     with other members or not): two replicated-state layers overlaid on one region pass
     that rule and fail this one; a model without a ring is never asked this one.
     """
-    found: list[int] = []
-    for index, (group, traits) in enumerate(
-        zip(kv_cache_config.kv_cache_groups, group_traits, strict=True)
-    ):
-        members = _members(traits, list(group.layer_names)).values()
-        if members and all(is_state(t) and t.tp_layout is TPLayout.REPLICATED for t in members):
-            found.append(index)
-    if len(found) > 1 or any(
-        len(kv_cache_config.kv_cache_groups[i].layer_names) != 1 for i in found
-    ):
+    found = [
+        g
+        for g in groups
+        if g.layers
+        and all(is_state(t) and t.tp_layout is TPLayout.REPLICATED for t in g.layers.values())
+    ]
+    if len(found) > 1 or any(len(g.layers) != 1 for g in found):
         raise ValueError(
             f"{CONNECTOR_NAME}: a ring-buffer model may have at most one replicated "
-            f"recurrent-state layer (found groups {found})"
+            f"recurrent-state layer (found groups {[g.kv_cache_group for g in found]})"
         )
-    return found[0] if found else None
+    return found[0].kv_cache_group if found else None

@@ -19,21 +19,24 @@ def worker_fields(plan: RegionPlan) -> dict[str, Any]:
 
     Raises ``ValueError`` as :func:`replicated_state_region` does.
     """
+    regions = plan.regions
     return {
-        "kv_caches_base_addr": plan.base_addresses,
-        "block_len_per_layer": plan.block_lens,
-        "block_stride_per_layer": plan.block_strides,
-        "region_num_blocks": plan.region_num_blocks,
+        "kv_caches_base_addr": [r.base_addr for r in regions],
+        "block_len_per_layer": [r.block_len for r in regions],
+        "block_stride_per_layer": [r.block_stride for r in regions],
+        "region_num_blocks": [r.num_blocks for r in regions],
         "region_group_ids": plan.region_group_ids,
         "region_names": plan.region_names,
-        "region_members": plan.region_members,
-        "region_mem_types": [r.mem_type for r in plan.regions],
-        "_region_is_mla": plan.region_replicated,
-        "_ssm_region_indices": plan.state_region_indices,
-        "_scratch_region_indices": plan.scratch_region_indices,
+        "region_members": [list(r.layers) for r in regions],
+        "region_mem_types": [r.mem_type for r in regions],
+        # REPLICATE (True) or SPLIT (False) per region.
+        "_region_is_mla": [r.replicated for r in regions],
+        "_ssm_region_indices": [r.index for r in regions if r.sharded_state],
+        "_scratch_region_indices": [r.index for r in regions if r.scratch],
         "_ple_region_index": replicated_state_region(plan),
-        "num_regions": len(plan.regions),
-        "num_descs": plan.num_descs,
+        "num_regions": len(regions),
+        # The descriptors of the plan's strided list, expanded.
+        "num_descs": sum(r.num_blocks for r in regions),
     }
 
 
@@ -48,7 +51,7 @@ def replicated_state_region(plan: RegionPlan) -> int | None:
     all of whose layers are replicated states): here several replicated-state layers
     may share the one region, and the region may hold other members too.
     """
-    ple = plan.replicated_state_region_indices
+    ple = [r.index for r in plan.regions if r.replicated_state]
     if len(ple) > 1:
         raise ValueError(
             f"{CONNECTOR_NAME}: at most one replicated recurrent-state "

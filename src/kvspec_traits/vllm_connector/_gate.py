@@ -6,10 +6,20 @@ from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
 from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, IMPL_MODULE
 
-__all__ = ["check_vllm_version", "register_with_vllm", "vllm_series"]
+__all__ = ["check_vllm_version", "installed_vllm", "register_with_vllm", "vllm_series"]
+
+
+def installed_vllm() -> str:
+    """The imported vLLM's version string (``"unknown"`` if it has none)."""
+    with needs(f"{CONNECTOR_NAME} (kvspec_traits.vllm_connector)"):
+        import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
 
 
 def vllm_series(version: str) -> str:
+    """The release series of a vLLM version: ``"0.33"`` of ``"0.33.1+cpu"``. The one
+    parse of a vLLM version (the gate and :func:`series_quirks` ask it)."""
     parts = version.split("+", 1)[0].split(".")
     return ".".join(parts[:2])
 
@@ -18,10 +28,7 @@ def check_vllm_version(installed: str | None = None) -> str:
     """Return the installed vLLM version, or raise :class:`UnsupportedVllmVersionError`
     naming it and the supported series. ``installed`` overrides the lookup (tests)."""
     if installed is None:
-        with needs(f"{CONNECTOR_NAME} (kvspec_traits.vllm_connector)"):
-            import vllm
-
-        installed = str(getattr(vllm, "__version__", "unknown"))
+        installed = installed_vllm()
     if vllm_series(installed) not in SUPPORTED_VLLM_SERIES:
         raise UnsupportedVllmVersionError(installed)
     return installed

@@ -9,6 +9,8 @@ import dataclasses
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
+from kvspec_traits.vllm_connector._gate import installed_vllm, vllm_series
+
 __all__ = [
     "SeriesQuirks",
     "derive_region_sets",
@@ -42,15 +44,13 @@ class SeriesQuirks:
 
 def series_quirks(version: str | None = None) -> SeriesQuirks:
     """The :class:`SeriesQuirks` of vLLM ``version`` (default: the imported vLLM)."""
-    if version is None:
-        import vllm
-
-        version = str(getattr(vllm, "__version__", "0"))
-    major_minor = tuple(int(p) for p in version.split("+", 1)[0].split(".")[:2] if p.isdigit())
+    series = vllm_series(installed_vllm() if version is None else version)
+    # "0.34" -> (0, 34); a series that is not numbers has no quirk (the gate refuses it).
+    numbers = tuple(int(p) if p.isdigit() else -1 for p in series.split("."))
     return SeriesQuirks(
-        series=".".join(str(p) for p in major_minor),
-        regions_keyed_by_block_len=major_minor >= (0, 34),
-        packed_mla_rows=major_minor >= (0, 33),
+        series=series,
+        regions_keyed_by_block_len=numbers >= (0, 34),
+        packed_mla_rows=numbers >= (0, 33),
     )
 
 
