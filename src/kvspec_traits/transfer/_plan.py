@@ -9,6 +9,7 @@ names a spec class.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvspec_traits._registry import Registry, default_registry
@@ -194,7 +195,10 @@ def plan_regions(
         num_groups = max(group_ids.values(), default=0) + 1 if group_ids else 1
     return RegionPlan(
         regions=regions,
-        registrations=tuple(registrations.values()),
+        registrations=tuple(
+            replace(reg, layers=tuple(dict.fromkeys(p.layer for p in by_storage.get(key, ()))))
+            for key, reg in registrations.items()
+        ),
         num_blocks=n_blocks,
         tp_size=tp_size,
         tp_rank=tp_rank,

@@ -63,6 +63,10 @@ class MemoryRange:
     length: int
     device_id: int
     mem_type: str
+    layers: tuple[str, ...] = ()
+    """The layers whose caches live in this allocation (read from their tensors'
+    storage, not from region bases): what binds each region to its own registration
+    (:func:`~kvspec_traits.transfer.check_peer`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

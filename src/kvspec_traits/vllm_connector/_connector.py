@@ -60,6 +60,7 @@ from kvspec_traits.vllm_connector._handshake import (
     TraitsNixlAgentMetadata,
     check_pipeline_parallel,
     check_remote_fingerprint,
+    decoding_traits_metadata,
     handshake_with,
     logger,
     requires_traits_peer,
@@ -394,7 +395,8 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         # _validate_remote_parallel_config with the decoded metadata, where the
         # fingerprint is checked; the peer's address is kept for the messages.
         with handshake_with(host, port):
-            return super()._nixl_handshake(host, port, remote_tp_size, *args, **kwargs)
+            handshake = decoding_traits_metadata(super()._nixl_handshake)
+            return handshake(host, port, remote_tp_size, *args, **kwargs)
 
     def _validate_remote_parallel_config(self, agent_metadata: Any) -> None:
         super()._validate_remote_parallel_config(agent_metadata)
@@ -404,7 +406,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         """Compare the peer's per-region traits fingerprint with ours (see
         :func:`~kvspec_traits.vllm_connector._handshake.check_remote_fingerprint`)."""
         check_remote_fingerprint(
-            self.traits_fingerprint,
+            self.region_plan,
             agent_metadata,
             require_traits_peer=lambda: requires_traits_peer(self.vllm_config),
         )
