@@ -186,10 +186,6 @@ def decode_metadata(data: bytes | bytearray | memoryview) -> PeerMetadata:
     if not isinstance(rows, list):
         raise MalformedMetadataError("header field 'regions' is not a list")
     regions = tuple(_region_field(row, i) for i, row in enumerate(rows))
-    reg_rows = header.get("registrations")
-    if not isinstance(reg_rows, list) or not reg_rows:
-        raise MalformedMetadataError("header field 'registrations' is not a non-empty list")
-    registrations = tuple(_registration_field(row, i) for i, row in enumerate(reg_rows))
     fingerprint = PlanFingerprint.from_payload(header.get("fingerprint"))
     if len(fingerprint.regions) != len(regions):
         raise MalformedMetadataError(
@@ -199,6 +195,10 @@ def decode_metadata(data: bytes | bytearray | memoryview) -> PeerMetadata:
     agent_md = raw[_PREFIX.size + header_len :]
     if not agent_md:
         raise MalformedMetadataError("no NIXL agent metadata")
+    reg_rows = header.get("registrations")
+    if not isinstance(reg_rows, list) or not reg_rows:
+        raise MalformedMetadataError("header field 'registrations' is not a non-empty list")
+    registrations = tuple(_registration_field(row, i) for i, row in enumerate(reg_rows))
     return PeerMetadata(
         agent_name=agent,
         tp_rank=tp_rank,
