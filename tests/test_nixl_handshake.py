@@ -10,8 +10,8 @@ import struct
 import pytest
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvspec_traits.nixl._wire import WIRE_VERSION
 from kvspec_traits.nixl import decode_metadata, encode_metadata
+from kvspec_traits.nixl._wire import WIRE_VERSION
 from kvspec_traits.transfer import (
     FINGERPRINT_VERSION,
     HandshakeMismatchError,

@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvspec_traits.nixl._wire import WIRE_VERSION
 from kvspec_traits.nixl import (
     BlockIdError,
     BlockIdShapeError,
@@ -39,6 +38,7 @@ from kvspec_traits.nixl import (
     peer_regions,
     transfer_items,
 )
+from kvspec_traits.nixl._wire import WIRE_VERSION
 from kvspec_traits.transfer import (
     HandshakeMismatchError,
     MalformedMetadataError,
@@ -78,7 +78,9 @@ def _forged(
             row[_FIELDS.index(key)] = value
     header["registrations"].extend(extra_registrations)
     body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return struct.pack("<8sHII", b"KVSTNIXL", WIRE_VERSION, len(body), len(agent_md)) + body + agent_md
+    return (
+        struct.pack("<8sHII", b"KVSTNIXL", WIRE_VERSION, len(body), len(agent_md)) + body + agent_md
+    )
 
 
 def _metadata(
@@ -317,7 +319,9 @@ def test_a_failed_connect_after_nixl_added_the_peer_removes_it(
     last = plan_p.regions[-1]
     shift = 4 * last.block_stride * NB
     forged = {len(plan_p.regions) - 1: {"base_addr": last.base_addr + shift}}
-    claimed = [last.base_addr + shift, last.block_stride * NB, 0, "DRAM", list(last.layers)]
+    length = last.block_stride * NB
+    spans = [[layer, last.base_addr + shift, length] for layer in last.layers]
+    claimed = [last.base_addr + shift, length, 0, "DRAM", spans]
     agent_md = bytes(producer._agent.get_agent_metadata())
     for _ in range(2):  # and again: nothing of the first attempt is left to collide
         with pytest.raises(MalformedMetadataError, match="outside the memory"):

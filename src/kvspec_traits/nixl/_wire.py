@@ -84,7 +84,7 @@ def encode_metadata(plan: RegionPlan, agent_name: str, agent_metadata: bytes) ->
                 for r in plan.regions
             ],
             "registrations": [
-                [m.base, m.length, m.device_id, m.mem_type, list(m.layers)]
+                [m.base, m.length, m.device_id, m.mem_type, [list(span) for span in m.layers]]
                 for m in plan.registrations
             ],
         }
@@ -131,13 +131,24 @@ def _registration_field(row: object, index: int) -> PeerRegistration:
         or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row[:3])
         or not isinstance(row[3], str)
         or not isinstance(row[4], list)
-        or not all(isinstance(layer, str) for layer in row[4])
+        or not all(
+            isinstance(span, list)
+            and len(span) == 3
+            and isinstance(span[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in span[1:])
+            for span in row[4]
+        )
     ):
         raise MalformedMetadataError(
-            f"registration {index} is not [base, length, device_id, mem_type, [layers]]"
+            f"registration {index} is not [base, length, device_id, mem_type, "
+            f"[[layer, first byte, bytes spanned], ...]]"
         )
     return PeerRegistration(
-        base=row[0], length=row[1], device_id=row[2], mem_type=row[3], layers=tuple(row[4])
+        base=row[0],
+        length=row[1],
+        device_id=row[2],
+        mem_type=row[3],
+        layers=tuple((span[0], span[1], span[2]) for span in row[4]),
     )
 
 

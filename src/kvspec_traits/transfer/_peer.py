@@ -48,13 +48,14 @@ class PeerRegion:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerRegistration:
-    """One memory range a peer registers, and the layers whose caches it holds."""
+    """One memory range a peer registers, and where each layer's cache lies in it
+    (``(layer, first byte, bytes spanned)``)."""
 
     base: int
     length: int
     device_id: int
     mem_type: str
-    layers: tuple[str, ...]
+    layers: tuple[tuple[str, int, int], ...]
 
 
 def peer_registrations(plan: RegionPlan) -> tuple[PeerRegistration, ...]:
@@ -197,14 +198,21 @@ def _check_registrations(
     peer: str,
 ) -> None:
     """Each region lies whole inside one registration of its memory type and device,
-    and, where the registration names its layers, inside the one that holds the
-    region's own layers: a base swapped with another region's, shifted into another
-    allocation, past its end or into memory the peer never registered is refused."""
+    and its first block meets the memory of one of its own member layers there (both
+    sides know the layer names): a base swapped with another region's, shifted onto
+    another layer, past its allocation's end or into memory the peer never registered
+    is refused."""
     for reg in registrations:
         if reg.length < 1 or not 0 <= reg.base < _U64_END - reg.length:
             raise MalformedMetadataError(
                 f"{peer} registers {reg.length} bytes at {reg.base}: not a memory range"
             )
+        for layer, start, span in reg.layers:
+            if start < reg.base or start + span > reg.base + reg.length:
+                raise MalformedMetadataError(
+                    f"{peer} places layer {layer!r} at {start} (+{span} bytes), outside "
+                    f"the memory range it registers at {reg.base} (+{reg.length} bytes)"
+                )
     for index, (local, region) in enumerate(zip(plan.regions, regions, strict=True)):
         end = region.base_addr + _extent(region)
         holders = [
@@ -221,11 +229,18 @@ def _check_registrations(
                 f"range {peer} registers"
             )
         own = set(local.layers)
-        if all(reg.layers and not own <= set(reg.layers) for reg in holders):
-            found = sorted({layer for reg in holders for layer in reg.layers})
+        spans = [(layer, start, span) for reg in holders for layer, start, span in reg.layers]
+        first_block = (region.base_addr, region.base_addr + region.block_len)
+        if spans and not any(
+            layer in own and start < first_block[1] and first_block[0] < start + span
+            for layer, start, span in spans
+        ):
+            found = sorted(
+                layer for layer, start, span in spans if start <= region.base_addr < start + span
+            )
             raise MalformedMetadataError(
                 f"region {index} ({local.name!r}, layers {list(local.layers)}) of {peer}: "
-                f"its base {region.base_addr} lies in the memory of layers {found}, not "
+                f"its base {region.base_addr} lies in the memory of layers {found}, not of "
                 f"its own: a region base is swapped or shifted"
             )
 

@@ -139,6 +139,7 @@ def plan_regions(
         whole_rows = not any(t.token_scope is TokenScope.RING for t in layer_traits.values())
     by_storage: dict[tuple[int, str], list[Piece]] = {}
     registrations: dict[tuple[int, str], MemoryRange] = {}
+    spans: dict[tuple[int, str], list[tuple[str, int, int]]] = {}
     for layer in sorted(kv_caches, key=region_sort_key) if model_order else kv_caches:
         traits = layer_traits.get(layer)
         if traits is None:
@@ -151,6 +152,17 @@ def plan_regions(
             registrations[key] = MemoryRange(
                 base=key[0], length=storage.nbytes(), device_id=device_id_of(cache), mem_type=key[1]
             )
+        spans.setdefault(key, []).append(
+            # (layer, first byte, bytes its view spans): strides are non-negative
+            (
+                layer,
+                cache.data_ptr(),
+                cache.element_size()
+                * (1 + sum((n - 1) * s for n, s in zip(cache.shape, cache.stride(), strict=True)))
+                if cache.numel()
+                else 0,
+            )
+        )
         by_storage.setdefault(key, []).extend(
             layer_pieces(
                 layer,
@@ -196,8 +208,7 @@ def plan_regions(
     return RegionPlan(
         regions=regions,
         registrations=tuple(
-            replace(reg, layers=tuple(dict.fromkeys(p.layer for p in by_storage.get(key, ()))))
-            for key, reg in registrations.items()
+            replace(reg, layers=tuple(spans[key])) for key, reg in registrations.items()
         ),
         num_blocks=n_blocks,
         tp_size=tp_size,

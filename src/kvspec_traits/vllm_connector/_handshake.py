@@ -61,6 +61,25 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
 
     kvspec_traits_fingerprint: bytes | None = None
 
+    def __eq__(self, other: object) -> bool:
+        # The same peer metadata as vLLM's class decodes it (no fingerprint field) is
+        # equal when every field that class has is: vLLM's own handshake test compares
+        # what the handshake hands add_remote_agent with the peer's metadata decoded
+        # by vLLM's class. Python tries this method for both orders of `==` (a
+        # subclass's), so the comparison is symmetric; two of ours compare every field.
+        if type(other) is NixlAgentMetadata:
+            return all(
+                getattr(self, f.name) == getattr(other, f.name)
+                for f in dataclasses.fields(NixlAgentMetadata)
+            )
+        if isinstance(other, TraitsNixlAgentMetadata):
+            return all(
+                getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self)
+            )
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it extends
+
 
 _T = TypeVar("_T")
 
