@@ -27,7 +27,7 @@ def test_importing_the_connector_leaves_nixl_agent_metadata_alone() -> None:
 
     import kvspec_traits.vllm_connector._connector as ours
 
-    assert base_worker.NixlAgentMetadata is metadata.NixlAgentMetadata
+    assert vars(base_worker)["NixlAgentMetadata"] is metadata.NixlAgentMetadata
     assert ours.TraitsNixlAgentMetadata is not metadata.NixlAgentMetadata
 
 
@@ -58,4 +58,4 @@ def test_upstreams_handshake_in_the_same_process_decodes_upstreams_class(
     fingerprint = getattr(received["traits"], "kvspec_traits_fingerprint", None)
     assert fingerprint is not None and built.traits.traits_fingerprint is not None
     assert fingerprint == built.traits.traits_fingerprint.canonical()
-    assert base_worker.NixlAgentMetadata is metadata.NixlAgentMetadata
+    assert vars(base_worker)["NixlAgentMetadata"] is metadata.NixlAgentMetadata

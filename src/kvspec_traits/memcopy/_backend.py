@@ -29,6 +29,7 @@ from kvspec_traits.transfer import (
     tp_reads,
 )
 from kvspec_traits.transfer._blocks import (
+    IdLists,
     check_block_range,
     check_id_list,
     check_paired,
@@ -40,7 +41,7 @@ __all__ = ["HOST_MEMORY", "BlockIdLists", "MemcopyBackend", "NotConnectedError"]
 HOST_MEMORY: Final = "DRAM"
 """The only memory type this backend copies (``Region.mem_type`` of a CPU tensor)."""
 
-BlockIdLists: TypeAlias = Sequence[Sequence[int]] | Sequence[int]
+BlockIdLists: TypeAlias = IdLists
 """One list of block ids per cache group (``RegionPlan.num_groups`` lists), or, for a
 plan of one group, that group's list alone; a list is Python ints (not ``bool``) or a
 1-D integer array (numpy's: read with ``tolist()``, numpy is not imported)."""

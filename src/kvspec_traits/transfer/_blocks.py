@@ -11,12 +11,14 @@ errors.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol, TypeAlias
 
 from kvspec_traits.transfer._errors import BlockIdError, BlockIdShapeError, BlockIdTypeError
 
 __all__ = [
     "INT64_MAX",
+    "IdArray",
+    "IdLists",
     "check_block_range",
     "check_id_list",
     "check_paired",
@@ -26,6 +28,24 @@ __all__ = [
 
 INT64_MAX: Final = (1 << 63) - 1
 _LISTS: Final = (list, tuple, range)
+
+
+class IdArray(Protocol):
+    """What this module reads of an integer array (numpy's ``ndarray`` is one)."""
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    def tolist(self) -> Any: ...
+
+
+IdLists: TypeAlias = Sequence[Sequence[int] | IdArray] | Sequence[int] | IdArray
+"""A request's block ids as every backend takes them: one list (Python ints or a 1-D
+integer array) per cache group, a 2-D integer array of one row per group, or, for a
+plan of one group, that group's list alone."""
 
 
 def is_id_array(value: object) -> bool:
