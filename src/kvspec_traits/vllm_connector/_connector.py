@@ -390,13 +390,12 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     ) -> Any:
         remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
         check_pipeline_parallel(self.pp_size, remote_pp_size)
-        # vLLM's handshake (its socket through base_worker.zmq_ctx, its order: the
-        # compatibility hash, then the agent metadata decode) calls
-        # _validate_remote_parallel_config with the decoded metadata, where the
-        # fingerprint is checked; the peer's address is kept for the messages.
+        # vLLM's handshake (its socket, its order: the compatibility hash, then the
+        # metadata decode, into our class here only) calls _validate_remote_parallel_config
+        # with the decoded metadata, where the peer is checked (its address kept).
         with handshake_with(host, port):
-            handshake = decoding_traits_metadata(super()._nixl_handshake)
-            return handshake(host, port, remote_tp_size, *args, **kwargs)
+            upstream = decoding_traits_metadata(super()._nixl_handshake)
+            return upstream(host, port, remote_tp_size, *args, **kwargs)
 
     def _validate_remote_parallel_config(self, agent_metadata: Any) -> None:
         super()._validate_remote_parallel_config(agent_metadata)
