@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvspec_traits.transfer import MalformedMetadataError
+from kvspec_traits.transfer import MalformedMetadataError, MemoryTypeMismatchError
 from kvspec_traits.vllm_connector._connector import TraitsNixlAgentMetadata
 from tests.test_connector_differential import AGREE, Built, build, distributed
 
@@ -87,3 +87,34 @@ def test_a_peer_without_fingerprint_is_accepted_only_with_sane_addresses(
         forgery, message = FORGERIES[name]
         with pytest.raises(MalformedMetadataError, match=message):
             built.traits.check_remote_fingerprint(_forged(meta, **forgery))
+
+
+def test_a_device_memory_peer_is_refused_as_the_nixl_agent_refuses_it(
+    build: Callable[..., Built],
+) -> None:
+    """Failure mode (issue 24 item 3): ``check_remote_fingerprint`` accepted a peer
+    whose regions are on device memory ("VRAM") when its fingerprint matched (the
+    memory type is not part of it), where the NIXL agent path raises
+    :class:`MemoryTypeMismatchError`. Both now run ``transfer.check_peer``."""
+    built = build(AGREE["gqa"])
+    meta = _own_metadata(built)
+    assert meta.region_mem_types == ["DRAM", "DRAM"]  # CPU tensors, one region per layer
+    for forged_type in ("VRAM", ""):
+        forged = dataclasses.replace(meta, region_mem_types=[forged_type, forged_type])
+        with pytest.raises(MemoryTypeMismatchError, match=f"holds it in {forged_type!r}"):
+            built.traits.check_remote_fingerprint(forged)
+
+
+def test_region_names_and_members_must_be_the_fingerprints(build: Callable[..., Built]) -> None:
+    """Failure mode: vLLM's metadata names each region and its member layers; a peer
+    whose lists were reordered against its own fingerprint (the addresses then belong
+    to other layers than the fingerprint describes) was accepted."""
+    built = build(AGREE["gqa"])
+    meta = _own_metadata(built)
+    assert meta.region_names == ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    forgeries = [dataclasses.replace(meta, region_names=meta.region_names[::-1])]
+    if meta.region_members:  # carried where the series' metadata has the field filled
+        forgeries.append(dataclasses.replace(meta, region_members=meta.region_members[::-1]))
+    for forged in forgeries:
+        with pytest.raises(MalformedMetadataError, match="differ from its fingerprint"):
+            built.traits.check_remote_fingerprint(forged)

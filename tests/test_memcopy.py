@@ -101,7 +101,7 @@ def test_a_mismatched_layout_is_refused_before_anything_is_written() -> None:
         ([[1, True]], None, BlockIdTypeError, "True is a bool, not an int"),
         ([[1, 2.0]], None, BlockIdTypeError, "2.0 is a float"),
         ([[1], [2]], None, BlockIdShapeError, "2 lists for a plan of 1 cache groups"),
-        ([[1, 2]], [[1]], BlockIdShapeError, "2 local and 1 remote ids"),
+        ([[1, 2]], [[1]], BlockIdShapeError, "2 local but 1 remote ids"),
     ],
 )
 def test_bad_block_ids_are_named_and_nothing_is_written(

@@ -11,6 +11,7 @@ import pytest
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits.nixl import decode_metadata, encode_metadata
+from kvspec_traits.nixl._wire import WIRE_VERSION
 from kvspec_traits.transfer import (
     FINGERPRINT_VERSION,
     HandshakeMismatchError,
@@ -144,7 +145,7 @@ def test_random_corruption_never_escapes_as_another_error() -> None:
 
 def _with_header(header: object, md: bytes = AGENT_MD) -> bytes:
     body = json.dumps(header).encode()
-    return struct.pack("<8sHII", b"KVSTNIXL", 1, len(body), len(md)) + body + md
+    return struct.pack("<8sHII", b"KVSTNIXL", WIRE_VERSION, len(body), len(md)) + body + md
 
 
 @pytest.mark.parametrize(
@@ -153,7 +154,7 @@ def _with_header(header: object, md: bytes = AGENT_MD) -> bytes:
         (b"XXXXXXXX" + _wire()[8:], "bad magic"),
         (_wire()[:8] + struct.pack("<H", 99) + _wire()[10:], "wire version 99"),
         (_wire() + b"\x00", "trailing bytes"),
-        (struct.pack("<8sHII", b"KVSTNIXL", 1, 3, 1) + b"{x}" + b"m", "not JSON"),
+        (struct.pack("<8sHII", b"KVSTNIXL", WIRE_VERSION, 3, 1) + b"{x}" + b"m", "not JSON"),
         (_with_header([1, 2]), "not a JSON object"),
         (_with_header({"agent": ""}), "'agent'"),
         (_with_header({"agent": "a", "tp_size": 1, "tp_rank": 1}), "tp_rank 1 >= tp_size 1"),
@@ -184,7 +185,7 @@ def _with_header(header: object, md: bytes = AGENT_MD) -> bytes:
             ),
             "no NIXL agent metadata",
         ),
-        (struct.pack("<8sHII", b"KVSTNIXL", 1, 1 << 30, 0), "implausible"),
+        (struct.pack("<8sHII", b"KVSTNIXL", WIRE_VERSION, 1 << 30, 0), "implausible"),
     ],
 )
 def test_malformed_metadata_is_named(data: bytes, reason: str) -> None:

@@ -160,7 +160,7 @@ def test_peer_on_another_memory_type_is_refused(agents: list[TraitsNixlAgent]) -
         plan_p, regions=tuple(dataclasses.replace(r, mem_type="VRAM") for r in plan_p.regions)
     )
     metadata = encode_metadata(vram, producer.name, bytes(producer._agent.get_agent_metadata()))
-    with pytest.raises(MemoryTypeMismatchError, match="holds it in VRAM") as info:
+    with pytest.raises(MemoryTypeMismatchError, match="holds it in 'VRAM'") as info:
         consumer.connect(metadata)
     assert info.value.region == plan_p.region_names[0]
     assert info.value.mem_types == ("DRAM", "VRAM")

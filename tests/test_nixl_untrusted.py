@@ -38,6 +38,7 @@ from kvspec_traits.nixl import (
     peer_regions,
     transfer_items,
 )
+from kvspec_traits.nixl._wire import WIRE_VERSION
 from kvspec_traits.transfer import (
     HandshakeMismatchError,
     MalformedMetadataError,
@@ -63,17 +64,25 @@ _FIELDS = ("base_addr", "block_len", "block_stride", "num_blocks", "device_id")
 
 
 def _forged(
-    plan: RegionPlan, name: str, agent_md: bytes, changes: dict[int, dict[str, int]]
+    plan: RegionPlan,
+    name: str,
+    agent_md: bytes,
+    changes: dict[int, dict[str, int]],
+    extra_registrations: tuple[list[object], ...] = (),
 ) -> bytes:
     """``plan``'s true handshake (fingerprint included) with the geometry of some
-    regions changed: what a forged or corrupt header says."""
+    regions changed, and ``extra_registrations`` claimed too: what a forged or corrupt
+    header says."""
     header = _header(encode_metadata(plan, name, agent_md))
     for index, fields in changes.items():
         row = header["regions"][index]
         for key, value in fields.items():
             row[_FIELDS.index(key)] = value
+    header["registrations"].extend(extra_registrations)
     body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return struct.pack("<8sHII", b"KVSTNIXL", 1, len(body), len(agent_md)) + body + agent_md
+    return (
+        struct.pack("<8sHII", b"KVSTNIXL", WIRE_VERSION, len(body), len(agent_md)) + body + agent_md
+    )
 
 
 def _metadata(
@@ -126,7 +135,7 @@ def test_forged_region_geometry_is_refused_by_decode(tp: int, rank: int, case: i
 
 def _wire(header: object, raw: bytes | None = None) -> bytes:
     body = json.dumps(header).encode() if raw is None else raw
-    return struct.pack("<8sHII", b"KVSTNIXL", 1, len(body), 2) + body + b"md"
+    return struct.pack("<8sHII", b"KVSTNIXL", WIRE_VERSION, len(body), 2) + body + b"md"
 
 
 def _hostile() -> list[tuple[str, bytes]]:
@@ -184,7 +193,7 @@ def test_hostile_fingerprint_is_a_named_error_on_the_connector_path(text: object
 
     config, caches = layouts.build("llama_gqa", 2)
     worker = object.__new__(TraitsNixlConnectorWorker)
-    worker.traits_fingerprint = plan_regions(caches, config).fingerprint()
+    worker.region_plan = plan_regions(caches, config)
     peer = SimpleNamespace(kvspec_traits_fingerprint=text, engine_id="e")
     with pytest.raises(MalformedMetadataError):
         worker.check_remote_fingerprint(peer)  # type: ignore[arg-type]
@@ -269,7 +278,7 @@ def test_hetero_tp_shifted_base_is_refused(which: str, agents: list[TraitsNixlAg
     index = 0 if which == "first" else len(plans[1].regions) - 1
     region = plans[1].regions[index]
     forged = {index: {"base_addr": region.base_addr + region.block_len}}
-    message = "share bytes" if which == "first" else "outside the memory it registered"
+    message = "share bytes" if which == "first" else "lies in no memory range"
     with pytest.raises(MalformedMetadataError, match=message):
         consumer.connect(_metadata(producers[1], plans[1], forged))
     assert not consumer.knows(producers[1].name)
@@ -298,9 +307,10 @@ def test_a_failed_connect_after_nixl_added_the_peer_removes_it(
     tp: int, agents: list[TraitsNixlAgent]
 ) -> None:
     """Geometry that passes every check NIXL is not needed for (the whole last region
-    moved past the producer's allocation, overlapping nothing) is refused by NIXL's
-    view of the peer's registered memory, after add_remote_agent: the peer is removed
-    again. Before: a failure there (OverflowError, nixlNotFoundError) left the peer
+    moved past the producer's allocation, overlapping nothing, with the header's record
+    of that allocation moved alike: a consistent lie) is refused by NIXL's view of the
+    peer's registered memory, after add_remote_agent: the peer is removed again.
+    Before: a failure there (OverflowError, nixlNotFoundError) left the peer
     registered, and close() never removed it."""
     config, caches_p = layouts.build("llama_gqa", NB, tp=tp)
     _, caches_d = layouts.build("llama_gqa", NB, tp=tp)
@@ -309,10 +319,15 @@ def test_a_failed_connect_after_nixl_added_the_peer_removes_it(
     producer.register_plan(plan_p)
     consumer.register_plan(plan_regions(caches_d, config, tp_size=tp))
     last = plan_p.regions[-1]
-    forged = {len(plan_p.regions) - 1: {"base_addr": last.base_addr + 4 * last.block_stride * NB}}
+    shift = 4 * last.block_stride * NB
+    forged = {len(plan_p.regions) - 1: {"base_addr": last.base_addr + shift}}
+    length = last.block_stride * NB
+    spans = [[layer, last.base_addr + shift, length] for layer in last.layers]
+    claimed = [last.base_addr + shift, length, 0, "DRAM", spans]
+    agent_md = bytes(producer._agent.get_agent_metadata())
     for _ in range(2):  # and again: nothing of the first attempt is left to collide
         with pytest.raises(MalformedMetadataError, match="outside the memory"):
-            consumer.connect(_metadata(producer, plan_p, forged))
+            consumer.connect(_forged(plan_p, producer.name, agent_md, forged, (claimed,)))
         assert not consumer.knows(producer.name)
     peer = consumer.connect(producer.metadata())  # the true metadata still connects
     consumer.read_blocks(peer, [1, 2], timeout=20, progress=producer.progress)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, TextIO
 
+from kvspec_traits._errors import KVSpecTraitsError
 from kvspec_traits.audit._audit import audit_paths
 from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES
 from kvspec_traits.audit._infer import CONFIDENCES
@@ -32,7 +33,7 @@ EXIT_FILE_ERRORS: Final = 4
 """Set when a file could not be read or parsed (the others were scanned)."""
 
 
-class SubpackageNotFoundError(ValueError):
+class SubpackageNotFoundError(KVSpecTraitsError, ValueError):
     """``--installed-vllm NAME`` names no sub-package (or more than one) of vLLM."""
 
 

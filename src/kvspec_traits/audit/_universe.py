@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from kvspec_traits._errors import AdapterPluginError
+from kvspec_traits._errors import AdapterPluginError, KVSpecTraitsError
 from kvspec_traits.audit._cache import (
     cache_file,
     default_cache_dir,
@@ -64,7 +64,7 @@ class ClassDefinitionLike(Protocol):
     def adds_fields(self) -> bool: ...
 
 
-class ClassSetsUnavailableError(RuntimeError):
+class ClassSetsUnavailableError(KVSpecTraitsError, RuntimeError):
     """The class sets could not be computed: vLLM (or the catalog) failed to import, or an
     installed extension does not load."""
 

@@ -1,10 +1,14 @@
 """An in-process transfer backend on :mod:`kvspec_traits.transfer` alone.
 
 Pure Python (``ctypes.memmove``): no NIXL, numpy or vLLM. Every check a network backend
-needs runs here too, on the same functions: the fingerprint handshake and the peer's
-geometry against its own fingerprint at :meth:`MemcopyBackend.connect`, the TP reads of
-each region once per connection, and every block id of a request before the first byte
-moves (nothing is half-written).
+needs runs here too, on the same functions: the peer checks of
+:func:`~kvspec_traits.transfer.check_peer` at :meth:`MemcopyBackend.connect` (the
+fingerprint handshake, the geometry its fingerprint implies, host memory, each region
+inside its own registration), the TP reads of each region once per connection, and
+every block id of a request (parsed and bounded by :mod:`kvspec_traits.transfer`'s
+block-id functions, as the NIXL shim's are) before the first byte moves (nothing is
+half-written). A producer plan that passes is as trusted as a NIXL peer that passes:
+see the trust boundary in ``docs/nixl.md``.
 """
 
 from __future__ import annotations
@@ -13,18 +17,23 @@ import ctypes
 from collections.abc import Sequence
 from typing import Final, TypeAlias
 
+from kvspec_traits._errors import KVSpecTraitsError
 from kvspec_traits.transfer import (
-    BlockIdError,
-    BlockIdShapeError,
-    BlockIdTypeError,
     DuplicateBlockIdError,
     Read,
     RegionPlan,
     UnsupportedLayoutError,
-    check_handshake,
-    check_peer_geometry,
+    check_peer,
     peer_regions,
+    peer_registrations,
     tp_reads,
+)
+from kvspec_traits.transfer._blocks import (
+    IdLists,
+    check_block_range,
+    check_id_list,
+    check_paired,
+    group_lists,
 )
 
 __all__ = ["HOST_MEMORY", "BlockIdLists", "MemcopyBackend", "NotConnectedError"]
@@ -32,14 +41,15 @@ __all__ = ["HOST_MEMORY", "BlockIdLists", "MemcopyBackend", "NotConnectedError"]
 HOST_MEMORY: Final = "DRAM"
 """The only memory type this backend copies (``Region.mem_type`` of a CPU tensor)."""
 
-BlockIdLists: TypeAlias = Sequence[Sequence[int]] | Sequence[int]
+BlockIdLists: TypeAlias = IdLists
 """One list of block ids per cache group (``RegionPlan.num_groups`` lists), or, for a
-plan of one group, that group's list alone."""
+plan of one group, that group's list alone; a list is Python ints (not ``bool``) or a
+1-D integer array (numpy's: read with ``tolist()``, numpy is not imported)."""
 
 _Copy: TypeAlias = tuple[int, int, int]  # (destination address, source address, bytes)
 
 
-class NotConnectedError(RuntimeError):
+class NotConnectedError(KVSpecTraitsError, RuntimeError):
     """:meth:`MemcopyBackend.read_blocks` before :meth:`MemcopyBackend.connect`."""
 
     def __init__(self) -> None:
@@ -67,9 +77,14 @@ class MemcopyBackend:
     def connect(self, producer_plans: Sequence[RegionPlan]) -> None:
         """Accept a producer: its plans, one per TP rank in rank order.
 
-        Each plan must pass the handshake (the same layout traits region by region,
-        :func:`~kvspec_traits.transfer.check_handshake`) and address what its own
-        fingerprint says (:func:`~kvspec_traits.transfer.check_peer_geometry`); each
+        Each plan must pass :func:`~kvspec_traits.transfer.check_peer`, as a NIXL
+        peer does: the handshake (the same layout traits region by region), the
+        geometry its own fingerprint implies, host memory (``"DRAM"``, the memory type
+        of our regions: a device, empty or unknown type is
+        :class:`~kvspec_traits.transfer.MemoryTypeMismatchError`), and each region
+        whole inside the registered allocation that holds its own layers (a shifted,
+        swapped, overlapping or foreign base, or more blocks than the allocation
+        holds, is :class:`~kvspec_traits.transfer.MalformedMetadataError`); each
         region's TP reads are computed here, so a region that cannot move between the
         two TP sizes is refused now, not at the first request. A refused producer leaves
         the previous connection as it was.
@@ -83,9 +98,14 @@ class MemcopyBackend:
                     f"plan {rank} is rank {remote.tp_rank} of TP {remote.tp_size}; pass one "
                     f"plan per producer rank, in rank order ({remote_tp} plans: TP {remote_tp})"
                 )
-            fingerprint = remote.fingerprint()
-            check_handshake(self.plan, fingerprint)
-            check_peer_geometry(fingerprint, peer_regions(remote), remote.tp_size)
+            check_peer(
+                self.plan,
+                remote.fingerprint(),
+                peer_regions(remote),
+                remote.tp_size,
+                registrations=peer_registrations(remote),
+                peer=f"producer rank {rank}",
+            )
         reads = tuple(
             tp_reads(
                 region,
@@ -119,26 +139,26 @@ class MemcopyBackend:
         remote = (
             local if remote_block_ids is None else _per_group(remote_block_ids, groups, "remote")
         )
-        for group, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
-            if len(mine) != len(theirs):
-                raise BlockIdShapeError(
-                    "both",
-                    len(mine),
-                    len(theirs),
-                    f"cache group {group} has {len(mine)} local and {len(theirs)} remote "
-                    f"ids; name one producer block per local block",
-                )
+        check_paired([len(g) for g in local], [len(g) for g in remote])
         copies: list[_Copy] = []
         for region, reads in zip(self.plan.regions, self._reads, strict=True):
             mine = _blocks_of(local, region.group_id)
             theirs = _blocks_of(remote, region.group_id)
+            check_block_range(
+                _bounds(mine), region.num_blocks, [(region.name, region.num_blocks)], "local"
+            )
             _check_distinct(mine, None if region.group_id < 0 or groups == 1 else region.group_id)
             sources = [self._remotes[read.remote_rank].regions[region.index] for read in reads]
+            for source in sources:
+                check_block_range(
+                    _bounds(theirs),
+                    source.num_blocks,
+                    [(source.name, source.num_blocks)],
+                    "remote",
+                )
             for block, source_block in zip(mine, theirs, strict=True):
-                _check_in(region.name, block, region.num_blocks, "local")
                 dst = region.base_addr + block * region.block_stride
                 for read, source in zip(reads, sources, strict=True):
-                    _check_in(source.name, source_block, source.num_blocks, "remote")
                     src = source.base_addr + source_block * source.block_stride
                     copies.append((dst + read.local_offset, src + read.remote_offset, read.length))
         for dst, src, length in copies:
@@ -146,36 +166,16 @@ class MemcopyBackend:
         return sum(length for _, _, length in copies)
 
 
-def _ids(value: object, side: str) -> list[int]:
-    if not isinstance(value, (list, tuple, range)):
-        raise BlockIdTypeError(side, value, f"a {type(value).__name__} is not a list of ids")
-    for item in value:
-        if type(item) is not int:
-            raise BlockIdTypeError(side, item, f"{item!r} is a {type(item).__name__}, not an int")
-    return list(value)
-
-
 def _per_group(block_ids: object, groups: int, side: str) -> list[list[int]]:
-    if not isinstance(block_ids, (list, tuple)):
-        raise BlockIdTypeError(side, block_ids, f"a {type(block_ids).__name__} is not block ids")
-    if block_ids and not isinstance(block_ids[0], (list, tuple, range)):
-        if groups != 1:
-            raise BlockIdShapeError(
-                side,
-                groups,
-                1,
-                f"one flat list for a plan of {groups} cache groups; pass one list per group",
-            )
-        return [_ids(block_ids, side)]
-    if len(block_ids) != groups:
-        raise BlockIdShapeError(
-            side,
-            groups,
-            len(block_ids),
-            f"{len(block_ids)} lists for a plan of {groups} cache groups; pass exactly one "
-            f"list per group (an empty one for a group with no blocks)",
-        )
-    return [_ids(ids, side) for ids in block_ids]
+    """One list of Python ints per group, by the rules every backend shares."""
+    return [
+        list(ids.tolist()) if check_id_list(ids, side) else list(ids)
+        for ids in group_lists(block_ids, groups, side)
+    ]
+
+
+def _bounds(blocks: list[int]) -> tuple[int, int] | None:
+    return (min(blocks), max(blocks)) if blocks else None
 
 
 def _blocks_of(per_group: list[list[int]], group_id: int) -> list[int]:
@@ -189,8 +189,3 @@ def _check_distinct(blocks: list[int], group: int | None) -> None:
         if block in seen:
             raise DuplicateBlockIdError(block, group)
         seen.add(block)
-
-
-def _check_in(region: str, block: int, num_blocks: int, side: str) -> None:
-    if not 0 <= block < num_blocks:
-        raise BlockIdError(region, block, num_blocks, side)

@@ -25,10 +25,7 @@ import numpy.typing as npt
 
 from kvspec_traits._deps import needs
 from kvspec_traits.nixl._descs import BlockIds, Request, build_block_descs
-from kvspec_traits.nixl._errors import (
-    MemoryTypeMismatchError,
-    TransferFailedError,
-)
+from kvspec_traits.nixl._errors import MissingPeerError, TransferFailedError
 from kvspec_traits.nixl._items import ReadCache, TransferItems, merge_runs, transfer_items_of
 from kvspec_traits.nixl._peer import (
     DESC_MODES,
@@ -46,7 +43,7 @@ from kvspec_traits.nixl._wire import (
     decode_metadata,
     encode_metadata,
 )
-from kvspec_traits.transfer import MalformedMetadataError, RegionPlan, check_handshake
+from kvspec_traits.transfer import MalformedMetadataError, RegionPlan
 
 __all__ = ["TraitsNixlAgent"]
 
@@ -136,7 +133,8 @@ class TraitsNixlAgent:
         add it as a NIXL peer.
 
         Raises :class:`MalformedMetadataError` (bad or hostile bytes, region geometry
-        its own fingerprint contradicts, a shifted region base),
+        its own fingerprint contradicts, a shifted or swapped region base, a region
+        outside the memory range that holds its layers),
         :class:`HandshakeMismatchError` (a region differs) or
         :class:`MemoryTypeMismatchError` (a peer region on another memory type than
         ours) before NIXL learns of the peer, so nothing can be transferred from it.
@@ -146,9 +144,10 @@ class TraitsNixlAgent:
         no peer behind.
         """
         meta = decode_metadata(peer_metadata)  # geometry checked against the fingerprint
-        check_handshake(self.plan, meta.fingerprint)
+        # The checks every backend runs (transfer.check_peer): handshake, geometry,
+        # memory type region by region, each region inside its own registration.
         check_peer_layout(self.plan, meta)
-        mem_type = self._peer_mem_type(meta)
+        mem_type = self._local_mem_type
         if meta.agent_name in self._peers or meta.agent_name == self.name:
             raise MalformedMetadataError(
                 f"agent {meta.agent_name!r} is already connected (or is this agent)"
@@ -209,19 +208,6 @@ class TraitsNixlAgent:
                 f"peer {meta.agent_name}'s regions reach outside the memory it registered with NIXL"
             )
 
-    def _peer_mem_type(self, meta: PeerMetadata) -> str:
-        """The peer's memory type, which must be ours region by region (only DRAM to
-        DRAM is tested; a pair of types is refused rather than guessed at)."""
-        for local, remote in zip(self.plan.regions, meta.regions, strict=True):
-            if local.mem_type != remote.mem_type:
-                raise MemoryTypeMismatchError(
-                    local.name,
-                    [local.mem_type, remote.mem_type],
-                    f"peer {meta.agent_name} holds it in {remote.mem_type}, this agent in "
-                    f"{local.mem_type}; place both caches on the same memory type",
-                )
-        return self._local_mem_type
-
     def knows(self, agent_name: str) -> bool:
         """Whether NIXL holds metadata of ``agent_name`` (i.e. could transfer with it)."""
         return bool(self._agent.check_remote_metadata(agent_name))
@@ -266,9 +252,13 @@ class TraitsNixlAgent:
         remote_tp = next(iter(by_rank.values())).meta.tp_size
         for rank, peer in by_rank.items():
             if peer.meta.tp_rank != rank or peer.meta.tp_size != remote_tp:
-                raise ValueError(
-                    f"peer {peer.name} is TP rank {peer.meta.tp_rank} of "
-                    f"{peer.meta.tp_size}, passed as rank {rank} of {remote_tp}"
+                # The rank the key names was not given: the peer under it is another.
+                raise MissingPeerError(
+                    None,
+                    rank,
+                    sorted(p.meta.tp_rank for p in by_rank.values()),
+                    f": peer {peer.name} is TP rank {peer.meta.tp_rank} of "
+                    f"{peer.meta.tp_size}, passed as rank {rank} of {remote_tp}",
                 )
         plan = self.plan
         start = time.perf_counter()
@@ -285,8 +275,9 @@ class TraitsNixlAgent:
                 local_ids, remote_ids, nbytes = prepped_desc_ids(
                     plan, peer, block_ids, remote_block_ids
                 )
-                handle = self._make_prepped(peer, local_ids, remote_ids, notify)
-                posted.append(_Posted(handle, peer.name))
+                if local_ids.size:  # an empty request moves nothing, as in the other modes
+                    handle = self._make_prepped(peer, local_ids, remote_ids, notify)
+                    posted.append(_Posted(handle, peer.name))
                 descriptors = per_block = int(local_ids.size)
             else:
                 first = next(iter(by_rank.values()))

@@ -13,18 +13,19 @@ The per-request ``Nx3`` form (with TP splitting) is ``nixl/_items.py``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvspec_traits.nixl._errors import (
-    BlockIdError,
-    BlockIdShapeError,
-    BlockIdTypeError,
-    DuplicateBlockIdError,
-)
+from kvspec_traits.nixl._errors import BlockIdTypeError, DuplicateBlockIdError
 from kvspec_traits.transfer import PeerRegion, Region, RegionPlan
+from kvspec_traits.transfer._blocks import (
+    INT64_MAX,
+    check_block_range,
+    check_id_list,
+    group_lists,
+)
 from kvspec_traits.transfer._region import desc_offsets
 
 __all__ = [
@@ -80,40 +81,21 @@ def build_state_descs(plan: RegionPlan) -> U64:
 
 _EMPTY: Final = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
-INT64_MAX: Final = np.iinfo(np.int64).max
-_LISTS = (list, tuple, range)
 
 
 def _as_ids(value: object, side: str) -> npt.NDArray[np.int64]:
-    """One list of block ids as int64: Python ints (not ``bool``) or a 1-D integer
-    numpy array; :class:`BlockIdTypeError` for anything else. One pass over a list
-    (the type check) plus numpy's conversion; an array is only cast."""
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "iu":
-            raise BlockIdTypeError(
-                side, value.dtype, f"an array of dtype {value.dtype} is not block ids"
-            )
-        if value.ndim != 1:
-            raise BlockIdTypeError(
-                side, value.shape, f"an array of shape {value.shape} is not one list of ids"
-            )
-        if value.dtype.kind == "u" and value.size and int(value.max()) > INT64_MAX:
-            raise BlockIdTypeError(
-                side, int(value.max()), f"id {int(value.max())} does not fit in int64"
-            )
-        return value.astype(np.int64, copy=False)
-    if isinstance(value, _LISTS):
-        if not value:
-            return _EMPTY
-        if set(map(type, value)) != {int}:
-            bad = next(v for v in value if type(v) is not int)
-            raise BlockIdTypeError(side, bad, f"{bad!r} is a {type(bad).__name__}, not an int")
-        try:
-            return np.fromiter(value, dtype=np.int64, count=len(value))
-        except OverflowError:
-            big = max(value, key=abs)
-            raise BlockIdTypeError(side, big, f"id {big} does not fit in int64") from None
-    raise BlockIdTypeError(side, value, f"a {type(value).__name__} is not a list of ids")
+    """One list of block ids as int64, after :func:`check_id_list` (the rules every
+    backend shares): an array is only cast, a list converted in one pass."""
+    if check_id_list(value, side):
+        return cast("npt.NDArray[Any]", value).astype(np.int64, copy=False)
+    ids = cast("Sequence[int]", value)
+    if not ids:
+        return _EMPTY
+    try:
+        return np.fromiter(ids, dtype=np.int64, count=len(ids))
+    except OverflowError:
+        big = max(ids, key=abs)
+        raise BlockIdTypeError(side, big, f"id {big} does not fit in int64") from None
 
 
 class Request:
@@ -131,42 +113,9 @@ class Request:
         self.side = side
         self._all: npt.NDArray[np.int64] | None = None
         self._bounds: dict[int, tuple[int, int] | None] = {}
-        groups: list[npt.NDArray[np.int64]]
-        if isinstance(block_ids, np.ndarray) and block_ids.ndim == 2:
-            if block_ids.dtype.kind not in "iu":
-                raise BlockIdTypeError(
-                    side, block_ids.dtype, f"an array of dtype {block_ids.dtype} is not block ids"
-                )
-            groups = [_as_ids(row, side) for row in block_ids]
-        elif (
-            isinstance(block_ids, _LISTS)
-            and block_ids
-            and isinstance(block_ids[0], (*_LISTS, np.ndarray))
-        ):
-            groups = [_as_ids(g, side) for g in block_ids]
-        elif isinstance(block_ids, (*_LISTS, np.ndarray)):
-            if num_groups != 1:
-                raise BlockIdShapeError(
-                    side,
-                    num_groups,
-                    1,
-                    f"one flat list for a plan of {num_groups} cache groups; pass one list "
-                    f"per group (vLLM's block_ids[group])",
-                )
-            groups = [_as_ids(block_ids, side)]
-        else:
-            raise BlockIdTypeError(
-                side, block_ids, f"a {type(block_ids).__name__} is not block ids"
-            )
-        if len(groups) != num_groups:
-            raise BlockIdShapeError(
-                side,
-                num_groups,
-                len(groups),
-                f"{len(groups)} lists for a plan of {num_groups} cache groups; pass exactly "
-                f"one list per group (an empty one for a group with no blocks)",
-            )
-        self.groups = groups
+        self.groups: list[npt.NDArray[np.int64]] = [
+            _as_ids(g, side) for g in group_lists(block_ids, num_groups, side)
+        ]
 
     @property
     def all(self) -> npt.NDArray[np.int64]:
@@ -281,12 +230,12 @@ class DescIndex:
         an id is outside of."""
         for key, limit in enumerate(self.limits):
             gid = key if self.mapped else -1
-            bounds = request.bounds(gid)
-            if bounds is None or (bounds[0] >= 0 and bounds[1] < limit):
-                continue
-            bad = bounds[0] if bounds[0] < 0 else bounds[1]
-            region = next(int(i) for i in self.by_group[key] if bad < 0 or bad >= self.counts[i])
-            raise BlockIdError(self.names[region], bad, self.counts[region], side)
+            check_block_range(
+                request.bounds(gid),
+                limit,
+                ((self.names[i], self.counts[i]) for i in self.by_group[key].tolist()),
+                side,
+            )
         if side == "local":
             request.check_distinct(self.shared or not self.mapped)
 

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvspec_traits.nixl._descs import INT64_MAX, U64, BlockIds, Request, desc_index
-from kvspec_traits.nixl._errors import BlockIdError, BlockIdShapeError, MissingPeerError
+from kvspec_traits.nixl._errors import MissingPeerError
 from kvspec_traits.transfer import (
     PeerRegion,
     Read,
@@ -22,6 +22,7 @@ from kvspec_traits.transfer import (
     UnsupportedLayoutError,
     tp_reads,
 )
+from kvspec_traits.transfer._blocks import check_block_range, check_paired
 from kvspec_traits.transfer._peer import peer_regions
 
 __all__ = [
@@ -256,13 +257,15 @@ def transfer_items_of(
         if error is not None:
             raise error
         for rank, bucket in table.buckets[key].items():
-            bounds = rreq.bounds(key if table.mapped else -1)
-            if bounds is not None and (bounds[0] < 0 or bounds[1] >= bucket.count_limit):
-                bad = bounds[0] if bounds[0] < 0 else bounds[1]
-                for i in bucket.regions.tolist():
-                    count = remotes[rank][i].num_blocks
-                    if bad < 0 or bad >= count:
-                        raise BlockIdError(local.regions[i].name, bad, count, "remote")
+            check_block_range(
+                rreq.bounds(key if table.mapped else -1),
+                bucket.count_limit,
+                (
+                    (local.regions[i].name, remotes[rank][i].num_blocks)
+                    for i in bucket.regions.tolist()
+                ),
+                "remote",
+            )
             sizes[rank] = sizes.get(rank, 0) + bucket.regions.size * lblocks.size
     out: dict[int, tuple[U64, U64]] = {
         rank: (np.empty((size, 3), dtype=np.uint64), np.empty((size, 3), dtype=np.uint64))
@@ -282,18 +285,10 @@ def transfer_items_of(
 
 
 def check_lengths(lreq: Request, rreq: Request) -> None:
-    """Local and remote ids pair up: the same count in every group."""
-    if lreq is rreq:
-        return
-    for gid, (lb, rb) in enumerate(zip(lreq.groups, rreq.groups, strict=True)):
-        if lb.size != rb.size:
-            raise BlockIdShapeError(
-                "both",
-                lb.size,
-                rb.size,
-                f"cache group {gid} has {lb.size} local but {rb.size} remote ids; each "
-                f"local block is filled from the remote block at the same position",
-            )
+    """Local and remote ids pair up: the same count in every group
+    (:func:`~kvspec_traits.transfer._blocks.check_paired`)."""
+    if lreq is not rreq:
+        check_paired([g.size for g in lreq.groups], [g.size for g in rreq.groups])
 
 
 def merge_runs(items: TransferItems) -> TransferItems:

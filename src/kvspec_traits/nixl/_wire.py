@@ -3,6 +3,7 @@ a peer's regions against the local plan.
 
 Pure (no NIXL): the consumer decodes the producer's metadata, checks the fingerprint in
 it (:func:`~kvspec_traits.transfer.check_handshake`) and the placement
+and the placement of its regions in the memory ranges it registers
 (:func:`check_peer_layout`) before it adds the peer or builds a single descriptor.
 
 Wire format (all integers little-endian)::
@@ -14,22 +15,25 @@ Wire format (all integers little-endian)::
     header          header_len bytes of canonical JSON
     agent_md        agent_md_len bytes (nixl_agent.get_agent_metadata())
 
-Nothing may follow. The header holds the agent name, TP rank/size, the fingerprint and
-each region's address geometry.
+Nothing may follow. The header holds the agent name, TP rank/size, the fingerprint,
+each region's address geometry and each registered memory range with the layers whose
+caches it holds (version 2: what binds a region's base to its own layers' memory).
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from kvspec_traits.transfer import (
     MalformedMetadataError,
     PeerRegion,
+    PeerRegistration,
     PlanFingerprint,
     RegionPlan,
+    check_peer,
     check_peer_geometry,
 )
 from kvspec_traits.transfer._fingerprint import canonical_json, load_json
@@ -42,7 +46,7 @@ __all__ = [
     "encode_metadata",
 ]
 
-WIRE_VERSION: Final = 1
+WIRE_VERSION: Final = 2
 _MAGIC: Final = b"KVSTNIXL"
 _PREFIX: Final = struct.Struct("<8sHII")
 # Hard bounds so a corrupt length field cannot make a reader allocate gigabytes.
@@ -61,6 +65,9 @@ class PeerMetadata:
     fingerprint: PlanFingerprint
     regions: tuple[PeerRegion, ...]
     agent_metadata: bytes
+    registrations: tuple[PeerRegistration, ...] = ()
+    """The memory ranges the peer registers (none: every region is refused by
+    :func:`check_peer_layout`, which binds each region to one)."""
 
 
 def encode_metadata(plan: RegionPlan, agent_name: str, agent_metadata: bytes) -> bytes:
@@ -75,6 +82,10 @@ def encode_metadata(plan: RegionPlan, agent_name: str, agent_metadata: bytes) ->
             "regions": [
                 [r.base_addr, r.block_len, r.block_stride, r.num_blocks, r.device_id, r.mem_type]
                 for r in plan.regions
+            ],
+            "registrations": [
+                [m.base, m.length, m.device_id, m.mem_type, [list(span) for span in m.layers]]
+                for m in plan.registrations
             ],
         }
     )
@@ -113,9 +124,43 @@ def _region_field(row: object, index: int) -> PeerRegion:
     )
 
 
+def _registration_field(row: object, index: int) -> PeerRegistration:
+    if (
+        not isinstance(row, list)
+        or len(row) != 5
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row[:3])
+        or not isinstance(row[3], str)
+        or not isinstance(row[4], list)
+        or not all(
+            isinstance(span, list)
+            and len(span) == 3
+            and isinstance(span[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in span[1:])
+            for span in row[4]
+        )
+    ):
+        raise MalformedMetadataError(
+            f"registration {index} is not [base, length, device_id, mem_type, "
+            f"[[layer, first byte, bytes spanned], ...]]"
+        )
+    return PeerRegistration(
+        base=row[0],
+        length=row[1],
+        device_id=row[2],
+        mem_type=row[3],
+        layers=tuple((span[0], span[1], span[2]) for span in row[4]),
+    )
+
+
 def decode_metadata(data: bytes | bytearray | memoryview) -> PeerMetadata:
     """Parse a peer's handshake; :class:`MalformedMetadataError` on anything but a
-    complete, well-formed message of a known version."""
+    complete, well-formed message of a known version (``bytes``, ``bytearray`` or
+    ``memoryview``: anything else, ``None`` or text included, is refused too)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MalformedMetadataError(
+            f"a {type(data).__name__} is not a handshake message; pass the bytes the "
+            f"peer's TraitsNixlAgent.metadata() returned"
+        )
     raw = bytes(data)
     if len(raw) < _PREFIX.size:
         raise MalformedMetadataError(
@@ -161,6 +206,10 @@ def decode_metadata(data: bytes | bytearray | memoryview) -> PeerMetadata:
     agent_md = raw[_PREFIX.size + header_len :]
     if not agent_md:
         raise MalformedMetadataError("no NIXL agent metadata")
+    reg_rows = header.get("registrations")
+    if not isinstance(reg_rows, list) or not reg_rows:
+        raise MalformedMetadataError("header field 'registrations' is not a non-empty list")
+    registrations = tuple(_registration_field(row, i) for i, row in enumerate(reg_rows))
     return PeerMetadata(
         agent_name=agent,
         tp_rank=tp_rank,
@@ -168,116 +217,21 @@ def decode_metadata(data: bytes | bytearray | memoryview) -> PeerMetadata:
         num_blocks=_int_field(header, "num_blocks", 1),
         fingerprint=fingerprint,
         regions=regions,
+        registrations=registrations,
         agent_metadata=agent_md,
     )
 
 
 def check_peer_layout(plan: RegionPlan, meta: PeerMetadata) -> None:
-    """Compare where a peer's regions lie with where ours do (after
-    :func:`check_handshake`): a shifted base is refused before NIXL learns of the peer.
-
-    - Regions that share a byte on the peer must share one in our plan too (a base
-      shifted onto a neighbour region is refused); regions of aliasing cache groups
-      legitimately overlap, on both sides alike.
-    - At equal TP sizes, regions that our plan interleaves in one storage at one
-      stride (block-outermost rows) sit at the same offsets within the peer's rows.
-
-    Raises :class:`MalformedMetadataError` naming the regions.
-    """
-    names = plan.region_names
-    ours = plan.memo(
-        ("overlaps",),
-        lambda: _overlaps(
-            [
-                (r.base_addr, r.block_len, r.block_stride, r.num_blocks, (r.mem_type, r.device_id))
-                for r in plan.regions
-            ]
-        ),
+    """The transfer checks every backend runs on a peer
+    (:func:`~kvspec_traits.transfer.check_peer`: handshake, geometry, memory type,
+    placement with each region bound to its own registration), on a decoded message.
+    Raises what :func:`~kvspec_traits.transfer.check_peer` raises."""
+    check_peer(
+        plan,
+        meta.fingerprint,
+        meta.regions,
+        meta.tp_size,
+        registrations=meta.registrations,
+        peer=f"peer {meta.agent_name}",
     )
-    theirs = _overlaps(
-        [
-            (r.base_addr, r.block_len, r.block_stride, r.num_blocks, (r.mem_type, r.device_id))
-            for r in meta.regions
-        ]
-    )
-    extra = sorted(theirs - ours)
-    if extra:
-        i, j = extra[0]
-        raise MalformedMetadataError(
-            f"regions {i} and {j} ({names[i]!r}, {names[j]!r}) share bytes on peer "
-            f"{meta.agent_name} (bases {meta.regions[i].base_addr} and "
-            f"{meta.regions[j].base_addr}) but not here: a region base is shifted"
-        )
-    if meta.tp_size != plan.tp_size:
-        return
-    anchors: dict[tuple[int, int], int] = {}
-    for index, region in enumerate(plan.regions):
-        storage = next(
-            (
-                k
-                for k, reg in enumerate(plan.registrations)
-                if reg.base <= region.base_addr < reg.base + reg.length
-            ),
-            -1,
-        )
-        key = (storage, region.block_stride)
-        anchor = anchors.setdefault(key, index)
-        if anchor == index:
-            continue
-        peer_a, peer_r = meta.regions[anchor], meta.regions[index]
-        stride = region.block_stride
-        if peer_a.block_stride != stride or peer_r.block_stride != stride:
-            continue
-        mine = (region.base_addr - plan.regions[anchor].base_addr) % stride
-        got = (peer_r.base_addr - peer_a.base_addr) % stride
-        if mine != got:
-            raise MalformedMetadataError(
-                f"region {index} ({names[index]!r}) lies {got} bytes into the peer's "
-                f"{stride}-byte rows after region {anchor} ({names[anchor]!r}), here "
-                f"{mine}: a region base is shifted"
-            )
-
-
-_Span = tuple[int, int, int, int, tuple[str, int]]
-"""``(base, block_len, block_stride, num_blocks, (mem_type, device_id))``."""
-
-
-def _overlaps(regions: Sequence[_Span]) -> frozenset[tuple[int, int]]:
-    """Pairs ``(i, j)``, ``i < j``, of regions that share a byte: a sweep over regions
-    sorted by first byte, comparing each with those whose span it starts inside."""
-    order = sorted(range(len(regions)), key=lambda i: (regions[i][4], regions[i][0]))
-    pairs: set[tuple[int, int]] = set()
-    active: list[tuple[int, int]] = []  # (end, index)
-    for index in order:
-        base, length, stride, count, where = regions[index]
-        active = [
-            (end, other) for end, other in active if end > base and regions[other][4] == where
-        ]
-        for _, other in active:
-            if _blocks_meet(regions[other], regions[index]):
-                pairs.add((min(other, index), max(other, index)))
-        active.append((base + stride * (count - 1) + length, index))
-    return frozenset(pairs)
-
-
-def _blocks_meet(a: _Span, b: _Span) -> bool:
-    """Whether two regions whose spans overlap have a byte in common."""
-    a_base, a_len, a_stride, a_count, _ = a
-    b_base, b_len, b_stride, b_count, _ = b
-    if a_count > 1 and b_count > 1 and a_stride == b_stride:
-        # b's blocks start `delta` into a's period: they meet unless b fits in a's gap.
-        delta = (b_base - a_base) % a_stride
-        return delta < a_len or delta + b_len > a_stride
-    if a_count > 1 and b_count > 1:
-        return True  # different strides over one span: counted as sharing
-    (s_base, s_len, _, _, _), (o_base, o_len, o_stride, o_count, _) = (
-        (a, b) if a_count == 1 else (b, a)
-    )
-    if o_count == 1:
-        return s_base < o_base + o_len and o_base < s_base + s_len
-    first = max(0, (s_base - o_base - o_len) // o_stride)
-    for i in range(first, min(first + 2 + s_len // o_stride, o_count)):
-        block = o_base + i * o_stride
-        if block < s_base + s_len and s_base < block + o_len:
-            return True
-    return False

@@ -17,6 +17,7 @@ from kvspec_traits.transfer._errors import (
     DuplicateBlockIdError,
     HandshakeMismatchError,
     MalformedMetadataError,
+    MemoryTypeMismatchError,
     MissingLayerError,
     RegionConflictError,
     UnsupportedLayoutError,
@@ -29,9 +30,14 @@ from kvspec_traits.transfer._fingerprint import (
 )
 from kvspec_traits.transfer._peer import (
     PeerRegion,
+    PeerRegistration,
+    check_peer,
     check_peer_geometry,
+    check_peer_mem_types,
+    check_peer_placement,
     check_region_bounds,
     peer_regions,
+    peer_registrations,
 )
 from kvspec_traits.transfer._plan import plan_regions
 from kvspec_traits.transfer._region import (
@@ -52,8 +58,10 @@ __all__ = [
     "DuplicateBlockIdError",
     "HandshakeMismatchError",
     "MalformedMetadataError",
+    "MemoryTypeMismatchError",
     "MissingLayerError",
     "PeerRegion",
+    "PeerRegistration",
     "PlanFingerprint",
     "PlanLayout",
     "Read",
@@ -63,10 +71,14 @@ __all__ = [
     "Rows",
     "UnsupportedLayoutError",
     "check_handshake",
+    "check_peer",
     "check_peer_geometry",
+    "check_peer_mem_types",
+    "check_peer_placement",
     "check_region_bounds",
     "decode_fingerprint",
     "peer_regions",
+    "peer_registrations",
     "plan_regions",
     "shard_count",
     "tp_reads",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvspec_traits._errors import KVSpecTraitsError
+
 __all__ = [
     "BlockIdError",
     "BlockIdShapeError",
@@ -12,6 +14,7 @@ __all__ = [
     "DuplicateBlockIdError",
     "HandshakeMismatchError",
     "MalformedMetadataError",
+    "MemoryTypeMismatchError",
     "MissingLayerError",
     "RegionConflictError",
     "TraitDiff",
@@ -22,7 +25,7 @@ TraitDiff = tuple[str, object, object]
 """``(trait, local value, remote value)``."""
 
 
-class RegionConflictError(ValueError):
+class RegionConflictError(KVSpecTraitsError, ValueError):
     """Layers that share one storage region disagree on a fact the region needs.
 
     ``.region`` is the region name, ``.layers`` its member layers, ``.trait`` the fact
@@ -43,7 +46,7 @@ class RegionConflictError(ValueError):
         )
 
 
-class MissingLayerError(KeyError):
+class MissingLayerError(KVSpecTraitsError, KeyError):
     """Layers with a transferable KV cache spec that lack another per-layer input of
     :func:`plan_regions`: a tensor in ``kv_caches`` or an entry in ``group_ids``.
 
@@ -63,7 +66,7 @@ class MissingLayerError(KeyError):
         return self.message
 
 
-class UnsupportedLayoutError(ValueError):
+class UnsupportedLayoutError(KVSpecTraitsError, ValueError):
     """A cache tensor's shape or strides cannot be described as NIXL regions.
 
     ``.layer`` names the layer.
@@ -74,7 +77,7 @@ class UnsupportedLayoutError(ValueError):
         super().__init__(f"layer {layer!r}: {reason}")
 
 
-class HandshakeMismatchError(ValueError):
+class HandshakeMismatchError(KVSpecTraitsError, ValueError):
     """Producer and consumer disagree on a region: no transfer may start.
 
     ``.region`` is the region index (``None`` when the region count or plan-wide facts
@@ -106,7 +109,7 @@ class HandshakeMismatchError(ValueError):
         )
 
 
-class MalformedMetadataError(ValueError):
+class MalformedMetadataError(KVSpecTraitsError, ValueError):
     """Handshake metadata that cannot be decoded or cannot be trusted (truncated, wrong
     magic or version, invalid or hostile JSON, missing fields, region geometry that
     contradicts the peer's own fingerprint). ``.reason`` says which."""
@@ -116,7 +119,24 @@ class MalformedMetadataError(ValueError):
         super().__init__(f"malformed kvspec-traits NIXL metadata: {reason}")
 
 
-class BlockIdError(IndexError):
+class MemoryTypeMismatchError(KVSpecTraitsError, ValueError):
+    """Memory types a transfer cannot pair: a plan whose regions span several memory
+    types (a NIXL agent registers and describes one), or a peer region on another
+    memory type than the local region it would fill (only like to like is moved:
+    host to host for memcopy; a pair of types is refused rather than guessed at).
+
+    ``.region`` is the region name (``None`` for a plan-wide mix), ``.mem_types`` the
+    types involved (local first for a peer).
+    """
+
+    def __init__(self, region: str | None, mem_types: Sequence[str], fix: str) -> None:
+        self.region = region
+        self.mem_types = tuple(mem_types)
+        where = "the plan's regions span" if region is None else f"region {region!r}:"
+        super().__init__(f"{where} memory types {list(self.mem_types)}; {fix}")
+
+
+class BlockIdError(KVSpecTraitsError, IndexError):
     """A request names a block a region does not have (negative, or past its end).
 
     ``.region`` is the region name, ``.block_id`` the offending id, ``.num_blocks`` the
@@ -135,7 +155,7 @@ class BlockIdError(IndexError):
         )
 
 
-class BlockIdTypeError(TypeError):
+class BlockIdTypeError(KVSpecTraitsError, TypeError):
     """Block ids of a type no transfer backend takes: anything but Python ints (``bool``
     is refused) or a 1-D integer numpy array, per list. Floats would be truncated,
     bools read as blocks 0 and 1, strings parsed.
@@ -153,7 +173,7 @@ class BlockIdTypeError(TypeError):
         )
 
 
-class BlockIdShapeError(ValueError):
+class BlockIdShapeError(KVSpecTraitsError, ValueError):
     """Block ids that do not fit the plan: not exactly one list per cache group, or
     local and remote lists of different lengths.
 
@@ -168,7 +188,7 @@ class BlockIdShapeError(ValueError):
         super().__init__(f"{side} block ids: {detail}")
 
 
-class DuplicateBlockIdError(ValueError):
+class DuplicateBlockIdError(KVSpecTraitsError, ValueError):
     """A destination block named twice in one request: two reads would write one block
     (which source wins is up to the network). ``.block_id`` is a repeated id,
     ``.group`` its cache group (``None`` for a flat list or a region every group

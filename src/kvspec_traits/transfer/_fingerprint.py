@@ -203,7 +203,7 @@ class PlanFingerprint:
         )
         if not isinstance(version, int) or isinstance(version, bool):
             raise MalformedMetadataError("fingerprint has no integer version 'v'")
-        if not isinstance(tp_size, int) or tp_size < 1:
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
             raise MalformedMetadataError("fingerprint has no positive 'tp_size'")
         if not isinstance(regions, list) or not all(isinstance(r, dict) for r in regions):
             raise MalformedMetadataError("fingerprint 'regions' is not a list of objects")
@@ -255,12 +255,12 @@ def check_handshake(local: PlanFingerprint | RegionPlan, remote: PlanFingerprint
             diffs.append(("regions only remote", None, sorted(theirs - mine_names)))
         raise HandshakeMismatchError(None, "region count", (), diffs)
     for index, (a, b) in enumerate(zip(mine.regions, remote.regions, strict=True)):
-        if a == b:
+        if _same(a, b):
             continue
         region_diffs: list[TraitDiff] = [
             (key, a.get(key), b.get(key))
             for key in sorted(set(a) | set(b))
-            if a.get(key) != b.get(key)
+            if not _same(a.get(key), b.get(key))
         ]
         layers = a.get("layers")
         raise HandshakeMismatchError(
@@ -269,6 +269,12 @@ def check_handshake(local: PlanFingerprint | RegionPlan, remote: PlanFingerprint
             [str(x) for x in layers] if isinstance(layers, list) else (),
             region_diffs,
         )
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal values of equal JSON types: ``true`` is not ``1``, ``65536.0`` not
+    ``65536``, ``0`` not ``false`` (Python's ``==`` says they are)."""
+    return a == b and canonical_json(a) == canonical_json(b)
 
 
 def record_page(record: Mapping[str, Any], index: int, tp_size: int) -> int:

@@ -9,6 +9,7 @@ names a spec class.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvspec_traits._registry import Registry, default_registry
@@ -97,6 +98,7 @@ def plan_regions(
         rows = Rows.NONE if has_ring(layer_traits.values()) else Rows.SCATTERED
     by_storage: dict[tuple[int, str], list[Piece]] = {}
     registrations: dict[tuple[int, str], MemoryRange] = {}
+    spans: dict[tuple[int, str], list[tuple[str, int, int]]] = {}
     ordered = sorted(kv_caches, key=region_sort_key) if layout.order == "model" else kv_caches
     for layer in ordered:
         traits = layer_traits.get(layer)
@@ -110,6 +112,17 @@ def plan_regions(
             registrations[key] = MemoryRange(
                 base=key[0], length=storage.nbytes(), device_id=device_id_of(cache), mem_type=key[1]
             )
+        spans.setdefault(key, []).append(
+            # (layer, first byte, bytes its view spans): strides are non-negative
+            (
+                layer,
+                cache.data_ptr(),
+                cache.element_size()
+                * (1 + sum((n - 1) * s for n, s in zip(cache.shape, cache.stride(), strict=True)))
+                if cache.numel()
+                else 0,
+            )
+        )
         by_storage.setdefault(key, []).extend(
             layer_pieces(
                 layer,
@@ -149,7 +162,9 @@ def plan_regions(
         num_groups = max(group_ids.values(), default=0) + 1 if group_ids else 1
     return RegionPlan(
         regions=regions,
-        registrations=tuple(registrations.values()),
+        registrations=tuple(
+            replace(reg, layers=tuple(spans[key])) for key, reg in registrations.items()
+        ),
         num_blocks=n_blocks,
         tp_size=tp_size,
         tp_rank=tp_rank,

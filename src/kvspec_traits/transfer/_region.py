@@ -118,6 +118,10 @@ class MemoryRange:
     length: int
     device_id: int
     mem_type: str
+    layers: tuple[tuple[str, int, int], ...] = ()
+    """``(layer, first byte, bytes spanned)`` of each layer's cache view in this
+    allocation, read from the tensors (not from region bases): what binds each region's
+    base to its own layers' memory (:func:`~kvspec_traits.transfer.check_peer`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -60,6 +60,7 @@ from kvspec_traits.vllm_connector._handshake import (
     TraitsNixlAgentMetadata,
     check_pipeline_parallel,
     check_remote_fingerprint,
+    decoding_traits_metadata,
     handshake_with,
     logger,
     requires_traits_peer,
@@ -368,12 +369,12 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     ) -> Any:
         remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
         check_pipeline_parallel(self.pp_size, remote_pp_size)
-        # vLLM's handshake (its socket through base_worker.zmq_ctx, its order: the
-        # compatibility hash, then the agent metadata decode) calls
-        # _validate_remote_parallel_config with the decoded metadata, where the
-        # fingerprint is checked; the peer's address is kept for the messages.
+        # vLLM's handshake (its socket, its order: the compatibility hash, then the
+        # metadata decode, into our class here only) calls _validate_remote_parallel_config
+        # with the decoded metadata, where the peer is checked (its address kept).
         with handshake_with(host, port):
-            return super()._nixl_handshake(host, port, remote_tp_size, *args, **kwargs)
+            upstream = decoding_traits_metadata(super()._nixl_handshake)
+            return upstream(host, port, remote_tp_size, *args, **kwargs)
 
     def _validate_remote_parallel_config(self, agent_metadata: Any) -> None:
         super()._validate_remote_parallel_config(agent_metadata)
@@ -383,7 +384,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         """Compare the peer's per-region traits fingerprint with ours (see
         :func:`~kvspec_traits.vllm_connector._handshake.check_remote_fingerprint`)."""
         check_remote_fingerprint(
-            self.traits_fingerprint,
+            self.region_plan,
             agent_metadata,
             require_traits_peer=lambda: requires_traits_peer(self.vllm_config),
         )

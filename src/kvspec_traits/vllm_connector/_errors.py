@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from kvspec_traits._deps import SUPPORTED_VLLM_SERIES
+from kvspec_traits._errors import KVSpecTraitsError
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 __all__ = [
@@ -14,7 +15,7 @@ __all__ = [
 ]
 
 
-class UnsupportedVllmVersionError(RuntimeError):
+class UnsupportedVllmVersionError(KVSpecTraitsError, RuntimeError):
     """The installed vLLM is not a series the connector supports.
 
     ``.installed`` is the installed version, ``.supported`` the supported series.
@@ -33,7 +34,7 @@ class UnsupportedVllmVersionError(RuntimeError):
         )
 
 
-class PeerWithoutTraitsError(RuntimeError):
+class PeerWithoutTraitsError(KVSpecTraitsError, RuntimeError):
     """The NIXL peer sent no kvspec-traits fingerprint (it runs upstream's connector or
     an older kvspec-traits). ``.peer`` is ``host:port``."""
 
@@ -48,7 +49,7 @@ class PeerWithoutTraitsError(RuntimeError):
         )
 
 
-class UnsupportedPipelineParallelError(NotImplementedError):
+class UnsupportedPipelineParallelError(KVSpecTraitsError, NotImplementedError):
     """The layout handshake compares one pipeline stage's regions; pairs with pipeline
     parallelism on either side are refused until stages are matched by their layers."""
 
@@ -62,7 +63,7 @@ class UnsupportedPipelineParallelError(NotImplementedError):
         )
 
 
-class UpstreamDisagreesError(RuntimeError):
+class UpstreamDisagreesError(KVSpecTraitsError, RuntimeError):
     """A decision that upstream code still takes from spec classes contradicts the
     traits, so the transfer would be wrong. ``.what`` names the decision."""
 

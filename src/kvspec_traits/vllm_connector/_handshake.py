@@ -9,25 +9,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import types
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _bw
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 from vllm.logger import init_logger
 
 from kvspec_traits.transfer import (
     HandshakeMismatchError,
     MalformedMetadataError,
+    MemoryTypeMismatchError,
     PlanFingerprint,
-    check_handshake,
-    check_peer_geometry,
+    RegionPlan,
+    check_peer,
     check_region_bounds,
     decode_fingerprint,
 )
 from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
     UnsupportedPipelineParallelError,
+    UpstreamDisagreesError,
 )
 from kvspec_traits.vllm_connector._fields import peer_regions_of
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, REQUIRE_TRAITS_PEER
@@ -39,6 +41,7 @@ __all__ = [
     "TraitsNixlAgentMetadata",
     "check_pipeline_parallel",
     "check_remote_fingerprint",
+    "decoding_traits_metadata",
     "handshake_with",
     "requires_traits_peer",
 ]
@@ -51,16 +54,19 @@ logger = init_logger("vllm.kvspec_traits.connector")
 class TraitsNixlAgentMetadata(NixlAgentMetadata):
     """vLLM's agent metadata plus the canonical per-region traits fingerprint.
 
-    Upstream decoders ignore the extra field, so the wire stays readable by vLLM.
+    Upstream decoders ignore the extra field, so the wire stays readable by vLLM. Only
+    this connector's worker decodes into it (:func:`decoding_traits_metadata`); vLLM's
+    ``NixlAgentMetadata`` is left as vLLM defined it.
     """
 
     kvspec_traits_fingerprint: bytes | None = None
 
     def __eq__(self, other: object) -> bool:
-        # Against upstream's own class (what vLLM's code and tests decode with), equal
-        # when every field upstream knows is: the fingerprint is ours alone, and the
-        # handshake decodes into this subclass, so a strict class check would make the
-        # same peer metadata unequal to itself as upstream reads it.
+        # The same peer metadata as vLLM's class decodes it (no fingerprint field) is
+        # equal when every field that class has is: vLLM's own handshake test compares
+        # what the handshake hands add_remote_agent with the peer's metadata decoded
+        # by vLLM's class. Python tries this method for both orders of `==` (a
+        # subclass's), so the comparison is symmetric; two of ours compare every field.
         if type(other) is NixlAgentMetadata:
             return all(
                 getattr(self, f.name) == getattr(other, f.name)
@@ -75,11 +81,40 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
     __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it extends
 
 
-# vLLM's handshake decodes the peer's agent metadata as base_worker.NixlAgentMetadata
-# (after its compatibility-hash check). That name is made this subclass, whose one extra
-# field is optional, so the decode keeps the peer's fingerprint for the check that
-# follows it; for every other reader the value is the same metadata.
-setattr(_bw, "NixlAgentMetadata", TraitsNixlAgentMetadata)  # noqa: B010 (not re-exported)
+_T = TypeVar("_T")
+
+
+def decoding_traits_metadata(handshake: Callable[..., _T]) -> Callable[..., _T]:
+    """vLLM's bound ``_nixl_handshake`` method, run so that the agent metadata it
+    decodes is a :class:`TraitsNixlAgentMetadata` (the peer's fingerprint kept for the
+    check that follows the decode).
+
+    Upstream's handshake decodes with its module's global ``NixlAgentMetadata``. The
+    function runs here with a copy of that module's globals, taken at each call, in
+    which the name is our class: vLLM's module (and upstream's connector, or any other
+    reader in the process) keeps its own class. Raises :class:`UpstreamDisagreesError`
+    when the series' handshake no longer decodes by that name (the fingerprint would be
+    dropped silently otherwise).
+    """
+    func = getattr(handshake, "__func__", None)
+    owner = getattr(handshake, "__self__", None)
+    if not isinstance(func, types.FunctionType) or "NixlAgentMetadata" not in (
+        func.__code__.co_names
+    ):
+        raise UpstreamDisagreesError(
+            "how the handshake decodes the peer's agent metadata",
+            getattr(handshake, "__qualname__", handshake),
+            "a method that decodes with its module's NixlAgentMetadata",
+        )
+    scope = dict(func.__globals__)
+    scope["NixlAgentMetadata"] = TraitsNixlAgentMetadata
+    clone = types.FunctionType(
+        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+    )
+    clone.__kwdefaults__ = func.__kwdefaults__
+    return cast("Callable[..., _T]", types.MethodType(clone, owner))
+
+
 # The peer address of the handshake running on this thread (handshakes run on vLLM's
 # background executor), for the refusal messages.
 _handshake_peer = threading.local()
@@ -122,20 +157,25 @@ def _refuse(peer: str, agent_metadata: Any, err: Exception) -> None:
 
 
 def check_remote_fingerprint(
-    local: PlanFingerprint | None,
+    local: RegionPlan | None,
     agent_metadata: Any,
     *,
     require_traits_peer: Callable[[], bool],
 ) -> None:
-    """Compare the peer's per-region traits fingerprint with ``local`` (this rank's).
+    """Check the peer's per-region traits fingerprint and regions against ``local``
+    (this rank's plan) with the checks every backend runs
+    (:func:`~kvspec_traits.transfer.check_peer`).
 
     A layout mismatch raises :class:`~kvspec_traits.transfer.HandshakeMismatchError`
-    naming the region and every differing trait; a peer without a fingerprint raises
-    :class:`PeerWithoutTraitsError` when ``require_traits_peer()`` (asked only then: the
-    configuration is read for a peer without a fingerprint alone); one that is not a
-    fingerprint, or whose region addresses contradict it (block length other than the
-    page it implies at the peer's TP size, overlapping blocks, past 64 bits; see
-    :func:`~kvspec_traits.transfer.check_peer_geometry`),
+    naming the region and every differing trait; a region on another memory type than
+    ours (a device-memory peer of a host-memory cache) raises
+    :class:`~kvspec_traits.transfer.MemoryTypeMismatchError`; a peer without a
+    fingerprint raises :class:`PeerWithoutTraitsError` when ``require_traits_peer()``
+    (asked only then: the configuration is read for a peer without a fingerprint
+    alone); one that is not a fingerprint, whose region addresses contradict it (block
+    length other than the page it implies at the peer's TP size, overlapping blocks,
+    regions that share bytes where ours do not, past 64 bits), or whose region names
+    and members differ from the fingerprint's,
     :class:`~kvspec_traits.transfer.MalformedMetadataError`.
     """
     if local is None:
@@ -168,17 +208,17 @@ def check_remote_fingerprint(
         return
     try:  # hostile JSON (deep, huge integers, not UTF-8) is a named error too
         remote = decode_fingerprint(fingerprint)
+        regions = peer_regions_of(agent_metadata)
     except MalformedMetadataError as exc:
         raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
     try:
-        check_handshake(local, remote)
-    except HandshakeMismatchError as err:
+        # vLLM's metadata carries no registrations: placement is checked against
+        # our plan's overlaps and rows (check_peer_placement), not bound to them.
+        check_peer(local, remote, regions, remote.tp_size, peer=f"peer {peer}")
+        _check_members(remote, agent_metadata)
+    except (HandshakeMismatchError, MemoryTypeMismatchError) as err:
         _refuse(peer, agent_metadata, err)
         raise
-    # The same layout, claimed: now the addresses the peer sends must be what that
-    # layout implies, before vLLM builds a descriptor from them.
-    try:
-        check_peer_geometry(remote, peer_regions_of(agent_metadata), remote.tp_size)
     except MalformedMetadataError as exc:
         _refuse(peer, agent_metadata, exc)
         raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
@@ -186,5 +226,24 @@ def check_remote_fingerprint(
         "%s: peer %s has the same KV layout (fingerprint %s)",
         CONNECTOR_NAME,
         peer,
-        local.digest[:16],
+        remote.digest[:16],
     )
+
+
+def _check_members(remote: PlanFingerprint, agent_metadata: Any) -> None:
+    """The region names and member layers vLLM's metadata carries (where it carries
+    them) are the ones the peer's fingerprint names: the addresses belong to the
+    layers the fingerprint describes, not to a reordering of them."""
+    names = getattr(agent_metadata, "region_names", None)
+    claimed = [r.get("name") for r in remote.regions]
+    if names is not None and list(names) != claimed:
+        raise MalformedMetadataError(
+            f"region names {list(names)[:8]} differ from its fingerprint's {claimed[:8]}"
+        )
+    members = getattr(agent_metadata, "region_members", None)
+    layers = [list(r.get("layers") or ()) for r in remote.regions]
+    if members and [list(m) for m in members] != layers:
+        raise MalformedMetadataError(
+            f"region members {[list(m) for m in members][:4]} differ from its "
+            f"fingerprint's {layers[:4]}"
+        )

@@ -1,0 +1,159 @@
+"""A request's block ids, as every transfer backend takes them: one list per cache
+group, each list Python ints (not ``bool``) or a 1-D integer array, checked against the
+blocks a region holds.
+
+Pure (no numpy import: an array is recognised by its ``dtype`` and ``ndim``): the NIXL
+shim converts the lists this module accepts to numpy, the memcopy backend to Python
+lists; both ask these functions, so both take and refuse the same ids with the same
+errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Final, Protocol, TypeAlias
+
+from kvspec_traits.transfer._errors import BlockIdError, BlockIdShapeError, BlockIdTypeError
+
+__all__ = [
+    "INT64_MAX",
+    "IdArray",
+    "IdLists",
+    "check_block_range",
+    "check_id_list",
+    "check_paired",
+    "group_lists",
+    "is_id_array",
+]
+
+INT64_MAX: Final = (1 << 63) - 1
+_LISTS: Final = (list, tuple, range)
+
+
+class IdArray(Protocol):
+    """What this module reads of an integer array (numpy's ``ndarray`` is one)."""
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    def tolist(self) -> Any: ...
+
+
+IdLists: TypeAlias = Sequence[Sequence[int] | IdArray] | Sequence[int] | IdArray
+"""A request's block ids as every backend takes them: one list (Python ints or a 1-D
+integer array) per cache group, a 2-D integer array of one row per group, or, for a
+plan of one group, that group's list alone."""
+
+
+def is_id_array(value: object) -> bool:
+    """Whether ``value`` is an array (numpy's, or one that quacks like it: ``dtype``
+    with a ``kind``, ``ndim``)."""
+    return hasattr(value, "ndim") and hasattr(getattr(value, "dtype", None), "kind")
+
+
+def check_id_list(value: object, side: str) -> bool:
+    """Refuse one group's ids unless they are Python ints (not ``bool``) or a 1-D
+    integer array whose values fit in int64 (:class:`BlockIdTypeError`). Returns
+    whether ``value`` is an array (the caller converts it its own way)."""
+    if is_id_array(value):
+        array: Any = value
+        if array.dtype.kind not in "iu":
+            raise BlockIdTypeError(
+                side, array.dtype, f"an array of dtype {array.dtype} is not block ids"
+            )
+        if array.ndim != 1:
+            raise BlockIdTypeError(
+                side, array.shape, f"an array of shape {array.shape} is not one list of ids"
+            )
+        if array.dtype.kind == "u" and array.size and int(array.max()) > INT64_MAX:
+            raise BlockIdTypeError(
+                side, int(array.max()), f"id {int(array.max())} does not fit in int64"
+            )
+        return True
+    if isinstance(value, _LISTS):
+        if value and set(map(type, value)) != {int}:
+            bad = next(v for v in value if type(v) is not int)
+            raise BlockIdTypeError(side, bad, f"{bad!r} is a {type(bad).__name__}, not an int")
+        return False
+    raise BlockIdTypeError(side, value, f"a {type(value).__name__} is not a list of ids")
+
+
+def group_lists(block_ids: object, num_groups: int, side: str) -> list[Any]:
+    """A request's ids split into one list per cache group, unchecked inside: one list
+    (or 1-D integer array) per group, a 2-D integer array of one row per group, or, for
+    a plan of one group, that group's list alone. :class:`BlockIdShapeError` for
+    another count of lists, :class:`BlockIdTypeError` for what is no list of lists."""
+    groups: list[Any]
+    if is_id_array(block_ids) and getattr(block_ids, "ndim", 0) == 2:
+        array: Any = block_ids
+        if array.dtype.kind not in "iu":
+            raise BlockIdTypeError(
+                side, array.dtype, f"an array of dtype {array.dtype} is not block ids"
+            )
+        groups = list(array)
+    elif (
+        isinstance(block_ids, _LISTS)
+        and block_ids
+        and (isinstance(block_ids[0], _LISTS) or is_id_array(block_ids[0]))
+    ):
+        groups = list(block_ids)
+    elif isinstance(block_ids, _LISTS) or is_id_array(block_ids):
+        if num_groups != 1:
+            raise BlockIdShapeError(
+                side,
+                num_groups,
+                1,
+                f"one flat list for a plan of {num_groups} cache groups; pass one list "
+                f"per group (vLLM's block_ids[group])",
+            )
+        groups = [block_ids]
+    else:
+        raise BlockIdTypeError(side, block_ids, f"a {type(block_ids).__name__} is not block ids")
+    if len(groups) != num_groups:
+        raise BlockIdShapeError(
+            side,
+            num_groups,
+            len(groups),
+            f"{len(groups)} lists for a plan of {num_groups} cache groups; pass exactly "
+            f"one list per group (an empty one for a group with no blocks)",
+        )
+    return groups
+
+
+def check_block_range(
+    bounds: tuple[int, int] | None,
+    limit: int,
+    regions: Iterable[tuple[str, int]],
+    side: str,
+) -> None:
+    """Refuse ids outside the regions they land in: ``bounds`` is ``(min, max)`` of
+    the ids (``None`` for none), ``limit`` the smallest block count among
+    ``regions``, given as ``(name, num_blocks)`` pairs (read only on a refusal).
+    :class:`BlockIdError` names the first region an id is outside of."""
+    if bounds is None:
+        return
+    low, high = bounds
+    if low >= 0 and high < limit:
+        return
+    bad = low if low < 0 else high
+    for name, count in regions:
+        if bad < 0 or bad >= count:
+            raise BlockIdError(name, bad, count, side)
+    raise BlockIdError("(every region)", bad, limit, side)
+
+
+def check_paired(local_sizes: Sequence[int], remote_sizes: Sequence[int]) -> None:
+    """Local and remote ids pair up: the same count in every cache group
+    (:class:`BlockIdShapeError` naming the first group that differs)."""
+    for group, (local, remote) in enumerate(zip(local_sizes, remote_sizes, strict=True)):
+        if local != remote:
+            raise BlockIdShapeError(
+                "both",
+                local,
+                remote,
+                f"cache group {group} has {local} local but {remote} remote ids; each "
+                f"local block is filled from the remote block at the same position",
+            )
