@@ -38,8 +38,8 @@ __all__ = [
     "watch_of",
 ]
 
-MAX_CLASSES: Final = 1024
-"""Spec classes whose resolution plan is kept (vLLM has about 25)."""
+MAX_CLASSES: Final = 256
+"""Spec classes whose resolution plan is kept (vLLM 0.34 has about 30)."""
 MAX_SPECS: Final = 4096
 """Spec objects whose answers are kept; past this many, the per-spec caches start afresh."""
 
