@@ -20,10 +20,11 @@ from vllm.v1 import kv_cache_interface as kvi
 import kvspec_traits._caches as caches
 import kvspec_traits._registry as registry_module
 import kvspec_traits._verify as verify_module
-from kvspec_traits import InvalidSpecError, Registry
+from kvspec_traits import GroupTraits, InvalidSpecError, Registry
 from kvspec_traits._accounting import FieldAccounting
 from kvspec_traits._caches import MAX_CLASSES, MAX_SPECS, watch_of
 from kvspec_traits._loading import AdapterLoading
+from kvspec_traits._result_check import snapshot
 
 
 def _full(block_size: int = 16, heads: int = 8) -> kvi.FullAttentionSpec:
@@ -107,7 +108,7 @@ def test_the_registry_parts_hold_no_state_of_their_own() -> None:
 
 def _counting_snapshot(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     calls: list[object] = []
-    real: Callable[..., object] = registry_module._snapshot
+    real: Callable[..., object] = snapshot
 
     def counted(spec: object, field_names: tuple[str, ...]) -> object:
         calls.append(spec)
@@ -182,6 +183,7 @@ def test_every_kind_of_group_mutation_is_answered_afresh(
         want = sum(_page(heads=h) for h in heads)
         for _ in range(2):  # the fresh answer, then the same from the warm path
             t = registry.traits_of(group)
+            assert isinstance(t, GroupTraits)
             assert (t.page_size_bytes, list(t.members)) == (want, list(members)), what
             assert t.page_size_bytes == group.page_size_bytes
         assert (id(group) in registry._by_id) is watched

@@ -8,7 +8,7 @@ import torch
 from vllm.v1 import kv_cache_interface as kvi
 
 from kvspec_traits import KVLayoutTraits, Registry, UnsupportedSpecError, traits_of
-from kvspec_traits._caches import warm_path
+from kvspec_traits._caches import Watched, warm_path
 
 
 def test_hit_returns_the_cached_answer_and_a_miss_resolves() -> None:
@@ -20,7 +20,7 @@ def test_hit_returns_the_cached_answer_and_a_miss_resolves() -> None:
         calls.append(s)
         return registry.traits_of(s)
 
-    by_id: dict[int, KVLayoutTraits] = {}
+    by_id: dict[int, KVLayoutTraits | Watched] = {}
     warm = warm_path(by_id, resolve)
     first = warm(spec)
     assert calls == [spec]

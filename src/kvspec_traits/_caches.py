@@ -26,7 +26,12 @@ import dataclasses
 import sys
 import sysconfig
 from collections.abc import Callable
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final
+
+from kvspec_traits._traits import KVLayoutTraits
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheSpec
 
 __all__ = [
     "MAX_CLASSES",
@@ -105,12 +110,13 @@ WATCHES_DICTS: Final = _probe()
 """Whether dict mutations are seen in O(1) here (else groups take the snapshot path)."""
 
 
+@final
 @dataclasses.dataclass(frozen=True, slots=True)
 class Watched:
     """A warm answer valid while its spec's dict keeps ``version``; ``members`` holds
     the dict alive, so the cell reads that dict's memory."""
 
-    traits: object
+    traits: KVLayoutTraits
     cell: ctypes.c_uint64
     version: int
     members: dict[Any, Any]
@@ -145,12 +151,14 @@ def watch_of(
     return cell, cell.value, found
 
 
-def warm_path(by_id: dict[int, Any], resolve: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def warm_path(
+    by_id: dict[int, KVLayoutTraits | Watched], resolve: Callable[[KVCacheSpec], KVLayoutTraits]
+) -> Callable[[KVCacheSpec], KVLayoutTraits]:
     """``traits_of`` as a closure over the per-spec cache: a hit is one frame, one id()
     and one dict subscript (plus the version compare of a watched group); the wheel is
     pure Python (py3-none-any), so this is the whole warm path."""
 
-    def traits_of(spec: Any) -> Any:
+    def traits_of(spec: KVCacheSpec) -> KVLayoutTraits:
         """The verified traits of a vLLM KV cache spec.
 
         Raises :class:`UnsupportedSpecError` when no adapter can answer for its class or
@@ -165,7 +173,7 @@ def warm_path(by_id: dict[int, Any], resolve: Callable[[Any], Any]) -> Callable[
         except KeyError:
             pass
         else:
-            if hit.__class__ is not Watched:
+            if type(hit) is not Watched:  # (one test, no attribute: singles stay fast)
                 return hit
             if hit.cell.value == hit.version:
                 return hit.traits
