@@ -8,7 +8,7 @@ import torch
 from vllm.v1 import kv_cache_interface as kvi
 
 from kvspec_traits import KVLayoutTraits, Registry, UnsupportedSpecError, traits_of
-from kvspec_traits._registry import _warm_path
+from kvspec_traits._caches import Watched, warm_path
 
 
 def test_hit_returns_the_cached_answer_and_a_miss_resolves() -> None:
@@ -20,8 +20,8 @@ def test_hit_returns_the_cached_answer_and_a_miss_resolves() -> None:
         calls.append(s)
         return registry.traits_of(s)
 
-    by_id: dict[int, KVLayoutTraits] = {}
-    warm = _warm_path(by_id, resolve)
+    by_id: dict[int, KVLayoutTraits | Watched] = {}
+    warm = warm_path(by_id, resolve)
     first = warm(spec)
     assert calls == [spec]
     by_id[id(spec)] = first
@@ -35,7 +35,7 @@ def test_errors_pass_through_unchained_and_wrong_calls_are_type_errors() -> None
     def resolve(s: object) -> KVLayoutTraits:
         raise LookupError(f"no traits for {s!r}")
 
-    warm = _warm_path({}, resolve)
+    warm = warm_path({}, resolve)
     with pytest.raises(LookupError, match="no traits for 7") as raised:
         warm(7)  # type: ignore[arg-type]
     # Raised outside the cache miss's except block: no "during handling of KeyError".

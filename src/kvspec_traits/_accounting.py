@@ -10,20 +10,18 @@ of its own (refused: the parent's answer may not hold).
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
+from kvspec_traits._caches import MAX_CLASSES, put_bounded
 from kvspec_traits._errors import (
     UnsupportedSpecError,
 )
+from kvspec_traits._state import RegistryState
 from kvspec_traits._traits import (
     KVLayoutTraits,
 )
 from kvspec_traits._verify import CHECKED_PROPERTIES
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["LAYOUT_MEMBERS", "FieldAccounting", "Plan", "Registration", "adapter_name"]
 
@@ -90,18 +88,9 @@ class Plan:
     members: tuple[str, ...]
 
 
-class FieldAccounting:
+class FieldAccounting(RegistryState):
     """The questions about classes a :class:`~kvspec_traits.Registry` answers from its
-    registrations (mixed into it; the registry holds the state)."""
-
-    _adapters: dict[type[Any], Callable[[Any], KVLayoutTraits]]
-    _accounting: dict[type[Any], _Accounting]
-    _by_type: dict[type[Any], Plan]
-    _lock: threading.RLock
-
-    if TYPE_CHECKING:  # provided by the registry this is mixed into
-
-        def _ensure_loaded(self) -> None: ...
+    registrations (mixed into it; the state is :class:`RegistryState`'s)."""
 
     # -- questions about classes --------------------------------------------------------
 
@@ -155,7 +144,7 @@ class FieldAccounting:
                 adapter = self._adapters.get(klass)
                 if adapter is not None:
                     plan = self._make_plan(spec_type, klass, adapter)
-                    self._by_type[spec_type] = plan
+                    put_bounded(self._by_type, spec_type, plan, MAX_CLASSES)
                     return plan
         raise UnsupportedSpecError(
             spec_type,

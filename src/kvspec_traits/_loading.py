@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-import threading
-from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
-from kvspec_traits._accounting import (
-    _Accounting,
-)
+from kvspec_traits._accounting import _Accounting
 from kvspec_traits._deps import needs
-from kvspec_traits._errors import (
-    AdapterPluginError,
-)
-from kvspec_traits._traits import (
-    KVLayoutTraits,
-)
+from kvspec_traits._errors import AdapterPluginError
+from kvspec_traits._state import RegistryState
 
 if TYPE_CHECKING:
     from kvspec_traits._registry import Registry
@@ -33,22 +25,9 @@ ENTRY_POINT_GROUP: Final = "kvspec_traits.adapters"
 _BUILTIN_MODULE: Final = "kvspec_traits._vllm_adapters"
 
 
-class AdapterLoading:
-    """Loading built-ins and entry points (mixed into :class:`~kvspec_traits.Registry`,
-    which holds the state)."""
-
-    _adapters: dict[type[Any], Callable[[Any], KVLayoutTraits]]
-    _accounting: dict[type[Any], _Accounting]
-    _lock: threading.RLock
-    _builtins_loaded: bool
-    _loaded: bool
-    _loading: bool
-    _want_entry_points: bool
-    _hooks_done: set[str]
-
-    if TYPE_CHECKING:  # provided by the registry this is mixed into
-
-        def _invalidate(self) -> None: ...
+class AdapterLoading(RegistryState):
+    """Loading built-ins and entry points (mixed into :class:`~kvspec_traits.Registry`;
+    the state is :class:`RegistryState`'s)."""
 
     # -- loading ------------------------------------------------------------------------
 
@@ -92,7 +71,7 @@ class AdapterLoading:
                     key = f"{ep.name}={ep.value}"
                     if key in self._hooks_done:
                         continue
-                    if _importing(ep.module):
+                    if _importing(_module_of(ep)):
                         # Its module is importing right now (it registers by decorator
                         # and asked for traits before finishing): load it next time.
                         deferred = True
@@ -111,7 +90,7 @@ class AdapterLoading:
                 self._invalidate()
 
     def _run_hook(self, ep: EntryPoint) -> None:
-        where = f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r}"
+        where = _where(ep)
         try:
             hook = ep.load()
         except Exception as exc:
@@ -128,6 +107,32 @@ class AdapterLoading:
             raise AdapterPluginError(
                 ep.name, f"{where} raised {exc!r}; fix or uninstall that package"
             ) from exc
+
+
+def _where(ep: EntryPoint) -> str:
+    """The entry point and the installed distribution that declares it."""
+    dist = getattr(ep, "dist", None)
+    try:
+        package = f" of the installed package {dist.name!r} {dist.version}" if dist else ""
+    except Exception:  # metadata broken too: the entry point still names the plugin
+        package = ""
+    return f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r}{package}"
+
+
+def _module_of(ep: EntryPoint) -> str:
+    """The module an entry point names. An unparsable value (``my-plugin.mod:register``)
+    is a plugin that cannot load: :class:`AdapterPluginError` naming it, as for one that
+    fails to import (importlib itself would raise an AttributeError about ``None``)."""
+    try:
+        module = ep.module
+    except Exception as exc:
+        raise AdapterPluginError(
+            ep.name,
+            f"{_where(ep)} is not a valid entry point: its value must be "
+            "'dotted.module:function' (Python identifiers, no '-'); fix or uninstall "
+            "that package",
+        ) from exc
+    return module
 
 
 def _importing(module: str) -> bool:

@@ -22,7 +22,6 @@ Resolving a spec, once per distinct spec:
 from __future__ import annotations
 
 import contextvars
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeVar, overload
 
@@ -34,9 +33,11 @@ from kvspec_traits._accounting import (
     _Accounting,
     field_names_of,
 )
+from kvspec_traits._caches import MAX_SPECS, Watched, warm_path, watch_of
 from kvspec_traits._errors import (
     AdapterConflictError,
     AdapterError,
+    InvalidSpecError,
     KVSpecTraitsError,
     TraitsMismatchError,
     UnsupportedSpecError,
@@ -65,8 +66,6 @@ __all__ = [
     "traits_of",
 ]
 
-# A spec cache keyed by id() keeps its specs alive; past this many it starts afresh.
-_MAX_CACHED_SPECS: Final = 1 << 16
 # A resolution superseded by a registration is answered again, at most this many times.
 _MAX_ATTEMPTS: Final = 8
 
@@ -87,6 +86,28 @@ def resolving_registry() -> Registry:
     return _resolving.get(default_registry)
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Final = _Unset()
+
+
+def _check_built(spec: object, plan: Plan) -> None:
+    """Refuse a spec made without its constructor (``object.__new__``): its fields are
+    unset, so even hashing it would fail with a bare AttributeError."""
+    for name in plan.field_names:
+        if not hasattr(spec, name):
+            raise InvalidSpecError(
+                spec,
+                name,
+                _UNSET,
+                f"set by {type(spec).__qualname__}(...): this spec was made without its "
+                "constructor (object.__new__, or an __init__ that failed part-way)",
+            )
+
+
 class Registry(FieldAccounting, AdapterLoading):
     """Maps spec classes to adapters and answers :meth:`traits_of`.
 
@@ -98,31 +119,19 @@ class Registry(FieldAccounting, AdapterLoading):
     def __init__(
         self, *, builtins: bool = True, entry_points: bool = True, name: str = "registry"
     ) -> None:
+        super().__init__(builtins=builtins, entry_points=entry_points)
         self.name = name
-        self._adapters: dict[type[Any], Callable[[Any], KVLayoutTraits]] = {}
-        self._accounting: dict[type[Any], _Accounting] = {}
-        self._want_builtins = builtins
-        self._want_entry_points = entry_points
-        self._builtins_loaded = not builtins
-        self._loaded = not (builtins or entry_points)
-        self._loading = False
-        self._hooks_done: set[str] = set()
-        self._lock = threading.RLock()
-        # Bumped by every change of adapters: an answer computed under an older
-        # generation is never cached.
-        self._generation = 0
-        self._by_type: dict[type[Any], Plan] = {}
-        # id(spec) -> traits: the warm path. `_alive` holds every spec cached here, so while
-        # an entry exists no other live object can have that id; both are cleared together.
-        self._by_id: dict[int, KVLayoutTraits] = {}
+        # The per-spec caches (kvspec_traits._caches), bounded by MAX_SPECS and emptied
+        # together. id(spec) -> traits (or Watched traits): the warm path. `_alive` holds
+        # every spec cached here, so while an entry exists no other object has that id.
+        self._by_id: dict[int, KVLayoutTraits | Watched] = {}
         self._alive: list[object] = []
         # equal specs share one verified answer (unhashable ones by their snapshot).
         self._by_value: dict[object, KVLayoutTraits] = {}
         # Unhashable specs (a group spec holds a dict): id -> (spec, snapshot, traits).
-        # Never on the warm path: each call compares the snapshot, so a mutated spec is
-        # answered afresh instead of from a stale entry.
+        # A changed snapshot is answered afresh; an unchanged one is watched again.
         self._mutable: dict[int, tuple[object, object, KVLayoutTraits]] = {}
-        self.traits_of: Callable[[KVCacheSpec], KVLayoutTraits] = _warm_path(
+        self.traits_of: Callable[[KVCacheSpec], KVLayoutTraits] = warm_path(
             self._by_id, self._resolve
         )
         """The verified traits of ``spec`` (see :func:`kvspec_traits.traits_of`)."""
@@ -260,23 +269,32 @@ class Registry(FieldAccounting, AdapterLoading):
         hit = self._mutable.get(id(spec))
         if hit is not None and hit[0] is spec:
             plan = self._by_type.get(type(spec))
-            if plan is not None and _snapshot(spec, plan.field_names) == hit[1]:
-                return hit[2]
+            if plan is not None:
+                guard = watch_of(spec, plan.field_names)  # its version before the compare
+                if _snapshot(spec, plan.field_names) == hit[1]:
+                    # Unchanged (its dict rewritten with what it held): watched again.
+                    with self._lock:
+                        if guard is not None and self._mutable.get(id(spec)) is hit:
+                            self._by_id[id(spec)] = Watched(hit[2], *guard)
+                    return hit[2]
         traits: KVLayoutTraits | None = None
         for _ in range(_MAX_ATTEMPTS):
             generation = self._generation
             plan = self._plan(type(spec))
+            _check_built(spec, plan)
             snapshot: object = None
             key: object = None
+            guard = None
             try:
                 hash(spec)
                 key = (spec, value_types(spec, plan.field_names))
-            except TypeError:  # unhashable: keyed by a snapshot of its fields
+            except Exception:  # unhashable: keyed by a snapshot of its fields
+                guard = watch_of(spec, plan.field_names)  # its version before the snapshot
                 snapshot = _snapshot(spec, plan.field_names)
                 try:
                     hash(snapshot)
                     key = (type(spec), snapshot)
-                except TypeError:
+                except Exception:
                     key = None
             traits = self._by_value.get(key) if key is not None else None
             if traits is None:
@@ -284,7 +302,7 @@ class Registry(FieldAccounting, AdapterLoading):
             with self._lock:
                 if generation != self._generation:
                     continue  # a registration superseded this adapter: answer again
-                if len(self._alive) >= _MAX_CACHED_SPECS:
+                if len(self._alive) >= MAX_SPECS:
                     self._clear_answers()
                 if key is not None:
                     self._by_value[key] = traits
@@ -293,6 +311,10 @@ class Registry(FieldAccounting, AdapterLoading):
                     self._by_id[id(spec)] = traits
                 else:
                     self._mutable[id(spec)] = (spec, snapshot, traits)
+                    if guard is not None:
+                        self._by_id[id(spec)] = Watched(traits, *guard)
+                    else:  # no longer watchable: off the warm path
+                        self._by_id.pop(id(spec), None)
             return traits
         # Registrations kept arriving: the latest answer, not cached.
         if traits is None:  # pragma: no cover - the loop runs at least once
@@ -369,31 +391,6 @@ class Registry(FieldAccounting, AdapterLoading):
         self._alive.clear()
         self._by_value.clear()
         self._mutable.clear()
-
-
-def _warm_path(
-    by_id: dict[int, KVLayoutTraits], resolve: Callable[[KVCacheSpec], KVLayoutTraits]
-) -> Callable[[KVCacheSpec], KVLayoutTraits]:
-    # A closure, pure Python (the wheel is py3-none-any): a hit is one frame, one id() and
-    # one dict subscript, with no attribute lookups; the try costs nothing on a hit.
-    def traits_of(spec: KVCacheSpec) -> KVLayoutTraits:
-        """The verified traits of a vLLM KV cache spec.
-
-        Raises :class:`UnsupportedSpecError` when no adapter can answer for its class or
-        one of its fields, :class:`InvalidSpecError` when a field holds a value that
-        describes no layout, and :class:`TraitsMismatchError` when its adapter
-        contradicts the spec's own byte math (all :class:`KVSpecTraitsError`). The first
-        call per distinct spec resolves and verifies; later calls for the same object
-        are one dict lookup.
-        """
-        try:
-            return by_id[id(spec)]
-        except KeyError:
-            pass
-        # Outside the except block: an error of resolve() is not chained to the KeyError.
-        return resolve(spec)
-
-    return traits_of
 
 
 default_registry: Final = Registry(name="default")

@@ -11,18 +11,21 @@ own math failing: :class:`SpecPropertyError`, a refusal.
 from __future__ import annotations
 
 from fractions import Fraction
-from functools import cache
+from functools import lru_cache
 from typing import Any, Final
 
-from kvspec_traits._errors import SpecPropertyError, TraitsMismatchError
+from kvspec_traits._caches import MAX_CLASSES
+from kvspec_traits._errors import SpecPropertyError
 from kvspec_traits._traits import KVLayoutTraits
 
-__all__ = ["CHECKED_PROPERTIES", "first_mismatch", "verify"]
+__all__ = ["CHECKED_PROPERTIES", "first_mismatch"]
 
 _MISSING: Final = object()
+# Per (class, property name), least recently used dropped first (10 names are checked).
+_CLASS_FACTS: Final = 16 * MAX_CLASSES
 
 
-@cache
+@lru_cache(maxsize=_CLASS_FACTS)
 def _placeholder(spec_type: type[Any], name: str) -> bool:
     """Whether ``spec_type.name`` is the definition of the class that introduced the
     name (the root-most one in the MRO): vLLM's abstract placeholders live there."""
@@ -30,7 +33,7 @@ def _placeholder(spec_type: type[Any], name: str) -> bool:
     return len(owners) == 1 or (bool(owners) and vars(owners[0])[name] is vars(owners[-1])[name])
 
 
-@cache
+@lru_cache(maxsize=_CLASS_FACTS)
 def _defined(spec_type: type[Any], name: str) -> bool:
     return any(name in vars(k) for k in spec_type.__mro__ if k is not object)
 
@@ -94,11 +97,3 @@ def first_mismatch(spec: object, traits: KVLayoutTraits) -> tuple[str, object, o
         if got != want:
             return trait, got, want
     return None
-
-
-def verify(spec: object, traits: KVLayoutTraits, *, adapter: str) -> None:
-    """Raise :class:`TraitsMismatchError` if ``traits`` contradict ``spec``."""
-    mismatch = first_mismatch(spec, traits)
-    if mismatch is not None:
-        field, got, want = mismatch
-        raise TraitsMismatchError(spec, field, got, want, adapter)

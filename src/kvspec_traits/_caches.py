@@ -1,0 +1,183 @@
+"""The registry's caches, every one bounded, and the warm path that reads them.
+
+- per class (:data:`MAX_CLASSES` entries): the resolution plan of a spec class, dropped
+  oldest first when full;
+- per spec (:data:`MAX_SPECS` specs): the answers by ``id(spec)`` (the warm path), by
+  value (equal specs share one answer) and the snapshots of unhashable specs, all
+  emptied together when full. An entry keeps its spec alive, so while it exists no other
+  object can have that id.
+
+Nothing in a cache outlives a change of registrations (the registry empties them all),
+and dropping an entry only costs a recomputation: no bound can make an answer stale.
+
+A frozen spec whose only unhashable field is a plain dict of hashable values (vLLM's
+``UniformTypeKVCacheSpecs``) is answered on the warm path too, guarded by the dict's
+version: CPython gives every dict a version tag that changes on each mutation (PEP 509,
+``ma_version_tag``), read here in place through ``ctypes``. A probe at import checks that
+this interpreter keeps that tag where it is read and changes it on every kind of
+mutation; where it does not (PyPy, a free-threaded or future CPython), the dict is not
+watched and such a spec takes the snapshot path, answered afresh after any mutation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import sys
+import sysconfig
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final
+
+from kvspec_traits._traits import KVLayoutTraits
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+__all__ = [
+    "MAX_CLASSES",
+    "MAX_SPECS",
+    "WATCHES_DICTS",
+    "Watched",
+    "put_bounded",
+    "warm_path",
+    "watch_of",
+]
+
+MAX_CLASSES: Final = 256
+"""Spec classes whose resolution plan is kept (vLLM 0.34 has about 30)."""
+MAX_SPECS: Final = 4096
+"""Spec objects whose answers are kept; past this many, the per-spec caches start afresh."""
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def put_bounded(cache: dict[K, V], key: K, value: V, limit: int) -> None:
+    """``cache[key] = value``, first dropping the oldest entries past ``limit - 1``
+    (callers hold the registry's lock)."""
+    while len(cache) >= limit:
+        del cache[next(iter(cache))]
+    cache[key] = value
+
+
+# -- dict versions ------------------------------------------------------------------------
+
+# PyDictObject on CPython 3.11-3.13 (default build): ob_refcnt, ob_type, ma_used, then
+# ma_version_tag, each 8 bytes on a 64-bit build.
+_TYPE_OFFSET: Final = 8
+_USED_OFFSET: Final = 16
+_VERSION_OFFSET: Final = 24
+
+
+def _version_cell(d: dict[Any, Any]) -> ctypes.c_uint64:
+    return ctypes.c_uint64.from_address(id(d) + _VERSION_OFFSET)
+
+
+def _probe() -> bool:
+    """Whether this interpreter's dicts carry a version tag where it is read, changed by
+    every mutation the probe tries (never read unless the layout checks out first)."""
+    if (
+        sys.implementation.name != "cpython"
+        or sysconfig.get_config_var("Py_GIL_DISABLED")
+        or ctypes.sizeof(ctypes.c_void_p) != 8
+    ):
+        return False
+    d: dict[str, object] = {"a": 1, "b": 2}
+    if ctypes.c_void_p.from_address(id(d) + _TYPE_OFFSET).value != id(
+        dict
+    ) or ctypes.c_ssize_t.from_address(id(d) + _USED_OFFSET).value != len(d):
+        return False
+    cell = _version_cell(d)
+    mutations: tuple[Callable[[dict[str, object]], object], ...] = (
+        lambda m: m.__setitem__("a", 3),  # a value replaced, same size
+        lambda m: m.__setitem__("c", 4),
+        lambda m: m.pop("c"),
+        lambda m: m.update(a=5),
+        lambda m: m.setdefault("d", 6),
+        lambda m: m.popitem(),
+        lambda m: m.__delitem__("a"),
+        lambda m: m.clear(),
+    )
+    for mutate in mutations:
+        before = cell.value
+        mutate(d)
+        if cell.value == before:
+            return False
+    return True
+
+
+WATCHES_DICTS: Final = _probe()
+"""Whether dict mutations are seen in O(1) here (else groups take the snapshot path)."""
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class Watched:
+    """A warm answer valid while its spec's dict keeps ``version``; ``members`` holds
+    the dict alive, so the cell reads that dict's memory."""
+
+    traits: KVLayoutTraits
+    cell: ctypes.c_uint64
+    version: int
+    members: dict[Any, Any]
+
+
+def watch_of(
+    spec: object, field_names: tuple[str, ...]
+) -> tuple[ctypes.c_uint64, int, dict[Any, Any]] | None:
+    """The guard of a spec whose only unhashable field is one plain dict: that dict's
+    version cell, its version now, and the dict. None unless the spec is a frozen
+    dataclass, every other field value is hashable and so is everything in the dict (a
+    frozen spec's fields are trusted as a hashable spec's are; a mutable member's own
+    changes would not show in the dict's version), or when this interpreter cannot
+    watch dicts."""
+    params = getattr(type(spec), "__dataclass_params__", None)
+    if not WATCHES_DICTS or params is None or not params.frozen:
+        return None
+    found: dict[Any, Any] | None = None
+    for name in field_names:
+        value = getattr(spec, name, None)
+        try:
+            if type(value) is dict and found is None:
+                found = value
+                hash(tuple(value.items()))
+            else:
+                hash(value)
+        except Exception:
+            return None
+    if found is None:
+        return None
+    cell = _version_cell(found)
+    return cell, cell.value, found
+
+
+def warm_path(
+    by_id: dict[int, KVLayoutTraits | Watched], resolve: Callable[[KVCacheSpec], KVLayoutTraits]
+) -> Callable[[KVCacheSpec], KVLayoutTraits]:
+    """``traits_of`` as a closure over the per-spec cache: a hit is one frame, one id()
+    and one dict subscript (plus the version compare of a watched group); the wheel is
+    pure Python (py3-none-any), so this is the whole warm path."""
+
+    def traits_of(spec: KVCacheSpec) -> KVLayoutTraits:
+        """The verified traits of a vLLM KV cache spec.
+
+        Raises :class:`UnsupportedSpecError` when no adapter can answer for its class or
+        one of its fields, :class:`InvalidSpecError` when a field holds a value that
+        describes no layout, and :class:`TraitsMismatchError` when its adapter
+        contradicts the spec's own byte math (all :class:`KVSpecTraitsError`). The first
+        call per distinct spec resolves and verifies; later calls for the same object
+        are one dict lookup.
+        """
+        try:
+            hit = by_id[id(spec)]
+        except KeyError:
+            pass
+        else:
+            if type(hit) is not Watched:  # (one test, no attribute: singles stay fast)
+                return hit
+            if hit.cell.value == hit.version:
+                return hit.traits
+        # Outside the except block: an error of resolve() is not chained to the KeyError.
+        return resolve(spec)
+
+    return traits_of

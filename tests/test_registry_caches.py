@@ -1,0 +1,217 @@
+"""The registry's caches: each bounded, none ever answering stale or for another spec, and
+a warm group answered without re-reading its members, yet afresh after any mutation.
+
+Page sizes are hand-computed from vLLM's attention formula, ``block_size * num_kv_heads *
+(head_size + head_size_v) * itemsize``, and compared with the spec's own
+``page_size_bytes`` too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1 import kv_cache_interface as kvi
+
+import kvspec_traits._caches as caches
+import kvspec_traits._registry as registry_module
+import kvspec_traits._verify as verify_module
+from kvspec_traits import GroupTraits, InvalidSpecError, Registry
+from kvspec_traits._accounting import FieldAccounting
+from kvspec_traits._caches import MAX_CLASSES, MAX_SPECS, watch_of
+from kvspec_traits._loading import AdapterLoading
+from kvspec_traits._result_check import snapshot
+
+
+def _full(block_size: int = 16, heads: int = 8) -> kvi.FullAttentionSpec:
+    return kvi.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=128, dtype=torch.bfloat16
+    )
+
+
+def _page(block_size: int = 16, heads: int = 8) -> int:
+    return block_size * heads * (128 + 128) * 2  # bfloat16: 2 B
+
+
+# -- bounds ---------------------------------------------------------------------------------
+
+
+def test_a_thousand_dynamic_subclasses_stay_within_the_bounds_and_answer_right() -> None:
+    """Failure mode: the per-class cache grew without limit with dynamically created
+    subclasses (5,000 classes gave 5,000 entries, each keeping its class alive); here
+    1,000 classes, four times the bound."""
+    registry = Registry().copy()
+    kept: list[tuple[type[kvi.FullAttentionSpec], int]] = []
+    for i in range(1000):
+        cls = type(f"Dynamic{i}", (kvi.FullAttentionSpec,), {})
+        block_size = 16 * (1 + i % 8)
+        spec = cls(block_size=block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        traits = registry.traits_of(spec)
+        assert (traits.page_size_bytes, traits.block_size) == (_page(block_size), block_size)
+        assert traits.page_size_bytes == spec.page_size_bytes
+        if i < 3:
+            kept.append((cls, block_size))
+        del spec, cls, traits
+    assert len(registry._by_type) <= MAX_CLASSES < 1000
+    for cache in (registry._alive, registry._by_id, registry._by_value, registry._mutable):
+        assert len(cache) <= MAX_SPECS
+    for fact in (verify_module._placeholder, verify_module._defined):
+        info = fact.cache_info()
+        assert info.maxsize is not None and info.currsize <= info.maxsize
+    # The first classes' plans and answers were dropped: asked again, answered again.
+    for cls, block_size in kept:
+        assert cls not in registry._by_type
+        spec = cls(block_size=block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        assert registry.traits_of(spec).page_size_bytes == _page(block_size)
+
+
+def test_a_full_spec_cache_starts_afresh_and_never_answers_for_a_reused_id() -> None:
+    """Failure mode (guarded here): the per-spec cache, emptied by its bound, keeping an
+    answer by id while releasing its spec (a new spec at the same address would get it),
+    or keeping a group's watched entry (answered from before a mutation).
+
+    Each spec is dropped after its answer, so once the bound empties the cache, new specs
+    reuse the ids of old ones with other block sizes: every answer must be its own."""
+    registry = Registry().copy()
+    members: dict[str, kvi.KVCacheSpec] = {"l0": _full()}
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
+    assert registry.traits_of(group).page_size_bytes == _page()
+    assert id(group) in registry._by_id
+    for i in range(MAX_SPECS + 500):  # 8 values, each spec its own object and entry
+        block_size = 16 * (1 + i % 8)
+        spec = _full(block_size)
+        assert registry.traits_of(spec).page_size_bytes == _page(block_size)
+        del spec
+        assert len(registry._alive) <= MAX_SPECS
+    assert id(group) not in registry._by_id
+    members["l1"] = _full(heads=4)
+    assert registry.traits_of(group).page_size_bytes == _page() + _page(heads=4)
+    assert group.page_size_bytes == _page() + _page(heads=4)
+
+
+def test_the_registry_parts_hold_no_state_of_their_own() -> None:
+    """Failure mode: the mixins redeclared the registry's attributes (issue 21), so the
+    state was described in three places."""
+    for part in (FieldAccounting, AdapterLoading):
+        assert not vars(part).get("__annotations__"), part
+        assert "__init__" not in vars(part), part
+    registry = Registry(builtins=False, entry_points=False)
+    assert registry._by_type == {} and registry._adapters == {}
+
+
+# -- groups on the warm path ------------------------------------------------------------------
+
+
+def _counting_snapshot(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    calls: list[object] = []
+    real: Callable[..., object] = snapshot
+
+    def counted(spec: object, field_names: tuple[str, ...]) -> object:
+        calls.append(spec)
+        return real(spec, field_names)
+
+    monkeypatch.setattr(registry_module, "_snapshot", counted)
+    return calls
+
+
+def test_a_warm_group_is_answered_without_reading_its_members(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Failure mode: every warm traits_of(group) snapshotted the group's 61 members and
+    the types of all their fields (2.07 ms a call, ~35,000x an isinstance, issue 20).
+    Now the dict's version tag says it is unchanged (benchmarks/bench_traits.py times it)."""
+    if sys.implementation.name == "cpython" and sys.version_info < (3, 14):
+        assert caches.WATCHES_DICTS  # 3.11-3.13 keep ma_version_tag where it is read
+    if not caches.WATCHES_DICTS:
+        pytest.skip("this interpreter's dicts carry no version tag that can be read")
+    registry = Registry().copy()
+    layers: dict[str, kvi.KVCacheSpec] = {f"model.layers.{i}.attn": _full() for i in range(61)}
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=layers)
+    first = registry.traits_of(group)
+    assert first.page_size_bytes == 61 * _page() == group.page_size_bytes
+    calls = _counting_snapshot(monkeypatch)
+    for _ in range(1000):
+        assert registry.traits_of(group) is first
+    assert calls == []
+    # The same object written back changes nothing (nor the dict's version).
+    layers["model.layers.0.attn"] = layers["model.layers.0.attn"]
+    assert registry.traits_of(group) is first
+    # An equal member in its place: compared once, then warm again with the same answer.
+    layers["model.layers.0.attn"] = _full()
+    assert registry.traits_of(group) is first
+    assert registry.traits_of(group) is first
+    assert calls == [group]
+
+
+_F8, _F4 = _full(heads=8), _full(heads=4)
+
+
+# (mutation, the members' head counts after it): every way a dict changes.
+_MUTATIONS: list[tuple[str, Callable[[dict[str, Any]], object], list[int]]] = [
+    ("add", lambda d: d.__setitem__("l1", _F4), [8, 4]),
+    ("replace, same size", lambda d: d.__setitem__("l1", _F8), [8, 8]),
+    ("update", lambda d: d.update(l2=_F4), [8, 8, 4]),
+    ("setdefault", lambda d: d.setdefault("l3", _F4), [8, 8, 4, 4]),
+    ("pop", lambda d: d.pop("l2"), [8, 8, 4]),
+    ("popitem", lambda d: d.popitem(), [8, 8]),
+    ("del", lambda d: d.__delitem__("l1"), [8]),
+    ("|=", lambda d: d.__ior__({"l9": _F4}), [8, 4]),
+    ("replace, equal object", lambda d: d.__setitem__("l9", _full(heads=4)), [8, 4]),
+    ("replace the first", lambda d: d.__setitem__("l0", _F4), [4, 4]),
+]
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["version-tag", "snapshot"])
+def test_every_kind_of_group_mutation_is_answered_afresh(
+    watched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failure mode (guarded here): a warm group answered from before its dict changed
+    (vLLM's group spec is frozen, its dict is not), with or without the version tag."""
+    if watched and not caches.WATCHES_DICTS:
+        pytest.skip("this interpreter's dicts carry no version tag that can be read")
+    monkeypatch.setattr(caches, "WATCHES_DICTS", watched)
+    registry = Registry().copy()
+    members: dict[str, Any] = {"l0": _F8}
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
+    assert registry.traits_of(group).page_size_bytes == _page()
+    for what, mutate, heads in _MUTATIONS:
+        mutate(members)
+        want = sum(_page(heads=h) for h in heads)
+        for _ in range(2):  # the fresh answer, then the same from the warm path
+            t = registry.traits_of(group)
+            assert isinstance(t, GroupTraits)
+            assert (t.page_size_bytes, list(t.members)) == (want, list(members)), what
+            assert t.page_size_bytes == group.page_size_bytes
+        assert (id(group) in registry._by_id) is watched
+    members.clear()
+    with pytest.raises(InvalidSpecError, match="kv_cache_specs"):
+        registry.traits_of(group)
+
+
+def test_only_a_frozen_spec_with_one_dict_of_hashable_values_is_watched() -> None:
+    """A dict's version shows its own changes only: a spec whose fields may be rebound
+    (not frozen), or whose dict holds a mutable value, takes the snapshot path."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Pack:
+        members: dict[str, Any]
+        block_size: int = 16
+
+    @dataclasses.dataclass
+    class Loose:
+        members: dict[str, Any]
+
+    names = ("members", "block_size")
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": _F8})
+    if not caches.WATCHES_DICTS:
+        pytest.skip("this interpreter's dicts carry no version tag that can be read")
+    guard = watch_of(group, tuple(f.name for f in dataclasses.fields(group)))
+    assert guard is not None and guard[2] is group.kv_cache_specs
+    assert watch_of(Pack({"a": _F8}), names) is not None
+    assert watch_of(Pack({"a": [1]}), names) is None  # a list in it can change unseen
+    assert watch_of(Loose({"a": _F8}), ("members",)) is None
+    assert watch_of(Pack({"a": _F8}, block_size=[16]), names) is None  # type: ignore[arg-type]
