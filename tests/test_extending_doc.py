@@ -137,7 +137,16 @@ from dataclasses import dataclass
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvspec_traits import traits_of
-from kvspec_traits.extend import LayoutTraits, Registry, attention_traits, register_adapter
+from kvspec_traits.extend import (
+    ATTENTION_IGNORES,
+    ATTENTION_READS,
+    LayoutTraits,
+    Registry,
+    attention_traits,
+    register_adapter,
+)
+
+READS = (*ATTENTION_READS, "pad")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,14 +158,14 @@ class PaddedFullSpec(FullAttentionSpec):
         return super().page_size_bytes + self.pad
 
 
-@register_adapter(PaddedFullSpec)
+@register_adapter(PaddedFullSpec, reads=READS, ignores=ATTENTION_IGNORES)
 def adapt(spec: PaddedFullSpec) -> LayoutTraits:
     traits = attention_traits(spec)
     return attention_traits(spec, page_size_bytes=traits.page_size_bytes + spec.pad)
 
 
 def register(registry: Registry) -> None:
-    registry.register(PaddedFullSpec, adapt)
+    registry.register(PaddedFullSpec, adapt, reads=READS, ignores=ATTENTION_IGNORES)
 
 {at_import}
 """

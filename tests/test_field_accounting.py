@@ -59,7 +59,7 @@ def test_an_unknown_field_away_from_its_default_is_refused_though_the_page_match
         traits_of(spec)
     err = info.value
     assert (err.spec_type, err.field, err.value) == (TaggedFullSpec, "reorder", "kv_interleaved")
-    assert err.adapter == "kvspec_traits._vllm_adapters._builtins._keeps_every_token"
+    assert err.adapter == "the built-in adapter for FullAttentionSpec"
 
 
 def test_a_field_without_a_default_that_nobody_accounts_for_refuses_the_class() -> None:
