@@ -96,8 +96,8 @@ class UnsupportedSpecError(KVSpecTraitsError, TypeError):
         spec_type = self.spec_type
         bases = ", ".join(_qualname(b) for b in spec_type.__bases__)
         fix = (
-            f" Register an adapter with `@register_adapter({spec_type.__qualname__}, "
-            f"reads=..., ignores=...)` from `kvspec_traits.extend` on a function "
+            f" Register an adapter with `@register_adapter({spec_type.__qualname__})` from "
+            f"`kvspec_traits.extend` (its fields declared with reads=/ignores=) on a function "
             f"`def adapt(spec: {spec_type.__qualname__}) -> LayoutTraits`, and publish it "
             f"in the `kvspec_traits.adapters` entry-point group (docs/extending.md)."
         )
