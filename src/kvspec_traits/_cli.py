@@ -342,13 +342,9 @@ exit status:
 _MAIN_HELP: Final = """\
 Layout traits of vLLM KV cache specs, for KV-transfer connectors.
 
-commands:
-  report   traits of every vLLM KV cache spec class (and extension class), verified
-  audit    find branches on KV spec classes in connector code
-  migrate  rewrite those branches into traits queries
-
-Each command's --help says more. The documentation (docs/*.md in the source
-distribution; kvspec_traits/docs in an installed wheel) starts at docs/api.md.
+Each command's --help says more. Documentation: the README on the project page
+(https://pypi.org/project/kvspec-traits/), and docs/*.md in the source distribution
+(pip download --no-deps --no-binary :all: kvspec-traits).
 """
 
 

@@ -82,6 +82,12 @@ def add_common_options(p: argparse.ArgumentParser) -> None:
         help="read the class sets from FILE (written by audit --save-classes) instead "
         "of the installed vLLM",
     )
+    p.add_argument(
+        "--no-extensions",
+        action="store_true",
+        help="class sets of vLLM alone: leave out the spec classes of installed "
+        "extensions (the kvspec_traits.adapters entry points)",
+    )
 
 
 def check_paths(paths: Sequence[Path]) -> str | None:
