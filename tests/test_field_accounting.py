@@ -253,7 +253,7 @@ def test_report_lists_the_accounted_fields_per_class(capsys: pytest.CaptureFixtu
 
     from kvspec_traits._cli import _report
 
-    _report(argparse.Namespace(json=True))
+    _report(argparse.Namespace(json=True, imports=[]))
 
     data = json.loads(capsys.readouterr().out)
     fields = data["fields"]
