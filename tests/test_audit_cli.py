@@ -174,12 +174,20 @@ def test_unreadable_files_are_reported_and_the_scan_goes_on(
     assert doc["summary"]["files_seen"] == 8
 
 
-def test_a_missing_target_is_a_file_error(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+def test_a_missing_target_is_a_usage_error_before_any_class_set(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    status, out, _ = _run(capsys, tmp_path / "absent.py", AFTER)
-    assert status == EXIT_FILE_ERRORS
-    assert "absent.py: no such file or folder" in out
+    """On main a missing PATH built the class sets first (seconds, importing vLLM), then
+    exited 4 as a file error; migrate exited 2 at once. Both now exit 2 at once."""
+    from kvspec_traits.audit import _cli
+
+    def never(**_: object) -> None:
+        raise AssertionError("class sets built for a path that does not exist")
+
+    monkeypatch.setattr(_cli, "load_universe", never)
+    status, out, err = _run(capsys, tmp_path / "absent.py", AFTER)
+    assert (status, out) == (EXIT_USAGE, "")
+    assert err == f"kvspec-traits audit: no such file or folder: {tmp_path / 'absent.py'}\n"
 
 
 def test_a_deep_and_wide_tree_is_scanned_with_every_subfolder(

@@ -263,7 +263,7 @@ def test_flow_reasons_name_the_line_that_excludes(flow: AuditResult) -> None:
 
 
 def test_min_confidence_filters_and_misses_come_first(capsys: pytest.CaptureFixture[str]) -> None:
-    main([str(FIXTURES / "flow.py"), "--min-confidence", "medium"])
+    main(["--no-extensions", str(FIXTURES / "flow.py"), "--min-confidence", "medium"])
     out = capsys.readouterr().out
     assert "MAY MISS" not in out  # the low-confidence possible misses are filtered out
     verdicts = [
@@ -271,14 +271,13 @@ def test_min_confidence_filters_and_misses_come_first(capsys: pytest.CaptureFixt
     ]
     assert verdicts[:3] == ["miss", "miss", "miss"]
     assert "possible-miss" not in verdicts and "deliberate" in verdicts
-    main([str(FIXTURES / "flow.py")])
+    main(["--no-extensions", str(FIXTURES / "flow.py")])
     assert "MAY MISS SlidingWindowMLASpec" in capsys.readouterr().out
 
 
 def test_fail_on_miss_counts_only_kept_sites(capsys: pytest.CaptureFixture[str]) -> None:
     # chain_ends_in_raise is a possible miss only: not counted by --fail-on-miss
-    assert main([str(FIXTURES / "flow.py"), "--fail-on-miss"]) == 1
-    assert (
-        main([str(FIXTURES / "more_forms.py"), "--fail-on-miss", "--min-confidence", "high"]) == 1
-    )
+    assert main(["--no-extensions", str(FIXTURES / "flow.py"), "--fail-on-miss"]) == 1
+    high = ["--min-confidence", "high"]
+    assert main(["--no-extensions", str(FIXTURES / "more_forms.py"), "--fail-on-miss", *high]) == 1
     capsys.readouterr()

@@ -9,6 +9,7 @@ vLLM's formulas (``num_heads * num_states * (head_size + head_size_v) * itemsize
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +32,15 @@ from kvspec_traits import (
 )
 
 BUILTIN = "kvspec_traits._vllm_adapters._builtins"
+
+
+def _replace(registry: Registry, cls: type[Any], adapter: Callable[[Any], KVLayoutTraits]) -> None:
+    """Replace the adapter of ``cls``, keeping the fields its registration declares
+    (without reads= a registration declares none)."""
+    declared = registry.registrations()[cls]
+    registry.register(cls, adapter, replace=True, reads=declared.reads, ignores=declared.ignores)
+
+
 # 16 tokens * 8 heads * (128 + 128) * 2 B (bfloat16) = 65536
 PAGE = 65536
 
@@ -84,8 +94,10 @@ def test_an_error_from_the_specs_own_math_is_a_refusal(
     assert isinstance(err, UnsupportedSpecError)
     assert (err.spec_type, err.field, type(err.error)) == (cls, prop, error)
     assert isinstance(err.__cause__, error)
-    assert err.adapter == f"{BUILTIN}._keeps_every_token"
-    assert "_keeps_every_token" in str(err)
+    # Named by what it adapts, never by its private module path (issue 25).
+    assert err.adapter == "the built-in adapter for FullAttentionSpec"
+    assert "the built-in adapter for FullAttentionSpec" in str(err)
+    assert "_vllm_adapters" not in str(err)
 
 
 def test_the_base_class_placeholder_is_still_not_defined_not_a_failure() -> None:
@@ -128,7 +140,7 @@ def test_an_adapter_contradicting_real_page_size_bytes_is_a_mismatch() -> None:
             right, components=(), unpadded_page_size_bytes=132, page_size_bytes=132, state_bytes=132
         )
 
-    registry.register(kvi.MambaSpec, padded_content, replace=True)
+    _replace(registry, kvi.MambaSpec, padded_content)
     with pytest.raises(TraitsMismatchError) as info:
         registry.traits_of(spec)
     assert info.value.field in {"page_size_bytes", "unpadded_page_size_bytes"}
@@ -162,7 +174,7 @@ def test_an_emptied_group_is_refused_with_a_named_error() -> None:
     with pytest.raises(InvalidSpecError, match="kv_cache_specs") as info:
         traits_of(group)
     assert info.value.field == "kv_cache_specs"
-    assert info.value.adapter == f"{BUILTIN}._group"
+    assert info.value.adapter == "the built-in adapter for UniformTypeKVCacheSpecs"
 
 
 # -- nonsense field values: InvalidSpecError naming spec, field and adapter -------------------
@@ -212,14 +224,15 @@ def test_a_valid_equal_spec_answered_first_does_not_answer_for_an_invalid_one(
     "window", [None, 0, -128, "128", 128.0, True], ids=["None", "0", "-128", "str", "float", "bool"]
 )
 def test_a_nonsense_window_is_refused_naming_the_field(window: object) -> None:
-    for spec, field, adapter in _window_specs(window):
+    for spec, field, _ in _window_specs(window):
         with pytest.raises(InvalidSpecError) as info:
             traits_of(spec)
         err = info.value
         assert (err.spec_type, err.field, err.value) == (type(spec), field, window)
-        assert err.adapter == f"{BUILTIN}.{adapter}"
+        # named by the class it adapts, not by a private module path (issue 25)
+        assert err.adapter == f"the built-in adapter for {type(spec).__qualname__}"
         assert f"{type(spec).__qualname__}.{field}={window!r}" in str(err)
-        assert adapter in str(err)
+        assert err.adapter in str(err)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +263,7 @@ def test_nonsense_attention_values_are_refused_naming_the_field(field: str, valu
         traits_of(spec)
     err = info.value
     assert (err.spec_type, err.field, err.value) == (kvi.FullAttentionSpec, field, value)
-    assert err.adapter == f"{BUILTIN}._keeps_every_token"
+    assert err.adapter == "the built-in adapter for FullAttentionSpec"
     assert str(err).startswith(f"FullAttentionSpec.{field}=")
 
 
@@ -277,7 +290,7 @@ def test_nonsense_state_values_are_refused_naming_the_field(
         traits_of(spec)
     assert (info.value.field, info.value.adapter) == (
         field,
-        "kvspec_traits._vllm_adapters._recurrent.mamba_traits",
+        "kvspec_traits.extend.mamba_traits",
     )
 
 
@@ -285,7 +298,7 @@ def test_nonsense_state_values_are_refused_naming_the_field(
 def test_a_nonsense_hisparse_page_is_refused(page: object) -> None:
     with pytest.raises(InvalidSpecError, match="page_size") as info:
         traits_of(kvi.HiSparseResidentSpec(block_size=64, page_size=page))  # type: ignore[arg-type]
-    assert info.value.adapter == f"{BUILTIN}._hisparse_resident"
+    assert info.value.adapter == "the built-in adapter for HiSparseResidentSpec"
 
 
 def test_every_error_is_one_hierarchy_and_keeps_its_builtin_base() -> None:
@@ -315,7 +328,7 @@ def test_every_error_is_one_hierarchy_and_keeps_its_builtin_base() -> None:
 
 def _registry_with(adapter: Any) -> Registry:
     registry = Registry().copy()
-    registry.register(kvi.FullAttentionSpec, adapter, replace=True)
+    _replace(registry, kvi.FullAttentionSpec, adapter)
     return registry
 
 
@@ -395,12 +408,12 @@ def test_a_registration_during_a_resolution_never_leaves_the_old_answer_cached()
 
     def old_and_slow(s: kvi.FullAttentionSpec) -> LayoutTraits:
         # Another caller registers the new adapter while this one is still answering.
-        registry.register(kvi.FullAttentionSpec, new, replace=True)
+        _replace(registry, kvi.FullAttentionSpec, new)
         answer = old_answer(s)
         assert isinstance(answer, LayoutTraits)
         return replace(answer, spec_name="old")
 
-    registry.register(kvi.FullAttentionSpec, old_and_slow, replace=True)
+    _replace(registry, kvi.FullAttentionSpec, old_and_slow)
     # main cached "old" for good: every later call returned the superseded answer
     assert registry.traits_of(spec).spec_name == "new"
     assert registry.traits_of(spec).spec_name == "new"
@@ -424,11 +437,11 @@ def test_a_registration_from_another_thread_during_a_resolution() -> None:
 
         return adapt
 
-    registry.register(kvi.FullAttentionSpec, named("old"), replace=True)
+    _replace(registry, kvi.FullAttentionSpec, named("old"))
 
     def register_new() -> None:
         entered.wait(10)
-        registry.register(kvi.FullAttentionSpec, named("new"), replace=True)
+        _replace(registry, kvi.FullAttentionSpec, named("new"))
         registered.set()
 
     thread = threading.Thread(target=register_new)

@@ -137,7 +137,16 @@ from dataclasses import dataclass
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvspec_traits import traits_of
-from kvspec_traits.extend import LayoutTraits, Registry, attention_traits, register_adapter
+from kvspec_traits.extend import (
+    ATTENTION_IGNORES,
+    ATTENTION_READS,
+    LayoutTraits,
+    Registry,
+    attention_traits,
+    register_adapter,
+)
+
+READS = (*ATTENTION_READS, "pad")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,14 +158,14 @@ class PaddedFullSpec(FullAttentionSpec):
         return super().page_size_bytes + self.pad
 
 
-@register_adapter(PaddedFullSpec)
+@register_adapter(PaddedFullSpec, reads=READS, ignores=ATTENTION_IGNORES)
 def adapt(spec: PaddedFullSpec) -> LayoutTraits:
     traits = attention_traits(spec)
     return attention_traits(spec, page_size_bytes=traits.page_size_bytes + spec.pad)
 
 
 def register(registry: Registry) -> None:
-    registry.register(PaddedFullSpec, adapt)
+    registry.register(PaddedFullSpec, adapt, reads=READS, ignores=ATTENTION_IGNORES)
 
 {at_import}
 """
@@ -360,3 +369,29 @@ def test_the_nixl_api_tables_match_the_signatures() -> None:
     assert _signature_mismatches(functions, tables) == []
     assert _signature_mismatches(methods, nixl.TraitsNixlAgent) == []
     assert len(re.findall(r"`\w+\(", api)) >= 25  # the tables were found
+
+
+def test_section_2_names_the_two_conditions_scaled_full_spec_fails() -> None:
+    """§2 said ScaledFullSpec fails "the last two" conditions; it fails the first
+    (it overrides state_content_size_bytes) and the last (its byte math), while its new
+    field holds its default (issue 25). The block after it asserts each condition."""
+    section = DOC.read_text().split("## 2.", 1)[1].split("## 3.", 1)[0]
+    assert "fails the first and the last" in " ".join(section.split())
+    code = _python_blocks(section)[0]
+    assert "overridden_members(ScaledFullSpec)" in code and "unaccounted_fields" in code
+
+
+def test_a_refusal_names_the_public_api_never_a_private_module() -> None:
+    """Refusals suggested ``kvspec_traits.register_adapter`` and ``-> KVLayoutTraits``
+    and named ``_vllm_adapters._builtins._keeps_every_token`` (issue 25); the docs teach
+    ``kvspec_traits.extend`` and ``LayoutTraits``."""
+    from kvspec_traits import UnsupportedSpecError, traits_of
+    from kvspec_traits.catalog import refused_specs
+
+    with pytest.raises(UnsupportedSpecError) as info:
+        traits_of(refused_specs()[0].spec)
+    text = str(info.value)
+    assert "`@register_adapter(KVCacheSpec)` from `kvspec_traits.extend`" in text
+    assert "-> LayoutTraits`" in text and "KVLayoutTraits" not in text
+    assert info.value.adapter == "the built-in adapter for KVCacheSpec"
+    assert "._" not in text.replace("kvspec_traits.extend", "")  # no private module path

@@ -23,6 +23,7 @@ from kvspec_traits import (
 )
 from kvspec_traits._vllm_adapters import ATTENTION_IGNORES, ATTENTION_READS
 from kvspec_traits.catalog import spec_classes
+from kvspec_traits.extend import UnknownFieldNameError
 
 
 def _full_kwargs() -> dict[str, Any]:
@@ -59,7 +60,7 @@ def test_an_unknown_field_away_from_its_default_is_refused_though_the_page_match
         traits_of(spec)
     err = info.value
     assert (err.spec_type, err.field, err.value) == (TaggedFullSpec, "reorder", "kv_interleaved")
-    assert err.adapter == "kvspec_traits._vllm_adapters._builtins._keeps_every_token"
+    assert err.adapter == "the built-in adapter for FullAttentionSpec"
 
 
 def test_a_field_without_a_default_that_nobody_accounts_for_refuses_the_class() -> None:
@@ -69,7 +70,11 @@ def test_a_field_without_a_default_that_nobody_accounts_for_refuses_the_class() 
     assert default_registry.unaccounted_fields(RequiredFieldSpec) == ("interleave",)
 
 
-def test_an_adapter_of_its_own_accounts_for_the_fields_its_class_declares() -> None:
+def test_an_adapter_without_reads_declares_no_field() -> None:
+    """Leaving reads= out counted every field of the class (and its adapted ancestor's)
+    as read on main, so a field the adapter never looked at passed as accounted for
+    (issue 25). Now it declares none: every field it does not ignore must hold its
+    default, and one without a default refuses the class, naming the fields."""
     registry = Registry().copy()
     builtin = registry.adapters()[kvi.FullAttentionSpec]
 
@@ -79,8 +84,44 @@ def test_an_adapter_of_its_own_accounts_for_the_fields_its_class_declares() -> N
         return builtin(spec)
 
     registry.register(TaggedFullSpec, adapt)
+    assert registry.read_fields(TaggedFullSpec) == frozenset()
+    assert "reorder" in registry.unaccounted_fields(TaggedFullSpec)
+    with pytest.raises(UnsupportedSpecError, match=r"block_size, num_kv_heads, head_size, dtype"):
+        registry.traits_of(TaggedFullSpec(**_full_kwargs()))
+    # Declared, the same adapter answers (vLLM's page: 16 tokens * 8 heads * 2 * 128 * 2 B).
+    registry.register(
+        TaggedFullSpec,
+        adapt,
+        replace=True,
+        reads=(*ATTENTION_READS, "reorder"),
+        ignores=ATTENTION_IGNORES,
+    )
     assert registry.unaccounted_fields(TaggedFullSpec) == ()
     assert registry.traits_of(TaggedFullSpec(**_full_kwargs())).page_size_bytes == 65536
+
+
+def test_a_misspelt_field_name_is_refused_at_registration() -> None:
+    """reads=("scael_bytes",) was accepted on main: the misspelt name looked declared
+    while the real field stayed unaccounted (issue 25). Now it is a named error that
+    names the class and the name, and nothing is registered."""
+    registry = Registry().copy()
+    builtin = registry.adapters()[kvi.FullAttentionSpec]
+    with pytest.raises(UnknownFieldNameError, match=r"TaggedFullSpec names 'reordr'") as info:
+        registry.register(TaggedFullSpec, builtin, reads=(*ATTENTION_READS, "reordr"))
+    assert (info.value.spec_type, info.value.what, info.value.names) == (
+        TaggedFullSpec,
+        "reads",
+        ("reordr",),
+    )
+    assert "reorder" in str(info.value)  # the class's real fields are listed
+    with pytest.raises(UnknownFieldNameError, match=r"ignores= .*'no_such_field'"):
+        registry.register(TaggedFullSpec, builtin, ignores=("no_such_field",))
+    assert TaggedFullSpec not in registry.adapters()
+    # A name of vLLM's spec API from the built-in lists is not a misspelling, even where
+    # the installed series' class lacks it (the lists span 0.32-0.34).
+    registry.register(
+        TaggedFullSpec, builtin, reads=(*ATTENTION_READS, "reorder"), ignores=ATTENTION_IGNORES
+    )
 
 
 def _without(field: str) -> Registry:
@@ -172,7 +213,7 @@ registry = Registry().copy()
 registry.register(kvi.FullAttentionSpec, registry.adapters()[kvi.FullAttentionSpec],
                   reads=[n for n in ATTENTION_READS if n != sys.argv[1]],
                   ignores=ATTENTION_IGNORES, replace=True)
-sys.exit(_report(argparse.Namespace(json=False), registry))
+sys.exit(_report(argparse.Namespace(json=False, imports=[]), registry))
 """
 
 
@@ -212,7 +253,7 @@ def test_report_lists_the_accounted_fields_per_class(capsys: pytest.CaptureFixtu
 
     from kvspec_traits._cli import _report
 
-    _report(argparse.Namespace(json=True))
+    _report(argparse.Namespace(json=True, imports=[]))
 
     data = json.loads(capsys.readouterr().out)
     fields = data["fields"]

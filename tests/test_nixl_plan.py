@@ -596,7 +596,9 @@ def test_every_decision_follows_the_registry() -> None:
     registry = default_registry.copy(name="plugin")
     fields = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
 
-    @registry.adapter(_PluginLatentSpec)
+    declared = registry.registrations()[FullAttentionSpec]  # the fields it reads too
+
+    @registry.adapter(_PluginLatentSpec, reads=declared.reads, ignores=declared.ignores)
     def _adapt(spec: _PluginLatentSpec) -> LayoutTraits:
         base = registry.traits_of(FullAttentionSpec(**fields))  # type: ignore[arg-type]
         if not isinstance(base, LayoutTraits):

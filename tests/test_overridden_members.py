@@ -184,6 +184,6 @@ def test_a_class_with_its_own_adapter_may_override_anything() -> None:
     def adapt(spec: WindowedFullSpec) -> KVLayoutTraits:
         return builtin(spec)
 
-    registry.register(WindowedFullSpec, adapt)
+    registry.register(WindowedFullSpec, adapt, reads=ATTENTION_READS, ignores=ATTENTION_IGNORES)
     assert registry.overridden_members(WindowedFullSpec) == ()
     assert registry.traits_of(WindowedFullSpec(**_kwargs())).page_size_bytes == 65536

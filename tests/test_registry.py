@@ -19,6 +19,7 @@ from kvspec_traits import (
     register_adapter,
     traits_of,
 )
+from kvspec_traits.extend import ATTENTION_IGNORES, ATTENTION_READS
 
 
 def _full(block_size: int = 16) -> kvi.FullAttentionSpec:
@@ -38,7 +39,9 @@ def test_a_conflicting_registration_names_both_adapters_and_changes_nothing() ->
     def other(spec: kvi.FullAttentionSpec) -> KVLayoutTraits:
         raise NotImplementedError
 
-    with pytest.raises(AdapterConflictError, match=r"_keeps_every_token.*refusing.*other") as info:
+    with pytest.raises(
+        AdapterConflictError, match=r"the built-in adapter for FullAttentionSpec.*refusing.*other"
+    ) as info:
         registry.register(kvi.FullAttentionSpec, other)
     assert info.value.spec_type is kvi.FullAttentionSpec
     assert info.value.existing is before and info.value.new is other
@@ -53,7 +56,13 @@ def test_identical_re_registration_is_allowed_and_replace_is_explicit() -> None:
     def doubled(spec: kvi.FullAttentionSpec) -> LayoutTraits:
         raise RuntimeError("called")
 
-    registry.register(kvi.FullAttentionSpec, doubled, replace=True)
+    registry.register(
+        kvi.FullAttentionSpec,
+        doubled,
+        replace=True,
+        reads=ATTENTION_READS,
+        ignores=ATTENTION_IGNORES,
+    )
     with pytest.raises(RuntimeError, match="called"):
         registry.traits_of(_full())
 
@@ -67,7 +76,13 @@ def test_a_copy_is_isolated_from_the_default_registry() -> None:
         assert isinstance(default_answer, LayoutTraits)
         return replace(default_answer, spec_name="copied")
 
-    registry.register(kvi.FullAttentionSpec, page_only, replace=True)
+    registry.register(
+        kvi.FullAttentionSpec,
+        page_only,
+        replace=True,
+        reads=ATTENTION_READS,
+        ignores=ATTENTION_IGNORES,
+    )
     assert registry.traits_of(spec).spec_name == "copied"
     assert traits_of(spec).spec_name == "FullAttentionSpec"
     assert kvi.FullAttentionSpec in default_registry.adapters()
@@ -92,7 +107,9 @@ def test_register_refuses_a_non_class_and_a_non_callable() -> None:
 def test_decorator_registers_on_a_given_registry_and_returns_the_function() -> None:
     registry = Registry(builtins=False, entry_points=False)
 
-    @register_adapter(kvi.FullAttentionSpec, registry=registry)
+    @register_adapter(
+        kvi.FullAttentionSpec, registry=registry, reads=ATTENTION_READS, ignores=ATTENTION_IGNORES
+    )
     def adapt(spec: kvi.FullAttentionSpec) -> LayoutTraits:
         answer = default_registry.traits_of(spec)
         assert isinstance(answer, LayoutTraits)
@@ -127,7 +144,13 @@ def test_registration_invalidates_cached_answers() -> None:
     def renamed(s: kvi.FullAttentionSpec) -> LayoutTraits:
         return replace(before, spec_name="renamed")
 
-    registry.register(kvi.FullAttentionSpec, renamed, replace=True)
+    registry.register(
+        kvi.FullAttentionSpec,
+        renamed,
+        replace=True,
+        reads=ATTENTION_READS,
+        ignores=ATTENTION_IGNORES,
+    )
     assert registry.traits_of(spec).spec_name == "renamed"
 
 

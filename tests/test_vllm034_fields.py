@@ -230,7 +230,14 @@ def test_the_order_of_head_slots_is_a_fingerprint_difference() -> None:
             assert isinstance(traits, LayoutTraits)
             return dataclasses.replace(traits, kv_head_contiguous=spec.head_size == 128)
 
-        registry.register(kvi.FullAttentionSpec, grouped, replace=True)
+        declared = registry.registrations()[kvi.FullAttentionSpec]
+        registry.register(
+            kvi.FullAttentionSpec,
+            grouped,
+            replace=True,
+            reads=declared.reads,
+            ignores=declared.ignores,
+        )
         head_major = _nvfp4_page(kvi.FullAttentionSpec)
     slot_major = _nvfp4_page(kvi.FullAttentionSpec)
     if not V034:

@@ -14,16 +14,21 @@ from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from kvspec_traits._caches import MAX_CLASSES, put_bounded
-from kvspec_traits._errors import (
-    UnsupportedSpecError,
-)
+from kvspec_traits._errors import UnknownFieldNameError, UnsupportedSpecError, describe_adapter
 from kvspec_traits._state import RegistryState
 from kvspec_traits._traits import (
     KVLayoutTraits,
 )
 from kvspec_traits._verify import CHECKED_PROPERTIES
 
-__all__ = ["LAYOUT_MEMBERS", "FieldAccounting", "Plan", "Registration", "adapter_name"]
+__all__ = [
+    "LAYOUT_MEMBERS",
+    "FieldAccounting",
+    "Plan",
+    "Registration",
+    "adapter_name",
+    "declare_series_names",
+]
 
 LAYOUT_MEMBERS: Final = frozenset(
     {
@@ -53,22 +58,21 @@ keeps. A subclass that overrides one of these (or a member its ancestor's adapte
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Registration:
-    """One registration: the adapter and what it declares about the class's fields.
-    ``reads`` None means 'the fields the class itself declares, plus what its nearest
-    adapted ancestor accounts for'; ``ignores`` are fields known not to affect the
-    layout."""
+    """One registration: the adapter and what it declares about the class's fields:
+    ``reads`` the fields (and members) its answer depends on, ``ignores`` the fields known
+    not to affect the layout. A registration without ``reads=`` declares none: every field
+    it does not ``ignore`` must then hold its default."""
 
     adapter: Callable[[Any], KVLayoutTraits]
-    reads: frozenset[str] | None
+    reads: frozenset[str]
     ignores: frozenset[str]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Accounting:
-    """What one registration declares: ``reads`` None means 'the fields the class itself
-    declares, plus what its nearest adapted ancestor accounts for'."""
+    """What one registration declares (see :class:`Registration`)."""
 
-    reads: frozenset[str] | None
+    reads: frozenset[str]
     ignores: frozenset[str]
 
 
@@ -184,7 +188,7 @@ class FieldAccounting(RegistryState):
         return Plan(
             owner=owner,
             adapter=adapter,
-            adapter_name=adapter_name(adapter),
+            adapter_name=adapter_name(adapter, owner),
             field_names=field_names,
             at_default=tuple(at_default),
             required=tuple(required),
@@ -193,27 +197,33 @@ class FieldAccounting(RegistryState):
 
     def _accounted(self, klass: type[Any]) -> frozenset[str]:
         """Names the registration for ``klass`` accounts for (reads and ignores)."""
-        declared = self._accounting.get(klass, _Accounting(None, frozenset()))
-        if declared.reads is not None:
-            return declared.reads | declared.ignores
-        return _own_fields(klass) | self._inherited(klass) | declared.ignores
+        declared = self._accounting.get(klass, _NOTHING)
+        return declared.reads | declared.ignores
 
     def _reads(self, klass: type[Any]) -> frozenset[str]:
-        declared = self._accounting.get(klass, _Accounting(None, frozenset()))
-        if declared.reads is not None:
-            return declared.reads
-        return _own_fields(klass) | self._inherited(klass, reads_only=True)
+        return self._accounting.get(klass, _NOTHING).reads
 
-    def _inherited(self, klass: type[Any], *, reads_only: bool = False) -> frozenset[str]:
-        for parent in klass.__mro__[1:]:
-            if parent in self._adapters:
-                return self._reads(parent) if reads_only else self._accounted(parent)
-        # No adapted ancestor accounts for the inherited fields: the adapter written for
-        # this class is taken to account for every field it has.
-        return _all_fields(klass)
+
+_NOTHING: Final = _Accounting(frozenset(), frozenset())
+
+# Names of vLLM's spec API that the built-in field lists (ATTENTION_READS, ...) declare:
+# they span the supported vLLM series and several classes, so a name one class or series
+# lacks is still a real name (never seen there), not a misspelling.
+_SERIES_NAMES: set[str] = set()
+
+
+def declare_series_names(*names: Iterable[str]) -> None:
+    """Mark the names of a built-in field list as real names of vLLM's spec API (called
+    by the built-in adapters where they define their lists)."""
+    for group in names:
+        _SERIES_NAMES.update(group)
 
 
 def field_names_of(spec_type: type[Any], what: str, names: Iterable[str]) -> frozenset[str]:
+    """The names of a ``reads=``/``ignores=`` declaration, each checked: a dataclass field
+    or member of ``spec_type``, or a name of vLLM's spec API from the built-in field lists
+    (which span the supported series). Anything else is refused: a misspelt name would
+    leave the real field unaccounted while looking declared."""
     if isinstance(names, str):
         raise TypeError(
             f"{what} for {spec_type.__qualname__} takes field names, not one "
@@ -223,15 +233,19 @@ def field_names_of(spec_type: type[Any], what: str, names: Iterable[str]) -> fro
     bad = [n for n in result if not isinstance(n, str) or not n.isidentifier()]
     if bad:
         raise TypeError(f"{what} for {spec_type.__qualname__} must be field names, got {bad!r}")
+    unknown = sorted(unknown_names(spec_type, result))
+    if unknown:
+        raise UnknownFieldNameError(spec_type, what, unknown, _all_fields(spec_type))
     return result
 
 
-def _own_fields(klass: type[Any]) -> frozenset[str]:
-    """The dataclass fields ``klass`` declares in its own body."""
-    if not dataclasses.is_dataclass(klass):
-        return frozenset()
-    annotations = vars(klass).get("__annotations__", {})
-    return frozenset(f.name for f in dataclasses.fields(klass) if f.name in annotations)
+def unknown_names(spec_type: type[Any], names: Iterable[str]) -> list[str]:
+    """The names that are neither a field nor a member of ``spec_type`` nor a name of
+    vLLM's spec API the built-in field lists declare."""
+    fields = _all_fields(spec_type)
+    return [
+        n for n in names if n not in fields and not hasattr(spec_type, n) and n not in _SERIES_NAMES
+    ]
 
 
 def _all_fields(klass: type[Any]) -> frozenset[str]:
@@ -240,5 +254,6 @@ def _all_fields(klass: type[Any]) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(klass))
 
 
-def adapter_name(adapter: object) -> str:
-    return f"{getattr(adapter, '__module__', '?')}.{getattr(adapter, '__qualname__', adapter)}"
+def adapter_name(adapter: object, owner: type[Any] | None = None) -> str:
+    """The adapter as errors name it (``.adapter``; see :func:`describe_adapter`)."""
+    return describe_adapter(adapter, owner)

@@ -9,10 +9,11 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from kvspec_traits import Registry
+    from kvspec_traits.catalog import CatalogEntry
 
 __all__ = ["main"]
 
@@ -76,6 +77,32 @@ def _fields(registry: Registry, classes: Sequence[type[Any]]) -> list[_Fields]:
     return out
 
 
+def _verified(traits_of: Callable[[Any], Any], entry: CatalogEntry) -> _Row:
+    """One example's row: its traits, resolved and verified, or why they are not."""
+    from kvspec_traits import traits_as_dict
+
+    name = type(entry.spec).__qualname__
+    try:
+        traits = traits_of(entry.spec)
+    except Exception as exc:  # the report shows every failure, then exits non-zero
+        return _Row(name, entry.label, f"{type(exc).__name__}: {exc}", False)
+    return _Row(
+        name,
+        entry.label,
+        "verified",
+        True,
+        {k: _jsonable(v) for k, v in traits_as_dict(traits).items()},
+    )
+
+
+def _extension_rows(registry: Registry) -> list[_Row]:
+    """The installed extensions' representatives (``representative_specs()`` beside
+    each entry point), each resolved and verified like vLLM's."""
+    from kvspec_traits.catalog import extension_specs
+
+    return [_verified(registry.traits_of, entry) for entry in extension_specs()]
+
+
 def _collect(
     registry: Registry | None = None,
 ) -> tuple[list[_Row], list[str], list[str], list[str], str, list[_Fields]]:
@@ -84,31 +111,16 @@ def _collect(
     with needs("listing the traits of the installed vLLM's KV cache specs"):
         import vllm
 
-    from kvspec_traits import UnsupportedSpecError, default_registry, traits_as_dict
+    from kvspec_traits import UnsupportedSpecError, default_registry
     from kvspec_traits.catalog import refused_specs, representative_specs, spec_classes
+    from kvspec_traits.extend import ENTRY_POINT_GROUP, Registry
 
     if registry is None:
         registry = default_registry
     traits_of = registry.traits_of
 
-    rows: list[_Row] = []
-    covered: set[str] = set()
-    for entry in representative_specs():
-        name = type(entry.spec).__qualname__
-        try:
-            traits = traits_of(entry.spec)
-            rows.append(
-                _Row(
-                    name,
-                    entry.label,
-                    "verified",
-                    True,
-                    {k: _jsonable(v) for k, v in traits_as_dict(traits).items()},
-                )
-            )
-            covered.add(name)
-        except Exception as exc:  # the report shows every failure, then exits non-zero
-            rows.append(_Row(name, entry.label, f"{type(exc).__name__}: {exc}", False))
+    rows = [_verified(traits_of, entry) for entry in representative_specs()]
+    covered = {r.spec_class for r in rows if r.ok}
     for entry in refused_specs():
         name = type(entry.spec).__qualname__
         try:
@@ -120,17 +132,27 @@ def _collect(
             rows.append(_Row(name, entry.label, "answered, but must be refused", False))
     found = [c.__qualname__ for c in spec_classes()]
     missing = [c for c in found if c not in covered]
-    # Classes from other packages (extensions) have no representative instance here: they
-    # count as covered when they bring an adapter of their own.
+    # Extensions are checked as vLLM is: each representative they provide is resolved
+    # and verified, and each class they define needs an adapter of its own, published
+    # through the entry point (a class registered only when its module is imported
+    # works in this process alone).
     registry.adapters()  # loads the entry points, which import their classes
+    rows.extend(_extension_rows(registry))
     extra = [c for c in spec_classes(vllm_only=False) if c.__qualname__ not in found]
+    published = Registry(name="entry points").adapters() if extra else {}
     for cls in extra:
         try:
             own = registry.owner_of(cls) is cls
         except UnsupportedSpecError:
             own = False
+        name = f"{cls.__module__}.{cls.__qualname__}"
         if not own:
-            missing.append(f"{cls.__module__}.{cls.__qualname__}")
+            missing.append(f"{name} (no adapter of its own)")
+        elif cls not in published:
+            missing.append(
+                f"{name} (registered only when its module is imported: publish the "
+                f"registration in the {ENTRY_POINT_GROUP!r} entry-point group)"
+            )
     fields = _fields(registry, [*spec_classes(), *extra])
     return (
         rows,
@@ -178,6 +200,16 @@ def _table(
 def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
     from kvspec_traits._errors import AdapterPluginError, MissingDependencyError
 
+    for module in args.imports:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # one sentence, no traceback: the module is the user's
+            print(
+                f"kvspec-traits report: --import {module}: it does not import "
+                f"({type(exc).__name__}: {exc})",
+                file=sys.stderr,
+            )
+            return 2
     try:
         rows, found, missing, extra, version, fields = _collect(registry)
     except (MissingDependencyError, AdapterPluginError) as exc:
@@ -287,25 +319,80 @@ def _print_fields(fields: Sequence[_Fields]) -> None:
         print(f"fields: all {total} fields of {len(fields)} classes accounted for")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+_REPORT_HELP: Final = """\
+List the traits of every KV cache spec class of the installed vLLM, each verified against
+vLLM's own byte math, and the fields of each class the adapters account for. Installed
+extensions (packages in the kvspec_traits.adapters entry-point group) are checked the same
+way: each spec their representative_specs() returns is resolved and verified, and each
+spec class they define needs an adapter of its own, published through the entry point.
+
+A package is found through its entry point only. To check one before it has an entry
+point (or whose entry point is missing), name its module with --import: its classes are
+then listed, and one registered only by importing it is reported as unpublished.
+"""
+
+_REPORT_EXIT: Final = """\
+exit status:
+  0  OK: every class, example, extension and field is covered
+  1  NOT OK: something is not (each failure is listed)
+  2  nothing to report: no vLLM here, an installed extension fails to load, or a
+     module given to --import does not import
+"""
+
+_MAIN_HELP: Final = """\
+Layout traits of vLLM KV cache specs, for KV-transfer connectors.
+
+Each command's --help says more. Documentation: the README on the project page
+(https://pypi.org/project/kvspec-traits/), and docs/*.md in the source distribution
+(pip download --no-deps --no-binary :all: kvspec-traits).
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
     from kvspec_traits import __version__
 
-    parser = argparse.ArgumentParser(prog="kvspec-traits", description=__doc__)
+    plain = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="kvspec-traits",
+        description=_MAIN_HELP,
+        epilog="exit status: that of the command; 2 without one",
+        formatter_class=plain,
+    )
     parser.add_argument(
         "--version",
         action="version",
         version=f"%(prog)s {__version__}",
         help="print the kvspec-traits version and exit",
     )
-    sub = parser.add_subparsers(dest="command")
-    rep = sub.add_parser("report", help="traits of every vLLM KV spec class, verified")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    rep = sub.add_parser(
+        "report",
+        help="traits of every vLLM KV spec class, verified",
+        description=_REPORT_HELP,
+        epilog=_REPORT_EXIT,
+        formatter_class=plain,
+    )
     rep.add_argument("--json", action="store_true", help="machine-readable output")
+    rep.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (repeatable): check an extension not (yet) published "
+        "through its entry point",
+    )
     sub.add_parser(
         "audit", help="find branches on KV spec classes in connector code", add_help=False
     )
     sub.add_parser(
         "migrate", help="rewrite branches on KV spec classes into traits queries", add_help=False
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["migrate"]:
         from kvspec_traits._errors import MissingDependencyError

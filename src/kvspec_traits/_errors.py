@@ -21,7 +21,9 @@ __all__ = [
     "MixedGroupTraitsError",
     "SpecPropertyError",
     "TraitsMismatchError",
+    "UnknownFieldNameError",
     "UnsupportedSpecError",
+    "describe_adapter",
 ]
 
 
@@ -94,10 +96,10 @@ class UnsupportedSpecError(KVSpecTraitsError, TypeError):
         spec_type = self.spec_type
         bases = ", ".join(_qualname(b) for b in spec_type.__bases__)
         fix = (
-            f" Register an adapter with "
-            f"`@kvspec_traits.register_adapter({spec_type.__qualname__})` on a function "
-            f"`def adapt(spec: {spec_type.__qualname__}) -> KVLayoutTraits`, or publish it "
-            f"in the `kvspec_traits.adapters` entry-point group."
+            f" Register an adapter with `@register_adapter({spec_type.__qualname__})` from "
+            f"`kvspec_traits.extend` (its fields declared with reads=/ignores=) on a function "
+            f"`def adapt(spec: {spec_type.__qualname__}) -> LayoutTraits`, and publish it "
+            f"in the `kvspec_traits.adapters` entry-point group (docs/extending.md)."
         )
         asked = f" (adapter asked: {self.adapter})" if self.adapter else ""
         return (
@@ -201,7 +203,7 @@ class AdapterResultError(KVSpecTraitsError, TypeError):
         super().__init__(
             f"adapter {adapter} returned invalid traits for {type(spec).__qualname__}: "
             f"trait {field!r} {problem} (returned {_short_repr(result)}). An adapter must "
-            f"return a KVLayoutTraits, such as kvspec_traits.LayoutTraits."
+            f"return kvspec_traits.extend.LayoutTraits (or another KVLayoutTraits)."
         )
 
 
@@ -249,9 +251,34 @@ class AdapterConflictError(KVSpecTraitsError, ValueError):
         self.existing = existing
         self.new = new
         super().__init__(
-            f"{_qualname(spec_type)} already has adapter {_describe(existing)}; refusing "
-            f"{_describe(new)}. Use `Registry.copy()` for an isolated registry, or "
-            f"`register_adapter(..., replace=True)` to replace it on purpose."
+            f"{_qualname(spec_type)} already has adapter "
+            f"{describe_adapter(existing, spec_type)}; refusing "
+            f"{describe_adapter(new, spec_type)}. Use `Registry.copy()` for an isolated "
+            f"registry, or `kvspec_traits.extend.register_adapter(..., replace=True)` to "
+            f"replace it on purpose."
+        )
+
+
+class UnknownFieldNameError(KVSpecTraitsError, ValueError):
+    """A ``reads=`` or ``ignores=`` declaration names something the spec class does not
+    have (a misspelt field would leave the real one unaccounted while looking declared).
+
+    ``.spec_type`` is the class, ``.what`` ``"reads"`` or ``"ignores"``, ``.names`` the
+    unknown names, ``.fields`` the class's dataclass fields.
+    """
+
+    def __init__(
+        self, spec_type: type[Any], what: str, names: list[str], fields: frozenset[str]
+    ) -> None:
+        self.spec_type = spec_type
+        self.what = what
+        self.names = tuple(names)
+        self.fields = fields
+        listed = ", ".join(sorted(fields)) or "none"
+        super().__init__(
+            f"{what}= for {_qualname(spec_type)} names {', '.join(map(repr, names))}, which "
+            f"is neither a field nor a member of {spec_type.__qualname__} (its fields: "
+            f"{listed}). Fix the spelling in the register_adapter call."
         )
 
 
@@ -281,7 +308,19 @@ class MissingDependencyError(KVSpecTraitsError, ModuleNotFoundError):
         )
 
 
-def _describe(adapter: object) -> str:
-    module = getattr(adapter, "__module__", "?")
-    name = getattr(adapter, "__qualname__", repr(adapter))
+_PUBLIC_BUILDING_BLOCKS = frozenset({"attention_traits", "mamba_traits"})
+
+
+def describe_adapter(adapter: object, owner: type[Any] | None = None) -> str:
+    """How messages name an adapter: ``module.qualname`` for a package's own function;
+    a built-in by what it adapts (its module is private) or by its public name in
+    ``kvspec_traits.extend``."""
+    module = str(getattr(adapter, "__module__", None) or "?")
+    name = str(getattr(adapter, "__qualname__", None) or repr(adapter))
+    if module == "kvspec_traits" or module.startswith("kvspec_traits._"):
+        if name in _PUBLIC_BUILDING_BLOCKS:
+            return f"kvspec_traits.extend.{name}"
+        if owner is not None:
+            return f"the built-in adapter for {owner.__qualname__}"
+        return "a kvspec-traits built-in adapter"
     return f"{module}.{name}"

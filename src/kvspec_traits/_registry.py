@@ -156,9 +156,10 @@ class Registry(FieldAccounting, AdapterLoading):
         ``reads`` names the spec fields (and properties) the adapter's answer depends on,
         ``ignores`` the fields it knows do not affect the layout. Resolution refuses a
         spec whose class has a dataclass field in neither set holding a value other than
-        its default. Without ``reads``, the adapter accounts for the fields ``spec_type``
-        declares itself and inherits the accounting of its nearest adapted ancestor (or,
-        with no adapted ancestor, every field ``spec_type`` has).
+        its default. Without ``reads`` the adapter declares none (inherited fields
+        included). A name that is neither a field nor a member of ``spec_type`` (nor a
+        name of vLLM's spec API from the built-in field lists) raises
+        :class:`UnknownFieldNameError`.
 
         Identical re-registration is a no-op; a different adapter (or accounting) for a
         class that has one raises :class:`AdapterConflictError` unless ``replace=True``.
@@ -172,8 +173,10 @@ class Registry(FieldAccounting, AdapterLoading):
             raise TypeError(
                 f"adapter for {spec_type.__qualname__} must be callable, got {adapter!r}"
             )
+        # Without reads= the adapter declares none: each field it does not ignore must
+        # hold its default (a field counted as read must be named, never assumed).
         accounting = _Accounting(
-            None if reads is None else field_names_of(spec_type, "reads", reads),
+            field_names_of(spec_type, "reads", () if reads is None else reads),
             field_names_of(spec_type, "ignores", ignores),
         )
         # Built-ins first, so a clash with them is refused now. Entry points are not
@@ -430,7 +433,7 @@ def register_adapter(
     ignores: Iterable[str] = (),
 ) -> Any:
     """Register an adapter for ``spec_type``: ``@register_adapter(MySpec)`` on
-    ``def adapt(spec: MySpec) -> KVLayoutTraits``.
+    ``def adapt(spec: MySpec) -> LayoutTraits``.
 
     The adapter's parameter type must accept ``spec_type`` (mypy checks it), and the
     function is returned unchanged. ``registry`` defaults to the default registry;

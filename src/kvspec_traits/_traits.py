@@ -118,12 +118,18 @@ class KVLayoutTraits(Protocol):
 
     @property
     def is_mla(self) -> bool:
-        """Whether a state is one latent vector with no separate V.
+        """Whether a state is one vector with no separate V ("no separate V", not "is this
+        an MLA model").
+
+        True for MLA, and also for vLLM's ring buffer (CircularBufferSpec), the 3-head
+        HiddenStateCacheSpec and the HiSparse pages: none of them stores a V. Whether a
+        cache is the same on every TP rank (NIXL's ``is_mla_region`` question) is
+        :attr:`tp_layout`; use ``is_mla`` to size a cache (no ``2 *`` for V).
 
         Source: ``head_size_v == 0`` on attention specs (MLAAttentionSpec and its
         subclasses default it to 0; SlidingWindowMLASpec too; vLLM's ring buffer sets it).
         A Mamba state is never MLA; HiSparse pages are copies of MLA pages (class identity:
-        they carry no layout fields). Connectors use it to size a cache (no ``2 *`` for V).
+        they carry no layout fields).
         """
         ...
 
@@ -142,9 +148,15 @@ class KVLayoutTraits(Protocol):
     def tp_shards(self) -> int | None:
         """How many distinct shards the cache has across TP ranks.
 
-        Source: 1 when REPLICATED; ``max_tp_shards`` for a head-sharded spec that bounds
-        it (ranks beyond hold replicas); None when it shards up to the TP size (the spec's
-        ``num_kv_heads`` is already the per-rank count, so the total is not knowable from it).
+        1 when REPLICATED; ``max_tp_shards`` for a head-sharded spec that bounds it (ranks
+        beyond hold replicas). None means "one shard per TP rank": a head-sharded layer
+        such as Llama's (each rank holds ``num_head_slots`` heads of its own; the spec's
+        ``num_kv_heads`` is already the per-rank count, so the spec cannot say how many
+        ranks there are), and a STATE_SHARDED recurrent state likewise. For a given TP
+        size, ``kvspec_traits.transfer.shard_count(tp_layout, tp_shards, tp_size)`` is
+        the number.
+
+        Source: ``max_tp_shards`` (attention), ``tp_replicated`` (Mamba), the TP layout.
         """
         ...
 

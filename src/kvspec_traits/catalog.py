@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from kvspec_traits._deps import needs
 from kvspec_traits._errors import AdapterPluginError
@@ -28,13 +28,15 @@ from kvspec_traits._registry import ENTRY_POINT_GROUP, Registry
 with needs("kvspec_traits.catalog (real specs of every vLLM KV cache spec class)"):
     import torch
     from vllm.v1 import kv_cache_interface as kvi
-    from vllm.v1.kv_cache_interface import KVCacheSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
 from kvspec_traits import _families as families
 
 __all__ = [
+    "EXAMPLE_CONFIGS",
     "REPRESENTATIVES_HOOK",
     "CatalogEntry",
+    "example_config",
     "extension_spec_classes",
     "extension_specs",
     "refused_specs",
@@ -298,3 +300,107 @@ def extension_specs() -> list[CatalogEntry]:
             for i, spec in enumerate(specs, 1)
         )
     return out
+
+
+ExampleConfig = Literal["llama_gqa", "deepseek_v4", "jamba"]
+EXAMPLE_CONFIGS: Final[tuple[ExampleConfig, ...]] = ("llama_gqa", "deepseek_v4", "jamba")
+"""The model families :func:`example_config` builds."""
+
+
+def _example_groups(
+    name: ExampleConfig, layers: int, tp: int
+) -> tuple[list[KVCacheGroupSpec], dict[str, KVCacheSpec]]:
+    """The cache groups, and every layer's own spec."""
+    specs: dict[str, KVCacheSpec] = {}
+
+    def group(names: list[str], spec: KVCacheSpec) -> KVCacheGroupSpec:
+        specs.update(dict.fromkeys(names, spec))
+        return kvi.KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)
+
+    if name == "llama_gqa":
+        # Llama-3 8B: one group of full-attention layers, 8 KV heads split by TP.
+        attn = families.llama_gqa(tp=tp)
+        return [group([f"model.layers.{i}.self_attn.attn" for i in range(layers)], attn)], specs
+    if name == "deepseek_v4":
+        # DeepSeek-V4 (fp8_ds_mla, compress ratio 4): per layer the compressed MLA cache
+        # and the indexer cache (both full attention at one block size: vLLM groups them
+        # as one UniformTypeKVCacheSpecs), the sparse SWA cache and V4.1's compressor ring.
+        caches = families.deepseek_v4()
+        paged: dict[str, KVCacheSpec] = {
+            **{f"model.layers.{i}.attn.mla": caches.mla for i in range(layers)},
+            **{f"model.layers.{i}.attn.indexer.k_cache": caches.indexer for i in range(layers)},
+        }
+        uniform = kvi.UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=paged)
+        groups = [
+            group(list(paged), uniform),
+            group([f"model.layers.{i}.attn.compressor.swa" for i in range(layers)], caches.swa),
+            group([f"model.layers.{i}.attn.compressor.ring" for i in range(layers)], caches.ring),
+        ]
+        specs.update(paged)  # each member's own spec, not the group's
+        return groups, specs
+    # Jamba (small, as the project's tiny hybrid model): Mamba-1 state layers and one
+    # attention layer in four. vLLM unifies a hybrid model's page size: it raises the
+    # attention block size until a page holds the state, and pads the state page to it.
+    f32 = (torch.float32, torch.float32)
+
+    def state(block_size: int = 1024, page_size_padded: int | None = None) -> kvi.MambaSpec:
+        return families.mamba1_state(
+            d_inner=512,
+            dtypes=f32,
+            tp=tp,
+            conv_layout="DS",
+            block_size=block_size,
+            page_size_padded=page_size_padded,
+        )
+
+    block = 16
+    while (attn := families.llama_gqa(block_size=block, tp=tp)).page_size_bytes < (
+        state().page_size_bytes
+    ):
+        block *= 2
+    padded = state(block_size=block, page_size_padded=attn.page_size_bytes)
+    return [
+        group([f"model.layers.{i}.mamba" for i in range(layers) if i % 4 != 1], padded),
+        group([f"model.layers.{i}.attn" for i in range(layers) if i % 4 == 1], attn),
+    ], specs
+
+
+def example_config(
+    name: ExampleConfig, *, num_blocks: int = 64, layers: int = 4, tp: int = 1
+) -> KVCacheConfig:
+    """A realistic vLLM ``KVCacheConfig`` of a model family, built from the families'
+    real specs (see :data:`EXAMPLE_CONFIGS`): ``"llama_gqa"`` (one full-attention group),
+    ``"deepseek_v4"`` (a ``UniformTypeKVCacheSpecs`` group of the compressed MLA and
+    indexer caches, then the sparse SWA cache and the compressor ring)
+    or ``"jamba"`` (a hybrid: Mamba-1 state groups padded to the attention page).
+
+    ``layers`` layers at TP size ``tp``, ``num_blocks`` blocks per layer. The layers of
+    a group that share a spec get one ``KVCacheTensor``, layer-outermost (layer ``i`` at
+    ``i * layer_stride``, block ``b`` at ``b * block_stride`` within it), without the
+    hybrid allocator's sharing of memory between groups. For docs/connector-guide.md
+    and tests; a server's own config comes from vLLM's ``get_kv_cache_configs``.
+    """
+    if name not in EXAMPLE_CONFIGS:
+        raise ValueError(
+            f"example_config takes one of {', '.join(map(repr, EXAMPLE_CONFIGS))}, got {name!r}"
+        )
+    groups, specs = _example_groups(name, layers, tp)
+    tensors = []
+    for g in groups:
+        # One tensor per (group, spec): a group spec's members may differ in page size.
+        by_spec: dict[KVCacheSpec, list[str]] = {}
+        for layer in g.layer_names:
+            by_spec.setdefault(specs[layer], []).append(layer)
+        for spec, names in by_spec.items():
+            page = spec.page_size_bytes
+            tensors.append(
+                kvi.KVCacheTensor(
+                    size=page * num_blocks * len(names),
+                    layers=names,
+                    layer_stride=page * num_blocks,
+                    block_stride=page,
+                )
+            )
+    return kvi.KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups
+    )

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from kvspec_traits._accounting import LAYOUT_MEMBERS, Registration
 from kvspec_traits._deps import needs
-from kvspec_traits._errors import AdapterConflictError
+from kvspec_traits._errors import AdapterConflictError, UnknownFieldNameError
 from kvspec_traits._loading import ENTRY_POINT_GROUP
 from kvspec_traits._registry import (
     Adapter,
@@ -59,6 +59,7 @@ __all__ = [
     "LayoutTraits",
     "Registration",
     "Registry",
+    "UnknownFieldNameError",
     "attention_traits",
     "default_registry",
     "dtype_name",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from vllm.v1 import kv_cache_interface as _kvi
 
+from kvspec_traits._accounting import declare_series_names
 from kvspec_traits._errors import InvalidSpecError, KVSpecTraitsError, UnsupportedSpecError
 from kvspec_traits._group import GroupTraits
 from kvspec_traits._registry import register_adapter, resolving_registry
@@ -72,6 +73,9 @@ def _register(
     reads: tuple[str, ...],
     ignores: tuple[str, ...],
 ) -> None:
+    # The lists span the supported series (and several classes): a name the installed
+    # vLLM's class lacks is a real name there, never a misspelling (see field_names_of).
+    declare_series_names(reads, ignores)
     for name in names:
         cls = spec_class(name)
         if cls is None:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Final, TextIO
 
 from kvspec_traits._errors import KVSpecTraitsError
-from kvspec_traits.audit._audit import audit_paths
-from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES
+from kvspec_traits.audit._audit import AuditResult, audit_paths
+from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES, not_a_file_or_folder
 from kvspec_traits.audit._infer import CONFIDENCES
 from kvspec_traits.audit._questions import QUESTIONS
 from kvspec_traits.audit._report import render_json, render_sarif, render_table
@@ -23,7 +23,15 @@ from kvspec_traits.audit._universe import (
     load_universe,
 )
 
-__all__ = ["EXIT_FILE_ERRORS", "EXIT_MISSES", "EXIT_USAGE", "main"]
+__all__ = [
+    "EXIT_FILE_ERRORS",
+    "EXIT_MISSES",
+    "EXIT_USAGE",
+    "add_common_options",
+    "check_paths",
+    "class_sets",
+    "main",
+]
 
 EXIT_MISSES: Final = 1
 """Set when ``--fail-on-miss`` is given and a site misses a class."""
@@ -37,12 +45,29 @@ class SubpackageNotFoundError(KVSpecTraitsError, ValueError):
     """``--installed-vllm NAME`` names no sub-package (or more than one) of vLLM."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvspec-traits audit",
-        description="Find code that branches on vLLM KV cache spec classes, the trait each "
-        "branch asks for, and the spec classes it leaves out (docs/audit.md).",
-    )
+_DESCRIPTION: Final = """\
+Find code that branches on vLLM KV cache spec classes (isinstance checks, class tuples,
+type comparisons, spec-kind tests), the trait each branch asks for, and the spec classes
+it leaves out. The class sets come from the installed vLLM (and installed extensions) and
+are cached; --classes reads saved ones instead. docs/audit.md (in the source
+distribution) explains every column.
+"""
+
+_EXIT_STATUS: Final = f"""\
+exit status (or-ed together):
+  0  clean: every file scanned, and no miss counted (see --fail-on-miss)
+  {EXIT_MISSES}  --fail-on-miss was given and a site misses a class
+  {EXIT_USAGE}  bad arguments, a PATH or --classes FILE that is not a readable file or
+     folder, an output that cannot be written, or no class sets: nothing was reported
+  {EXIT_FILE_ERRORS}  a file below a PATH could not be read or parsed (the rest was scanned)
+"""
+
+_MAX_CLASSES_BYTES: Final = 64 * 1024 * 1024
+
+
+def add_common_options(p: argparse.ArgumentParser) -> None:
+    """The options ``audit`` and ``migrate`` share: ``--version``, ``--classes FILE``
+    and ``--no-extensions`` (where the class sets come from)."""
     from kvspec_traits import __version__
 
     p.add_argument(
@@ -51,6 +76,69 @@ def _parser() -> argparse.ArgumentParser:
         version=f"kvspec-traits {__version__}",
         help="print the kvspec-traits version and exit",
     )
+    p.add_argument(
+        "--classes",
+        type=Path,
+        metavar="FILE",
+        help="read the class sets from FILE (written by audit --save-classes) instead "
+        "of the installed vLLM",
+    )
+    p.add_argument(
+        "--no-extensions",
+        action="store_true",
+        help="class sets of vLLM alone: leave out the spec classes of installed "
+        "extensions (the kvspec_traits.adapters entry points)",
+    )
+
+
+def check_paths(paths: Sequence[Path]) -> str | None:
+    """Why one of ``paths`` cannot be scanned (missing, or neither a regular file nor a
+    folder: a FIFO would block, /dev/zero never end), or None. Checked before any class
+    set is built."""
+    for path in paths:
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            return f"no such file or folder: {path}"
+        except OSError as exc:
+            return f"cannot read {path}: {exc.strerror or exc}"
+        problem = not_a_file_or_folder(mode)
+        if problem is not None:
+            return f"{path} is {problem}"
+    return None
+
+
+def class_sets(args: argparse.Namespace, *, refresh: bool = False) -> Universe:
+    """The class sets the common options ask for: ``--classes FILE`` (a regular file of
+    at most 64 MiB, checked before it is opened), else the installed vLLM's (cached),
+    with the installed extensions' classes unless ``--no-extensions``. Raises
+    :class:`ClassSetsUnavailableError` with one sentence."""
+    if args.classes is None:
+        return load_universe(refresh=refresh, extensions=not args.no_extensions)
+    path: Path = args.classes
+    problem = check_paths([path])
+    if problem is None and not path.is_file():
+        problem = f"{path} is a folder, not a file written by --save-classes"
+    if problem is None and path.stat().st_size > _MAX_CLASSES_BYTES:
+        problem = f"{path} is over {_MAX_CLASSES_BYTES} bytes: not a file --save-classes wrote"
+    if problem is not None:
+        raise ClassSetsUnavailableError(f"--classes: {problem}")
+    try:
+        return Universe.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ClassSetsUnavailableError(
+            f"--classes {path}: not class sets written by --save-classes ({exc})"
+        ) from exc
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvspec-traits audit",
+        description=_DESCRIPTION,
+        epilog=_EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_common_options(p)
     p.add_argument(
         "paths",
         nargs="*",
@@ -101,23 +189,10 @@ def _parser() -> argparse.ArgumentParser:
         help="report and skip files larger than this (default %(default)s)",
     )
     p.add_argument(
-        "--classes",
-        type=Path,
-        metavar="FILE",
-        help="read the class sets from FILE (written by --save-classes) instead "
-        "of the installed vLLM",
-    )
-    p.add_argument(
         "--save-classes",
         type=Path,
         metavar="FILE",
         help="write the class sets used to FILE (alone: save them and exit)",
-    )
-    p.add_argument(
-        "--no-extensions",
-        action="store_true",
-        help="class sets of vLLM alone: leave out the spec classes of installed "
-        "extensions (the kvspec_traits.adapters entry points)",
     )
     p.add_argument(
         "--refresh-classes",
@@ -184,6 +259,32 @@ def _show_classes(u: Universe, out: TextIO) -> None:
         )
 
 
+def _write_report(result: AuditResult, args: argparse.Namespace, out: TextIO) -> None:
+    # A scanned file's name may not be valid UTF-8 (its bytes kept as surrogates): it is
+    # written with backslash escapes, never an encoding error.
+    if args.output is None and hasattr(out, "reconfigure"):
+        out.reconfigure(errors="backslashreplace")
+    handle = (
+        args.output.open("w", encoding="utf-8", errors="backslashreplace") if args.output else None
+    )
+    try:
+        sink = handle if handle is not None else out
+        if args.json or args.sarif:
+            doc = render_sarif(result) if args.sarif else render_json(result)
+            json.dump(doc, sink, indent=2)
+            sink.write("\n")
+        else:
+            render_table(result, sink)
+        sink.flush()
+    except BrokenPipeError:
+        # `kvspec-traits audit ... | head`: the reader left; the status still counts.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        if handle is not None:
+            handle.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the audit; returns the exit status (see ``EXIT_*``; 0: clean)."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -195,13 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(or --save-classes FILE to save the class sets alone)\n"
         )
         return EXIT_USAGE
+    problem = check_paths(args.paths)
+    if problem is not None:
+        err.write(f"kvspec-traits audit: {problem}\n")
+        return EXIT_USAGE
     try:
-        if args.classes is not None:
-            universe = Universe.from_json(json.loads(args.classes.read_text(encoding="utf-8")))
-        else:
-            universe = load_universe(
-                refresh=args.refresh_classes, extensions=not args.no_extensions
-            )
+        universe = class_sets(args, refresh=args.refresh_classes)
     except (ClassSetsUnavailableError, OSError, ValueError, KeyError) as exc:
         err.write(f"kvspec-traits audit: no class sets: {exc}\n")
         return EXIT_USAGE
@@ -236,26 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.min_confidence != "low":
         result = result.at_least(args.min_confidence)
     try:
-        handle = args.output.open("w", encoding="utf-8") if args.output else None
-    except OSError as exc:
-        err.write(f"kvspec-traits audit: cannot write {args.output}: {exc.strerror}\n")
+        _write_report(result, args, out)
+    except OSError as exc:  # -o /dev/full, a full disk, a closed stdout
+        where = args.output if args.output else "the report"
+        err.write(f"kvspec-traits audit: cannot write {where}: {exc.strerror or exc}\n")
         return EXIT_USAGE
-    try:
-        sink = handle if handle is not None else out
-        if args.json or args.sarif:
-            doc = render_sarif(result) if args.sarif else render_json(result)
-            json.dump(doc, sink, indent=2)
-            sink.write("\n")
-        else:
-            render_table(result, sink)
-        sink.flush()
-    except BrokenPipeError:
-        # `kvspec-traits audit ... | head`: the reader left; the status still counts.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    finally:
-        if handle is not None:
-            handle.close()
     status = 0
     if args.fail_on_miss and result.misses:
         status |= EXIT_MISSES

@@ -24,6 +24,7 @@ __all__ = [
     "FileError",
     "iter_source_files",
     "module_name",
+    "not_a_file_or_folder",
     "parse_source",
     "read_source",
 ]
@@ -77,6 +78,11 @@ def iter_source_files(
             errors.append(FileError(path=str(target), error=_os_error(exc, target)))
             continue
         if not stat.S_ISDIR(st.st_mode):
+            problem = not_a_file_or_folder(st.st_mode)
+            if problem is not None:
+                # A FIFO would block the read forever, a device (/dev/zero) never end.
+                errors.append(FileError(path=str(target), error=problem))
+                continue
             if (st.st_dev, st.st_ino) not in seen_files:
                 seen_files.add((st.st_dev, st.st_ino))
                 yield target
@@ -132,6 +138,23 @@ def iter_source_files(
             stack.extend(reversed(subdirs))
 
 
+def not_a_file_or_folder(mode: int) -> str | None:
+    """Why a path of this ``st_mode`` is neither a regular file nor a folder (a FIFO, a
+    socket, a device: reading one may block forever or never end), or None."""
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = (
+        "a FIFO (named pipe)"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )
+    return f"{kind}, not a source file or folder"
+
+
 def _os_error(exc: OSError, path: Path) -> str:
     del path  # the caller reports it
     if isinstance(exc, FileNotFoundError):
@@ -146,7 +169,11 @@ def _os_error(exc: OSError, path: Path) -> str:
 def read_source(path: Path, *, max_bytes: int) -> bytes | FileError:
     """The file's bytes, or why they are not Python source to scan."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        problem = not_a_file_or_folder(st.st_mode)
+        if problem is not None:
+            return FileError(path=str(path), error=problem)
+        size = st.st_size
         if size > max_bytes:
             return FileError(
                 path=str(path),

@@ -15,21 +15,42 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from kvspec_traits.audit._cli import add_common_options, check_paths, class_sets
 from kvspec_traits.migrate._migrate import MigrationPlan, plan_migration, write_plan
 
-__all__ = ["EXIT_REFUSED", "main"]
+__all__ = ["EXIT_REFUSED", "EXIT_USAGE", "main"]
 
 EXIT_REFUSED: Final = 1
 """Some file was not rewritten: it fails to parse, or changed since it was read."""
 EXIT_USAGE: Final = 2
+"""Bad arguments, a PATH that is not a file or folder, or no class sets: nothing done."""
+
+_DESCRIPTION: Final = """\
+Rewrite code that branches on vLLM KV cache spec classes into traits queries (the sites
+kvspec-traits audit finds that a query answers exactly), keeping formatting and comments.
+
+A dry run by default: the unified diff goes to stdout (one "# kvspec-traits: ... fixes a
+miss" line heads each rewritten miss), and the sites left alone, with why, to stderr.
+--write applies it; --json prints the edits, the sites left and the refused files instead.
+docs/migration.md (in the source distribution) lists every form.
+"""
+
+_EXIT_STATUS: Final = f"""\
+exit status:
+  0  done (or, without --write, the diff printed)
+  {EXIT_REFUSED}  a file was not rewritten: it fails to parse, or changed since it was read
+  {EXIT_USAGE}  bad arguments, a PATH that is not a file or folder, or no class sets
+"""
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvspec-traits migrate",
-        description=__doc__,
+        description=_DESCRIPTION,
+        epilog=_EXIT_STATUS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_common_options(p)
     p.add_argument(
         "paths", nargs="+", type=Path, metavar="PATH", help="files or folders to migrate"
     )
@@ -67,18 +88,16 @@ def _summary(plan: MigrationPlan, *, wrote: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    missing = [p for p in args.paths if not p.exists()]
-    if missing:
-        print(
-            f"kvspec-traits migrate: no such path: {', '.join(map(str, missing))}", file=sys.stderr
-        )
+    problem = check_paths(args.paths)
+    if problem is not None:
+        print(f"kvspec-traits migrate: {problem}", file=sys.stderr)
         return EXIT_USAGE
-    from kvspec_traits.audit import ClassSetsUnavailableError, load_universe
+    from kvspec_traits.audit import ClassSetsUnavailableError
 
     try:
-        universe = load_universe()
+        universe = class_sets(args)
     except ClassSetsUnavailableError as exc:
-        print(f"kvspec-traits migrate: {exc}", file=sys.stderr)
+        print(f"kvspec-traits migrate: no class sets: {exc}", file=sys.stderr)
         return EXIT_USAGE
     plan = plan_migration(args.paths, universe, exclude=args.exclude, strict=args.strict)
     refused = list(plan.refused)
@@ -90,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         out = plan.as_json()
         out["refused"] = [r.as_json() for r in refused]
-        out["written"] = bool(args.write)
+        # True only when a file was rewritten (not for a --write that matched nothing).
+        out["written"] = bool(args.write and plan.files)
         json.dump(out, sys.stdout, indent=2)
         print()
     else:

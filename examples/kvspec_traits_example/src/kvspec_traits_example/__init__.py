@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-from kvspec_traits.extend import LayoutTraits, Registry, attention_traits, register_adapter
+from kvspec_traits.extend import (
+    ATTENTION_IGNORES,
+    ATTENTION_READS,
+    LayoutTraits,
+    Registry,
+    attention_traits,
+    register_adapter,
+)
 
 __all__ = [
     "SCALE_BYTES",
@@ -48,7 +55,16 @@ def adapt_scaled_latent(spec: ScaledLatentSpec) -> LayoutTraits:
 
 def register(registry: Registry) -> None:
     """Entry point of the ``kvspec_traits.adapters`` group: called once per registry."""
-    register_adapter(ScaledLatentSpec, adapt_scaled_latent, registry=registry)
+    # The fields the adapter reads are the attention fields (head_size, dtype, ...); the
+    # rest of MLAAttentionSpec's fields it knows do not change a page. Without reads= it
+    # would declare none, and every spec of the class would be refused.
+    register_adapter(
+        ScaledLatentSpec,
+        adapt_scaled_latent,
+        registry=registry,
+        reads=ATTENTION_READS,
+        ignores=ATTENTION_IGNORES,
+    )
 
 
 def representative_specs() -> list[ScaledLatentSpec]:
