@@ -32,6 +32,11 @@ PATTERNS: Final = (
     "domain-limit",
     "platform-subclass",
     "group-property",
+    "identity",
+    "enum-kind",
+    "flag-flow",
+    "test-assertion",
+    "spec-module",
 )
 """Why a reader gave a verdict: a true miss, or the pattern that makes a flag wrong."""
 
