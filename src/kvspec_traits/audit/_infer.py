@@ -10,11 +10,14 @@ classes is a *near* match, and the rest are the classes the branch misses.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Final, Literal
 
+from kvspec_traits.audit._around import blocked_classes, flow_reason, of_kinds
+from kvspec_traits.audit._names import dedup
 from kvspec_traits.audit._questions import KIND_TRAITS, QUESTIONS, Question
 from kvspec_traits.audit._scan import RawSite
 from kvspec_traits.audit._universe import Universe
@@ -193,29 +196,53 @@ def _answer(cand: _Candidate, raw: RawSite, *, negated: bool) -> Answer:
     )
 
 
-def _blocked(raw: RawSite, u: Universe) -> frozenset[str]:
-    # Classes the surrounding code keeps from reaching the check.
-    blocked: set[str] = set()
-    for c in raw.constraints:
-        hit = frozenset(c.classes) & u.concrete if c.exact else u.subclasses(c.classes)
-        if c.mode == "exclude":
-            blocked |= hit
-        else:
-            blocked |= u.concrete - hit
-    for g in raw.trait_guards:
-        blocked |= {n for n in u.concrete if u.values(g.name, n) == {g.excluded}}
-    return frozenset(blocked)
-
-
 def _tested(raw: RawSite, u: Universe) -> list[str]:
     if raw.kinds:  # vLLM's own mapping from classes to kinds
-        wanted = set(raw.kinds)
-        return sorted(n for n in u.concrete if u.kinds.get(n) and u.kinds[n] <= wanted)
+        return sorted(of_kinds(u, raw.kinds))
     return [c for c in raw.classes if c not in u.group_names]
+
+
+_VLLM_ONLY: dict[int, tuple[Universe, Universe]] = {}
+
+
+def _vllm_only(u: Universe) -> Universe:
+    # ``u`` without the classes the scanned code defines (cached for the last universe).
+    cached = _VLLM_ONLY.get(id(u))
+    if cached is None or cached[0] is not u:
+        own = {n: c for n, c in u.classes.items() if not c.out_of_tree}
+        _VLLM_ONLY.clear()
+        cached = _VLLM_ONLY[id(u)] = (u, dataclasses.replace(u, classes=own))
+    return cached[1]
+
+
+def _mixed(raw: RawSite, u: Universe, path: str) -> Site | None:
+    """A subclass-taking check whose classes mix vLLM's and out-of-tree ones, judged on
+    the vLLM classes it tests plus each out-of-tree class's own first vLLM base (what that
+    class stands for) against vLLM's classes only: out-of-tree classes neither dilute the
+    trait sets nor hide a vLLM class the check leaves out."""
+    oot = [c for c in raw.classes if c in u.out_of_tree]
+    if not oot or raw.exact or raw.kinds or raw.form == "class-dict":
+        return None
+    if not any(c in u.classes and c not in u.out_of_tree for c in raw.classes):
+        return None
+    bases = [
+        next((m for m in u.classes[c].mro[1:] if not u.classes[m].out_of_tree), "") for c in oot
+    ]
+    vllm = [c for c in raw.classes if c not in u.out_of_tree]
+    judged = replace(raw, classes=dedup([*vllm, *(b for b in bases if b)]))
+    site = infer(judged, _vllm_only(u), path=path)
+    note = "; judged on the vLLM classes it tests and the bases of " + ", ".join(
+        f"{c} ({b})" for c, b in zip(oot, bases, strict=True)
+    )
+    unknown = tuple(c for c in raw.classes if c in u.unknown)
+    return replace(site, raw=raw, reason=site.reason + note, unknown=unknown)
 
 
 def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     """The verdict on one class check against the class sets ``u``."""
+    mixed = _mixed(raw, u, path)
+    if mixed is not None:
+        return mixed
     tested = _tested(raw, u)
     exact = raw.exact and not raw.subclass_safe
     expanded = (
@@ -240,7 +267,7 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         }
         skipped = tuple(sorted((expanded - as_written) | below))
     wrapper = raw.unwraps is False
-    blocked = _blocked(raw, u)
+    blocked = blocked_classes(raw, u)
 
     answer: Answer | None = None
     missing: frozenset[str] = frozenset()
@@ -265,10 +292,17 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     # An out-of-tree subclass of a missed class, tested here or handled by the code
     # around it, covers it: that platform makes its own subclass's instances.
     around = {*raw.classes, *raw.exited_on, *(n for c in raw.constraints for n in c.classes)}
-    covered = {
-        m for m in missing if any(m in u.classes[c].mro[1:] for c in around if c in u.out_of_tree)
-    }
+    # (the class it replaces: its own first base)
+    replaced = {u.classes[c].mro[1] for c in around if c in u.out_of_tree}
+    covered = missing & replaced
     missing -= covered
+    # A spec-kind check asks the enum's question: a class vLLM gives a kind of its own
+    # (SlidingWindowMLASpec: SLIDING_WINDOW_MLA, not MLA_ATTENTION) is set apart by the
+    # enum's definition, not left out by this check.
+    by_enum = sorted(
+        m for m in missing if raw.kinds and u.kinds.get(m) and u.kinds[m] - {"UNKNOWN"}
+    )
+    missing -= set(by_enum)
 
     verdict: Verdict = "ok"
     confidence: Confidence = "high"
@@ -281,7 +315,15 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     else:
         reason = "no single trait: a class-identity check"
     exited = u.subclasses(raw.exited_on)
-    if raw.form == "class-dict" and raw.subclass_safe:
+    owner = raw.function.partition(".")[0]
+    if raw.form == "type-name" and "assert" in raw.context and _in_test(path, raw.function):
+        reason = "a test's assertion on a recorded class name: what the test expects, no branch"
+    elif exact and owner in u.classes and not u.classes[owner].out_of_tree:
+        reason = (
+            f"inside {owner}'s own code (the spec definitions): an exact type there is "
+            f"that class's own contract, not a branch of a user of specs"
+        )
+    elif raw.form == "class-dict" and raw.subclass_safe:
         reason = "a table looked up along type(x).__mro__: subclasses find their base's entry"
     elif unknown and not expanded:
         verdict, confidence = "unknown-class", "high"
@@ -360,10 +402,16 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     elif excluded_by_flow:
         reason = (
             f"{', '.join(sorted(excluded_by_flow))} cannot get here (excluded by "
-            f"{_flow_reason(raw, u, excluded_by_flow)})"
+            f"{flow_reason(raw, u, excluded_by_flow)})"
         )
     elif covered:
         reason = f"{', '.join(sorted(covered))} covered by an out-of-tree subclass the code names"
+    elif by_enum:
+        reason = (
+            f"asks KVCacheSpecKind {', '.join(raw.kinds)}; "
+            + ", ".join(f"{m} has its own kind {'/'.join(sorted(u.kinds[m]))}" for m in by_enum)
+            + " (the enum's definition)"
+        )
     if unknown and verdict == "ok":
         reason += f"; names {', '.join(unknown)} (unknown traits: adds fields)"
     if no_rep and verdict == "ok":
@@ -389,13 +437,12 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     )
 
 
-def _flow_reason(raw: RawSite, u: Universe, excluded: frozenset[str]) -> str:
-    whys: list[str] = []
-    for c in raw.constraints:
-        hit = frozenset(c.classes) & u.concrete if c.exact else u.subclasses(c.classes)
-        if (hit & excluded) if c.mode == "exclude" else (excluded - hit):
-            whys.append(f"{c.why} at line {c.line}")
-    for g in raw.trait_guards:
-        if any(u.values(g.name, n) == {g.excluded} for n in excluded):
-            whys.append(f"a {g.name} guard at line {g.line}")
-    return ", ".join(dict.fromkeys(whys)) or "the code before it"
+def _in_test(path: str, function: str) -> bool:
+    # A test module (test_*.py, *_test.py, under tests/) or a test function.
+    name = path.replace("\\", "/").rpartition("/")[2]
+    return (
+        name.startswith("test_")
+        or name.endswith("_test.py")
+        or "/tests/" in f"/{path}"
+        or function.rpartition(".")[2].startswith("test")
+    )
