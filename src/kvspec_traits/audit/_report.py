@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final, TextIO
@@ -12,7 +11,7 @@ from kvspec_traits.audit._audit import AuditResult
 from kvspec_traits.audit._files import FileError
 from kvspec_traits.audit._infer import Site
 
-__all__ = ["RULES", "render_json", "render_sarif", "render_table", "site_json", "summary"]
+__all__ = ["NOTE_VERDICTS", "RULES", "drop_notes", "render_json", "render_sarif", "render_table", "site_json", "summary"]
 
 TOOL_NAME: Final = "kvspec-traits audit"
 
