@@ -12,6 +12,7 @@ written the same way.
 from __future__ import annotations
 
 import ast
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
@@ -245,7 +246,7 @@ class _Substitute(ast.NodeTransformer):
         self.binds = binds
 
     def visit_Name(self, node: ast.Name) -> ast.AST:
-        bound = self.binds.get(node.id)
+        bound = self.binds.get(node.id) if isinstance(node.ctx, ast.Load) else None
         return _copy(bound, node) if bound is not None else node
 
     def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
@@ -268,7 +269,7 @@ def _through_flags(test: ast.expr, binds: dict[str, ast.expr]) -> ast.expr:
 
 
 def _copy(node: ast.expr, where: ast.AST) -> ast.expr:
-    copied = ast.parse(ast.unparse(node), mode="eval").body
+    copied = copy.deepcopy(node)
     for sub in ast.walk(copied):  # positions of the tested line, for the reasons
         ast.copy_location(sub, where)
     return copied

@@ -225,11 +225,23 @@ def _mixed(raw: RawSite, u: Universe, path: str) -> Site | None:
         return None
     if not any(c in u.classes and c not in u.out_of_tree for c in raw.classes):
         return None
-    bases = [
-        next((m for m in u.classes[c].mro[1:] if not u.classes[m].out_of_tree), "") for c in oot
-    ]
-    vllm = [c for c in raw.classes if c not in u.out_of_tree]
-    judged = replace(raw, classes=dedup([*vllm, *(b for b in bases if b)]))
+    base = {
+        n: next((m for m in c.mro[1:] if not u.classes[m].out_of_tree), "")
+        for n, c in u.classes.items()
+        if c.out_of_tree
+    }
+
+    def as_vllm(names: Iterable[str]) -> tuple[str, ...]:
+        return dedup(x for n in names if (x := base.get(n, n)))
+
+    bases = [base[c] for c in oot]
+    # the code around the check speaks of the out-of-tree classes the same way
+    judged = replace(
+        raw,
+        classes=as_vllm(raw.classes),
+        exited_on=as_vllm(raw.exited_on),
+        constraints=tuple(replace(c, classes=as_vllm(c.classes)) for c in raw.constraints),
+    )
     site = infer(judged, _vllm_only(u), path=path)
     note = "; judged on the vLLM classes it tests and the bases of " + ", ".join(
         f"{c} ({b})" for c, b in zip(oot, bases, strict=True)

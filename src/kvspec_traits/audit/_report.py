@@ -11,7 +11,16 @@ from kvspec_traits.audit._audit import AuditResult
 from kvspec_traits.audit._files import FileError
 from kvspec_traits.audit._infer import Site
 
-__all__ = ["NOTE_VERDICTS", "RULES", "drop_notes", "render_json", "render_sarif", "render_table", "site_json", "summary"]
+__all__ = [
+    "NOTE_VERDICTS",
+    "RULES",
+    "drop_notes",
+    "render_json",
+    "render_sarif",
+    "render_table",
+    "site_json",
+    "summary",
+]
 
 TOOL_NAME: Final = "kvspec-traits audit"
 
