@@ -10,15 +10,14 @@ classes is a *near* match, and the rest are the classes the branch misses.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import product
 from typing import Final, Literal
 
 from kvspec_traits.audit._around import blocked_classes, flow_reason, of_kinds
-from kvspec_traits.audit._names import dedup
 from kvspec_traits.audit._questions import KIND_TRAITS, QUESTIONS, Question
+from kvspec_traits.audit._readings import defines, in_test, judged_on_vllm
 from kvspec_traits.audit._scan import RawSite
 from kvspec_traits.audit._universe import Universe
 
@@ -202,57 +201,9 @@ def _tested(raw: RawSite, u: Universe) -> list[str]:
     return [c for c in raw.classes if c not in u.group_names]
 
 
-_VLLM_ONLY: dict[int, tuple[Universe, Universe]] = {}
-
-
-def _vllm_only(u: Universe) -> Universe:
-    # ``u`` without the classes the scanned code defines (cached for the last universe).
-    cached = _VLLM_ONLY.get(id(u))
-    if cached is None or cached[0] is not u:
-        own = {n: c for n, c in u.classes.items() if not c.out_of_tree}
-        _VLLM_ONLY.clear()
-        cached = _VLLM_ONLY[id(u)] = (u, dataclasses.replace(u, classes=own))
-    return cached[1]
-
-
-def _mixed(raw: RawSite, u: Universe, path: str) -> Site | None:
-    """A subclass-taking check whose classes mix vLLM's and out-of-tree ones, judged on
-    the vLLM classes it tests plus each out-of-tree class's own first vLLM base (what that
-    class stands for) against vLLM's classes only: out-of-tree classes neither dilute the
-    trait sets nor hide a vLLM class the check leaves out."""
-    oot = [c for c in raw.classes if c in u.out_of_tree]
-    if not oot or raw.exact or raw.kinds or raw.form == "class-dict":
-        return None
-    if not any(c in u.classes and c not in u.out_of_tree for c in raw.classes):
-        return None
-    base = {
-        n: next((m for m in c.mro[1:] if not u.classes[m].out_of_tree), "")
-        for n, c in u.classes.items()
-        if c.out_of_tree
-    }
-
-    def as_vllm(names: Iterable[str]) -> tuple[str, ...]:
-        return dedup(x for n in names if (x := base.get(n, n)))
-
-    bases = [base[c] for c in oot]
-    # the code around the check speaks of the out-of-tree classes the same way
-    judged = replace(
-        raw,
-        classes=as_vllm(raw.classes),
-        exited_on=as_vllm(raw.exited_on),
-        constraints=tuple(replace(c, classes=as_vllm(c.classes)) for c in raw.constraints),
-    )
-    site = infer(judged, _vllm_only(u), path=path)
-    note = "; judged on the vLLM classes it tests and the bases of " + ", ".join(
-        f"{c} ({b})" for c, b in zip(oot, bases, strict=True)
-    )
-    unknown = tuple(c for c in raw.classes if c in u.unknown)
-    return replace(site, raw=raw, reason=site.reason + note, unknown=unknown)
-
-
 def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     """The verdict on one class check against the class sets ``u``."""
-    mixed = _mixed(raw, u, path)
+    mixed = judged_on_vllm(raw, u, path, infer)
     if mixed is not None:
         return mixed
     tested = _tested(raw, u)
@@ -311,9 +262,7 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     # A spec-kind check asks the enum's question: a class vLLM gives a kind of its own
     # (SlidingWindowMLASpec: SLIDING_WINDOW_MLA, not MLA_ATTENTION) is set apart by the
     # enum's definition, not left out by this check.
-    by_enum = sorted(
-        m for m in missing if raw.kinds and u.kinds.get(m) and u.kinds[m] - {"UNKNOWN"}
-    )
+    by_enum = sorted(missing) if raw.kinds else []
     missing -= set(by_enum)
 
     verdict: Verdict = "ok"
@@ -328,12 +277,14 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         reason = "no single trait: a class-identity check"
     exited = u.subclasses(raw.exited_on)
     owner = raw.function.partition(".")[0]
-    if raw.form == "type-name" and "assert" in raw.context and _in_test(path, raw.function):
+    here = [c for c in tested if c in u.classes and defines(path, u.classes[c].module)]
+    if raw.form == "type-name" and "assert" in raw.context and in_test(path, raw.function):
         reason = "a test's assertion on a recorded class name: what the test expects, no branch"
-    elif exact and owner in u.classes and not u.classes[owner].out_of_tree:
+    elif exact and (owner in u.classes or (here and len(here) == len(tested))):
+        where = f"{owner}'s own code" if owner in u.classes else "the module that defines it"
         reason = (
-            f"inside {owner}'s own code (the spec definitions): an exact type there is "
-            f"that class's own contract, not a branch of a user of specs"
+            f"an exact type in {where} (the spec definitions: merge and registry logic): "
+            f"the class's own contract, not a branch of code that uses specs"
         )
     elif raw.form == "class-dict" and raw.subclass_safe:
         reason = "a table looked up along type(x).__mro__: subclasses find their base's entry"
@@ -421,7 +372,10 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     elif by_enum:
         reason = (
             f"asks KVCacheSpecKind {', '.join(raw.kinds)}; "
-            + ", ".join(f"{m} has its own kind {'/'.join(sorted(u.kinds[m]))}" for m in by_enum)
+            + ", ".join(
+                f"{m} has the kind {'/'.join(sorted(u.kinds.get(m, ()))) or 'UNKNOWN'}"
+                for m in by_enum
+            )
             + " (the enum's definition)"
         )
     if unknown and verdict == "ok":
@@ -446,15 +400,4 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         reason=reason,
         excluded_by_flow=tuple(sorted(excluded_by_flow)),
         unknown=unknown,
-    )
-
-
-def _in_test(path: str, function: str) -> bool:
-    # A test module (test_*.py, *_test.py, under tests/) or a test function.
-    name = path.replace("\\", "/").rpartition("/")[2]
-    return (
-        name.startswith("test_")
-        or name.endswith("_test.py")
-        or "/tests/" in f"/{path}"
-        or function.rpartition(".")[2].startswith("test")
     )
