@@ -227,6 +227,8 @@ def test_exclude_skips_matching_files(capsys: pytest.CaptureFixture[str]) -> Non
         "*flow.py",
         "--exclude",
         "more_*",
+        "--exclude",
+        "issue23",
         "--json",
     )
     doc = json.loads(out)

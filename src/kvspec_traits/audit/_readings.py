@@ -36,8 +36,10 @@ def judged_on_vllm(raw: RawSite, u: Universe, path: str, infer: Callable[..., Si
     """A subclass-taking check on vLLM's classes, in code that defines out-of-tree ones,
     judged on the vLLM classes it tests plus each out-of-tree class's own first vLLM base
     (what that class stands for) against vLLM's classes only: out-of-tree classes neither
-    dilute the trait sets nor hide a vLLM class the check leaves out (issue 23)."""
-    if not u.out_of_tree or raw.exact or raw.kinds or raw.form == "class-dict":
+    dilute the trait sets nor hide a vLLM class the check leaves out (issue 23). An exact
+    check is judged so only for its misses (the out-of-tree subclasses it skips are named
+    from the whole class tree); otherwise it keeps the whole tree's verdict."""
+    if not u.out_of_tree or raw.kinds or raw.form == "class-dict":
         return None
     oot = [c for c in raw.classes if c in u.out_of_tree]
     if not any(c in u.classes and c not in u.out_of_tree for c in raw.classes):
@@ -60,14 +62,26 @@ def judged_on_vllm(raw: RawSite, u: Universe, path: str, infer: Callable[..., Si
         constraints=tuple(replace(c, classes=as_vllm(c.classes)) for c in raw.constraints),
     )
     site = infer(judged, _vllm_only(u), path=path)
-    note = "; judged on vLLM's classes" + (
-        ": the ones it tests and the bases of "
+    note = (
+        "; judged on vLLM's classes: the ones it tests and the bases of "
         + ", ".join(f"{c} ({b})" for c, b in zip(oot, bases, strict=True))
         if oot
         else ""
     )
     unknown = tuple(c for c in raw.classes if c in u.unknown)
-    return replace(site, raw=raw, reason=site.reason + note, unknown=unknown)
+    skipped = site.skipped_subclasses
+    if raw.exact and not raw.subclass_safe:
+        if site.verdict != "miss":
+            return None
+        below = {
+            n
+            for n in u.out_of_tree - set(raw.classes)
+            if any(t in u.classes[n].mro[1:] for t in raw.classes)
+        }
+        skipped = tuple(sorted({*skipped, *below}))
+    return replace(
+        site, raw=raw, reason=site.reason + note, unknown=unknown, skipped_subclasses=skipped
+    )
 
 
 def in_test(path: str, function: str) -> bool:
