@@ -37,7 +37,7 @@ from kvspec_traits.audit._measure import Reported, line_sha, reported_sites, sco
 from kvspec_traits.audit._universe import installed_vllm_dir
 
 DATA = Path(__file__).parent / "data" / "audit_hand_checked.json"
-TARGETS = {"precision": 0.8, "flagged": 0.8, "found": 0.95, "seconds": 5.0}
+TARGETS = {"precision": 0.8, "flagged": 0.8, "found": 0.98, "seconds": 5.0}
 
 
 def tree_root(tree: dict[str, Any], trees_dir: Path | None) -> tuple[Path | None, str]:
@@ -90,6 +90,10 @@ def run(tree: dict[str, Any], root: Path) -> tuple[list[Reported], float]:
     return reported, best
 
 
+def _pct(a: int, b: int) -> str:
+    return f"{a / b:.0%}" if b else "n/a"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trees", type=Path, help="folder holding the fetched trees")
@@ -105,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     data = json.loads(DATA.read_text())
     failed = False
-    totals = [0, 0, 0, 0, 0, 0]
+    columns: dict[str, list[int]] = {}
     for tree in data["trees"]:
         if args.only and tree["name"] not in args.only:
             continue
@@ -118,37 +122,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             reported, seconds = run(tree, root)
         s = score(tree, reported)
-        totals = [
-            a + b
-            for a, b in zip(
-                totals,
-                (s.flagged, s.flagged_true, s.true_misses, s.true_flagged, s.sites, s.sites_found),
-                strict=True,
-            )
-        ]
+        column = tree.get("column", "tuned")
+        counts = (
+            s.warned,
+            s.warned_true,
+            s.true_misses,
+            s.true_warned,
+            s.sites,
+            s.sites_found,
+            s.flagged,
+            s.flagged_true,
+            s.true_flagged,
+        )
+        old = columns.get(column, [0] * len(counts))
+        columns[column] = [a + b for a, b in zip(old, counts, strict=True)]
         print(
-            f"{tree['name']} ({tree['commit']}): MISSES precision {s.flagged_true}/"
-            f"{s.flagged} = {s.precision:.0%}; true misses flagged {s.true_flagged}/"
-            f"{s.true_misses} = {s.recall:.0%}; sites found {s.sites_found}/{s.sites} = "
-            f"{s.found:.1%}; audit {seconds:.2f} s CPU"
+            f"{tree['name']} [{column}] ({tree['commit']}): warnings precision "
+            f"{s.warned_true}/{s.warned}; MISSES precision {s.flagged_true}/{s.flagged}; "
+            f"true misses warned {s.true_warned}/{s.true_misses}; sites found "
+            f"{s.sites_found}/{s.sites} = {s.found:.1%}; audit {seconds:.2f} s CPU"
         )
         if s.unchecked:
             print(f"  flagged but not in the hand-checked list: {', '.join(s.unchecked)}")
-        failed |= (
-            s.precision < TARGETS["precision"]
-            or s.recall < TARGETS["flagged"]
-            or s.found < TARGETS["found"]
-            or seconds > TARGETS["seconds"]
-        )
-    f, ft, tm, tf, n, nf = totals
-    if n:
+        failed |= s.found < TARGETS["found"] or seconds > TARGETS["seconds"]
+    for column, (w, wt, tm, tw, n, nf, f, ft, tf) in sorted(columns.items()):
         print(
-            f"all present trees: MISSES precision {ft}/{f}; true misses flagged {tf}/{tm}; "
-            f"sites found {nf}/{n}"
+            f"{column}: warnings precision {wt}/{w} = {_pct(wt, w)}; MISSES precision "
+            f"{ft}/{f} = {_pct(ft, f)}; true misses warned {tw}/{tm} = {_pct(tw, tm)} "
+            f"(flagged miss {tf}/{tm}); sites found {nf}/{n} = {_pct(nf, n)}"
         )
-        if f:
-            failed |= ft / f < TARGETS["precision"]
-    else:
+        failed |= (
+            (w > 0 and wt / w < TARGETS["precision"])
+            or (tm > 0 and tw / tm < TARGETS["flagged"])
+            or (n > 0 and nf / n < TARGETS["found"])
+        )
+    if not columns:
         print("no tree present: nothing measured (see --trees)")
     return 1 if failed else 0
 

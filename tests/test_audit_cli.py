@@ -52,7 +52,7 @@ def test_misses_alone_do_not_fail_without_the_flag(capsys: pytest.CaptureFixture
 
 
 def test_table_lists_files_with_misses_first(capsys: pytest.CaptureFixture[str]) -> None:
-    _, out, _ = _run(capsys, AFTER, BEFORE, FIXTURES / "wrapper.py")
+    _, out, _ = _run(capsys, AFTER, BEFORE, FIXTURES / "wrapper.py", "--notes")
     headers = [
         line.split("  (")[0] for line in out.splitlines() if line.endswith(")") and "site" in line
     ]
@@ -63,6 +63,17 @@ def test_table_lists_files_with_misses_first(capsys: pytest.CaptureFixture[str])
         "skipping subclasses, "
         "1 group wrapper not unwrapped; 3 files seen, 3 parsed, 0 could not be scanned"
     )
+
+
+def test_notes_are_off_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """Failure mode (issue 23): "possible miss" and group-wrapper notes, right less than
+    half the time on the hand-checked trees, filled every report. Without --notes the
+    group-wrapper note of wrapper.py is left out and the summary says so."""
+    _, out, _ = _run(capsys, FIXTURES / "wrapper.py")
+    assert "GROUP WRAPPER" not in out and "wrapper.py  (1 site)" in out
+    assert out.rstrip().endswith("1 note left out (--notes)")
+    _, out, _ = _run(capsys, FIXTURES / "wrapper.py", "--notes")
+    assert "GROUP WRAPPER" in out and "left out" not in out
 
 
 def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
@@ -224,6 +235,8 @@ def test_exclude_skips_matching_files(capsys: pytest.CaptureFixture[str]) -> Non
         "*flow.py",
         "--exclude",
         "more_*",
+        "--exclude",
+        "issue23",
         "--json",
     )
     doc = json.loads(out)
@@ -315,7 +328,7 @@ def test_the_report_example_in_the_docs_is_current(
     docs = (Path(__file__).parents[1] / "docs" / "audit.md").read_text()
     example = docs.split("## Reading the report\n\n```text\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(FIXTURES)
-    _, out, _ = _run(capsys, "seed_before.py", "seed_after.py", "wrapper.py")
+    _, out, _ = _run(capsys, "seed_before.py", "seed_after.py", "wrapper.py", "--notes")
     # The example was made on 0.32; the fixtures' answers are the same on 0.33 and 0.34.
     assert re.sub(r"vLLM 0\.3[34]\.0", "vLLM 0.32.0", out) == example
 

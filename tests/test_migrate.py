@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 
 from kvspec_traits._cli import main as cli_main
-from kvspec_traits.audit import Universe, load_universe
+from kvspec_traits.audit import Universe, audit_paths, load_universe
 from kvspec_traits.catalog import representative_specs
 from kvspec_traits.migrate import EXIT_REFUSED, plan_migration, write_plan
 
@@ -266,3 +266,35 @@ def test_the_dry_run_is_a_patch_that_git_applies(
         (work / "fix.patch").write_text(capsys.readouterr().out)
         subprocess.run(["git", "apply", "-p1", "fix.patch"], cwd=work, check=True)
     assert (work / "forms.py").read_text() == migrated.read_text()  # what --write wrote
+
+
+def test_audit_and_migrate_agree_on_spec_kind_forms(universe: Universe) -> None:
+    """Failure mode (issue 25 item 4): on a tree written with vLLM's kind enum, the audit
+    suggested `traits_of(kind)...` (a kind is no spec: it would raise) and missed
+    `kind in _PAGED_KINDS`, while migrate rewrote none of the kind checks, not even
+    `get_kv_cache_spec_kind(spec) == KVCacheSpecKind.MAMBA`, nor the MRO walks. Now every
+    site the audit answers with an exact trait question on a spec in reach is rewritten to
+    exactly the audit's suggestion, and every other site is listed as left, with why."""
+    audit_dir = Path(__file__).parent / "fixtures" / "audit"
+    targets = [audit_dir / "issue23" / "kinds.py", audit_dir / "more_forms.py"]
+    plan = plan_migration(targets, universe)
+    edits = {(Path(e.path).name, e.line): e for e in plan.edits}
+    skips = {(Path(s.path).name, s.line): s for s in plan.skips}
+    result = audit_paths(targets, universe)
+    assert len(result.sites) == len(edits) + len(skips) == 20
+    for site in result.sites:
+        key = (Path(site.path).name, site.raw.line)
+        a = site.answer
+        if key in edits:
+            assert a is not None and edits[key].after == a.expression, key
+        else:
+            assert key in skips, key
+        assert a is None or "traits_of(k)" not in a.expression
+    # the kind of a spec in reach, the kind variable computed from it, the MRO walks
+    assert edits[("kinds.py", 33)].after == (
+        "traits_of(spec).token_scope is TokenScope.RECURRENT_STATE"
+    )
+    assert edits[("more_forms.py", 36)].after == "traits_of(spec).is_mla"
+    assert {k[1] for k in edits if k[0] == "more_forms.py"} == {36, 40, 44, 48}
+    assert "not computed from a spec in reach" in skips[("kinds.py", 37)].reason
+    assert "closest match only" in skips[("kinds.py", 25)].reason  # the module-level set

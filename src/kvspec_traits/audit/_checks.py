@@ -11,6 +11,7 @@ import ast
 from dataclasses import dataclass
 from typing import Final
 
+from kvspec_traits.audit._flow import kind_source
 from kvspec_traits.audit._names import (
     KIND_FUNCTION,
     NameResolver,
@@ -38,6 +39,7 @@ class Check:
     excluded: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()
     asserted: bool = False
+    kind_value: bool = False  # a spec-kind check on a kind as held (not on the call)
 
 
 class CheckReader:
@@ -96,6 +98,23 @@ class CheckReader:
         if isinstance(node, ast.Attribute) and node.attr == "__class__":
             return ast.unparse(node.value)
         return ast.unparse(node)
+
+    def site_subject(self, check: Check, scope: ast.AST | None, region: ast.AST | None) -> str:
+        """The subject a site reports: for a spec-kind check on a kind variable, the spec
+        it was computed from (``kind = get_kv_cache_spec_kind(spec)`` earlier), else
+        ``<the spec whose kind is kind>``: a kind is no spec, ``traits_of(kind)`` would
+        raise."""
+        subject = check.subject
+        if not check.kind_value or scope is None or region is None:
+            return subject
+        if not subject.isidentifier():
+            return f"<the spec whose kind is {subject}>"
+        spec = kind_source(scope, region, subject, self._is_kind_call)
+        return spec if spec is not None else f"<the spec whose kind is {subject}>"
+
+    def _is_kind_call(self, func: ast.expr) -> bool:
+        ref = self.r.dotted(func)
+        return ref is not None and ref.rpartition(".")[2] == KIND_FUNCTION
 
     # -- recognising one check ------------------------------------------------------------
 
@@ -194,11 +213,13 @@ class CheckReader:
         for other, const in pairs:
             kinds = self.r.kind_members(const)
             if kinds:
-                subject = ast.unparse(other)
-                if isinstance(other, ast.Call) and len(other.args) == 1:
-                    ref = self.r.dotted(other.func)
-                    if ref is not None and ref.rpartition(".")[2] == KIND_FUNCTION:
-                        subject = ast.unparse(other.args[0])
+                subject, held = ast.unparse(other), True
+                if (
+                    isinstance(other, ast.Call)
+                    and len(other.args) == 1
+                    and self._is_kind_call(other.func)
+                ):
+                    subject, held = ast.unparse(other.args[0]), False
                 return Check(
                     node,
                     "spec-kind",
@@ -209,6 +230,7 @@ class CheckReader:
                     neg,
                     exact=True,
                     kinds=kinds,
+                    kind_value=held,
                 )
         if is_in and isinstance(right, ast.Attribute) and right.attr == "__mro__":
             classes = self.r.classes_of(left)

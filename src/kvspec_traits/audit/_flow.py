@@ -12,6 +12,7 @@ written the same way.
 from __future__ import annotations
 
 import ast
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
@@ -20,9 +21,11 @@ __all__ = [
     "Constraint",
     "TraitGuard",
     "Use",
+    "bindings_before",
     "exits",
     "flow_context",
     "iterables_around",
+    "kind_source",
     "path_to",
     "raises",
     "test_checks",
@@ -215,6 +218,74 @@ def contains(tree: ast.AST, node: ast.AST) -> bool:
     return any(sub is node for sub in ast.walk(tree))
 
 
+def bindings_before(scope: ast.AST, region: ast.AST) -> dict[str, ast.expr]:
+    """Names (and ``self.x`` attributes) bound exactly once in ``scope`` by a plain
+    assignment before ``region``, with the expression bound: a flag computed earlier
+    (``is_swa = isinstance(spec, SlidingWindowMLASpec)``, ``kind =
+    get_kv_cache_spec_kind(spec)``) stands for that expression where it is tested."""
+    counts: dict[str, int] = {}
+    found: dict[str, ast.expr] = {}
+    line = getattr(region, "lineno", 0)
+    for node in ast.walk(scope):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign | ast.For | ast.NamedExpr):
+            targets = [node.target]
+        for target in targets:
+            if isinstance(target, ast.Name | ast.Attribute):
+                key = ast.unparse(target)
+                counts[key] = counts.get(key, 0) + 1
+                if isinstance(node, ast.Assign) and len(targets) == 1 and node.lineno < line:
+                    found[key] = node.value
+    return {k: v for k, v in found.items() if counts[k] == 1}
+
+
+class _Substitute(ast.NodeTransformer):
+    def __init__(self, binds: dict[str, ast.expr]) -> None:
+        self.binds = binds
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        bound = self.binds.get(node.id) if isinstance(node.ctx, ast.Load) else None
+        return _copy(bound, node) if bound is not None else node
+
+    def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+        bound = self.binds.get(ast.unparse(node)) if isinstance(node.ctx, ast.Load) else None
+        return _copy(bound, node) if bound is not None else node
+
+
+def _through_flags(test: ast.expr, binds: dict[str, ast.expr]) -> ast.expr:
+    # The test with flags replaced by what they were computed from (two levels: a flag
+    # computed from a kind variable computed from the spec).
+    if not binds:
+        return test
+    names = {ast.unparse(n) for n in ast.walk(test) if isinstance(n, ast.Name | ast.Attribute)}
+    if not names & binds.keys():
+        return test
+    out: ast.expr = test
+    for _ in range(2):
+        out = _Substitute(binds).visit(_copy(out, test))
+    return out
+
+
+def _copy(node: ast.expr, where: ast.AST) -> ast.expr:
+    copied = copy.deepcopy(node)
+    for sub in ast.walk(copied):  # positions of the tested line, for the reasons
+        ast.copy_location(sub, where)
+    return copied
+
+
+def kind_source(
+    scope: ast.AST, region: ast.AST, name: str, is_kind_call: Callable[[ast.expr], bool]
+) -> str | None:
+    """The spec a kind variable was computed from (``kind = get_kv_cache_spec_kind(spec)``
+    earlier in ``scope``), as written; ``None`` when it cannot be told."""
+    bound = bindings_before(scope, region).get(name)
+    if isinstance(bound, ast.Call) and len(bound.args) == 1 and is_kind_call(bound.func):
+        return ast.unparse(bound.args[0])
+    return None
+
+
 def _trait_guard(
     test: ast.expr, subject: str, attributes: frozenset[str], line: int
 ) -> TraitGuard | None:
@@ -251,9 +322,13 @@ def flow_context(
     # A check inside `any(... for v in it)` speaks of v only within that iteration: a
     # quantified constraint applies when the site iterates over the same `it`.
     site_over = iterables_around(region, own)
+    binds = bindings_before(scope, region)
 
     def add(test: ast.expr, when_true: bool, why: str, line: int) -> None:
-        for use in test_checks(test, check_of):
+        flagged = _through_flags(test, binds)
+        if flagged is not test:
+            why = f"{why} (through a flag)"
+        for use in test_checks(flagged, check_of):
             check = use.check
             if check.subject != subject or check.node is own:
                 continue
@@ -262,12 +337,15 @@ def flow_context(
             matches = use.known(when_true)
             if matches is None:
                 continue
+            # a spec-kind check speaks of the classes of its kinds (resolved by the verdict)
+            kinds = getattr(check, "kinds", ())
+            classes = tuple(f"kind:{k}" for k in kinds) if kinds else check.classes
             if matches:
-                found.append(Constraint("require", check.classes, check.exact, line, why))
+                found.append(Constraint("require", classes, check.exact, line, why))
                 if check.excluded:
                     found.append(Constraint("exclude", check.excluded, False, line, why))
             elif not check.excluded:
-                found.append(Constraint("exclude", check.classes, check.exact, line, why))
+                found.append(Constraint("exclude", classes, check.exact, line, why))
 
     for holder, name, block, index in path_to(scope, region):
         if isinstance(holder, ast.If | ast.While) and name in ("body", "orelse"):

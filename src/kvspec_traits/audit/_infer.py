@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Final, Literal
 
+from kvspec_traits.audit._around import blocked_classes, flow_reason, of_kinds
 from kvspec_traits.audit._questions import KIND_TRAITS, QUESTIONS, Question
+from kvspec_traits.audit._readings import defines, in_test, judged_on_vllm
 from kvspec_traits.audit._scan import RawSite
 from kvspec_traits.audit._universe import Universe
 
@@ -193,29 +195,17 @@ def _answer(cand: _Candidate, raw: RawSite, *, negated: bool) -> Answer:
     )
 
 
-def _blocked(raw: RawSite, u: Universe) -> frozenset[str]:
-    # Classes the surrounding code keeps from reaching the check.
-    blocked: set[str] = set()
-    for c in raw.constraints:
-        hit = frozenset(c.classes) & u.concrete if c.exact else u.subclasses(c.classes)
-        if c.mode == "exclude":
-            blocked |= hit
-        else:
-            blocked |= u.concrete - hit
-    for g in raw.trait_guards:
-        blocked |= {n for n in u.concrete if u.values(g.name, n) == {g.excluded}}
-    return frozenset(blocked)
-
-
 def _tested(raw: RawSite, u: Universe) -> list[str]:
     if raw.kinds:  # vLLM's own mapping from classes to kinds
-        wanted = set(raw.kinds)
-        return sorted(n for n in u.concrete if u.kinds.get(n) and u.kinds[n] <= wanted)
+        return sorted(of_kinds(u, raw.kinds))
     return [c for c in raw.classes if c not in u.group_names]
 
 
 def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     """The verdict on one class check against the class sets ``u``."""
+    mixed = judged_on_vllm(raw, u, path, infer)
+    if mixed is not None:
+        return mixed
     tested = _tested(raw, u)
     exact = raw.exact and not raw.subclass_safe
     expanded = (
@@ -240,7 +230,7 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         }
         skipped = tuple(sorted((expanded - as_written) | below))
     wrapper = raw.unwraps is False
-    blocked = _blocked(raw, u)
+    blocked = blocked_classes(raw, u)
 
     answer: Answer | None = None
     missing: frozenset[str] = frozenset()
@@ -265,10 +255,15 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     # An out-of-tree subclass of a missed class, tested here or handled by the code
     # around it, covers it: that platform makes its own subclass's instances.
     around = {*raw.classes, *raw.exited_on, *(n for c in raw.constraints for n in c.classes)}
-    covered = {
-        m for m in missing if any(m in u.classes[c].mro[1:] for c in around if c in u.out_of_tree)
-    }
+    # (the class it replaces: its own first base)
+    replaced = {u.classes[c].mro[1] for c in around if c in u.out_of_tree}
+    covered = missing & replaced
     missing -= covered
+    # A spec-kind check asks the enum's question: a class vLLM gives a kind of its own
+    # (SlidingWindowMLASpec: SLIDING_WINDOW_MLA, not MLA_ATTENTION) is set apart by the
+    # enum's definition, not left out by this check.
+    by_enum = sorted(missing) if raw.kinds else []
+    missing -= set(by_enum)
 
     verdict: Verdict = "ok"
     confidence: Confidence = "high"
@@ -281,7 +276,17 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     else:
         reason = "no single trait: a class-identity check"
     exited = u.subclasses(raw.exited_on)
-    if raw.form == "class-dict" and raw.subclass_safe:
+    owner = raw.function.partition(".")[0]
+    here = [c for c in tested if c in u.classes and defines(path, u.classes[c].module)]
+    if raw.form == "type-name" and "assert" in raw.context and in_test(path, raw.function):
+        reason = "a test's assertion on a recorded class name: what the test expects, no branch"
+    elif exact and (owner in u.classes or (here and len(here) == len(tested))):
+        where = f"{owner}'s own code" if owner in u.classes else "the module that defines it"
+        reason = (
+            f"an exact type in {where} (the spec definitions: merge and registry logic): "
+            f"the class's own contract, not a branch of code that uses specs"
+        )
+    elif raw.form == "class-dict" and raw.subclass_safe:
         reason = "a table looked up along type(x).__mro__: subclasses find their base's entry"
     elif unknown and not expanded:
         verdict, confidence = "unknown-class", "high"
@@ -360,10 +365,19 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     elif excluded_by_flow:
         reason = (
             f"{', '.join(sorted(excluded_by_flow))} cannot get here (excluded by "
-            f"{_flow_reason(raw, u, excluded_by_flow)})"
+            f"{flow_reason(raw, u, excluded_by_flow)})"
         )
     elif covered:
         reason = f"{', '.join(sorted(covered))} covered by an out-of-tree subclass the code names"
+    elif by_enum:
+        reason = (
+            f"asks KVCacheSpecKind {', '.join(raw.kinds)}; "
+            + ", ".join(
+                f"{m} has the kind {'/'.join(sorted(u.kinds.get(m, ()))) or 'UNKNOWN'}"
+                for m in by_enum
+            )
+            + " (the enum's definition)"
+        )
     if unknown and verdict == "ok":
         reason += f"; names {', '.join(unknown)} (unknown traits: adds fields)"
     if no_rep and verdict == "ok":
@@ -387,15 +401,3 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         excluded_by_flow=tuple(sorted(excluded_by_flow)),
         unknown=unknown,
     )
-
-
-def _flow_reason(raw: RawSite, u: Universe, excluded: frozenset[str]) -> str:
-    whys: list[str] = []
-    for c in raw.constraints:
-        hit = frozenset(c.classes) & u.concrete if c.exact else u.subclasses(c.classes)
-        if (hit & excluded) if c.mode == "exclude" else (excluded - hit):
-            whys.append(f"{c.why} at line {c.line}")
-    for g in raw.trait_guards:
-        if any(u.values(g.name, n) == {g.excluded} for n in excluded):
-            whys.append(f"a {g.name} guard at line {g.line}")
-    return ", ".join(dict.fromkeys(whys)) or "the code before it"

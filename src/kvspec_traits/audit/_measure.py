@@ -32,6 +32,11 @@ PATTERNS: Final = (
     "domain-limit",
     "platform-subclass",
     "group-property",
+    "identity",
+    "enum-kind",
+    "flag-flow",
+    "test-assertion",
+    "spec-module",
 )
 """Why a reader gave a verdict: a true miss, or the pattern that makes a flag wrong."""
 
@@ -44,6 +49,9 @@ class Reported:
     line: int
     end_line: int
     miss: bool
+    warning: bool = False
+    """A warning: verdict ``miss`` or ``exact-type`` (an exact type check that skips
+    subclasses); the notes and the other verdicts are not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,9 @@ class Score:
     true_flagged: int
     sites: int
     sites_found: int
+    warned: int = 0
+    warned_true: int = 0
+    true_warned: int = 0
 
     @property
     def precision(self) -> float:
@@ -68,6 +79,17 @@ class Score:
     def recall(self) -> float:
         """True misses flagged (1.0 when there are none)."""
         return self.true_flagged / self.true_misses if self.true_misses else 1.0
+
+    @property
+    def warning_precision(self) -> float:
+        """Warnings (``miss`` and ``exact-type`` verdicts) the reader calls a miss (1.0
+        when there are none)."""
+        return self.warned_true / self.warned if self.warned else 1.0
+
+    @property
+    def warning_recall(self) -> float:
+        """True misses that get a warning (1.0 when there are none)."""
+        return self.true_warned / self.true_misses if self.true_misses else 1.0
 
     @property
     def found(self) -> float:
@@ -93,7 +115,8 @@ def reported_sites(result: AuditResult, root: Path) -> list[Reported]:
             rel = path.resolve().relative_to(root.resolve()).as_posix()
         except ValueError:
             rel = s.path
-        found.append(Reported(rel, s.raw.line, s.raw.end_line, s.has_miss))
+        warn = s.verdict in ("miss", "exact-type")
+        found.append(Reported(rel, s.raw.line, s.raw.end_line, s.has_miss, warn))
     return found
 
 
@@ -113,7 +136,12 @@ def score(tree: Mapping[str, Any], reported: Iterable[Reported]) -> Score:
     found = sum(
         any(a <= s["line"] <= b for a, b in spans.get(s["path"], ())) for s in tree["sites"]
     )
+    warned = [r for r in sites if r.warning or r.miss]
+    warned_at = {(r.path, r.line) for r in warned}
     return Score(
+        warned=len(warned),
+        warned_true=sum(truth.get((r.path, r.line)) == "miss" for r in warned),
+        true_warned=sum(key in warned_at for key in true_misses),
         flagged=len(flagged),
         flagged_true=flagged_true,
         unchecked=unchecked,

@@ -63,6 +63,9 @@ class NameResolver:
         self.package = module if is_package else module.rpartition(".")[0]
         self.bindings: dict[str, _Binding] = {}
         self.class_sets: dict[str, tuple[str, ...]] = {}
+        # module-level names bound to a set of KVCacheSpecKind members
+        # (`_SLIDING_KINDS = frozenset({KVCacheSpecKind.SLIDING_WINDOW, ...})`)
+        self.kind_sets: dict[str, tuple[str, ...]] = {}
         # Imports anywhere (vLLM imports spec classes inside functions too): an alias is
         # rarely reused for something else within one module.
         for node in all_statements(tree.body):
@@ -104,7 +107,7 @@ class NameResolver:
 
     def tokens(self) -> set[bytes]:
         """Names whose occurrence in the source can start a check on spec classes."""
-        names = set(self.known) | set(self.class_sets)
+        names = set(self.known) | set(self.class_sets) | set(self.kind_sets)
         for sets in self.exports.values():
             names.update(sets)  # `mod.LATENT` through a module alias
         for name, bound in self.bindings.items():
@@ -122,10 +125,20 @@ class NameResolver:
         return None
 
     def kind_members(self, node: ast.expr) -> tuple[str, ...]:
-        """Members a kind expression (one, or a tuple/list/set of them) names."""
+        """Members a kind expression names: one, a tuple/list/set of them, such a
+        collection wrapped in ``frozenset(...)``/``set(...)``/``tuple(...)``, or a
+        module-level name bound to one of those."""
+        if isinstance(node, ast.Name):
+            found_set = self.kind_sets.get(node.id)
+            if found_set is not None:
+                return found_set
         if isinstance(node, ast.Tuple | ast.List | ast.Set):
             found = [self.kind_member(e) for e in node.elts]
             return tuple(m for m in found if m is not None) if all(found) else ()
+        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
+            if self.dotted(node.func) in _WRAPPING_CALLS:
+                return self.kind_members(node.args[0])
+            return ()
         member = self.kind_member(node)
         return (member,) if member else ()
 
@@ -167,6 +180,11 @@ class NameResolver:
         for target in targets:
             if not isinstance(target, ast.Name):
                 continue
+            kinds = self.kind_members(value) if value is not None else ()
+            if kinds and not isinstance(value, ast.Attribute):
+                self.kind_sets[target.id] = kinds
+            else:
+                self.kind_sets.pop(target.id, None)
             found = self.classes_of(value) if value is not None else ()
             if found:
                 self.bindings[target.id] = found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final, TextIO
@@ -10,7 +11,16 @@ from kvspec_traits.audit._audit import AuditResult
 from kvspec_traits.audit._files import FileError
 from kvspec_traits.audit._infer import Site
 
-__all__ = ["RULES", "render_json", "render_sarif", "render_table", "site_json", "summary"]
+__all__ = [
+    "NOTE_VERDICTS",
+    "RULES",
+    "drop_notes",
+    "render_json",
+    "render_sarif",
+    "render_table",
+    "site_json",
+    "summary",
+]
 
 TOOL_NAME: Final = "kvspec-traits audit"
 
@@ -100,6 +110,17 @@ def _message(site: Site) -> str:
     return " ".join(parts)
 
 
+NOTE_VERDICTS: Final = ("possible-miss", "group-wrapper")
+"""Verdicts that are notes: right less than half the time on the hand-checked trees
+(docs/audit.md, "Measured on real code"), so left out of a report unless asked for."""
+
+
+def drop_notes(result: AuditResult) -> tuple[AuditResult, int]:
+    """The result without its note sites (``NOTE_VERDICTS``), and how many were dropped."""
+    kept = tuple(s for s in result.sites if s.verdict not in NOTE_VERDICTS)
+    return dataclasses.replace(result, sites=kept), len(result.sites) - len(kept)
+
+
 def summary(result: AuditResult) -> dict[str, int]:
     """Counts for the summary line and the JSON ``summary`` object."""
     sites = result.sites
@@ -118,8 +139,9 @@ def summary(result: AuditResult) -> dict[str, int]:
     }
 
 
-def render_table(result: AuditResult, out: TextIO) -> None:
-    """Sites grouped by file: files with misses first, misses first within a file."""
+def render_table(result: AuditResult, out: TextIO, *, hidden_notes: int = 0) -> None:
+    """Sites grouped by file: files with misses first, misses first within a file.
+    ``hidden_notes``: how many note sites :func:`drop_notes` left out (said at the end)."""
     u = result.universe
     with_ext = f" and {', '.join(u.extensions)}" if u.extensions else ""
     out.write(f"{TOOL_NAME}: class sets of vLLM {u.vllm_version}{with_ext}\n")
@@ -169,7 +191,9 @@ def render_table(result: AuditResult, out: TextIO) -> None:
         f"{_count(n['exact_type_checks_skipping_subclasses'], 'exact type check')} skipping "
         f"subclasses, {_count(n['group_wrappers_not_unwrapped'], 'group wrapper')} not "
         f"unwrapped; {_count(n['files_seen'], 'file')} seen, {n['files_parsed']} parsed, "
-        f"{n['files_with_errors']} could not be scanned\n"
+        f"{n['files_with_errors']} could not be scanned"
+        + (f"; {_count(hidden_notes, 'note')} left out (--notes)" if hidden_notes else "")
+        + "\n"
     )
 
 

@@ -21,13 +21,7 @@ from kvspec_traits.audit._flow import (
     raises,
     test_checks,
 )
-from kvspec_traits.audit._names import (
-    NameResolver,
-    all_statements,
-    blocks,
-    dedup,
-    last_name,
-)
+from kvspec_traits.audit._names import NameResolver, all_statements, blocks, dedup, last_name
 
 __all__ = ["RawSite", "SiteFinder"]
 
@@ -399,6 +393,7 @@ class SiteFinder(CheckReader):
         constraints: tuple[Constraint, ...] = ()
         guards: tuple[TraitGuard, ...] = ()
         exited: tuple[str, ...] = ()
+        check.subject = self.site_subject(check, self.top, self.stmt)
         if self.scope is not None and self.stmt is not None and check.subject:
             constraints, guards = flow_context(
                 self.scope,

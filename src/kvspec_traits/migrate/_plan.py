@@ -19,10 +19,14 @@ from kvspec_traits.audit._questions import KIND_TRAITS, question_named
 
 __all__ = ["REWRITTEN_FORMS", "Edit", "Skip", "Span", "keep_context", "plan_site"]
 
-REWRITTEN_FORMS: Final = frozenset({"isinstance", "type-compare"})
-"""Forms asked of an instance: ``isinstance(x, C)`` and ``type(x) is C``. The others ask
-a class (``issubclass``, ``spec_type is C``), a name, a table or vLLM's kind enum, which a
-trait of an instance does not answer as written."""
+REWRITTEN_FORMS: Final = frozenset({"isinstance", "type-compare", "spec-kind", "mro-walk"})
+"""Forms asked of an instance: ``isinstance(x, C)``, ``type(x) is C``, vLLM's kind of a
+spec in reach (``get_kv_cache_spec_kind(spec) == KVCacheSpecKind.MAMBA``, or a kind
+variable computed from one earlier in the function) and walks over ``type(x).__mro__``
+(``C in type(x).__mro__``, ``"C" in [c.__name__ for c in type(x).__mro__]``,
+``any(c.__name__ == "C" for c in type(x).__mro__)``). The others ask a class
+(``issubclass``, ``spec_type is C``), a stored name or a table, which a trait of an
+instance does not answer as written."""
 
 _REWRITTEN_VERDICTS: Final = frozenset({"ok", "miss"})
 
@@ -118,6 +122,8 @@ def _why_not(site: Site) -> str | None:
             "wrapper's own traits may differ)",
         }
         return f"{raw.form}: {what.get(raw.form, 'no instance expression to rewrite')}"
+    if raw.form == "spec-kind" and raw.subject.startswith("<"):
+        return "spec-kind: the kind is not computed from a spec in reach (no spec to ask)"
     if "assert" in raw.context and raw.text.startswith("self."):
         return "a test assertion (assertIsInstance), not a branch"
     if raw.unwraps:
@@ -181,9 +187,14 @@ class SourceIndex:
 
 
 def _subject(check: ast.expr) -> ast.expr | None:
-    # The instance a check asks about: isinstance(x, C), not ..., type(x) is C.
+    # The instance a check asks about: isinstance(x, C), not ..., type(x) is C, and the
+    # x of type(x).__mro__ anywhere inside an MRO walk.
     while isinstance(check, ast.UnaryOp) and isinstance(check.op, ast.Not):
         check = check.operand
+    for node in ast.walk(check):
+        if isinstance(node, ast.Attribute) and node.attr == "__mro__":
+            inner = _subject(ast.Compare(left=node.value, ops=[ast.Is()], comparators=[]))
+            return inner if inner is not None else node.value
     if isinstance(check, ast.Call) and check.args:
         return check.args[0]
     if isinstance(check, ast.Compare):
@@ -200,6 +211,24 @@ def _subject(check: ast.expr) -> ast.expr | None:
     return None
 
 
+def _mro_any(node: ast.expr, index: SourceIndex) -> ast.expr | None:
+    # `any(<node> for c in type(x).__mro__)`: the any() call a name walk stands for.
+    gen = index.parent(node)
+    call = index.parent(gen) if isinstance(gen, ast.GeneratorExp) else None
+    if (
+        isinstance(gen, ast.GeneratorExp)
+        and isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Name)
+        and call.func.id == "any"
+        and gen.elt is node
+        and len(gen.generators) == 1
+        and isinstance(gen.generators[0].iter, ast.Attribute)
+        and gen.generators[0].iter.attr == "__mro__"
+    ):
+        return call
+    return None
+
+
 def _locate(site: Site, index: SourceIndex) -> tuple[list[ast.expr], bool] | None:
     # The expressions the audit read as this site: ([one], False) or (members, True).
     raw = site.raw
@@ -207,7 +236,8 @@ def _locate(site: Site, index: SourceIndex) -> tuple[list[ast.expr], bool] | Non
         current: ast.expr = node
         while True:
             if ast.unparse(current) == raw.text:
-                return [current], False
+                walk = _mro_any(current, index) if raw.form == "mro-walk" else None
+                return [walk if walk is not None else current], False
             parent = index.parent(current)
             if isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not):
                 current = parent
@@ -266,8 +296,10 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
     if found is None:
         return _skip(site, "the check could not be found again in the source")
     members, chain = found
-    subject = _subject(members[0])
-    if subject is None:
+    # a spec-kind site's subject is the spec the audit resolved (a kind variable's spec
+    # is no part of the check as written)
+    subject = _subject(members[0]) if site.raw.form != "spec-kind" else None
+    if subject is None and site.raw.form != "spec-kind":
         return _skip(site, "no instance expression in the check")
     question = question_named(answer.trait)
     # The audit wrote answer.expression on raw.subject; pick the polarity it used.
@@ -282,9 +314,12 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
     )
     if negated is None:
         return _skip(site, f"unexpected answer expression {answer.expression!r}")
-    written = _source_of(subject, index.lines)  # the subject as the source spells it
-    if "\n" in written:
-        written = ast.unparse(subject)
+    if subject is None:
+        written = site.raw.subject
+    else:
+        written = _source_of(subject, index.lines)  # the subject as the source spells it
+        if "\n" in written:
+            written = ast.unparse(subject)
     after = question.expression(written, answer.value, negated=negated)
     other_kind, own_kind = _differs_on(site, universe, negated)
     if own_kind:
