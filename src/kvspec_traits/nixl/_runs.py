@@ -49,19 +49,20 @@ def _class_starts(
         return None
     if lb.size == 1:
         return _ZERO
-    ld, rd = np.diff(lb), (None if rb is lb else np.diff(rb))
+    ld = lb[1:] - lb[:-1]
+    rd = None if rb is lb else rb[1:] - rb[:-1]
     if key == (0, 0, 0):  # dense: exactly consecutive ids on both sides
-        joins = ld == 1
+        breaks = ld != 1
         if rd is not None:
-            joins &= rd == 1
+            breaks |= rd != 1
     else:  # merge_runs' uint64 test, on the id differences
         lstride, rstride, length = (np.uint64(v) for v in key)
-        joins = ld.view(np.uint64) * lstride == length
-        joins &= (ld if rd is None else rd).view(np.uint64) * rstride == length
-    breaks = np.flatnonzero(~joins)
-    starts = np.empty(breaks.size + 1, dtype=np.intp)
+        breaks = ld.view(np.uint64) * lstride != length
+        breaks |= (ld if rd is None else rd).view(np.uint64) * rstride != length
+    at = np.flatnonzero(breaks)
+    starts = np.empty(at.size + 1, dtype=np.intp)
     starts[0] = 0
-    np.add(breaks, 1, out=starts[1:])
+    np.add(at, 1, out=starts[1:])
     return starts
 
 
@@ -110,28 +111,31 @@ def _write(
     runs: tuple[U64, U64, U64 | None],
 ) -> None:
     """Rows ``rows`` of ``bucket`` for each run, row-major, at positions ``at`` (a
-    slice: written in place through reshaped column views; an index grid: scattered)."""
+    slice: computed in place in reshaped column views; an index grid: scattered)."""
     first_l, first_r, span = runs
-    grid = isinstance(at, np.ndarray)
-    addr = bucket.lstride[rows] * first_l
-    addr += bucket.lbase[rows]
-    raddr = bucket.rstride[rows] * first_r
-    raddr += bucket.rbase[rows]
-    if span is None:
-        length: U64 = np.broadcast_to(bucket.length[rows], shape)
-    else:
-        length = bucket.lstride[rows] * span
-        length += bucket.length[rows]
-    for out, a, dev in ((lrows, addr, bucket.ldev), (rrows, raddr, bucket.rdev)):
-        if grid:
-            out[at, 0] = a
-            out[at, 1] = length
-            out[at, 2] = dev[rows]
+    lstride, length = bucket.lstride[rows], bucket.length[rows]
+    if isinstance(at, slice):
+        lblock, rblock = lrows[at], rrows[at]
+        addr, lens = lblock[:, 0].reshape(shape), lblock[:, 1].reshape(shape)
+        np.multiply(lstride, first_l, out=addr)
+        addr += bucket.lbase[rows]
+        raddr = rblock[:, 0].reshape(shape)
+        np.multiply(bucket.rstride[rows], first_r, out=raddr)
+        raddr += bucket.rbase[rows]
+        if span is None:
+            lens[...] = length
         else:
-            block = out[at]
-            block[:, 0].reshape(shape)[...] = a
-            block[:, 1].reshape(shape)[...] = length
-            block[:, 2].reshape(shape)[...] = dev[rows]
+            np.multiply(lstride, span, out=lens)
+            lens += length
+        rblock[:, 1] = lblock[:, 1]
+        lblock[:, 2].reshape(shape)[...] = bucket.ldev[rows]
+        rblock[:, 2].reshape(shape)[...] = bucket.rdev[rows]
+        return
+    lrows[at, 0] = lstride * first_l + bucket.lbase[rows]
+    rrows[at, 0] = bucket.rstride[rows] * first_r + bucket.rbase[rows]
+    lrows[at, 1] = rrows[at, 1] = length if span is None else lstride * span + length
+    lrows[at, 2] = bucket.ldev[rows]
+    rrows[at, 2] = bucket.rdev[rows]
 
 
 def merged_rows(runs: Runs) -> list[TransferItems]:
@@ -156,6 +160,9 @@ def merged_rows(runs: Runs) -> list[TransferItems]:
         for rank, size in sorted(sizes.items())
     }
     pos = dict.fromkeys(out, 0)
+    # Where one (region, read) row's runs end and the next row's begin: within a row
+    # runs are maximal, so only there can neighbouring descriptors still merge.
+    seams: dict[int, list[npt.NDArray[np.intp]]] = {rank: [] for rank in out}
     converted: dict[int, tuple[U64, U64]] = {}
     for key, bucket, rank, parts in plans:
         if key not in converted:
@@ -178,6 +185,7 @@ def merged_rows(runs: Runs) -> list[TransferItems]:
                 _runs_of(starts, lb, rb),
             )
             pos[rank] = start + k * r
+            seams[rank].append(np.arange(start, start + k * r, r, dtype=np.intp))
             continue
         counts = np.empty(bucket.regions.size, dtype=np.intp)
         for rows, r, _ in parts:
@@ -187,4 +195,24 @@ def merged_rows(runs: Runs) -> list[TransferItems]:
             at = offsets[rows][:, None] + np.arange(r, dtype=np.intp)
             _write(lrows, rrows, at, (rows.size, r), bucket, rows, _runs_of(starts, lb, rb))
         pos[rank] = start + int(counts.sum())
-    return [merge_runs(TransferItems(rank, lr, rr)) for rank, (lr, rr) in out.items()]
+        seams[rank].append(offsets)
+    return [
+        _merge_seams(TransferItems(rank, lr, rr), seams[rank]) for rank, (lr, rr) in out.items()
+    ]
+
+
+def _merge_seams(items: TransferItems, seams: list[npt.NDArray[np.intp]]) -> TransferItems:
+    """:func:`merge_runs` of ``items``, whose rows can only join at ``seams`` (the
+    first row of each (region, read)): those are tested first (``O(regions)``), and the
+    whole merge runs only if one of them joins."""
+    at = np.concatenate(seams) if seams else np.zeros(0, dtype=np.intp)
+    at = at[at > 0]
+    if not at.size:
+        return items
+    loc, rem = items.local, items.remote
+    before, after = loc[at - 1], loc[at]
+    joins = before[:, 0] + before[:, 1] == after[:, 0]
+    joins &= rem[at - 1, 0] + before[:, 1] == rem[at, 0]
+    joins &= before[:, 2] == after[:, 2]
+    joins &= rem[at - 1, 2] == rem[at, 2]
+    return merge_runs(items) if bool(joins.any()) else items
