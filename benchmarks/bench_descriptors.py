@@ -206,7 +206,10 @@ def _table(
         up_local, up_remote = upstream()
         ours, rows = prepped(), merged()
         if not (
-            np.array_equal(up_local, ours.local_ids) and np.array_equal(up_remote, ours.remote_ids)
+            ours.local_ids is not None
+            and ours.remote_ids is not None
+            and np.array_equal(up_local, ours.local_ids)
+            and np.array_equal(up_remote, ours.remote_ids)
         ):
             print(f"MISMATCH at {per_group} blocks per group: ours differs from upstream")
             return [float("inf")]

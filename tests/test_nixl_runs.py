@@ -146,7 +146,9 @@ def test_merged_mode_uses_prepared_ids_where_rows_do_not_pay() -> None:
     ids = [[7, 1], [12, 3], [9], [0]]
     merged = request_descs(v4, {0: _peer(v4)}, ids, None, "merged")
     prepped = request_descs(v4, {0: _peer(v4)}, ids, None, "prepped")
-    assert merged.local_ids is not None and merged.items == []
+    assert merged.items == [] and prepped.items == []
+    assert merged.local_ids is not None and prepped.local_ids is not None
+    assert merged.remote_ids is not None and prepped.remote_ids is not None
     assert np.array_equal(merged.local_ids, prepped.local_ids)
     assert np.array_equal(merged.remote_ids, prepped.remote_ids)
     assert (merged.per_block, merged.nbytes) == (prepped.per_block, prepped.nbytes)
