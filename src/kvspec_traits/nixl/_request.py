@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import numpy.typing as npt
 
-from kvspec_traits.nixl._descs import BlockIds, Request
+from kvspec_traits.nixl._descs import BlockIds, Request, desc_index
 from kvspec_traits.nixl._errors import MissingPeerError
 from kvspec_traits.nixl._items import (
     ReadCache,
@@ -108,8 +108,15 @@ def request_descs(
         items = transfer_items_of(plan, remotes, lreq, rreq, first.reads)
         per_block = sum(i.count for i in items)
         return RequestDescs(None, None, items, per_block, sum(i.nbytes for i in items))
-    runs = request_runs(*checked_request(plan, remotes, lreq, rreq, first.reads))
     prepped = _prepped_peer(plan, by_rank)
+    # The most blocks one (region, read) row takes (a plan whose regions all take
+    # every group's blocks reads them together).
+    longest = max(g.size for g in lreq.groups) if desc_index(plan).mapped else lreq.all.size
+    if prepped is not None and 0 < longest < MERGE_PAYS:
+        # Every row keeps a run at least: merging cannot cut MERGE_PAYS times.
+        local_ids, remote_ids, nbytes = prepped_ids_of(plan, prepped, lreq, rreq)
+        return RequestDescs(local_ids, remote_ids, [], int(local_ids.size), nbytes)
+    runs = request_runs(*checked_request(plan, remotes, lreq, rreq, first.reads))
     if prepped is not None and runs.count * MERGE_PAYS > runs.per_block:
         # The local ids were checked with the runs (bounds, distinct destinations).
         local_ids, remote_ids, nbytes = prepped_ids_of(
