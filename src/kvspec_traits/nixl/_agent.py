@@ -24,19 +24,18 @@ import numpy as np
 import numpy.typing as npt
 
 from kvspec_traits._deps import needs
-from kvspec_traits.nixl._descs import BlockIds, Request, build_block_descs
+from kvspec_traits.nixl._descs import BlockIds, build_block_descs
 from kvspec_traits.nixl._errors import MissingPeerError, TransferFailedError
-from kvspec_traits.nixl._items import ReadCache, TransferItems, merge_runs, transfer_items_of
+from kvspec_traits.nixl._items import ReadCache, TransferItems
 from kvspec_traits.nixl._peer import (
     DESC_MODES,
     DescMode,
     RemotePeer,
     TransferResult,
-    check_prepped_rank,
     plan_mem_type,
-    prepped_desc_ids,
 )
 from kvspec_traits.nixl._register import deregister_all, register_ranges
+from kvspec_traits.nixl._request import request_descs
 from kvspec_traits.nixl._wire import (
     PeerMetadata,
     check_peer_layout,
@@ -260,43 +259,19 @@ class TraitsNixlAgent:
                     f": peer {peer.name} is TP rank {peer.meta.tp_rank} of "
                     f"{peer.meta.tp_size}, passed as rank {rank} of {remote_tp}",
                 )
-        plan = self.plan
         start = time.perf_counter()
         posted: list[_Posted] = []
-        descriptors = 0
-        per_block = 0
-        nbytes = 0
         try:
-            if mode == "prepped":
-                if len(by_rank) != 1 or remote_tp != plan.tp_size:
-                    raise ValueError("mode='prepped' needs one peer of the same TP size")
+            descs = request_descs(self.plan, by_rank, block_ids, remote_block_ids, mode)
+            ids = (descs.local_ids, descs.remote_ids)
+            # An empty request moves nothing, as in the other modes (NIXL refuses an empty
+            # prepared transfer with NIXL_ERR_INVALID_PARAM).
+            if ids[0] is not None and ids[1] is not None and ids[0].size:
                 peer = next(iter(by_rank.values()))
-                check_prepped_rank(plan, peer)
-                local_ids, remote_ids, nbytes = prepped_desc_ids(
-                    plan, peer, block_ids, remote_block_ids
-                )
-                if local_ids.size:  # an empty request moves nothing, as in the other modes
-                    handle = self._make_prepped(peer, local_ids, remote_ids, notify)
-                    posted.append(_Posted(handle, peer.name))
-                descriptors = per_block = int(local_ids.size)
-            else:
-                first = next(iter(by_rank.values()))
-                if first.reads is None:
-                    first.reads = ReadCache(plan, remote_tp, first.meta.regions)
-                remotes = {rank: p.meta.regions for rank, p in by_rank.items()}
-                lreq = Request(block_ids, plan.num_groups, "local")
-                rreq = (
-                    lreq
-                    if remote_block_ids is None
-                    else Request(remote_block_ids, plan.num_groups, "remote")
-                )
-                for items in transfer_items_of(plan, remotes, lreq, rreq, first.reads):
-                    per_block += items.count
-                    nbytes += items.nbytes
-                    if mode == "merged":
-                        items = merge_runs(items)
-                    descriptors += items.count
-                    posted.append(self._post_items(by_rank[items.remote_rank], items, notify))
+                handle = self._make_prepped(peer, ids[0], ids[1], notify)
+                posted.append(_Posted(handle, peer.name))
+            for items in descs.items:
+                posted.append(self._post_items(by_rank[items.remote_rank], items, notify))
             for p in posted:
                 state = self._checked(self._agent.transfer, p.handle)
                 if state == "ERR":
@@ -307,9 +282,9 @@ class TraitsNixlAgent:
             raise
         self._release(posted)
         return TransferResult(
-            descriptors=descriptors,
-            per_block_descriptors=per_block,
-            nbytes=nbytes,
+            descriptors=descs.descriptors,
+            per_block_descriptors=descs.per_block,
+            nbytes=descs.nbytes,
             seconds=time.perf_counter() - start,
         )
 

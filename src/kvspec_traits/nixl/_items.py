@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +30,7 @@ __all__ = [
     "ReadCache",
     "TransferItems",
     "check_lengths",
+    "checked_request",
     "merge_runs",
     "peer_regions",
     "transfer_items",
@@ -129,11 +131,42 @@ def transfer_items(
     )
 
 
+_Row = tuple[int, int, int, int, int, int, int, int, int, int]
+"""(region, local base, local stride, remote base, remote stride, length, local device,
+remote device, remote block count, local block count) of one (region, read)."""
+_U64_END: Final = 1 << 64
+
+
+def _join_class(row: _Row) -> tuple[int, int, int] | None:
+    """Which neighbouring blocks of one (region, read) row can merge: ``None`` when
+    none ever can, ``(0, 0, 0)`` when exactly consecutive ids on both sides do (a
+    dense row: stride == length on both sides), else the row's ``(local stride,
+    remote stride, length)``, which the exact ``uint64`` test of :func:`merge_runs`
+    needs.
+
+    Blocks ``a`` then ``b`` abut on a side with stride ``s`` and length ``n`` iff
+    ``s * (b - a) == n (mod 2**64)``, with ``|b - a|`` below that side's block count
+    ``c`` (ids are bounds-checked first). If ``s > n > 0`` and ``s * c + n < 2**64``
+    no such difference exists (positive ones overshoot ``n``, negative ones wrap to
+    above it, zero gives 0). If ``s == n > 0`` and ``s * c < 2**64`` only ``b - a ==
+    1`` does."""
+    _, _, lstride, _, rstride, length, _, _, rcount, lcount = row
+    sides = ((lstride, lcount), (rstride, rcount))
+    if length > 0 and any(s > length and s * c + length < _U64_END for s, c in sides):
+        return None
+    if length > 0 and all(s == length and s * c < _U64_END for s, c in sides):
+        return (0, 0, 0)
+    return (lstride, rstride, length)
+
+
 class _Bucket:
     """The reads of one cache group's regions from one remote rank, as columns: row
-    ``i`` is one (region, read) pair, in region order."""
+    ``i`` is one (region, read) pair, in region order. Rows are also sorted by how
+    their neighbouring blocks merge (:func:`_join_class`), for the run-level merge
+    (``nixl/_runs.py``)."""
 
     __slots__ = (
+        "classes",
         "count_limit",
         "lbase",
         "ldev",
@@ -145,8 +178,8 @@ class _Bucket:
         "rstride",
     )
 
-    def __init__(self, rows: list[tuple[int, int, int, int, int, int, int, int, int]]) -> None:
-        cols = np.asarray(rows, dtype=np.uint64).reshape(-1, 9)
+    def __init__(self, rows: list[_Row]) -> None:
+        cols = np.asarray(rows, dtype=np.uint64).reshape(-1, 10)
         self.regions = cols[:, 0].astype(np.int64)
         self.lbase, self.lstride = cols[:, 1:2].copy(), cols[:, 2:3].copy()
         self.rbase, self.rstride = cols[:, 3:4].copy(), cols[:, 4:5].copy()
@@ -156,6 +189,13 @@ class _Bucket:
             cols[:, 7:8].copy(),
         )
         self.count_limit = int(cols[:, 8].min()) if len(rows) else INT64_MAX
+        members: dict[tuple[int, int, int] | None, list[int]] = {}
+        for i, row in enumerate(rows):
+            members.setdefault(_join_class(row), []).append(i)
+        self.classes: tuple[tuple[tuple[int, int, int] | None, npt.NDArray[np.intp]], ...] = tuple(
+            (key, np.asarray(idx, dtype=np.intp)) for key, idx in members.items()
+        )
+        """Per join class, the rows (bucket indices, ascending) of that class."""
 
 
 class ReadTable:
@@ -175,7 +215,7 @@ class ReadTable:
         self.buckets: list[dict[int, _Bucket]] = []
         self.errors: list[Exception | None] = []
         for members in index.by_group:
-            rows: dict[int, list[tuple[int, int, int, int, int, int, int, int, int]]] = {}
+            rows: dict[int, list[_Row]] = {}
             error: Exception | None = None
             for i in members.tolist():
                 region = plan.regions[i]
@@ -202,6 +242,7 @@ class ReadTable:
                             region.device_id,
                             peer.device_id,
                             peer.num_blocks,
+                            region.num_blocks,
                         )
                     )
             self.buckets.append({rank: _Bucket(r) for rank, r in sorted(rows.items())})
@@ -230,17 +271,21 @@ def _fill(out: U64, pos: int, bucket: _Bucket, blocks: npt.NDArray[np.uint64], l
     rows[:, 2].reshape(k, n)[...] = bucket.ldev if local else bucket.rdev
 
 
-def transfer_items_of(
+Groups = list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]
+"""Per bucket key of a :class:`ReadTable`: the request's (local, remote) block ids."""
+
+
+def checked_request(
     local: RegionPlan,
     remotes: Mapping[int, Sequence[PeerRegion]],
     lreq: Request,
     rreq: Request,
     reads: ReadCache,
-) -> list[TransferItems]:
-    """:func:`transfer_items` with the request's ids converted and the TP reads of
-    the peer kept across requests: validated first (one list per group of paired
-    lengths, bounds on both sides, distinct destinations), then rows written group by
-    group and rank by rank into one array per rank and side."""
+) -> tuple[ReadTable, Groups]:
+    """Validate a request against the plan and the remote ranks (one list per group of
+    paired lengths, bounds on both sides, distinct destinations, every region it
+    touches able to move) before anything is built; the peer's read table and the
+    request's ids per bucket key."""
     check_lengths(lreq, rreq)
     desc_index(local).check(lreq, "local")  # bounds, then distinct destinations
     table = read_table(local, remotes, reads)
@@ -249,16 +294,16 @@ def transfer_items_of(
         if not table.mapped
         else list(zip(lreq.groups, rreq.groups, strict=True))
     )
-    sizes: dict[int, int] = {}
     for key, (lblocks, _) in enumerate(groups):
         if not lblocks.size:
             continue
         error = table.errors[key]
         if error is not None:
             raise error
+        bounds = rreq.bounds(key if table.mapped else -1)
         for rank, bucket in table.buckets[key].items():
             check_block_range(
-                rreq.bounds(key if table.mapped else -1),
+                bounds,
                 bucket.count_limit,
                 (
                     (local.regions[i].name, remotes[rank][i].num_blocks)
@@ -266,7 +311,25 @@ def transfer_items_of(
                 ),
                 "remote",
             )
-            sizes[rank] = sizes.get(rank, 0) + bucket.regions.size * lblocks.size
+    return table, groups
+
+
+def transfer_items_of(
+    local: RegionPlan,
+    remotes: Mapping[int, Sequence[PeerRegion]],
+    lreq: Request,
+    rreq: Request,
+    reads: ReadCache,
+) -> list[TransferItems]:
+    """:func:`transfer_items` with the request's ids converted and the TP reads of
+    the peer kept across requests: validated first (:func:`checked_request`), then
+    rows written group by group and rank by rank into one array per rank and side."""
+    table, groups = checked_request(local, remotes, lreq, rreq, reads)
+    sizes: dict[int, int] = {}
+    for key, (lblocks, _) in enumerate(groups):
+        if lblocks.size:
+            for rank, bucket in table.buckets[key].items():
+                sizes[rank] = sizes.get(rank, 0) + bucket.regions.size * lblocks.size
     out: dict[int, tuple[U64, U64]] = {
         rank: (np.empty((size, 3), dtype=np.uint64), np.empty((size, 3), dtype=np.uint64))
         for rank, size in sorted(sizes.items())

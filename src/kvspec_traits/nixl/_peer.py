@@ -23,6 +23,7 @@ __all__ = [
     "check_prepped_rank",
     "plan_mem_type",
     "prepped_desc_ids",
+    "prepped_ids_of",
 ]
 
 DescMode = Literal["prepped", "per_block", "merged"]
@@ -94,11 +95,27 @@ def prepped_desc_ids(
     rreq = (
         lreq if remote_block_ids is None else Request(remote_block_ids, plan.num_groups, "remote")
     )
+    return prepped_ids_of(plan, peer, lreq, rreq)
+
+
+def prepped_ids_of(
+    plan: RegionPlan,
+    peer: RemotePeer,
+    lreq: Request,
+    rreq: Request,
+    *,
+    local_checked: bool = False,
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any], int]:
+    """:func:`prepped_desc_ids` of converted requests; ``local_checked``: the local
+    ids were already checked against the plan (bounds, distinct destinations)."""
     check_lengths(lreq, rreq)
     local_index = desc_index(plan)
     if peer.desc_index is None:
         peer.desc_index = desc_index(plan, peer.region_num_blocks)
-    local_ids = desc_ids_of(local_index, lreq, "local", int32=True)
+    if local_checked:
+        local_ids = local_index.desc_ids(lreq, int32=True)
+    else:
+        local_ids = desc_ids_of(local_index, lreq, "local", int32=True)
     remote_ids = desc_ids_of(peer.desc_index, rreq, "remote", int32=True)
     return local_ids, remote_ids, local_index.nbytes(lreq)
 

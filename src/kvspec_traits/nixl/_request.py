@@ -1,0 +1,127 @@
+"""A request's descriptors, as :meth:`TraitsNixlAgent.read_blocks` posts them (pure
+numpy: no NIXL call here), so its whole per-request work can be timed on its own
+(benchmarks/bench_descriptors.py).
+
+``mode="merged"`` (the default) builds merged ``Nx3`` rows only where merging pays:
+from the request's runs (``nixl/_runs.py``, ``O(blocks)`` per cache group) it knows
+how many rows merging leaves before writing any; when that is more than
+``1 / MERGE_PAYS`` of one descriptor per block and the peer has a prepared list this
+request may use (one peer of our TP size: vLLM's path), it selects descriptor ids in
+the prepared lists instead, which costs less per descriptor than a row. Either way
+the same bytes move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy.typing as npt
+
+from kvspec_traits.nixl._descs import BlockIds, Request, desc_index
+from kvspec_traits.nixl._errors import MissingPeerError
+from kvspec_traits.nixl._items import (
+    ReadCache,
+    TransferItems,
+    checked_request,
+    transfer_items_of,
+)
+from kvspec_traits.nixl._peer import (
+    DescMode,
+    RemotePeer,
+    check_prepped_rank,
+    prepped_ids_of,
+)
+from kvspec_traits.nixl._runs import merged_rows, request_runs
+from kvspec_traits.transfer import RegionPlan
+
+__all__ = ["MERGE_PAYS", "RequestDescs", "request_descs"]
+
+MERGE_PAYS: Final = 3
+"""Merged mode writes ``Nx3`` rows when merging cuts the descriptors at least this many
+times; otherwise it selects ids in the prepared lists. A row is ``2 x 3`` uint64
+against ``2`` int32 ids and takes a few more numpy calls per cache group (about 0.1 ms
+more per request; with runs of 8 blocks rows cost about what vLLM's ids do at 1,000
+blocks per group and up: benchmarks/bench_descriptors.py), while NIXL posts and
+completes a fraction of the descriptors (benchmarks/bench_nixl.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDescs:
+    """What one request posts: prepared-list descriptor ids (``local_ids`` and
+    ``remote_ids``, into the peer's prepared list), or ``Nx3`` rows per remote rank."""
+
+    local_ids: npt.NDArray[Any] | None
+    remote_ids: npt.NDArray[Any] | None
+    items: list[TransferItems]
+    per_block: int
+    nbytes: int
+
+    @property
+    def descriptors(self) -> int:
+        if self.local_ids is not None:
+            return int(self.local_ids.size)
+        return sum(i.count for i in self.items)
+
+
+def _prepped_peer(plan: RegionPlan, by_rank: Mapping[int, RemotePeer]) -> RemotePeer | None:
+    """The one peer whose prepared list this request may select from, if any."""
+    if len(by_rank) != 1:
+        return None
+    peer = next(iter(by_rank.values()))
+    if peer.prepped is None or peer.meta.tp_size != plan.tp_size:
+        return None
+    try:
+        check_prepped_rank(plan, peer)
+    except MissingPeerError:
+        return None
+    return peer
+
+
+def request_descs(
+    plan: RegionPlan,
+    by_rank: Mapping[int, RemotePeer],
+    block_ids: BlockIds,
+    remote_block_ids: BlockIds | None,
+    mode: DescMode,
+) -> RequestDescs:
+    """Validate a request and build what ``read_blocks(mode=mode)`` posts for it
+    (``by_rank``: the remote ranks by TP rank, checked by the caller). Raises the
+    block-id errors and :class:`MissingPeerError` before anything is built."""
+    lreq = Request(block_ids, plan.num_groups, "local")
+    rreq = (
+        lreq if remote_block_ids is None else Request(remote_block_ids, plan.num_groups, "remote")
+    )
+    if mode == "prepped":
+        if len(by_rank) != 1 or next(iter(by_rank.values())).meta.tp_size != plan.tp_size:
+            raise ValueError("mode='prepped' needs one peer of the same TP size")
+        peer = next(iter(by_rank.values()))
+        check_prepped_rank(plan, peer)
+        local_ids, remote_ids, nbytes = prepped_ids_of(plan, peer, lreq, rreq)
+        return RequestDescs(local_ids, remote_ids, [], int(local_ids.size), nbytes)
+    first = next(iter(by_rank.values()))
+    if first.reads is None:
+        first.reads = ReadCache(plan, first.meta.tp_size, first.meta.regions)
+    remotes = {rank: p.meta.regions for rank, p in by_rank.items()}
+    if mode == "per_block":
+        items = transfer_items_of(plan, remotes, lreq, rreq, first.reads)
+        per_block = sum(i.count for i in items)
+        return RequestDescs(None, None, items, per_block, sum(i.nbytes for i in items))
+    prepped = _prepped_peer(plan, by_rank)
+    # The most blocks one (region, read) row takes (a plan whose regions all take
+    # every group's blocks reads them together).
+    longest = max(g.size for g in lreq.groups) if desc_index(plan).mapped else lreq.all.size
+    if prepped is not None and 0 < longest < MERGE_PAYS:
+        # Every row keeps a run at least: merging cannot cut MERGE_PAYS times.
+        local_ids, remote_ids, nbytes = prepped_ids_of(plan, prepped, lreq, rreq)
+        return RequestDescs(local_ids, remote_ids, [], int(local_ids.size), nbytes)
+    runs = request_runs(*checked_request(plan, remotes, lreq, rreq, first.reads))
+    if prepped is not None and runs.count * MERGE_PAYS > runs.per_block:
+        # The local ids were checked with the runs (bounds, distinct destinations).
+        local_ids, remote_ids, nbytes = prepped_ids_of(
+            plan, prepped, lreq, rreq, local_checked=True
+        )
+        return RequestDescs(local_ids, remote_ids, [], runs.per_block, nbytes)
+    items = merged_rows(runs)
+    return RequestDescs(None, None, items, runs.per_block, sum(i.nbytes for i in items))
