@@ -9,11 +9,11 @@ with ours bound in their place, on one vLLM series.
 Upstream's outcomes depend only on vLLM, its tests and this harness, so they are kept, one
 file per vLLM test file, in ~/.cache/kvspec-traits/conformance/upstream-SERIES/ under a key of
 those (KVSPEC_CONFORMANCE_FRESH=1 reruns them). Both subjects run at the same time, each in
-its own pytest process (no xdist), each split into ``KVSPEC_CONFORMANCE_SHARDS`` processes (default 1) by test file, each with its
-own NIXL side-channel port (from ``KVSPEC_CONFORMANCE_PORT_BASE``, default 25600, one
-range per series and subject). Prints both
-counts per file, the tests that pass upstream and do not pass with ours, and the time each
-run took. Exit status: 0 when every such test is on the expected-difference list
+its own pytest process (no xdist), each split into ``KVSPEC_CONFORMANCE_SHARDS`` processes
+(default 1) by test file, each with its own NIXL side-channel port (from
+``KVSPEC_CONFORMANCE_PORT_BASE``, default 25600, one range per series and subject). Prints
+both counts per file, the tests that pass upstream and do not pass with ours, and the time
+each run took. Exit status: 0 when every such test is on the expected-difference list
 (expected_differences.toml, for this series) and no entry of that list passes with ours;
 1 otherwise; 2 when a run could not produce its report (the binding did not take, an
 internal error, a missing tests tree).
