@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 import kvspec_traits
-from kvspec_traits._caches import WATCHES_DICTS
+from kvspec_traits._caches import watches_dicts
 from kvspec_traits.catalog import representative_specs
 
 TARGET = 2.0
@@ -91,7 +91,7 @@ def main() -> int:
     print(
         f"python {sys.version.split()[0]}, torch {torch.__version__}, warm path: "
         f"pure Python ({type(traits_of).__qualname__}), groups watched by dict version: "
-        f"{WATCHES_DICTS}"
+        f"{watches_dicts()}"
     )
     print(f"{'operation':<48} {'ns/call':>9} {'x isinstance':>13}")
     rows = [

@@ -125,8 +125,8 @@ def test_a_warm_group_is_answered_without_reading_its_members(
     the types of all their fields (2.07 ms a call, ~35,000x an isinstance, issue 20).
     Now the dict's version tag says it is unchanged (benchmarks/bench_traits.py times it)."""
     if sys.implementation.name == "cpython" and sys.version_info < (3, 14):
-        assert caches.WATCHES_DICTS  # 3.11-3.13 keep ma_version_tag where it is read
-    if not caches.WATCHES_DICTS:
+        assert caches.watches_dicts()  # 3.11-3.13 keep ma_version_tag where it is read
+    if not caches.watches_dicts():
         pytest.skip("this interpreter's dicts carry no version tag that can be read")
     registry = Registry().copy()
     layers: dict[str, kvi.KVCacheSpec] = {f"model.layers.{i}.attn": _full() for i in range(61)}
@@ -171,9 +171,9 @@ def test_every_kind_of_group_mutation_is_answered_afresh(
 ) -> None:
     """Failure mode (guarded here): a warm group answered from before its dict changed
     (vLLM's group spec is frozen, its dict is not), with or without the version tag."""
-    if watched and not caches.WATCHES_DICTS:
+    if watched and not caches.watches_dicts():
         pytest.skip("this interpreter's dicts carry no version tag that can be read")
-    monkeypatch.setattr(caches, "WATCHES_DICTS", watched)
+    monkeypatch.setattr(caches, "_watching", watched)
     registry = Registry().copy()
     members: dict[str, Any] = {"l0": _F8}
     group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
@@ -207,7 +207,7 @@ def test_only_a_frozen_spec_with_one_dict_of_hashable_values_is_watched() -> Non
 
     names = ("members", "block_size")
     group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": _F8})
-    if not caches.WATCHES_DICTS:
+    if not caches.watches_dicts():
         pytest.skip("this interpreter's dicts carry no version tag that can be read")
     guard = watch_of(group, tuple(f.name for f in dataclasses.fields(group)))
     assert guard is not None and guard[2] is group.kv_cache_specs

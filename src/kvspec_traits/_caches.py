@@ -13,34 +13,34 @@ and dropping an entry only costs a recomputation: no bound can make an answer st
 A frozen spec whose only unhashable field is a plain dict of hashable values (vLLM's
 ``UniformTypeKVCacheSpecs``) is answered on the warm path too, guarded by the dict's
 version: CPython gives every dict a version tag that changes on each mutation (PEP 509,
-``ma_version_tag``), read here in place through ``ctypes``. A probe at import checks that
-this interpreter keeps that tag where it is read and changes it on every kind of
+``ma_version_tag``), read here in place through ``ctypes``. A probe, on the first group,
+checks that this interpreter keeps that tag where it is read and changes it on every kind of
 mutation; where it does not (PyPy, a free-threaded or future CPython), the dict is not
 watched and such a spec takes the snapshot path, answered afresh after any mutation.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import sys
-import sysconfig
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 from kvspec_traits._traits import KVLayoutTraits
 
 if TYPE_CHECKING:
+    import ctypes
+
     from vllm.v1.kv_cache_interface import KVCacheSpec
 
 __all__ = [
     "MAX_CLASSES",
     "MAX_SPECS",
-    "WATCHES_DICTS",
     "Watched",
     "put_bounded",
     "warm_path",
     "watch_of",
+    "watches_dicts",
 ]
 
 MAX_CLASSES: Final = 256
@@ -70,18 +70,19 @@ _VERSION_OFFSET: Final = 24
 
 
 def _version_cell(d: dict[Any, Any]) -> ctypes.c_uint64:
+    import ctypes  # (here, not at import: only a group spec needs it)
+
     return ctypes.c_uint64.from_address(id(d) + _VERSION_OFFSET)
 
 
 def _probe() -> bool:
     """Whether this interpreter's dicts carry a version tag where it is read, changed by
     every mutation the probe tries (never read unless the layout checks out first)."""
-    if (
-        sys.implementation.name != "cpython"
-        or sysconfig.get_config_var("Py_GIL_DISABLED")
-        or ctypes.sizeof(ctypes.c_void_p) != 8
-    ):
+    gil_disabled = getattr(sys, "_is_gil_enabled", lambda: True)() is False
+    if sys.implementation.name != "cpython" or gil_disabled or sys.maxsize != 2**63 - 1:
         return False
+    import ctypes
+
     d: dict[str, object] = {"a": 1, "b": 2}
     if ctypes.c_void_p.from_address(id(d) + _TYPE_OFFSET).value != id(
         dict
@@ -106,8 +107,16 @@ def _probe() -> bool:
     return True
 
 
-WATCHES_DICTS: Final = _probe()
-"""Whether dict mutations are seen in O(1) here (else groups take the snapshot path)."""
+_watching: bool | None = None
+
+
+def watches_dicts() -> bool:
+    """Whether dict mutations are seen in O(1) here (else groups take the snapshot path);
+    probed once, the first time a group spec is resolved."""
+    global _watching
+    if _watching is None:
+        _watching = _probe()
+    return _watching
 
 
 @final
@@ -132,7 +141,7 @@ def watch_of(
     changes would not show in the dict's version), or when this interpreter cannot
     watch dicts."""
     params = getattr(type(spec), "__dataclass_params__", None)
-    if not WATCHES_DICTS or params is None or not params.frozen:
+    if params is None or not params.frozen or not watches_dicts():
         return None
     found: dict[Any, Any] | None = None
     for name in field_names:
