@@ -7,7 +7,8 @@ from the request's runs (``nixl/_runs.py``, ``O(blocks)`` per cache group) it kn
 how many rows merging leaves before writing any; when that is more than
 ``1 / MERGE_PAYS`` of one descriptor per block and the peer has a prepared list this
 request may use (one peer of our TP size: vLLM's path), it selects descriptor ids in
-the prepared lists instead, which costs less per descriptor than a row. Either way
+the prepared lists instead, which costs less per descriptor than a row (and goes
+there without looking for runs when no row can take ``MERGE_PAYS`` blocks). Either way
 the same bytes move.
 """
 
