@@ -52,6 +52,7 @@ Only on vLLM 0.34 (the models and ``CircularBufferSpec`` of these sizes are 0.34
 from __future__ import annotations
 
 import contextlib
+import importlib
 import pathlib
 import threading
 import time
@@ -63,7 +64,6 @@ from unittest.mock import patch
 import pytest
 import torch
 import vllm
-
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
@@ -77,6 +77,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import TokenScope, TPLayout, traits_of
 from kvspec_traits.transfer import HandshakeMismatchError
+from kvspec_traits.vllm_connector import UnsupportedRingTPError
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers import layouts
@@ -114,27 +115,38 @@ class RingModel:
     kv_heads: int
 
 
-def _step5_spec(tp: int) -> Any:
-    """Step5's tail ring as ``Step5CSATailRing.get_kv_cache_spec`` builds it over its main
-    attention layer: a block of 64 tokens, 4 KV heads of 128 (DSA needs head_dim 128 or
-    192, and ``index_tp_size`` (default 4) equal to the KV heads) split by TP, bf16."""
-    from vllm.models.step5.common.csa_tail_ring import Step5CSATailRing
+STEP5_MAIN = "model.layers.0.self_attn.attn"
+
+
+def step5_main_spec(tp: int) -> Any:
+    """Step5's main attention page on a rank: a block of 64 tokens, 4 KV heads of 128
+    (DSA needs head_dim 128 or 192, and ``index_tp_size`` (default 4) equal to the KV
+    heads) split by TP, bf16."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    class Main:  # the main Attention layer's spec: its per-rank KV heads
+    return FullAttentionSpec(
+        block_size=64, num_kv_heads=4 // tp, head_size=128, dtype=torch.bfloat16
+    )
+
+
+def _step5_spec(tp: int) -> Any:
+    """Step5's tail ring as ``Step5CSATailRing.get_kv_cache_spec`` builds it over its main
+    attention layer (:func:`step5_main_spec`)."""
+    # vLLM 0.34's model packages (absent from 0.32, which mypy reads): looked up by name.
+    ring_module = importlib.import_module("vllm.models.step5.common.csa_tail_ring")
+
+    class Main:  # the main Attention layer: its spec on this rank
         def get_kv_cache_spec(self, vllm_config: Any) -> Any:
             del vllm_config
-            return FullAttentionSpec(
-                block_size=64, num_kv_heads=4 // tp, head_size=128, dtype=torch.bfloat16
-            )
+            return step5_main_spec(tp)
 
-    ring = Step5CSATailRing(
+    ring = ring_module.Step5CSATailRing(
         prefix="model.layers.0.self_attn.attn.csa_tail_ring",
         main_layer_name="main",
         num_speculative_tokens=0,
         static_forward_context={"main": Main()},
     )
-    return ring.get_kv_cache_spec(None)  # type: ignore[arg-type]  # unused by the ring
+    return ring.get_kv_cache_spec(None)  # the ring reads only its main layer's spec
 
 
 def _qwen4_spec(tp: int) -> Any:
@@ -146,13 +158,13 @@ def _qwen4_spec(tp: int) -> Any:
     from types import SimpleNamespace
 
     from vllm.config import CacheConfig
-    from vllm.models.qwen4_exp.common.qsa_indexer import QSARawKeyCache
 
+    qsa = importlib.import_module("vllm.models.qwen4_exp.common.qsa_indexer")
     config = SimpleNamespace(
         compilation_config=SimpleNamespace(static_forward_context={}),
         num_speculative_tokens=0,
     )
-    cache = QSARawKeyCache(
+    cache = qsa.QSARawKeyCache(
         head_size=128,
         dtype=torch.bfloat16,
         cache_rope_positions=False,
@@ -250,7 +262,7 @@ def rank_worker(
     made: list[Any] = []
 
     def _make(
-        model: RingModel, cls: type, engine: str, tp: int, rank: int
+        model: RingModel, cls: type, engine: str, tp: int, rank: int, shared: bool = False
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         layout = KVCacheLayout.LBHNC  # one layer: every layout lays its pages out alike
         vllm_config = _vllm_config(
@@ -264,6 +276,8 @@ def rank_worker(
             # the KV-head count (_validate_csa_linear_tp_layout); the tiny Llama has 2.
             vllm_config.model_config.model_arch_config.total_num_kv_heads = model.kv_heads
         groups = [layouts.group([model.layer], model.spec(tp))]
+        if shared:
+            groups.insert(0, layouts.group([STEP5_MAIN], step5_main_spec(tp)))
         config = layouts.kv_cache_config(groups, NB, layout)
         caches = layouts.allocate(config, layout)
         with (
@@ -306,15 +320,18 @@ def serving(producers: list[Any]) -> Iterator[int]:
         stop.set()
 
 
-def read_rings(consumer: Any, port: int, remote_tp: int) -> None:
+def read_rings(consumer: Any, port: int, remote_tp: int, shared: bool = False) -> None:
     """One request through vLLM's receive path: prefill blocks REMOTE_BLOCKS into
-    LOCAL_BLOCKS from a prefill engine of ``remote_tp`` ranks."""
+    LOCAL_BLOCKS from a prefill engine of ``remote_tp`` ranks (with ``shared``, the
+    ring is the second transfer group; the main attention group moves no block)."""
+    local: tuple[list[int], ...] = ([], LOCAL_BLOCKS) if shared else (LOCAL_BLOCKS,)
+    remote = [[], REMOTE_BLOCKS] if shared else [REMOTE_BLOCKS]
     metadata = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
     metadata.add_new_req_to_recv(
         request_id="req",
-        local_block_ids=(LOCAL_BLOCKS,),
+        local_block_ids=local,
         kv_transfer_params={
-            "remote_block_ids": [REMOTE_BLOCKS],
+            "remote_block_ids": remote,
             "remote_engine_id": "prefill",
             "remote_request_id": "prefill-req",
             "remote_host": "127.0.0.1",
@@ -381,6 +398,7 @@ def _run(
     prefill_tp: int,
     decode_tp: int,
     refusal: tuple[type[BaseException], str] | None = None,
+    shared: bool = False,
 ) -> dict[int, dict[int, torch.Tensor]]:
     """Prefill ranks written as their models write, each decode rank (one at a time) reads
     the two requests' rings; returns decode rank -> local block -> its ring page. With
@@ -389,7 +407,7 @@ def _run(
     cls = _worker_cls(which)
     producers = []
     for rank in range(prefill_tp):
-        worker, caches = rank_worker(model, cls, "prefill", prefill_tp, rank)
+        worker, caches = rank_worker(model, cls, "prefill", prefill_tp, rank, shared)
         for block, seq_len in SEQ_LENS.items():
             page = _page_view(caches, model.layer, block)
             page.copy_(model_ring(model, page.numel(), seq_len))
@@ -397,14 +415,14 @@ def _run(
     got: dict[int, dict[int, torch.Tensor]] = {}
     with serving(producers) as port:
         for rank in range(decode_tp):
-            consumer, caches = rank_worker(model, cls, f"decode-{rank}", decode_tp, rank)
+            consumer, caches = rank_worker(model, cls, f"decode-{rank}", decode_tp, rank, shared)
             if refusal is not None:
                 error, match = refusal
                 with pytest.raises(error, match=match):
                     consumer._nixl_handshake("127.0.0.1", port, prefill_tp, "prefill")
                 assert not caches[model.layer].view(torch.uint8).any()
             else:
-                read_rings(consumer, port, prefill_tp)
+                read_rings(consumer, port, prefill_tp, shared)
             got[rank] = {b: _page_view(caches, model.layer, b).clone() for b in LOCAL_BLOCKS}
             consumer.shutdown()
     return got
@@ -530,3 +548,64 @@ def test_upstream_moves_wrong_step5_rows_from_tp1_to_tp2(
             assert held != [want[row] for row in range(64)]
     # The newest position of the 200-token request (199, row 199 % 64 = 7) on rank 0:
     assert positions_held(model, got[0][LOCAL_BLOCKS[0]])[7] == 135
+
+
+# -- step5 as vLLM allocates it: the ring aliases the main attention's page ----------------
+
+
+def test_step5_ring_shares_the_main_kv_region() -> None:
+    """vLLM's hybrid allocation (tests/nixl_helpers/layouts.py, as
+    ``get_kv_cache_config_from_groups``) gives the ring's layer and the main attention's
+    layer of one index one tensor each at offset 0 of the same size: the same pages, so
+    the same NIXL region (0.34 keys regions by base and block length, equal here)."""
+    for tp in (1, 2):
+        groups = [
+            layouts.group([STEP5_MAIN], step5_main_spec(tp)),
+            layouts.group([MODELS["step5"].layer], _step5_spec(tp)),
+        ]
+        config = layouts.kv_cache_config(groups, NB, KVCacheLayout.LBHNC)
+        tensors = config.kv_cache_tensors
+        assert [t.offset for t in tensors] == [0, 0]
+        assert tensors[0].block_stride == tensors[1].block_stride
+        assert tensors[0].block_stride == traits_of(_step5_spec(tp)).page_size_bytes
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_PAIRS)
+def test_ours_refuses_step5_ring_in_the_main_kv_region_at_hetero_tp(
+    prefill_tp: int, decode_tp: int, rank_worker: Callable[..., Any]
+) -> None:
+    """The region holding the main KV pages (head-sharded) and the ring (replicated rows)
+    is SPLIT (its head-sharded member decides, as upstream's class list does), and its
+    page scales with the heads, so the fingerprints agree. Failure mode before
+    UnsupportedRingTPError: ours read the ring's block in head slices and moved rows of
+    other positions without an error (P TP 1 -> D TP 2: decode rank 0 received the
+    prefill rows 0..63, positions 128..191 of the 200-token request, where its model
+    holds 136..199, as upstream does in the tests above). Now the handshake refuses the
+    pair by name before any NIXL connection; at equal TP the region moves as before
+    (tests/test_connector_series_quirks.py)."""
+    model = MODELS["step5"]
+    match = (
+        rf"ring buffer \['{model.layer}'\] between TP {prefill_tp} and TP {decode_tp}.*"
+        rf"region '{STEP5_MAIN}'"
+    )
+    _run(
+        rank_worker,
+        model,
+        "traits",
+        prefill_tp,
+        decode_tp,
+        (UnsupportedRingTPError, match),
+        shared=True,
+    )
+
+
+def test_upstream_moves_wrong_rows_of_step5_ring_in_the_main_kv_region(
+    rank_worker: Callable[..., Any],
+) -> None:
+    """Upstream on step5's allocation, P TP 1 -> D TP 2: the shared region is SPLIT, and
+    each decode rank receives the prefill ring's rows ``64 r ..``: for the 200-token
+    request rank 0's row 7 holds position 135 where its model holds 199 (the newest)."""
+    model = MODELS["step5"]
+    got = _run(rank_worker, model, "upstream", 1, 2, shared=True)
+    assert positions_held(model, got[0][LOCAL_BLOCKS[0]])[:9] == list(range(128, 137))
+    assert positions_held(model, got[1][LOCAL_BLOCKS[0]])[:9] == [*range(192, 200), 72]
