@@ -17,6 +17,7 @@ from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
 from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
     UnsupportedPipelineParallelError,
+    UnsupportedRingTPError,
     UnsupportedVllmVersionError,
     UpstreamDisagreesError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "TraitsNixlConnector",
     "TraitsNixlConnectorWorker",
     "UnsupportedPipelineParallelError",
+    "UnsupportedRingTPError",
     "UnsupportedVllmVersionError",
     "UpstreamDisagreesError",
     "check_vllm_version",

@@ -58,7 +58,7 @@ from kvspec_traits.vllm_connector._fields import worker_fields
 from kvspec_traits.vllm_connector._gate import check_vllm_version
 from kvspec_traits.vllm_connector._handshake import (
     TraitsNixlAgentMetadata,
-    check_pipeline_parallel,
+    check_parallel_pair,
     check_remote_fingerprint,
     decoding_traits_metadata,
     handshake_with,
@@ -368,7 +368,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         self, host: str, port: int, remote_tp_size: int, *args: Any, **kwargs: Any
     ) -> Any:
         remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
-        check_pipeline_parallel(self.pp_size, remote_pp_size)
+        check_parallel_pair(self, remote_tp_size, remote_pp_size)
         # vLLM's handshake (its socket, its order: the compatibility hash, then the
         # metadata decode, into our class here only) calls _validate_remote_parallel_config
         # with the decoded metadata, where the peer is checked (its address kept).

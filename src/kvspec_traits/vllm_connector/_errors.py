@@ -10,6 +10,7 @@ from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 __all__ = [
     "PeerWithoutTraitsError",
     "UnsupportedPipelineParallelError",
+    "UnsupportedRingTPError",
     "UnsupportedVllmVersionError",
     "UpstreamDisagreesError",
 ]
@@ -76,4 +77,26 @@ class UpstreamDisagreesError(KVSpecTraitsError, RuntimeError):
             f"{upstream!r}, but the layout traits say {traits!r}; refusing to run with "
             f"a descriptor layout that would not match the registered regions. Report "
             f"the spec class, or register an adapter that describes it."
+        )
+
+
+class UnsupportedRingTPError(KVSpecTraitsError, NotImplementedError):
+    """A ring buffer whose rows are the same on every rank shares a head-sharded region
+    (its page sized to the head-sharded page, as Step5's CSA tail ring is to its main KV
+    page), and prefill and decode run different TP sizes: the ring holds as many rows as
+    that page at each TP size, each token at ``pos % capacity``, so no head slice of one
+    rank's block is another TP size's ring. ``.region``, ``.layers`` (the ring layers),
+    ``.local_tp``, ``.remote_tp``."""
+
+    def __init__(self, region: str, layers: tuple[str, ...], local_tp: int, remote_tp: int) -> None:
+        self.region = region
+        self.layers = layers
+        self.local_tp = local_tp
+        self.remote_tp = remote_tp
+        super().__init__(
+            f"{CONNECTOR_NAME} cannot move ring buffer {list(layers)} between TP "
+            f"{remote_tp} and TP {local_tp}: its rows are the same on every rank, but it "
+            f"shares head-sharded region {region!r}, whose page (and so the ring's "
+            f"capacity) changes with the TP size. Run prefill and decode with equal "
+            f"TP sizes."
         )

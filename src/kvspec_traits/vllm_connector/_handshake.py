@@ -10,12 +10,13 @@ import contextlib
 import dataclasses
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 from vllm.logger import init_logger
 
+from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
 from kvspec_traits.transfer import (
     HandshakeMismatchError,
     MalformedMetadataError,
@@ -29,6 +30,7 @@ from kvspec_traits.transfer import (
 from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
     UnsupportedPipelineParallelError,
+    UnsupportedRingTPError,
     UpstreamDisagreesError,
 )
 from kvspec_traits.vllm_connector._fields import peer_regions_of
@@ -39,7 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TraitsNixlAgentMetadata",
+    "check_parallel_pair",
     "check_pipeline_parallel",
+    "check_ring_tp",
     "check_remote_fingerprint",
     "decoding_traits_metadata",
     "handshake_with",
@@ -126,6 +130,43 @@ def check_pipeline_parallel(pp_size: int, remote_pp_size: int) -> None:
     check one stage of several."""
     if remote_pp_size > 1 or pp_size > 1:
         raise UnsupportedPipelineParallelError(pp_size, remote_pp_size)
+
+
+def check_ring_tp(
+    plan: RegionPlan | None,
+    layer_traits: Mapping[str, KVLayoutTraits],
+    local_tp: int,
+    remote_tp: int,
+) -> None:
+    """Refuse different TP sizes when a replicated ring shares a SPLIT region
+    (:class:`UnsupportedRingTPError`): vLLM would read the region's blocks in head
+    slices, and a slice of identical ring rows is not the other TP size's ring (issue
+    26: Step5's CSA tail ring over its main KV page)."""
+    if plan is None or local_tp == remote_tp:
+        return
+    for region in plan.regions:
+        if region.replicated or not region.scratch:
+            continue
+        rings = tuple(
+            layer
+            for layer in region.layers
+            if layer_traits[layer].token_scope is TokenScope.RING
+            and layer_traits[layer].tp_layout is TPLayout.REPLICATED
+        )
+        if rings:
+            raise UnsupportedRingTPError(region.name, rings, local_tp, remote_tp)
+
+
+def check_parallel_pair(worker: Any, remote_tp: int, remote_pp: int) -> None:
+    """Refuse, before vLLM's handshake, the pairs the fingerprint cannot vouch for:
+    pipeline parallelism (:func:`check_pipeline_parallel`) and a replicated ring in a
+    split region between TP sizes (:func:`check_ring_tp`)."""
+    check_pipeline_parallel(worker.pp_size, remote_pp)
+    plan = worker.region_plan
+    # Workers that vLLM's tests build without register_kv_caches have no plan (and
+    # maybe no KV cache config to take layer traits from): nothing to check.
+    if plan is not None and worker.world_size != remote_tp:
+        check_ring_tp(plan, worker._layout_facts().layer_traits, worker.world_size, remote_tp)
 
 
 @contextlib.contextmanager
