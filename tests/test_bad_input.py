@@ -24,12 +24,11 @@ from kvspec_traits import (
     InvalidSpecError,
     KVLayoutTraits,
     KVSpecTraitsError,
-    LayoutTraits,
-    Registry,
     SpecPropertyError,
     UnsupportedSpecError,
     traits_of,
 )
+from kvspec_traits.extend import LayoutTraits, Registry
 
 BUILTIN = "kvspec_traits._vllm_adapters._builtins"
 
@@ -302,12 +301,8 @@ def test_a_nonsense_hisparse_page_is_refused(page: object) -> None:
 
 
 def test_every_error_is_one_hierarchy_and_keeps_its_builtin_base() -> None:
-    from kvspec_traits import (
-        AdapterConflictError,
-        AdapterPluginError,
-        MixedGroupTraitsError,
-        TraitsMismatchError,
-    )
+    from kvspec_traits import AdapterPluginError, MixedGroupTraitsError, TraitsMismatchError
+    from kvspec_traits.extend import AdapterConflictError
 
     for cls, builtin in [
         (UnsupportedSpecError, TypeError),

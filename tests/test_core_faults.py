@@ -9,13 +9,8 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as kvi
 
-from kvspec_traits import (
-    AdapterPluginError,
-    InvalidSpecError,
-    KVSpecTraitsError,
-    Registry,
-    traits_of,
-)
+from kvspec_traits import AdapterPluginError, InvalidSpecError, KVSpecTraitsError, traits_of
+from kvspec_traits.extend import Registry
 
 
 def _full() -> kvi.FullAttentionSpec:

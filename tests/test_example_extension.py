@@ -9,13 +9,8 @@ import pytest
 import torch
 from kvspec_traits_example import ScaledLatentSpec, adapt_scaled_latent
 
-from kvspec_traits import (
-    ENTRY_POINT_GROUP,
-    Registry,
-    TPLayout,
-    UnsupportedSpecError,
-    traits_of,
-)
+from kvspec_traits import TPLayout, UnsupportedSpecError, traits_of
+from kvspec_traits.extend import ENTRY_POINT_GROUP, Registry
 
 
 def _spec() -> ScaledLatentSpec:

@@ -14,16 +14,10 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as kvi
 
-from kvspec_traits import (
-    KVLayoutTraits,
-    Registry,
-    UnsupportedSpecError,
-    default_registry,
-    traits_of,
-)
+from kvspec_traits import KVLayoutTraits, UnsupportedSpecError, traits_of
 from kvspec_traits._vllm_adapters import ATTENTION_IGNORES, ATTENTION_READS
 from kvspec_traits.catalog import spec_classes
-from kvspec_traits.extend import UnknownFieldNameError
+from kvspec_traits.extend import Registry, UnknownFieldNameError, default_registry
 
 
 def _full_kwargs() -> dict[str, Any]:

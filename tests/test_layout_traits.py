@@ -8,7 +8,8 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as kvi
 
-from kvspec_traits import LayoutTraits, TPLayout, traits_of
+from kvspec_traits import TPLayout, traits_of
+from kvspec_traits.extend import LayoutTraits
 
 
 def _gqa() -> LayoutTraits:

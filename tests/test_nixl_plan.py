@@ -27,7 +27,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvspec_traits import LayoutTraits, TokenScope, TPLayout, default_registry
+from kvspec_traits import TokenScope, TPLayout
+from kvspec_traits.extend import LayoutTraits, default_registry
 from kvspec_traits.nixl import (
     BlockIdError,
     MissingPeerError,

@@ -15,15 +15,8 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as kvi
 
-from kvspec_traits import (
-    KVLayoutTraits,
-    Registry,
-    TokenScope,
-    UnsupportedSpecError,
-    default_registry,
-    traits_of,
-)
-from kvspec_traits.helpers import ATTENTION_IGNORES, ATTENTION_READS
+from kvspec_traits import KVLayoutTraits, TokenScope, UnsupportedSpecError, traits_of
+from kvspec_traits.extend import ATTENTION_IGNORES, ATTENTION_READS, Registry, default_registry
 
 
 @dataclass(frozen=True, kw_only=True)

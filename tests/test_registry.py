@@ -8,18 +8,16 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as kvi
 
-from kvspec_traits import (
+from kvspec_traits import AdapterPluginError, KVLayoutTraits, UnsupportedSpecError, traits_of
+from kvspec_traits.extend import (
+    ATTENTION_IGNORES,
+    ATTENTION_READS,
     AdapterConflictError,
-    AdapterPluginError,
-    KVLayoutTraits,
     LayoutTraits,
     Registry,
-    UnsupportedSpecError,
     default_registry,
     register_adapter,
-    traits_of,
 )
-from kvspec_traits.extend import ATTENTION_IGNORES, ATTENTION_READS
 
 
 def _full(block_size: int = 16) -> kvi.FullAttentionSpec:

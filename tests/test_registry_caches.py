@@ -20,11 +20,12 @@ from vllm.v1 import kv_cache_interface as kvi
 import kvspec_traits._caches as caches
 import kvspec_traits._registry as registry_module
 import kvspec_traits._verify as verify_module
-from kvspec_traits import GroupTraits, InvalidSpecError, Registry
+from kvspec_traits import GroupTraits, InvalidSpecError
 from kvspec_traits._accounting import FieldAccounting
 from kvspec_traits._caches import MAX_CLASSES, MAX_SPECS, watch_of
 from kvspec_traits._loading import AdapterLoading
 from kvspec_traits._result_check import snapshot
+from kvspec_traits.extend import Registry
 
 
 def _full(block_size: int = 16, heads: int = 8) -> kvi.FullAttentionSpec:

@@ -22,12 +22,13 @@ from dataclasses import fields
 
 import pytest
 
-from kvspec_traits import KVLayoutTraits, LayoutTraits, trait_names
+from kvspec_traits import KVLayoutTraits, trait_names
 from kvspec_traits._group import _RULES, GroupTraits
 from kvspec_traits._result_check import _NON_NEGATIVE, _POSITIVE, TRAIT_TYPES
 from kvspec_traits._traits import GroupRule, trait_types
 from kvspec_traits._verify import _CHECKS
 from kvspec_traits.audit._questions import QUESTIONS
+from kvspec_traits.extend import LayoutTraits
 from kvspec_traits.transfer import FINGERPRINT_VERSION, Region
 from kvspec_traits.transfer._fingerprint import NOT_FINGERPRINTED, RECORD_KEYS
 

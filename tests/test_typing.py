@@ -13,14 +13,8 @@ from typing import TYPE_CHECKING, assert_type
 import torch
 from vllm.v1 import kv_cache_interface as kvi
 
-from kvspec_traits import (
-    GroupTraits,
-    KVLayoutTraits,
-    LayoutTraits,
-    Registry,
-    register_adapter,
-    traits_of,
-)
+from kvspec_traits import GroupTraits, KVLayoutTraits, traits_of
+from kvspec_traits.extend import LayoutTraits, Registry, register_adapter
 
 
 def _registry() -> Registry:

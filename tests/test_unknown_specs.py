@@ -11,15 +11,8 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as kvi
 
-from kvspec_traits import (
-    LayoutTraits,
-    Registry,
-    TokenScope,
-    TPLayout,
-    TraitsMismatchError,
-    UnsupportedSpecError,
-    traits_of,
-)
+from kvspec_traits import TokenScope, TPLayout, TraitsMismatchError, UnsupportedSpecError, traits_of
+from kvspec_traits.extend import LayoutTraits, Registry
 
 
 @dataclass(frozen=True, kw_only=True)

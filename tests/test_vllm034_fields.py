@@ -21,15 +21,8 @@ import torch
 import vllm
 from vllm.v1 import kv_cache_interface as kvi
 
-from kvspec_traits import (
-    InvalidSpecError,
-    LayoutTraits,
-    PageComponent,
-    TokenScope,
-    TPLayout,
-    default_registry,
-    traits_of,
-)
+from kvspec_traits import InvalidSpecError, PageComponent, TokenScope, TPLayout, traits_of
+from kvspec_traits.extend import LayoutTraits, default_registry
 
 V034 = vllm.__version__.startswith("0.34")
 NVFP4 = kvi.KVQuantMode.NVFP4
@@ -215,7 +208,7 @@ def test_the_order_of_head_slots_is_a_fingerprint_difference() -> None:
     # Two peers whose pages agree in size and differ in the order of their head slots
     # must not pair up: the NIXL fingerprint carries kv_head_contiguous (and a page that
     # does not keep a head's slots together is never split by heads).
-    from kvspec_traits import Registry
+    from kvspec_traits.extend import Registry
     from kvspec_traits.transfer import HandshakeMismatchError, check_handshake, plan_regions
 
     registry = Registry().copy()

@@ -7,8 +7,9 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as kvi
 
-from kvspec_traits import KVLayoutTraits, Registry, UnsupportedSpecError, traits_of
+from kvspec_traits import KVLayoutTraits, UnsupportedSpecError, traits_of
 from kvspec_traits._caches import Watched, warm_path
+from kvspec_traits.extend import Registry
 
 
 def test_hit_returns_the_cached_answer_and_a_miss_resolves() -> None:

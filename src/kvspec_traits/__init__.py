@@ -6,8 +6,7 @@ torch; the built-in adapters load the first time a spec is resolved.
 
 ``__all__`` holds what a consumer of traits needs: ``traits_of``, the traits and their
 value types, and the errors resolving a spec can raise. Writing adapters (``Registry``,
-``register_adapter``, the built-ins' building blocks) is :mod:`kvspec_traits.extend`;
-those names stay importable from here too, for code written before it existed.
+``register_adapter``, the built-ins' building blocks) is :mod:`kvspec_traits.extend`.
 """
 
 from kvspec_traits._errors import (
@@ -32,15 +31,6 @@ from kvspec_traits._traits import (
     trait_names,
     traits_as_dict,
 )
-
-# Adapter-author names, public in kvspec_traits.extend; kept here for existing imports.
-from kvspec_traits.extend import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
-from kvspec_traits.extend import AdapterConflictError as AdapterConflictError
-from kvspec_traits.extend import LayoutTraits as LayoutTraits
-from kvspec_traits.extend import Registry as Registry
-from kvspec_traits.extend import default_registry as default_registry
-from kvspec_traits.extend import register_adapter as register_adapter
-from kvspec_traits.extend import resolving_registry as resolving_registry
 
 __version__ = "0.1.0"
 

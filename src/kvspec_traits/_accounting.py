@@ -93,7 +93,7 @@ class Plan:
 
 
 class FieldAccounting(RegistryState):
-    """The questions about classes a :class:`~kvspec_traits.Registry` answers from its
+    """The questions about classes a :class:`~kvspec_traits.extend.Registry` answers from its
     registrations (mixed into it; the state is :class:`RegistryState`'s)."""
 
     # -- questions about classes --------------------------------------------------------

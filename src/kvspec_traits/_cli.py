@@ -12,8 +12,8 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from kvspec_traits import Registry
     from kvspec_traits.catalog import CatalogEntry
+    from kvspec_traits.extend import Registry
 
 __all__ = ["main"]
 
@@ -111,9 +111,9 @@ def _collect(
     with needs("listing the traits of the installed vLLM's KV cache specs"):
         import vllm
 
-    from kvspec_traits import UnsupportedSpecError, default_registry
+    from kvspec_traits import UnsupportedSpecError
     from kvspec_traits.catalog import refused_specs, representative_specs, spec_classes
-    from kvspec_traits.extend import ENTRY_POINT_GROUP, Registry
+    from kvspec_traits.extend import ENTRY_POINT_GROUP, Registry, default_registry
 
     if registry is None:
         registry = default_registry

@@ -26,7 +26,7 @@ _BUILTIN_MODULE: Final = "kvspec_traits._vllm_adapters"
 
 
 class AdapterLoading(RegistryState):
-    """Loading built-ins and entry points (mixed into :class:`~kvspec_traits.Registry`;
+    """Loading built-ins and entry points (mixed into :class:`~kvspec_traits.extend.Registry`;
     the state is :class:`RegistryState`'s)."""
 
     # -- loading ------------------------------------------------------------------------
@@ -99,7 +99,7 @@ class AdapterLoading(RegistryState):
             raise AdapterPluginError(
                 ep.name,
                 f"{where} must name a function "
-                "`register(registry: kvspec_traits.Registry) -> None`",
+                "`register(registry: kvspec_traits.extend.Registry) -> None`",
             )
         try:
             hook(self)

@@ -1,4 +1,4 @@
-"""What a :class:`~kvspec_traits.Registry` holds, declared and initialised in one place.
+"""What a :class:`~kvspec_traits.extend.Registry` holds, declared and initialised in one place.
 
 The registry's parts (field accounting, loading, resolution) are mixins that answer from
 this state and hold none of their own.

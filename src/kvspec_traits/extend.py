@@ -14,8 +14,7 @@ raises). Teaching the library a new spec class takes the names here::
 
 Importing this module imports neither vLLM nor torch; the building blocks taken from the
 built-in adapters (``attention_traits``, ``mamba_traits``, ``positive_int``,
-``dtype_name`` and the field lists) import both the first time one is used.
-``kvspec_traits.helpers`` is the same building blocks under their former name. See
+``dtype_name`` and the field lists) import both the first time one is used. See
 ``docs/extending.md``.
 """
 

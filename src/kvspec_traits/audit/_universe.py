@@ -262,8 +262,9 @@ def build_universe(*, extensions: bool = True) -> Universe:
             f"{exc}); run the audit in the environment where vLLM is installed, or pass "
             f"--classes FILE saved there with --save-classes FILE"
         ) from exc
-    from kvspec_traits import GroupTraits, Registry
+    from kvspec_traits import GroupTraits
     from kvspec_traits._traits import KVLayoutTraits
+    from kvspec_traits.extend import Registry
 
     # A registry of its own (the built-ins and the installed extensions' entry points), so
     # adapters registered elsewhere in this process do not change the class sets.
