@@ -1,11 +1,9 @@
-"""The connector and its worker, built on vLLM's pull-mode NIXL connector.
+"""The connector and its worker, built on vLLM's pull-mode NIXL connector (push mode:
+``_push``, with the same :class:`TraitsWorkerBase`). Decided from traits and the region
+planner only (no spec class is named here):
 
-What this module owns, and decides from traits and the region planner only (no spec
-class is named here):
-
-- the worker's layout facts (``block_size`` of the transfer groups, hybrid detection,
-  recurrent state present, ring buffer present, the replicated-state group), set before
-  vLLM's kernel block-size sync;
+- the worker's layout facts (transfer ``block_size``, hybrid, recurrent state, ring
+  buffer, the replicated-state group), set before vLLM's kernel block-size sync;
 - ``register_kv_caches``: every region (base, block length, stride, block count, group
   id, name), the REPLICATE/SPLIT flag of each region, the state and scratch region
   indices, and the memory to register, from :func:`kvspec_traits.transfer.plan_regions`;
@@ -14,7 +12,7 @@ class is named here):
   handshake, so a layout mismatch is refused with the named diff.
 
 Everything else (transfers, descriptor ids, TP mapping, heartbeats, the scheduler) is
-upstream's, unchanged. docs/vllm.md lists the spec-class branches left in that code.
+upstream's; docs/vllm.md lists the spec-class branches left in that code.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _bw
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
@@ -74,8 +73,9 @@ if TYPE_CHECKING:
 __all__ = ["TraitsNixlAgentMetadata", "TraitsNixlConnector", "TraitsNixlConnectorWorker"]
 
 
-class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
-    """vLLM's pull-mode NIXL worker with its layout decisions taken from traits."""
+class TraitsWorkerBase(NixlBaseConnectorWorker):
+    """The traits half of both NIXL workers (pull: below; push: ``_push``): every layout
+    decision vLLM's base worker takes, from traits and the region plan."""
 
     # Class-level defaults: vLLM's tests (and tools) build workers with object.__new__
     # and set only upstream's attributes before register_kv_caches.
@@ -92,7 +92,8 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         *,
         registry: Registry | None = None,
     ) -> None:
-        self._traits_registry = registry if registry is not None else default_registry
+        if registry is not None:  # else the class default (or what a subclass set)
+            self._traits_registry = registry
         # Before super().__init__: its block-size sync hook (below) needs them.
         self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -168,13 +169,9 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         for index, (spec_type, state_group) in enumerate(
             zip(self._group_spec_types, self.layout_facts.group_is_state, strict=True)
         ):
-            upstream = (
-                "state"
-                if _is_ssm_spec(spec_type)
-                else "paged"
-                if _is_attention_spec(spec_type)
-                else "unknown"
-            )
+            upstream = "state" if _is_ssm_spec(spec_type) else "paged"
+            if not (upstream == "state" or _is_attention_spec(spec_type)):
+                upstream = "unknown"
             ours = "state" if state_group else "paged"
             if upstream != ours:
                 raise UpstreamDisagreesError(
@@ -389,10 +386,8 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     ) -> Any:
         remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
         check_pipeline_parallel(self.pp_size, remote_pp_size)
-        # vLLM's handshake (its socket through base_worker.zmq_ctx, its order: the
-        # compatibility hash, then the agent metadata decode) calls
-        # _validate_remote_parallel_config with the decoded metadata, where the
-        # fingerprint is checked; the peer's address is kept for the messages.
+        # vLLM's handshake (its socket, its order: compatibility hash, metadata decode)
+        # calls _validate_remote_parallel_config, where the fingerprint is checked.
         with handshake_with(host, port):
             return super()._nixl_handshake(host, port, remote_tp_size, *args, **kwargs)
 
@@ -408,6 +403,10 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             agent_metadata,
             require_traits_peer=lambda: requires_traits_peer(self.vllm_config),
         )
+
+
+class TraitsNixlConnectorWorker(TraitsWorkerBase, NixlPullConnectorWorker):
+    """vLLM's pull-mode NIXL worker with its layout decisions taken from traits."""
 
 
 class TraitsNixlConnector(NixlPullConnector):

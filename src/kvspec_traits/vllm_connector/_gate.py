@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
 from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
-from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, IMPL_MODULE
+from kvspec_traits.vllm_connector._names import (
+    CONNECTOR_NAME,
+    IMPL_MODULE,
+    PUSH_CONNECTOR_NAME,
+    PUSH_IMPL_MODULE,
+)
 
 __all__ = ["check_vllm_version", "register_with_vllm", "vllm_series"]
 
@@ -28,7 +33,9 @@ def check_vllm_version(installed: str | None = None) -> str:
 
 
 def register_with_vllm() -> None:
-    """vLLM general plugin: make ``"kv_connector": "TraitsNixlConnector"`` work by name.
+    """vLLM general plugin: make ``"kv_connector": "TraitsNixlConnector"`` (pull, as
+    upstream's ``NixlConnector``) and ``"TraitsNixlPushConnector"`` (push, as
+    ``NixlPushConnector``) work by name.
 
     Registers a lazy loader with vLLM's ``KVConnectorFactory``; safe to call more than
     once (vLLM loads plugins once per process, but may start many processes).
@@ -36,5 +43,6 @@ def register_with_vllm() -> None:
     with needs(f"the {CONNECTOR_NAME} vLLM plugin (kvspec_traits.vllm_connector)"):
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, IMPL_MODULE, CONNECTOR_NAME)
+    for name, module in ((CONNECTOR_NAME, IMPL_MODULE), (PUSH_CONNECTOR_NAME, PUSH_IMPL_MODULE)):
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, module, name)
