@@ -18,6 +18,7 @@ from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
 from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
     UnsupportedPipelineParallelError,
+    UnsupportedTransferModeError,
     UnsupportedVllmVersionError,
     UpstreamDisagreesError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "TraitsNixlPushConnector",
     "TraitsNixlPushConnectorWorker",
     "UnsupportedPipelineParallelError",
+    "UnsupportedTransferModeError",
     "UnsupportedVllmVersionError",
     "UpstreamDisagreesError",
     "check_vllm_version",

@@ -18,6 +18,7 @@ upstream's; docs/vllm.md lists the spec-class branches left in that code.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -54,7 +55,7 @@ from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector._errors import UpstreamDisagreesError
 from kvspec_traits.vllm_connector._facts import LayoutFacts, layout_facts
 from kvspec_traits.vllm_connector._fields import worker_fields
-from kvspec_traits.vllm_connector._gate import check_vllm_version
+from kvspec_traits.vllm_connector._gate import check_vllm_version, transfer_mode
 from kvspec_traits.vllm_connector._handshake import (
     TraitsNixlAgentMetadata,
     check_pipeline_parallel,
@@ -63,7 +64,7 @@ from kvspec_traits.vllm_connector._handshake import (
     logger,
     requires_traits_peer,
 )
-from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
 from kvspec_traits.vllm_connector._quirks import SeriesQuirks, series_quirks
 
 if TYPE_CHECKING:
@@ -110,8 +111,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
     # -- decisions vLLM takes in __init__ ---------------------------------------------
 
     def _sync_block_size_with_kernel(self) -> None:
-        # Called by vLLM's __init__ right after its own class-based answers; replace
-        # them before anything uses them for the kernel sync or the transfer.
+        # vLLM's __init__ calls this after its class-based answers: replace them first.
         facts = self.layout_facts
         if facts.transfer_block_size is not None:
             self.block_size = facts.transfer_block_size
@@ -184,8 +184,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
         """The region plan of ``kv_caches`` for this rank (no NIXL calls)."""
         # Host-resident (HiSparse) groups are planned over the host pool's block count
         # (the planner reads KVCacheConfig.hisparse_host_num_blocks), as vLLM does.
-        # vLLM's descriptor ids count kernel blocks (its worker's block_size and
-        # num_blocks are per kernel block), so the regions must be planned in them.
+        # vLLM's descriptor ids count kernel blocks: the regions are planned in them.
         return plan_regions(
             kv_caches,
             self.kv_cache_config,
@@ -410,19 +409,22 @@ class TraitsNixlConnectorWorker(TraitsWorkerBase, NixlPullConnectorWorker):
 
 
 class TraitsNixlConnector(NixlPullConnector):
-    """vLLM's pull-mode ``NixlConnector`` whose worker plans regions from traits.
+    """vLLM's ``NixlConnector`` whose worker plans regions from traits: a subclass of its
+    pull connector (every method a series adds, e.g. 0.33's sleep mode, is ours too), or,
+    where vLLM reads ``transfer_mode: "push"`` (:func:`_gate.transfer_mode`), a
+    ``TraitsNixlPushConnector``. Refuses on a vLLM outside the supported series."""
 
-    A subclass of vLLM's own pull connector: every method a vLLM series gives it (0.33's
-    sleep mode: ``unregister_kv_caches``, ``restore_kv_caches``) is this one's too; only
-    the worker differs. Refuses on a vLLM outside :data:`SUPPORTED_VLLM_SERIES`.
-    """
+    def __new__(cls, vllm_config: VllmConfig, *args: Any) -> Any:
+        if cls is TraitsNixlConnector and transfer_mode(vllm_config) == "push":
+            push = import_module(PUSH_IMPL_MODULE)  # by name: _push imports this module
+            return push.TraitsNixlPushConnector(vllm_config, *args)
+        return super().__new__(cls)
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         check_vllm_version()
-        # NixlPullConnector.__init__ would build upstream's worker (a NIXL agent) first:
-        # its base's constructor, then ours.
+        # Not NixlPullConnector.__init__: it would build upstream's worker (a NIXL agent).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 from kvspec_traits._deps import SUPPORTED_VLLM_SERIES
+from kvspec_traits._errors import KVSpecTraitsError
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 __all__ = [
     "PeerWithoutTraitsError",
     "UnsupportedPipelineParallelError",
+    "UnsupportedTransferModeError",
     "UnsupportedVllmVersionError",
     "UpstreamDisagreesError",
 ]
@@ -75,4 +77,16 @@ class UpstreamDisagreesError(RuntimeError):
             f"{upstream!r}, but the layout traits say {traits!r}; refusing to run with "
             f"a descriptor layout that would not match the registered regions. Report "
             f"the spec class, or register an adapter that describes it."
+        )
+
+
+class UnsupportedTransferModeError(KVSpecTraitsError, ValueError):
+    """``kv_connector_extra_config`` ``transfer_mode`` is neither ``"pull"`` nor ``"push"``
+    (on a vLLM series whose factory reads it, as ours then does). ``.mode`` is the value."""
+
+    def __init__(self, mode: object) -> None:
+        self.mode = mode
+        super().__init__(
+            f"{CONNECTOR_NAME}: invalid kv_connector_extra_config transfer_mode {mode!r}; "
+            f'set "pull" (the default) or "push", as for vLLM\'s NixlConnector'
         )
