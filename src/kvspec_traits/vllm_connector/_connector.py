@@ -414,10 +414,10 @@ class TraitsNixlConnector(NixlPullConnector):
     where vLLM reads ``transfer_mode: "push"`` (:func:`_gate.transfer_mode`), a
     ``TraitsNixlPushConnector``. Refuses on a vLLM outside the supported series."""
 
-    def __new__(cls, vllm_config: VllmConfig, *args: Any) -> Any:
+    def __new__(cls, vllm_config: VllmConfig, role: Any, kv_cache_config: Any) -> Any:
         if cls is TraitsNixlConnector and transfer_mode(vllm_config) == "push":
             push = import_module(PUSH_IMPL_MODULE)  # by name: _push imports this module
-            return push.TraitsNixlPushConnector(vllm_config, *args)
+            return push.TraitsNixlPushConnector(vllm_config, role, kv_cache_config)
         return super().__new__(cls)
 
     def __init__(
