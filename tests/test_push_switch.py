@@ -11,7 +11,7 @@ with a hard-coded table.
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from vllm.config import KVTransferConfig, set_current_vllm_config
@@ -91,7 +91,7 @@ def test_transfer_mode_is_read_where_upstreams_factory_reads_it(
             assert type(connector) is TraitsNixlConnector
         assert isinstance(connector, upstream)
     finally:
-        connector.shutdown()
+        cast(Any, connector).shutdown()
 
 
 def test_an_invalid_transfer_mode_is_refused_where_upstream_refuses_it(
