@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-from unittest.mock import patch
+from unittest.mock import MagicMock, patch
 
 import pytest
 import torch
@@ -283,6 +283,22 @@ def test_push_completions_evict_writer_state_as_upstream(
     ):
         assert w.get_transfer_results().finished_sending == set()
     assert _evicted(w) == set() and w._push_writer_wake.is_set()
+    # A failed WRITE: its handle released, the request finished (not sent) and no
+    # eviction, as vLLM's test_failed_push_transfer_does_not_evict_writer_state checks.
+    w.nixl_wrapper = MagicMock()
+    w.nixl_wrapper.check_xfer_state.return_value = "ERR"
+    w.xfer_stats = MagicMock()
+    w._log_failure = MagicMock()  # type: ignore[method-assign]
+    w._sending_transfers["req-failed"] = [17]
+    w._reqs_to_send["req-failed"] = time.perf_counter() + 30
+    w._reqs_to_process.add("req-failed")
+    with patch.object(
+        NixlBaseConnectorWorker, "get_transfer_results", return_value=KVConnectorTransferResults()
+    ):
+        assert w.get_transfer_results().finished_sending == set()
+    assert "req-failed" not in w._sending_transfers
+    w.nixl_wrapper.release_xfer_handle.assert_called_once_with(17)
+    assert _evicted(w) == set()
 
 
 @pytest.mark.parametrize("cls", [_UpstreamSubclass, TraitsNixlPushConnectorWorker])
