@@ -318,3 +318,46 @@ def test_vllms_mro_patch_replaces_the_method_under_test_in_any_subclass(
     with patch.object(cls.__mro__[1], "get_transfer_results", return_value=done):
         w.get_transfer_results()
     assert _evicted(w) == set()  # the eviction upstream's test expects never ran
+
+
+def test_upstreams_own_peer_checks_come_before_the_fingerprint(make: Callable[..., Any]) -> None:
+    """vLLM 0.34's push worker refuses a peer of another kernel block size after its
+    super() call; ours runs it before the traits check, so a pair upstream refuses is
+    refused with upstream's error, as upstream's own push worker answers on the same
+    metadata (0.32/0.33 have no such check: both accept it). Before the ordering, ours
+    answered the fingerprint's RuntimeError or mismatch first (vLLM 0.34's
+    test_push_handshake_rejects_different_block_sizes)."""
+    import dataclasses
+
+    import msgspec
+
+    from kvspec_traits.vllm_connector._handshake import TraitsNixlAgentMetadata
+
+    ours, _ = make("attention", TraitsNixlPushConnectorWorker, "ours")
+    upstream, _ = make("attention", NixlPushConnectorWorker, "upstream")
+    same = msgspec.msgpack.decode(
+        ours.xfer_handshake_metadata.agent_metadata_bytes, type=TraitsNixlAgentMetadata
+    )
+    assert _answer(ours, same) == _answer(upstream, same) == "accepted"
+    other_kernel = dataclasses.replace(same, block_size=ours.block_size // 2)
+    expected = _answer(upstream, other_kernel)
+    assert expected in ("accepted", "NotImplementedError")  # 0.32/0.33, 0.34
+    assert _answer(ours, other_kernel) == expected
+    # The fingerprint is still checked, after upstream's checks: a peer both would
+    # refuse gets upstream's answer where upstream has one (before the ordering, the
+    # traits refusal came first on 0.34).
+    assert ours.traits_fingerprint is not None
+    foreign = dataclasses.replace(same, kvspec_traits_fingerprint=b"{}")
+    assert _answer(ours, foreign) == "MalformedMetadataError"
+    both = dataclasses.replace(foreign, block_size=ours.block_size // 2)
+    assert _answer(ours, both) == (
+        "NotImplementedError" if expected == "NotImplementedError" else "MalformedMetadataError"
+    )
+
+
+def _answer(worker: Any, metadata: Any) -> str:
+    try:
+        worker._validate_remote_parallel_config(metadata)
+    except Exception as err:
+        return type(err).__name__
+    return "accepted"

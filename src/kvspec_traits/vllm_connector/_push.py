@@ -14,7 +14,8 @@ unchanged ``_compute_desc_ids``) and the notifications are upstream's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
@@ -59,6 +60,24 @@ class TraitsNixlPushConnectorWorker(NixlPushConnectorWorker, TraitsWorkerBase):
         if registry is not None:  # read by TraitsWorkerBase.__init__, below upstream's
             self._traits_registry = registry
         super().__init__(vllm_config, engine_id, kv_cache_config)
+
+    # vLLM's push worker checks the peer after its super() call (0.34: identical block
+    # sizes), which here runs the traits check first. Upstream's checks go first, the
+    # fingerprint last, as in the pull worker: a pair upstream refuses is refused with
+    # upstream's error. Per thread: handshakes run on vLLM's background executor.
+    _upstream_checks_running = threading.local()
+
+    def _validate_remote_parallel_config(self, agent_metadata: Any) -> None:
+        self._upstream_checks_running.on = True
+        try:
+            super()._validate_remote_parallel_config(agent_metadata)
+        finally:
+            self._upstream_checks_running.on = False
+        TraitsWorkerBase.check_remote_fingerprint(self, agent_metadata)
+
+    def check_remote_fingerprint(self, agent_metadata: Any) -> None:
+        if not getattr(self._upstream_checks_running, "on", False):
+            super().check_remote_fingerprint(agent_metadata)
 
 
 class TraitsNixlPushConnector(NixlPushConnector):
