@@ -131,12 +131,9 @@ def test_push_worker_is_the_pull_workers_traits_half() -> None:
 
     mro = TraitsNixlPushConnectorWorker.__mro__
     assert mro.index(NixlPushConnectorWorker) < mro.index(TraitsWorkerBase)
-    for name in (
-        "plan",
-        "_sync_block_size_with_kernel",
-        "_nixl_handshake",
-        "_validate_remote_parallel_config",
-    ):
+    # (_validate_remote_parallel_config is the push worker's own: it orders upstream's
+    # checks before the fingerprint, tests/test_push_connector.py shows it.)
+    for name in ("plan", "_apply_plan", "_sync_block_size_with_kernel", "_nixl_handshake"):
         assert getattr(TraitsNixlPushConnectorWorker, name) is getattr(TraitsWorkerBase, name)
         assert getattr(TraitsNixlConnectorWorker, name) is getattr(TraitsWorkerBase, name)
     # Upstream's push register_kv_caches (writer thread) wraps ours.
