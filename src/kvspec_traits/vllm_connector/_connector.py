@@ -78,8 +78,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
     """The traits half of both NIXL workers (pull: below; push: ``_push``): every layout
     decision vLLM's base worker takes, from traits and the region plan."""
 
-    # Class-level defaults: vLLM's tests (and tools) build workers with object.__new__
-    # and set only upstream's attributes before register_kv_caches.
+    # Class defaults: vLLM's tests build workers with object.__new__ (upstream's fields only).
     region_plan: RegionPlan | None = None
     traits_fingerprint: PlanFingerprint | None = None
     _traits_registry: Registry = default_registry
@@ -121,8 +120,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and facts.hybrid
         )
         self._has_mamba = facts.has_state
-        # vLLM reads use_mla from the model config; the caches say it (an MLA model
-        # run under another model's config would otherwise transfer per head).
+        # use_mla from the caches, not the model config (else MLA might transfer per head).
         if self.use_mla != facts.mla:
             logger.info(
                 "%s: use_mla %s from the KV cache layers (the model config says %s)",
@@ -234,8 +232,12 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             tensor_shape=None if self._has_mamba else next(iter(kv_caches.values())).shape,
             is_mamba=self._has_mamba,
         )
+        # As upstream: a push worker hashes every backend of a packed cache (PP reorders them).
+        names = {self.backend_name}
+        if self._supports_pp_hma and quirks.has_packed_cache(self):
+            names = {b.get_name() for b in self.attn_backends}
         self.compat_hash = _bw.compute_nixl_compatibility_hash(  # type: ignore[attr-defined]
-            self.vllm_config, self.backend_name, transfer_mode=self._TRANSFER_MODE
+            self.vllm_config, ",".join(sorted(names)), transfer_mode=self._TRANSFER_MODE
         )
 
         plan = self.plan(kv_caches)
@@ -315,8 +317,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             }
         }
 
-    def _xfer_region_num_blocks(self) -> list[int]:
-        # vLLM 0.33 narrows them to the transfer layers' regions.
+    def _xfer_region_num_blocks(self) -> list[int]:  # 0.33+: the transfer layers' regions
         indices = quirks.transfer_layer_region_indices(self)
         if indices:
             return [self.region_num_blocks[i] for i in indices]
@@ -385,8 +386,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
     ) -> Any:
         remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
         check_pipeline_parallel(self.pp_size, remote_pp_size)
-        # vLLM's handshake (its socket, its order: compatibility hash, metadata decode)
-        # calls _validate_remote_parallel_config, where the fingerprint is checked.
+        # vLLM's handshake calls _validate_remote_parallel_config: the fingerprint check.
         with handshake_with(host, port):
             return super()._nixl_handshake(host, port, remote_tp_size, *args, **kwargs)
 
