@@ -32,6 +32,7 @@ import pytest
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
@@ -119,16 +120,18 @@ def _kernels(groups: list[KVCacheGroupSpec]) -> list[int]:
 def make(
     distributed: None, tiny_models: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Callable[..., Any]]:
-    """``make(family, cls, engine_id)``: a worker over vLLM's kernel-block views, caches
-    registered; shut down afterwards."""
+    """``make(family, cls, engine_id)``: a worker (pull or push) over vLLM's kernel-block
+    views of ``family`` (a name of FAMILIES, or a Family), caches registered; shut down
+    afterwards."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     made: list[Any] = []
 
     def _make(
-        family: str, cls: type[NixlPullConnectorWorker], engine_id: str
+        family: str | Family, cls: type[NixlBaseConnectorWorker], engine_id: str
     ) -> tuple[Any, dict[str, torch.Tensor]]:
-        groups = FAMILIES[family].groups(1)
-        vllm_config = _vllm_config(tiny_models / FAMILIES[family].model, LBHNC, CPU_MLA)
+        chosen = FAMILIES[family] if isinstance(family, str) else family
+        groups = chosen.groups(1)
+        vllm_config = _vllm_config(tiny_models / chosen.model, LBHNC, CPU_MLA)
         vllm_config.cache_config.block_size = BLOCK
         config = layouts.kv_cache_config(groups, NB, LBHNC)
         caches = layouts.allocate(config, LBHNC, _kernels(groups))
@@ -252,23 +255,42 @@ def test_kernel_block_read_moves_exactly_the_producers_blocks(
     layouts.fill_pattern(p_caches, seed=7)
     before = layouts.backing(d_caches).clone()
     groups = FAMILIES[family].groups(1)
-    # Manager blocks, distinct across groups (they share the pool, and in the hybrid
-    # every group's layer i aliases the same storage): attention groups read two blocks
-    # into two others, out of order; each state group its one state block.
+    local, remote = request_blocks(groups)
+    _read(consumer, producer, local, list(remote))
+    assert_moved_exactly(groups, local, remote, p_caches, d_caches, before)
+
+
+def request_blocks(
+    groups: list[KVCacheGroupSpec],
+) -> tuple[tuple[list[int], ...], tuple[list[int], ...]]:
+    """(consumer blocks, producer blocks) per group of one request, in manager blocks,
+    distinct across groups (they share the pool, and in the hybrid every group's layer i
+    aliases the same storage): attention groups move two blocks into two others, out of
+    order; each state group its one state block."""
     state_blocks = iter([(3, 0), (0, 1)])
-    local_list: list[list[int]] = []
+    local: list[list[int]] = []
     remote: list[list[int]] = []
     for g in groups:
         if isinstance(g.kv_cache_spec, MambaSpec):
             d, p = next(state_blocks)
-            local_list.append([d])
+            local.append([d])
             remote.append([p])
         else:
-            local_list.append([4, 1])
+            local.append([4, 1])
             remote.append([2, 5])
-    local = tuple(local_list)
-    _read(consumer, producer, local, remote)
+    return tuple(local), tuple(remote)
 
+
+def assert_moved_exactly(
+    groups: list[KVCacheGroupSpec],
+    local: tuple[list[int], ...],
+    remote: tuple[list[int], ...],
+    p_caches: dict[str, torch.Tensor],
+    d_caches: dict[str, torch.Tensor],
+    before: torch.Tensor,
+) -> None:
+    """The consumer's blocks ``local`` hold the producer's blocks ``remote`` (a state
+    page's tensors, not its padding), and no other consumer byte changed."""
     after = layouts.backing(d_caches)
     changed = torch.zeros(after.numel(), dtype=torch.bool)
     for group, dst, src in zip(groups, local, remote, strict=True):

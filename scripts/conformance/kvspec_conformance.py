@@ -4,16 +4,19 @@ upstream's classes or against ``TraitsNixlConnector`` bound in their place.
 Loaded with ``-p kvspec_conformance`` (this directory on ``PYTHONPATH``). Environment:
 
 - ``KVSPEC_CONFORMANCE_SUBJECT``: ``upstream`` (vLLM's classes, untouched) or ``traits``
-  (``NixlConnector``/``NixlPullConnector`` and ``NixlConnectorWorker``/
-  ``NixlPullConnectorWorker`` rebound to ours in every module of vLLM's ``nixl`` package
-  before any test module is imported, so ``from ... import NixlConnector`` and the tests'
-  fake-wrapper subclasses get ours, and the factory's ``"NixlConnector"`` loads ours).
+  (every NIXL connector and worker class vLLM defines, pull and push: ``NixlConnector``/
+  ``NixlPullConnector``, ``NixlPushConnector`` and their workers, rebound to ours in every
+  module of vLLM's ``nixl`` package before any test module is imported, so ``from ...
+  import NixlConnector`` and the tests' fake-wrapper subclasses get ours, and the
+  factory's ``"NixlConnector"`` loads ours).
 - ``KVSPEC_CONFORMANCE_REPORT``: where to write the JSON outcome of every test.
 
 The binding is proved after collection: every collected test module that holds one of
 those names must hold ours (else the session stops with exit code 3), and the factory
 must resolve ``"NixlConnector"`` to ours. The report records the modules checked and how
-many traits workers the tests constructed.
+many traits workers (pull or push) the tests of each file constructed: a file whose tests
+build workers with ``object.__new__`` only runs upstream's methods on our class and
+constructs none, which run.py's table says.
 
 Stubs, only for what cannot exist on a CPU machine without a network: ``ray`` (when not
 installed) and the hub's model configs (``config.json`` of the few models the tests name,
@@ -49,6 +52,15 @@ REBOUND = {
     "NixlPullConnector": "TraitsNixlConnector",
     "NixlConnectorWorker": "TraitsNixlConnectorWorker",
     "NixlPullConnectorWorker": "TraitsNixlConnectorWorker",
+    "NixlPushConnector": "TraitsNixlPushConnector",
+    "NixlPushConnectorWorker": "TraitsNixlPushConnectorWorker",
+}
+# Where each of ours is defined (the upstream subject must not import them, so by name).
+OURS_MODULE = {
+    "TraitsNixlConnector": "kvspec_traits.vllm_connector._connector",
+    "TraitsNixlConnectorWorker": "kvspec_traits.vllm_connector._connector",
+    "TraitsNixlPushConnector": "kvspec_traits.vllm_connector._push",
+    "TraitsNixlPushConnectorWorker": "kvspec_traits.vllm_connector._push",
 }
 NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
@@ -78,13 +90,16 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 _outcomes: dict[str, str] = {}
 _binding: dict[str, Any] = {"subject": SUBJECT}
 _constructed = [0]
+# Traits workers constructed per test file (the file of the test running at the time).
+_constructed_by_file: dict[str, int] = {}
+_current_file = ["(collection)"]
 
 
 def _rebind() -> None:
     import importlib
     import pkgutil
 
-    from kvspec_traits.vllm_connector import _connector as ours
+    from kvspec_traits.vllm_connector import _connector, _push
 
     package = importlib.import_module(NIXL_PACKAGE)
     modules = [package] + [
@@ -95,15 +110,18 @@ def _rebind() -> None:
     for module in modules:
         for name, replacement in REBOUND.items():
             if name in vars(module):
+                ours = _push if OURS_MODULE[replacement].endswith("_push") else _connector
                 setattr(module, name, getattr(ours, replacement))
                 rebound.append(f"{module.__name__}.{name}")
-    init = ours.TraitsNixlConnectorWorker.__init__
+    # Both workers (pull and push) run TraitsWorkerBase.__init__ once per construction.
+    init = _connector.TraitsWorkerBase.__init__
 
     def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
         _constructed[0] += 1
+        _constructed_by_file[_current_file[0]] = _constructed_by_file.get(_current_file[0], 0) + 1
         init(self, *args, **kwargs)
 
-    ours.TraitsNixlConnectorWorker.__init__ = counting_init  # type: ignore[method-assign]
+    _connector.TraitsWorkerBase.__init__ = counting_init  # type: ignore[method-assign]
     _binding["rebound"] = rebound
 
 
@@ -143,7 +161,7 @@ class _Ours:
     which would change what upstream's own handshake decodes)."""
 
     def __init__(self, replacement: str) -> None:
-        self.qualname = f"kvspec_traits.vllm_connector._connector.{replacement}"
+        self.qualname = f"{OURS_MODULE[replacement]}.{replacement}"
 
     def matches(self, value: object) -> bool:
         return (
@@ -156,7 +174,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     expected = {name: _Ours(replacement) for name, replacement in REBOUND.items()}
-    if SUBJECT == "upstream" and "kvspec_traits.vllm_connector._connector" in sys.modules:
+    if SUBJECT == "upstream" and set(OURS_MODULE.values()) & set(sys.modules):
         pytest.exit(
             "conformance binding (upstream): kvspec_traits' connector module was "
             "imported, so upstream's run is not upstream's alone",
@@ -181,11 +199,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         module_name, _, name = qualified.rpartition(".")
         if not expected[name].matches(getattr(sys.modules[module_name], name)):
             wrong.append(f"{qualified} was rebound and changed back")
-    factory_cls = KVConnectorFactory.get_connector_class_by_name("NixlConnector")
-    if expected["NixlConnector"].matches(factory_cls) != (SUBJECT == "traits"):
-        wrong.append(f"KVConnectorFactory 'NixlConnector' = {factory_cls!r}")
+    for connector in ("NixlConnector", "NixlPushConnector"):
+        factory_cls = KVConnectorFactory.get_connector_class_by_name(connector)
+        if expected[connector].matches(factory_cls) != (SUBJECT == "traits"):
+            wrong.append(f"KVConnectorFactory {connector!r} = {factory_cls!r}")
+        _binding[f"factory_{connector}"] = f"{factory_cls.__module__}.{factory_cls.__qualname__}"
     _binding["modules_checked"] = checked
-    _binding["factory_NixlConnector"] = f"{factory_cls.__module__}.{factory_cls.__qualname__}"
     if wrong:
         pytest.exit(f"conformance binding ({SUBJECT}) did not take: {wrong}", returncode=3)
     _freeze_the_import_heap()
@@ -228,6 +247,8 @@ def _freeze_the_import_heap() -> None:
 _ID_NAMES = {
     "[TraitsNixlConnectorWorker": "[NixlPullConnectorWorker",
     "-TraitsNixlConnectorWorker": "-NixlPullConnectorWorker",
+    "[TraitsNixlPushConnectorWorker": "[NixlPushConnectorWorker",
+    "-TraitsNixlPushConnectorWorker": "-NixlPushConnectorWorker",
 }
 
 
@@ -235,6 +256,11 @@ def _upstream_id(nodeid: str) -> str:
     for ours, upstream in _ID_NAMES.items():
         nodeid = nodeid.replace(ours, upstream)
     return nodeid
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _current_file[0] = item.nodeid.split("::", 1)[0]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -253,8 +279,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def _write_report(*, partial: bool) -> None:
     path = os.environ.get("KVSPEC_CONFORMANCE_REPORT")
     # Upstream's run must never load our connector (its import rebinds a base_worker name).
-    _binding["ours_imported"] = "kvspec_traits.vllm_connector._connector" in sys.modules
+    _binding["ours_imported"] = bool(set(OURS_MODULE.values()) & set(sys.modules))
     _binding["traits_workers_constructed"] = _constructed[0]
+    _binding["traits_workers_by_file"] = dict(_constructed_by_file)
     if path:
         tmp = Path(path + ".tmp")
         tmp.write_text(

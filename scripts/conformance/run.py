@@ -44,6 +44,7 @@ FILES = (
     "test_bidirectional_kv_transfer.py",
     "test_nixl_simple_cpu_offload.py",
     "test_multi_connector.py",
+    "test_nixl_push_connector.py",
 )
 SUBJECTS = ("upstream", "traits")
 # How upstream's tests are run (pytest options, shard layout): part of the cache key of
@@ -169,7 +170,11 @@ def main() -> int:
     if not (tests_root / UNIT).is_dir():
         print(f"!! {tests_root / UNIT} is missing: run scripts/bootstrap.sh", file=sys.stderr)
         return 2
-    out_dir = REPO / ".cache" / "conformance" / series
+    # KVSPEC_CONFORMANCE_OUT: another folder for the logs and reports (worktrees that
+    # share one .cache would otherwise overwrite each other's; give them their own
+    # KVSPEC_CONFORMANCE_PORT_BASE too).
+    out_root = os.environ.get("KVSPEC_CONFORMANCE_OUT")
+    out_dir = (Path(out_root) if out_root else REPO / ".cache" / "conformance") / series
     out_dir.mkdir(parents=True, exist_ok=True)
     path = [str(HERE), str(REPO / "src")]
     if series != "0.32":
@@ -321,7 +326,14 @@ def main() -> int:
                 outcomes["traits"][k] = "passed"
 
     print(f"\nvLLM {version} NIXL connector tests ({series} series): passed / run")
-    print(f"{'file':45} {'upstream':>12} {'traits':>12}")
+    # How many of our workers (pull or push) each file's tests constructed with ours bound:
+    # a file that constructed none ran upstream's methods on our classes at most (workers
+    # made with object.__new__), so its count is no evidence for the traits worker.
+    built: Counter[str] = Counter()
+    for binding in bindings["traits"]:
+        by_file = binding.get("traits_workers_by_file", {})  # type: ignore[union-attr]
+        built.update({k.rpartition("/")[2]: int(v) for k, v in by_file.items()})
+    print(f"{'file':45} {'upstream':>12} {'traits':>12}  ours built")
     for name in FILES:
         cells = []
         for subject in SUBJECTS:
@@ -329,7 +341,11 @@ def main() -> int:
                 v for k, v in outcomes[subject].items() if k.startswith(f"{UNIT}/{name}::")
             )
             cells.append(f"{results['passed']}/{sum(results.values())}")
-        print(f"{name:45} {cells[0]:>12} {cells[1]:>12}")
+        if cells[1] == "0/0":
+            note = "-"
+        else:
+            note = str(built[name]) if built[name] else "0: not evidence (none constructed)"
+        print(f"{name:45} {cells[0]:>12} {cells[1]:>12}  {note}")
     totals = [Counter(outcomes[s].values()) for s in SUBJECTS]
     print(
         f"{'total':45} {totals[0]['passed']:>5}/{sum(totals[0].values()):<6} "

@@ -3,6 +3,7 @@
 Turn it on with ``--kv-transfer-config '{"kv_connector": "TraitsNixlConnector", ...}'``
 (registered by the ``vllm.general_plugins`` entry point :func:`register_with_vllm`), or
 without the plugin with ``"kv_connector_module_path": "kvspec_traits.vllm_connector"``.
+Push mode (upstream's ``NixlPushConnector``) is ``TraitsNixlPushConnector``, the same way.
 See ``docs/vllm.md``.
 
 Importing this module imports neither vLLM nor torch: vLLM loads general plugins in every
@@ -18,6 +19,7 @@ from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
     UnsupportedPipelineParallelError,
     UnsupportedRingTPError,
+    UnsupportedTransferModeError,
     UnsupportedVllmVersionError,
     UpstreamDisagreesError,
 )
@@ -26,20 +28,26 @@ from kvspec_traits.vllm_connector._names import (
     CONNECTOR_NAME,
     IMPL_MODULE,
     MODULE_PATH,
+    PUSH_CONNECTOR_NAME,
+    PUSH_IMPL_MODULE,
     REQUIRE_TRAITS_PEER,
 )
 
 __all__ = [
     "CONNECTOR_NAME",
     "MODULE_PATH",
+    "PUSH_CONNECTOR_NAME",
     "REQUIRE_TRAITS_PEER",
     "SUPPORTED_VLLM_SERIES",
     "PeerWithoutTraitsError",
     "TraitsNixlAgentMetadata",
     "TraitsNixlConnector",
     "TraitsNixlConnectorWorker",
+    "TraitsNixlPushConnector",
+    "TraitsNixlPushConnectorWorker",
     "UnsupportedPipelineParallelError",
     "UnsupportedRingTPError",
+    "UnsupportedTransferModeError",
     "UnsupportedVllmVersionError",
     "UpstreamDisagreesError",
     "check_vllm_version",
@@ -52,12 +60,20 @@ if TYPE_CHECKING:
         TraitsNixlConnector,
         TraitsNixlConnectorWorker,
     )
+    from kvspec_traits.vllm_connector._push import (
+        TraitsNixlPushConnector,
+        TraitsNixlPushConnectorWorker,
+    )
 
 # The classes need vLLM: loaded on first access (vLLM loads general plugins in every
 # process; its factory does getattr(import_module(kv_connector_module_path), name)).
-_LAZY: Final = frozenset(
-    {"TraitsNixlConnector", "TraitsNixlConnectorWorker", "TraitsNixlAgentMetadata"}
-)
+_LAZY: Final = {
+    "TraitsNixlConnector": IMPL_MODULE,
+    "TraitsNixlConnectorWorker": IMPL_MODULE,
+    "TraitsNixlAgentMetadata": IMPL_MODULE,
+    "TraitsNixlPushConnector": PUSH_IMPL_MODULE,
+    "TraitsNixlPushConnectorWorker": PUSH_IMPL_MODULE,
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -65,6 +81,6 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         with needs(f"{CONNECTOR_NAME} (kvspec_traits.vllm_connector)"):
-            module = importlib.import_module(IMPL_MODULE)
+            module = importlib.import_module(_LAZY[name])
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,11 +1,9 @@
-"""The connector and its worker, built on vLLM's pull-mode NIXL connector.
+"""The connector and its worker, built on vLLM's pull-mode NIXL connector (push mode:
+``_push``, with the same :class:`TraitsWorkerBase`). Decided from traits and the region
+planner only (no spec class is named here):
 
-What this module owns, and decides from traits and the region planner only (no spec
-class is named here):
-
-- the worker's layout facts (``block_size`` of the transfer groups, hybrid detection,
-  recurrent state present, ring buffer present, the replicated-state group), set before
-  vLLM's kernel block-size sync;
+- the worker's layout facts (transfer ``block_size``, hybrid, recurrent state, ring
+  buffer, the replicated-state group), set before vLLM's kernel block-size sync;
 - ``register_kv_caches``: every region (base, block length, stride, block count, group
   id, name), the REPLICATE/SPLIT flag of each region, the state and scratch region
   indices, and the memory to register, from :func:`kvspec_traits.transfer.plan_regions`;
@@ -14,18 +12,20 @@ class is named here):
   handshake, so a layout mismatch is refused with the named diff.
 
 Everything else (transfers, descriptor ids, TP mapping, heartbeats, the scheduler) is
-upstream's, unchanged. docs/vllm.md lists the spec-class branches left in that code.
+upstream's; docs/vllm.md lists the spec-class branches left in that code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _bw
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
@@ -55,7 +55,7 @@ from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector._errors import UpstreamDisagreesError
 from kvspec_traits.vllm_connector._facts import LayoutFacts, layout_facts
 from kvspec_traits.vllm_connector._fields import worker_fields
-from kvspec_traits.vllm_connector._gate import check_vllm_version
+from kvspec_traits.vllm_connector._gate import check_vllm_version, transfer_mode
 from kvspec_traits.vllm_connector._handshake import (
     TraitsNixlAgentMetadata,
     check_parallel_pair,
@@ -65,7 +65,7 @@ from kvspec_traits.vllm_connector._handshake import (
     logger,
     requires_traits_peer,
 )
-from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
 
 if TYPE_CHECKING:
@@ -75,11 +75,11 @@ if TYPE_CHECKING:
 __all__ = ["TraitsNixlAgentMetadata", "TraitsNixlConnector", "TraitsNixlConnectorWorker"]
 
 
-class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
-    """vLLM's pull-mode NIXL worker with its layout decisions taken from traits."""
+class TraitsWorkerBase(NixlBaseConnectorWorker):
+    """The traits half of both NIXL workers (pull: below; push: ``_push``): every layout
+    decision vLLM's base worker takes, from traits and the region plan."""
 
-    # Class-level defaults: vLLM's tests (and tools) build workers with object.__new__
-    # and set only upstream's attributes before register_kv_caches.
+    # Class defaults: vLLM's tests build workers with object.__new__ (upstream's fields only).
     region_plan: RegionPlan | None = None
     traits_fingerprint: PlanFingerprint | None = None
     _traits_registry: Registry = default_registry
@@ -93,7 +93,8 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         *,
         registry: Registry | None = None,
     ) -> None:
-        self._traits_registry = registry if registry is not None else default_registry
+        if registry is not None:  # else the class default (or what a subclass set)
+            self._traits_registry = registry
         # Before super().__init__: its block-size sync hook (below) needs them.
         self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -110,8 +111,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
     # -- decisions vLLM takes in __init__ ---------------------------------------------
 
     def _sync_block_size_with_kernel(self) -> None:
-        # Called by vLLM's __init__ right after its own class-based answers; replace
-        # them before anything uses them for the kernel sync or the transfer.
+        # vLLM's __init__ calls this after its class-based answers: replace them first.
         facts = self.layout_facts
         if facts.transfer_block_size is not None:
             self.block_size = facts.transfer_block_size
@@ -121,8 +121,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and facts.hybrid
         )
         self._has_mamba = facts.has_state
-        # vLLM reads use_mla from the model config; the caches say it (an MLA model
-        # run under another model's config would otherwise transfer per head).
+        # use_mla from the caches, not the model config (else MLA might transfer per head).
         if self.use_mla != facts.mla:
             logger.info(
                 "%s: use_mla %s from the KV cache layers (the model config says %s)",
@@ -169,13 +168,9 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         for index, (spec_type, state_group) in enumerate(
             zip(self._group_spec_types, self.layout_facts.group_is_state, strict=True)
         ):
-            upstream = (
-                "state"
-                if _is_ssm_spec(spec_type)
-                else "paged"
-                if _is_attention_spec(spec_type)
-                else "unknown"
-            )
+            upstream = "state" if _is_ssm_spec(spec_type) else "paged"
+            if not (upstream == "state" or _is_attention_spec(spec_type)):
+                upstream = "unknown"
             ours = "state" if state_group else "paged"
             if upstream != ours:
                 raise UpstreamDisagreesError(
@@ -218,8 +213,12 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             tensor_shape=None if self._has_mamba else next(iter(kv_caches.values())).shape,
             is_mamba=self._has_mamba,
         )
+        # As upstream: a push worker hashes every backend of a packed cache (PP reorders them).
+        names = {self.backend_name}
+        if self._supports_pp_hma and quirks.has_packed_cache(self):
+            names = {b.get_name() for b in self.attn_backends}
         self.compat_hash = _bw.compute_nixl_compatibility_hash(  # type: ignore[attr-defined]
-            self.vllm_config, self.backend_name, transfer_mode=self._TRANSFER_MODE
+            self.vllm_config, ",".join(sorted(names)), transfer_mode=self._TRANSFER_MODE
         )
 
         plan = self.plan(kv_caches)
@@ -299,8 +298,7 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
             }
         }
 
-    def _xfer_region_num_blocks(self) -> list[int]:
-        # vLLM 0.33 narrows them to the transfer layers' regions.
+    def _xfer_region_num_blocks(self) -> list[int]:  # 0.33+: the transfer layers' regions
         indices = quirks.transfer_layer_region_indices(self)
         if indices:
             return [self.region_num_blocks[i] for i in indices]
@@ -390,20 +388,27 @@ class TraitsNixlConnectorWorker(NixlPullConnectorWorker):
         )
 
 
-class TraitsNixlConnector(NixlPullConnector):
-    """vLLM's pull-mode ``NixlConnector`` whose worker plans regions from traits.
+class TraitsNixlConnectorWorker(TraitsWorkerBase, NixlPullConnectorWorker):
+    """vLLM's pull-mode NIXL worker with its layout decisions taken from traits."""
 
-    A subclass of vLLM's own pull connector: every method a vLLM series gives it (0.33's
-    sleep mode: ``unregister_kv_caches``, ``restore_kv_caches``) is this one's too; only
-    the worker differs. Refuses on a vLLM outside :data:`SUPPORTED_VLLM_SERIES`.
-    """
+
+class TraitsNixlConnector(NixlPullConnector):
+    """vLLM's ``NixlConnector`` whose worker plans regions from traits: a subclass of its
+    pull connector (every method a series adds, e.g. 0.33's sleep mode, is ours too), or,
+    where vLLM reads ``transfer_mode: "push"`` (:func:`_gate.transfer_mode`), a
+    ``TraitsNixlPushConnector``. Refuses on a vLLM outside the supported series."""
+
+    def __new__(cls, vllm_config: VllmConfig, role: Any, kv_cache_config: Any) -> Any:
+        if cls is TraitsNixlConnector and transfer_mode(vllm_config) == "push":
+            push = import_module(PUSH_IMPL_MODULE)  # by name: _push imports this module
+            return push.TraitsNixlPushConnector(vllm_config, role, kv_cache_config)
+        return super().__new__(cls)
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         check_vllm_version()
-        # NixlPullConnector.__init__ would build upstream's worker (a NIXL agent) first:
-        # its base's constructor, then ours.
+        # Not NixlPullConnector.__init__: it would build upstream's worker (a NIXL agent).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(

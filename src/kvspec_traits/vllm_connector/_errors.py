@@ -11,6 +11,7 @@ __all__ = [
     "PeerWithoutTraitsError",
     "UnsupportedPipelineParallelError",
     "UnsupportedRingTPError",
+    "UnsupportedTransferModeError",
     "UnsupportedVllmVersionError",
     "UpstreamDisagreesError",
 ]
@@ -99,4 +100,16 @@ class UnsupportedRingTPError(KVSpecTraitsError, NotImplementedError):
             f"shares head-sharded region {region!r}, whose page (and so the ring's "
             f"capacity) changes with the TP size. Run prefill and decode with equal "
             f"TP sizes."
+        )
+
+
+class UnsupportedTransferModeError(KVSpecTraitsError, ValueError):
+    """``kv_connector_extra_config`` ``transfer_mode`` is neither ``"pull"`` nor ``"push"``
+    (on a vLLM series whose factory reads it, as ours then does). ``.mode`` is the value."""
+
+    def __init__(self, mode: object) -> None:
+        self.mode = mode
+        super().__init__(
+            f"{CONNECTOR_NAME}: invalid kv_connector_extra_config transfer_mode {mode!r}; "
+            f'set "pull" (the default) or "push", as for vLLM\'s NixlConnector'
         )

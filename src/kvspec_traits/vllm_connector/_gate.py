@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
-from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
-from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
-from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, IMPL_MODULE
+from typing import Any, Final
 
-__all__ = ["check_vllm_version", "installed_vllm", "register_with_vllm", "vllm_series"]
+from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
+from kvspec_traits.vllm_connector._errors import (
+    UnsupportedTransferModeError,
+    UnsupportedVllmVersionError,
+)
+from kvspec_traits.vllm_connector._names import (
+    CONNECTOR_NAME,
+    IMPL_MODULE,
+    PUSH_CONNECTOR_NAME,
+    PUSH_IMPL_MODULE,
+)
+
+__all__ = [
+    "check_vllm_version",
+    "installed_vllm",
+    "register_with_vllm",
+    "transfer_mode",
+    "vllm_series",
+]
+
+# The series whose KVConnectorFactory makes "NixlConnector" its push connector under
+# kv_connector_extra_config {"transfer_mode": "push"} (0.34); 0.32 and 0.33 ignore the
+# key (push is "NixlPushConnector" by name there), and so does ours on them.
+MODE_KEY_SERIES: Final = frozenset({"0.34"})
 
 
 def installed_vllm() -> str:
@@ -35,7 +56,9 @@ def check_vllm_version(installed: str | None = None) -> str:
 
 
 def register_with_vllm() -> None:
-    """vLLM general plugin: make ``"kv_connector": "TraitsNixlConnector"`` work by name.
+    """vLLM general plugin: make ``"kv_connector": "TraitsNixlConnector"`` (pull, as
+    upstream's ``NixlConnector``) and ``"TraitsNixlPushConnector"`` (push, as
+    ``NixlPushConnector``) work by name.
 
     Registers a lazy loader with vLLM's ``KVConnectorFactory``; safe to call more than
     once (vLLM loads plugins once per process, but may start many processes).
@@ -43,5 +66,20 @@ def register_with_vllm() -> None:
     with needs(f"the {CONNECTOR_NAME} vLLM plugin (kvspec_traits.vllm_connector)"):
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, IMPL_MODULE, CONNECTOR_NAME)
+    for name, module in ((CONNECTOR_NAME, IMPL_MODULE), (PUSH_CONNECTOR_NAME, PUSH_IMPL_MODULE)):
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, module, name)
+
+
+def transfer_mode(vllm_config: Any) -> str:
+    """The mode ``"kv_connector": "TraitsNixlConnector"`` runs in, as vLLM's factory
+    answers it for ``"NixlConnector"``: ``kv_connector_extra_config`` ``transfer_mode``
+    (``"pull"`` or ``"push"``, else :class:`UnsupportedTransferModeError`) on the series
+    of :data:`MODE_KEY_SERIES`, ``"pull"`` on the others and without a transfer config."""
+    config = getattr(vllm_config, "kv_transfer_config", None)
+    if config is None or vllm_series(check_vllm_version()) not in MODE_KEY_SERIES:
+        return "pull"
+    mode = config.get_from_extra_config("transfer_mode", "pull")
+    if mode not in ("pull", "push"):
+        raise UnsupportedTransferModeError(mode)
+    return str(mode)

@@ -1,0 +1,114 @@
+"""Push mode (WRITE from prefill to decode): vLLM's ``NixlPushConnector`` and its worker
+with the layout decisions of the pull connector's.
+
+The worker is vLLM's push worker over :class:`TraitsWorkerBase`, the class the pull
+worker is built on: regions planned, registered and fingerprinted from the same
+:class:`~kvspec_traits.transfer.RegionPlan`, the peer's fingerprint and region geometry
+checked inside vLLM's handshake. Push handshakes both ways before a byte moves: the
+decode side with the prefill side before it sends its block registration (``PUSH_REG``),
+the prefill side with the decode side before its first WRITE. Either side refuses a peer
+whose layout differs, so a refused pair writes nothing. The writer thread, the
+registration matching, the WRITE descriptors (ids from the planned regions by vLLM's
+unchanged ``_compute_desc_ids``) and the notifications are upstream's.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlPushConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
+    NixlPushConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+    NixlPushConnectorWorker,
+)
+
+from kvspec_traits._registry import Registry
+from kvspec_traits.vllm_connector._connector import TraitsWorkerBase
+from kvspec_traits.vllm_connector._gate import check_vllm_version
+from kvspec_traits.vllm_connector._names import PUSH_CONNECTOR_NAME
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["TraitsNixlPushConnector", "TraitsNixlPushConnectorWorker"]
+
+
+class TraitsNixlPushConnectorWorker(NixlPushConnectorWorker, TraitsWorkerBase):
+    """vLLM's push-mode NIXL worker with its layout decisions taken from traits.
+
+    Upstream's push worker comes first in the MRO, so its ``register_kv_caches`` (the
+    writer thread, its mixed-memory refusal) wraps the traits registration, and its
+    ``__init__`` runs the traits worker's (layout facts before vLLM's block-size sync).
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig,
+        *,
+        registry: Registry | None = None,
+    ) -> None:
+        if registry is not None:  # read by TraitsWorkerBase.__init__, below upstream's
+            self._traits_registry = registry
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+
+    # vLLM's push worker checks the peer after its super() call (0.34: identical block
+    # sizes), which here runs the traits check first. Upstream's checks go first, the
+    # fingerprint last, as in the pull worker: a pair upstream refuses is refused with
+    # upstream's error. Per thread: handshakes run on vLLM's background executor.
+    _upstream_checks_running = threading.local()
+
+    def _validate_remote_parallel_config(self, agent_metadata: Any) -> None:
+        self._upstream_checks_running.on = True
+        try:
+            super()._validate_remote_parallel_config(agent_metadata)
+        finally:
+            self._upstream_checks_running.on = False
+        TraitsWorkerBase.check_remote_fingerprint(self, agent_metadata)
+
+    def check_remote_fingerprint(self, agent_metadata: Any) -> None:
+        if not getattr(self._upstream_checks_running, "on", False):
+            super().check_remote_fingerprint(agent_metadata)
+
+
+class TraitsNixlPushConnector(NixlPushConnector):
+    """vLLM's ``NixlPushConnector`` whose worker plans regions from traits.
+
+    Turned on as upstream's is, by the connector name: ``"kv_connector":
+    "TraitsNixlPushConnector"`` where upstream reads ``"NixlPushConnector"``, every other
+    key unchanged. Refuses on a vLLM outside the supported series.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        check_vllm_version()
+        # NixlPushConnector.__init__ would build upstream's worker (a NIXL agent) first:
+        # its base's constructor and its one push check, then ours.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            raise ValueError(
+                f"{PUSH_CONNECTOR_NAME} (as NixlPushConnector) does not support "
+                f"decode_context_parallel_size > 1; run the pull connector for DCP"
+            )
+        self.connector_scheduler: NixlPushConnectorScheduler | None = None
+        self.connector_worker: NixlPushConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPushConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = TraitsNixlPushConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        else:
+            raise ValueError(f"{PUSH_CONNECTOR_NAME}: unknown connector role {role!r}")
