@@ -86,8 +86,13 @@ from dataclasses import dataclass
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from kvspec_traits import LayoutTraits, Registry
-from kvspec_traits.extend import ATTENTION_IGNORES, ATTENTION_READS, attention_traits
+from kvspec_traits.extend import (
+    ATTENTION_IGNORES,
+    ATTENTION_READS,
+    LayoutTraits,
+    Registry,
+    attention_traits,
+)
 
 
 @dataclass(frozen=True, kw_only=True)

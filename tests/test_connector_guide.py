@@ -10,51 +10,27 @@ group spec once per layer.
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvspec_traits import traits_for_layer, traits_of
 from kvspec_traits.catalog import EXAMPLE_CONFIGS, example_config
+from tests.doc_blocks import mypy_strict_on_blocks, python_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "connector-guide.md"
 README = REPO / "README.md"
 
 
-def _python_blocks(text: str) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
-
-
 def test_the_guide_runs() -> None:
-    source = "\n\n".join(_python_blocks(GUIDE.read_text()))
+    source = "\n\n".join(python_blocks(GUIDE.read_text()))
     assert "traits_for_layer" in source and "plan_regions" in source
     exec(compile(source, str(GUIDE), "exec"), {"__name__": "connector_guide"})
 
 
 def test_the_guide_passes_mypy_strict(tmp_path: Path) -> None:
-    module = tmp_path / "connector_guide.py"
-    module.write_text("\n\n".join(_python_blocks(GUIDE.read_text())))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--config-file",
-            str(REPO / "mypy.ini"),
-            "--cache-dir",
-            str(REPO / ".mypy_cache"),
-            str(module),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        cwd=REPO,
-    )
+    proc = mypy_strict_on_blocks(GUIDE, tmp_path / "connector_guide.py")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
@@ -70,7 +46,7 @@ def test_the_readme_use_block_runs_and_counts_a_group_once() -> None:
     """The README's block read ``traits_of(layer_spec)  # groups included`` then
     ``page_size_bytes``: for a UniformTypeKVCacheSpecs layer that is the whole group's
     page, counted once per layer. It now asks per layer through traits_for_layer."""
-    (block,) = [b for b in _python_blocks(README.read_text()) if "traits_for_layer" in b]
+    (block,) = [b for b in python_blocks(README.read_text()) if "traits_for_layer" in b]
     assert "groups included" not in README.read_text()
     exec(compile(block, str(README), "exec"), {})
     config = example_config("deepseek_v4", layers=2)

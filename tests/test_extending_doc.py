@@ -24,12 +24,10 @@ from typing import Any
 
 import pytest
 
+from tests.doc_blocks import mypy_strict_on_blocks, python_blocks
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "extending.md"
-
-
-def _python_blocks(text: str) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 
 def _install(site: Path, package: str, source: str, hook: str = "register") -> None:
@@ -66,17 +64,18 @@ def test_the_walkthrough_has_every_step_and_every_trait() -> None:
     assert steps == ["1", "2", "3", "4", "5", "6", "7"]
     for name in trait_names():
         assert f"[`{name}`](traits/{name}.md)" in text, name
-    assert len(_python_blocks(text)) >= 5
+    assert len(python_blocks(text)) >= 5
 
 
 def test_the_walkthrough_runs_imported_first_with_decorator_and_entry_point(tmp_path: Path) -> None:
-    source = "\n\n".join(_python_blocks(DOC.read_text()))
+    source = "\n\n".join(python_blocks(DOC.read_text()))
     _install(tmp_path, "scaled_walkthrough", source)
     proc = _run(
         tmp_path,
         (
             "import scaled_walkthrough as w\n"  # first: nothing of kvspec-traits loaded yet
-            "from kvspec_traits import Registry, traits_of\n"
+            "from kvspec_traits import traits_of\n"
+            "from kvspec_traits.extend import Registry\n"
             "from importlib.metadata import entry_points\n"
             "assert [e.value for e in entry_points(group='kvspec_traits.adapters')\n"
             "        if e.name == 'scaled_walkthrough'] == ['scaled_walkthrough:register']\n"
@@ -109,25 +108,7 @@ def test_the_walkthrough_runs_imported_first_with_decorator_and_entry_point(tmp_
 
 
 def test_the_walkthrough_passes_mypy_strict(tmp_path: Path) -> None:
-    module = tmp_path / "walkthrough.py"
-    module.write_text("\n\n".join(_python_blocks(DOC.read_text())))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--config-file",
-            str(REPO / "mypy.ini"),
-            "--cache-dir",
-            str(REPO / ".mypy_cache"),
-            str(module),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        cwd=REPO,
-    )
+    proc = mypy_strict_on_blocks(DOC, tmp_path / "walkthrough.py")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "Success" in proc.stdout
 
@@ -192,7 +173,8 @@ def test_decorator_and_entry_point_in_one_module_imported_first(
         tmp_path,
         (
             "import scratch_plugin, torch\n"
-            "from kvspec_traits import Registry, traits_of\n"
+            "from kvspec_traits import traits_of\n"
+            "from kvspec_traits.extend import Registry\n"
             "spec = scratch_plugin.PaddedFullSpec(block_size=16, num_kv_heads=1, head_size=8,\n"
             "                                     dtype=torch.float32)\n"
             "print(traits_of(spec).page_size_bytes, Registry().traits_of(spec).page_size_bytes,\n"
@@ -375,7 +357,7 @@ def test_section_2_names_the_two_conditions_scaled_full_spec_fails() -> None:
     field holds its default (issue 25). The block after it asserts each condition."""
     section = DOC.read_text().split("## 2.", 1)[1].split("## 3.", 1)[0]
     assert "fails the first and the last" in " ".join(section.split())
-    code = _python_blocks(section)[0]
+    code = python_blocks(section)[0]
     assert "overridden_members(ScaledFullSpec)" in code and "unaccounted_fields" in code
 
 

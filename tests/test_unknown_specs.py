@@ -165,7 +165,8 @@ from vllm.v1 import kv_cache_interface as kvi
 rswa, hot = kvi.RSWASpec, kvi.HiSparseHotSpec
 del kvi.RSWASpec, kvi.HiSparseHotSpec
 
-from kvspec_traits import Registry, UnsupportedSpecError, traits_of
+from kvspec_traits import UnsupportedSpecError, traits_of
+from kvspec_traits.extend import Registry
 from kvspec_traits._vllm_adapters import ABSENT, BUILTINS, REGISTERED
 
 assert ABSENT == ("RSWASpec", "HiSparseHotSpec"), ABSENT
