@@ -200,7 +200,7 @@ def test_the_accounting_check_is_cached_with_the_answer() -> None:
 _REPORT_WITHOUT = """
 import argparse, sys
 from vllm.v1 import kv_cache_interface as kvi
-from kvspec_traits import Registry
+from kvspec_traits.extend import Registry
 from kvspec_traits._cli import _report
 from kvspec_traits._vllm_adapters import ATTENTION_IGNORES, ATTENTION_READS
 registry = Registry().copy()
