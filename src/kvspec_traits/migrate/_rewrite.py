@@ -11,7 +11,7 @@ from typing import Final
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
-from libcst.metadata import CodeRange, MetadataWrapper, ParentNodeProvider, PositionProvider
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from kvspec_traits.migrate._plan import Edit, Span
 
@@ -38,16 +38,31 @@ def _dropped(node: cst.BaseExpression) -> bool:
 
 
 class _Swap(cst.CSTTransformer):
-    METADATA_DEPENDENCIES = (PositionProvider, ParentNodeProvider)
+    # Parents come from the walk itself (``_path``): LibCST's ParentNodeProvider walks the
+    # whole module once more for the same answer.
+    METADATA_DEPENDENCIES = (PositionProvider,)
 
     def __init__(self, edits: Sequence[Edit]) -> None:
         super().__init__()
+        self._path: list[cst.CSTNode] = []
         self.replace: dict[Span, str] = {}
         self.drop: set[Span] = set()
         for edit in edits:
             self.replace[edit.spans[0]] = edit.after
             self.drop.update(edit.spans[1:])
         self.done: set[Span] = set()
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self._path.append(node)
+        return super().on_visit(node)
+
+    def on_leave(
+        self, original_node: cst.CSTNodeT, updated_node: cst.CSTNodeT
+    ) -> cst.CSTNodeT | cst.RemovalSentinel | cst.FlattenSentinel[cst.CSTNodeT]:
+        try:
+            return super().on_leave(original_node, updated_node)
+        finally:
+            self._path.pop()
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         return self._swap(original_node, updated_node)
@@ -84,7 +99,8 @@ class _Swap(cst.CSTTransformer):
         new = cst.parse_expression(text)
         if updated_node.lpar:
             return new.with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
-        parent = self.get_metadata(ParentNodeProvider, original_node, None)
+        # The node itself is last on the path until it is left.
+        parent = self._path[-2] if len(self._path) > 1 else None
         tight = isinstance(parent, _TIGHT_PARENTS) or (
             isinstance(parent, cst.UnaryOperation) and not isinstance(parent.operator, cst.Not)
         )
@@ -113,7 +129,8 @@ def rewrite_module(code: str, edits: Sequence[Edit]) -> tuple[str, tuple[Edit, .
     if not edits:
         return code, ()
     module = cst.parse_module(code)
-    wrapper = MetadataWrapper(module)
+    # Just parsed and not shared: no defensive deep copy (it cost a third of a run).
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     swap = _Swap(edits)
     changed = wrapper.visit(swap)
     applied = tuple(e for e in edits if all(s in swap.done for s in e.spans))
@@ -122,10 +139,38 @@ def rewrite_module(code: str, edits: Sequence[Edit]) -> tuple[str, tuple[Edit, .
         if not applied:
             return code, ()
         return rewrite_module(code, applied)
-    context = CodemodContext()
     text = "\n".join(e.after for e in applied)
-    for name in _IMPORTED:
-        if name == "traits_of" or f"{name}." in text:
-            AddImportsVisitor.add_needed_import(context, "kvspec_traits", name)
-    changed = AddImportsVisitor(context).transform_module(changed)
-    return changed.code, applied
+    names = [n for n in _IMPORTED if n == "traits_of" or f"{n}." in text]
+    return _add_imports(changed, names, whole="kvspec_traits" in code).code, applied
+
+
+def _add_imports(module: cst.Module, names: Sequence[str], *, whole: bool) -> cst.Module:
+    """``module`` with ``from kvspec_traits import <names>`` where LibCST's AddImportsVisitor
+    puts it: after the leading import block. That visitor walks the whole module twice;
+    only the leading statements decide where it inserts, so unless the module already
+    imports from kvspec_traits somewhere (``whole``: then the visitor merges into that
+    import, wherever it is) it runs on the leading imports and the first statement after
+    them alone."""
+    context = CodemodContext()
+    for name in names:
+        AddImportsVisitor.add_needed_import(context, "kvspec_traits", name)
+    if whole:
+        return AddImportsVisitor(context).transform_module(module)
+    body = list(module.body)
+    end = 0
+    for index, statement in enumerate(body):
+        is_import = isinstance(statement, cst.SimpleStatementLine) and isinstance(
+            statement.body[0], (cst.Import, cst.ImportFrom)
+        )
+        docstring = (
+            index == 0
+            and isinstance(statement, cst.SimpleStatementLine)
+            and isinstance(statement.body[0], (cst.Expr, cst.Assign))
+        )
+        if not (is_import or docstring):
+            end = index + 1
+            break
+    else:
+        end = len(body)
+    head = AddImportsVisitor(context).transform_module(module.with_changes(body=body[:end]))
+    return module.with_changes(body=[*head.body, *body[end:]])
