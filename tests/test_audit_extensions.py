@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvspec_traits.audit import main
+from tests import fresh
 
 EXAMPLE = "kvspec-traits-example 0.1.0"
 
@@ -160,15 +160,7 @@ def test_an_extension_without_representatives_is_listed_and_changes_the_cache_ke
         KVSPEC_TRAITS_CACHE_DIR=str(cache),
         PYTHONPATH=os.pathsep.join([str(site), *sys.path]),
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env=env,
-        cwd=tmp_path,
-    )
+    done = fresh.run([sys.executable, "-c", code], timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     doc = json.loads((tmp_path / "report.json").read_text())
     assert "padded_ext 0.1" in doc["extensions"]

@@ -25,6 +25,7 @@ import pytest
 
 from kvspec_traits.audit import EXIT_USAGE
 from kvspec_traits.audit import main as audit_main
+from tests import fresh
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = REPO / "tests" / "fixtures" / "audit" / "seed_before.py"
@@ -40,13 +41,8 @@ def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 def _cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvspec_traits", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=HANG,
-        check=False,
-        cwd=cwd,
+    return fresh.run(
+        [sys.executable, "-m", "kvspec_traits", *map(str, args)], timeout=HANG, cwd=cwd
     )
 
 

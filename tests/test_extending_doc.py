@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests import fresh
 from tests.doc_blocks import mypy_strict_on_blocks, python_blocks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,15 +46,7 @@ def _install(site: Path, package: str, source: str, hook: str = "register") -> N
 def _run(site: Path, code: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(site), *sys.path])
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-        cwd=site,
-    )
+    return fresh.run([sys.executable, "-c", code], env=env, timeout=300, cwd=site)
 
 
 def test_the_walkthrough_has_every_step_and_every_trait() -> None:

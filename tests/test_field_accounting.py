@@ -18,6 +18,7 @@ from kvspec_traits import KVLayoutTraits, UnsupportedSpecError, traits_of
 from kvspec_traits._vllm_adapters import ATTENTION_IGNORES, ATTENTION_READS
 from kvspec_traits.catalog import spec_classes
 from kvspec_traits.extend import Registry, UnknownFieldNameError, default_registry
+from tests import fresh
 
 
 def _full_kwargs() -> dict[str, Any]:
@@ -212,20 +213,13 @@ sys.exit(_report(argparse.Namespace(json=False, imports=[]), registry))
 
 
 def test_report_lists_unaccounted_fields_and_is_not_ok() -> None:
-    import subprocess
     import sys
 
     import vllm
 
     # A fresh process (no test classes in it), as `make report` runs; only the
     # FullAttentionSpec adapter's accounting lacks num_head_slots.
-    proc = subprocess.run(
-        [sys.executable, "-c", _REPORT_WITHOUT, "num_head_slots"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = fresh.run([sys.executable, "-c", _REPORT_WITHOUT, "num_head_slots"], timeout=300)
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:] + proc.stderr[-3000:]
     # every class is covered and every example verified: the fields alone make it NOT OK

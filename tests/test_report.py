@@ -13,6 +13,7 @@ import vllm
 
 from kvspec_traits._cli import _table, main
 from kvspec_traits.catalog import refused_specs, representative_specs
+from tests import fresh
 
 
 def _run(*args: str, columns: int | None = None) -> subprocess.CompletedProcess[str]:
@@ -20,14 +21,7 @@ def _run(*args: str, columns: int | None = None) -> subprocess.CompletedProcess[
     env = dict(os.environ)
     if columns is not None:
         env["COLUMNS"] = str(columns)
-    return subprocess.run(
-        [sys.executable, "-m", "kvspec_traits", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env=env,
-    )
+    return fresh.run([sys.executable, "-m", "kvspec_traits", *args], timeout=300, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import fresh
+
 _WRONG = '''
 from dataclasses import dataclass
 
@@ -114,14 +116,8 @@ def _report(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(site), *sys.path])
     env["COLUMNS"] = "400"
-    return subprocess.run(
-        [sys.executable, "-m", "kvspec_traits", "report", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-        cwd=site,
+    return fresh.run(
+        [sys.executable, "-m", "kvspec_traits", "report", *args], env=env, timeout=600, cwd=site
     )
 
 

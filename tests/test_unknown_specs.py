@@ -13,6 +13,7 @@ from vllm.v1 import kv_cache_interface as kvi
 
 from kvspec_traits import TokenScope, TPLayout, TraitsMismatchError, UnsupportedSpecError, traits_of
 from kvspec_traits.extend import LayoutTraits, Registry
+from tests import fresh
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,8 +190,6 @@ print("ok")
 
 
 def test_a_spec_class_missing_from_vllm_only_loses_its_adapter() -> None:
-    import os
-    import subprocess
     import sys
 
     from kvspec_traits._vllm_adapters import ABSENT, REGISTERED
@@ -199,12 +198,5 @@ def test_a_spec_class_missing_from_vllm_only_loses_its_adapter() -> None:
     # KVCacheSpec, 5 keep-every-token classes, RSWA, chunked, 2 sliding, ring, encoder-only,
     # cross, Mamba, 2 HiSparse, the group: 17 names registered on 0.32, 0.33 and 0.34.
     assert len(REGISTERED) == 17
-    done = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_CLASSES],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ),
-        check=False,
-    )
+    done = fresh.run([sys.executable, "-c", _WITHOUT_CLASSES], timeout=300)
     assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr[-2000:]
