@@ -14,7 +14,7 @@ from typing import Final
 
 from kvspec_traits.audit._names import KIND_TOKENS, NameResolver, all_statements, dedup
 from kvspec_traits.audit._sites import RawSite, SiteFinder
-from kvspec_traits.audit._tables import type_lookups
+from kvspec_traits.audit._tables import LOOKUP_HINT, type_lookups
 
 __all__ = [
     "FORMS",
@@ -146,7 +146,7 @@ class ModuleScan:
     def type_lookups(self) -> dict[str, set[str]]:
         """Tables this module looks up by an exact type, and how (see
         :func:`~kvspec_traits.audit._tables.type_lookups`)."""
-        if self.source is not None and not any(t in self.source for t in (b"type(", b"__class__")):
+        if self.source is not None and not LOOKUP_HINT.search(self.source):
             return {}
         return type_lookups(self.tree, self.resolver)
 

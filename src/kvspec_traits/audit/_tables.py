@@ -12,17 +12,30 @@ table, a patched copy of one): the lookup that decides is not in the scan.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from typing import Final
 
 from kvspec_traits.audit._names import NameResolver, last_name
 
-__all__ = ["RAISES", "SILENT", "lookup_of", "table_name", "table_reason", "type_lookups"]
+__all__ = [
+    "LOOKUP_HINT",
+    "RAISES",
+    "SILENT",
+    "lookup_of",
+    "table_name",
+    "table_reason",
+    "type_lookups",
+]
 
 RAISES: Final = "raises"
 SILENT: Final = "silent"
 _CATCHES_KEY_ERROR: Final = frozenset({"KeyError", "LookupError", "Exception", "BaseException"})
 _MERGES: Final = frozenset({"update", "setdefault"})
+LOOKUP_HINT: Final = re.compile(
+    rb"\[\s*type\(|get\(\s*type\(|type\([^()]*\)\s+(not\s+)?in\b|__class__\s*[\]),]"
+)
+"""Text without which a module looks no table up by type (it is not walked for lookups)."""
 
 
 def table_name(node: ast.Dict, region: ast.AST) -> str:
