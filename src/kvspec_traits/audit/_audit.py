@@ -19,6 +19,7 @@ from kvspec_traits.audit._files import (
 )
 from kvspec_traits.audit._infer import Site, infer
 from kvspec_traits.audit._scan import KIND_TOKENS, ClassDefinition, ModuleScan, RawSite
+from kvspec_traits.audit._tables import lookup_of
 from kvspec_traits.audit._universe import Universe
 
 __all__ = ["AuditResult", "audit_paths"]
@@ -141,6 +142,7 @@ def audit_paths(
     scanned: dict[Path, tuple[list[RawSite], frozenset[str]]] = {}
     exports: dict[str, dict[str, tuple[str, ...]]] = {}
     definitions: dict[tuple[str, str], ClassDefinition] = {}
+    lookups: dict[str, set[str]] = {}  # tables looked up by type anywhere in the scan
     unmatched: list[Path] = []
     seen = 0
     packages: dict[Path, str] = {}
@@ -177,6 +179,8 @@ def audit_paths(
             return
         if module_scan.class_sets and not with_exports:
             exports[module_scan.resolver.module] = module_scan.class_sets
+        for name, how in module_scan.type_lookups().items():
+            lookups.setdefault(name, set()).update(how)
         scanned[path] = raw, module_scan.imported_modules()
 
     for path, data in matched:
@@ -202,7 +206,11 @@ def audit_paths(
             refused.setdefault(path.parent, set()).update(raw.refused)
     sites = [
         infer(
-            dataclasses.replace(raw, refused=tuple(sorted(refused[path.parent]))),
+            dataclasses.replace(
+                raw,
+                refused=tuple(sorted(refused[path.parent])),
+                lookup=lookup_of(raw.table, lookups) if raw.form == "class-dict" else "",
+            ),
             universe,
             path=_display(path, display_root),
         )

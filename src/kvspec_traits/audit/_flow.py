@@ -28,6 +28,7 @@ __all__ = [
     "kind_source",
     "path_to",
     "raises",
+    "refused_through_flag",
     "test_checks",
 ]
 
@@ -359,3 +360,26 @@ def flow_context(
             elif isinstance(stmt, ast.Assert):
                 add(stmt.test, True, "assert", stmt.lineno)
     return tuple(found), tuple(guards)
+
+
+def refused_through_flag(scope: ast.AST, stmt: ast.stmt) -> bool:
+    """Whether ``stmt`` binds a flag (a name assigned once in ``scope``) that a later
+    ``if`` tests negated (``if ... and not flag: raise``) to guard a raise: the classes
+    failing the check that computes the flag are refused loudly (issue 23's flags)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+        return False
+    name = ast.unparse(stmt.targets[0])
+    if name not in bindings_before(scope, ast.Pass(lineno=10**9)):
+        return False
+    return any(
+        isinstance(node, ast.If)
+        and node.lineno > stmt.lineno
+        and raises(node.body)
+        and any(
+            isinstance(n, ast.UnaryOp)
+            and isinstance(n.op, ast.Not)
+            and ast.unparse(n.operand) == name
+            for n in ast.walk(node.test)
+        )
+        for node in ast.walk(scope)
+    )

@@ -19,6 +19,7 @@ from kvspec_traits.audit._around import blocked_classes, flow_reason, of_kinds
 from kvspec_traits.audit._questions import KIND_TRAITS, QUESTIONS, Question
 from kvspec_traits.audit._readings import defines, in_test, judged_on_vllm
 from kvspec_traits.audit._scan import RawSite
+from kvspec_traits.audit._tables import SILENT, table_reason
 from kvspec_traits.audit._universe import Universe
 
 __all__ = ["CONFIDENCES", "Answer", "Confidence", "Site", "Verdict", "infer"]
@@ -201,6 +202,17 @@ def _tested(raw: RawSite, u: Universe) -> list[str]:
     return [c for c in raw.classes if c not in u.group_names]
 
 
+def _refuses_skipped(raw: RawSite) -> str:
+    # An exact check whose failing classes reach a raise: `if type(s) not in (A, B): raise`,
+    # `assert type(s) is A`, an if/elif chain ending in `else: raise` (a skipped subclass
+    # fails every branch). `if type(s) is A: raise` refuses A, not the subclasses it skips.
+    if "validation" in raw.context and raw.negated:
+        return "guards a raise"
+    if "assert" in raw.context and not raw.negated:
+        return "an assertion"
+    return "its if/elif chain ends in raise" if "chain-raises" in raw.context else ""
+
+
 def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     """The verdict on one class check against the class sets ``u``."""
     mixed = judged_on_vllm(raw, u, path, infer)
@@ -278,8 +290,10 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     exited = u.subclasses(raw.exited_on)
     owner = raw.function.partition(".")[0]
     here = [c for c in tested if c in u.classes and defines(path, u.classes[c].module)]
-    if raw.form == "type-name" and "assert" in raw.context and in_test(path, raw.function):
-        reason = "a test's assertion on a recorded class name: what the test expects, no branch"
+    if exact and in_test(path, raw.function):
+        # a test builds its own specs: an exact class there is what it expects of them
+        where = "a test's assertion on" if "assert" in raw.context else "a check in a test on"
+        reason = f"{where} an exact class: what the test expects of the specs it built, no branch"
     elif exact and (owner in u.classes or (here and len(here) == len(tested))):
         where = f"{owner}'s own code" if owner in u.classes else "the module that defines it"
         reason = (
@@ -346,6 +360,13 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     elif skipped and "subclass-comment" in raw.context:
         verdict, confidence = "deliberate", "medium"
         reason = "exact type check with a comment about subclasses just above"
+    elif skipped and (refusal := _refuses_skipped(raw)):
+        verdict, confidence = "possible-miss", "low"
+        reason = f"{refusal}: the subclasses it skips ({', '.join(skipped)}) are refused loudly"
+    elif skipped and raw.form == "class-dict" and raw.lookup != SILENT:
+        # a table is an exact check through its lookup: only a silent one mishandles
+        verdict, confidence = "possible-miss", "low"
+        reason = table_reason(raw.table, raw.lookup, skipped)
     elif skipped and raw.form == "class-compare":
         verdict, confidence = "exact-type", "low"
         reason = (
@@ -356,6 +377,8 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     elif skipped:
         verdict, confidence = "exact-type", "medium"
         reason = f"exact type check skips subclasses {', '.join(skipped)}"
+        if raw.form == "class-dict":
+            reason += f"; {raw.table} is looked up by type with a fallback (.get, in, except)"
     elif wrapper:
         verdict, confidence = "group-wrapper", "low"
         reason = (

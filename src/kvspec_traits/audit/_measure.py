@@ -37,6 +37,7 @@ PATTERNS: Final = (
     "flag-flow",
     "test-assertion",
     "spec-module",
+    "no-effect",
 )
 """Why a reader gave a verdict: a true miss, or the pattern that makes a flag wrong."""
 

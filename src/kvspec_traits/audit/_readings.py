@@ -85,12 +85,13 @@ def judged_on_vllm(raw: RawSite, u: Universe, path: str, infer: Callable[..., Si
 
 
 def in_test(path: str, function: str) -> bool:
-    # A test module (test_*.py, *_test.py, under tests/) or a test function.
+    # A test module (test_*.py, *_test.py, conftest.py) or a test function. Not any file
+    # under a tests/ folder: the scanned tree itself may live below one.
     name = path.replace("\\", "/").rpartition("/")[2]
     return (
         name.startswith("test_")
         or name.endswith("_test.py")
-        or "/tests/" in f"/{path}"
+        or name == "conftest.py"
         or function.rpartition(".")[2].startswith("test")
     )
 

@@ -14,6 +14,7 @@ from typing import Final
 
 from kvspec_traits.audit._names import KIND_TOKENS, NameResolver, all_statements, dedup
 from kvspec_traits.audit._sites import RawSite, SiteFinder
+from kvspec_traits.audit._tables import LOOKUP_HINT, type_lookups
 
 __all__ = [
     "FORMS",
@@ -141,6 +142,13 @@ class ModuleScan:
             found.add(ref)
             found.add(ref.rpartition(".")[0])
         return frozenset(found)
+
+    def type_lookups(self) -> dict[str, set[str]]:
+        """Tables this module looks up by an exact type, and how (see
+        :func:`~kvspec_traits.audit._tables.type_lookups`)."""
+        if self.source is not None and not LOOKUP_HINT.search(self.source):
+            return {}
+        return type_lookups(self.tree, self.resolver)
 
     @property
     def class_sets(self) -> dict[str, tuple[str, ...]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from kvspec_traits.audit._checks import Check, CheckReader
@@ -19,9 +19,11 @@ from kvspec_traits.audit._flow import (
     flow_context,
     iterables_around,
     raises,
+    refused_through_flag,
     test_checks,
 )
 from kvspec_traits.audit._names import NameResolver, all_statements, blocks, dedup, last_name
+from kvspec_traits.audit._tables import table_name
 
 __all__ = ["RawSite", "SiteFinder"]
 
@@ -51,9 +53,10 @@ class RawSite:
     asserted; ``validation``: it guards a ``raise``; ``chain-raises``: its if/elif chain
     ends in ``else: raise``; ``subclass-comment``: a comment just above speaks of
     subclasses); ``kinds`` the ``KVCacheSpecKind`` members a spec-kind site compares with;
-    ``subclass_safe`` a class-keyed dict looked up along ``type(x).__mro__``; ``others``
-    the names in the class operand that are no spec class the audit knows (a class defined
-    outside the scanned code, tested next to spec classes).
+    ``subclass_safe`` a class-keyed dict looked up along ``type(x).__mro__``; ``table`` the
+    name such a dict is bound to and ``lookup`` how the scanned code looks that name up by
+    type (see :mod:`~kvspec_traits.audit._tables`); ``others`` the names in the class
+    operand that are no spec class the audit knows (a class defined outside the scan).
     """
 
     line: int
@@ -77,6 +80,8 @@ class RawSite:
     kinds: tuple[str, ...] = ()
     subclass_safe: bool = False
     others: tuple[str, ...] = ()
+    table: str = ""
+    lookup: str = ""
 
 
 def _position(node: ast.AST) -> int:
@@ -233,12 +238,9 @@ class SiteFinder(CheckReader):
             elif isinstance(region, ast.AnnAssign):
                 targets = [region.target]
             safe = any(last_name(t) in self.mro_dicts for t in targets)
-            self._emit(
-                Check(node, "class-dict", "", written, written, dedup(keys), False, not safe),
-                func,
-                region,
-                subclass_safe=safe,
-            )
+            check = Check(node, "class-dict", "", written, written, dedup(keys), False, not safe)
+            self._emit(check, func, region, subclass_safe=safe)
+            self.sites[-1] = replace(self.sites[-1], table=table_name(node, region))
 
     def _visit_match(self, node: ast.Match, func: str) -> None:
         subject = ast.unparse(node.subject)
@@ -344,6 +346,8 @@ class SiteFinder(CheckReader):
                 tail = tail.orelse[0]
             if tail is not stmt and raises(tail.orelse):
                 flags.append("chain-raises")
+        elif isinstance(stmt, ast.Assign) and self.top and refused_through_flag(self.top, stmt):
+            flags.append("validation")  # a flag that a later `if not flag: raise` tests
         line = getattr(check.node, "lineno", 0)
         first = getattr(stmt, "lineno", line)
         if self.source_lines is not None and line:
