@@ -11,6 +11,7 @@ deliberate exact-type check rests on. docs/migration.md quotes them.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import shutil
 import sys
@@ -130,3 +131,93 @@ def test_seed_line_becomes_a_traits_query_true_for_sliding_window_mla(
             )
             is True
         )
+
+
+def _representative_type(spec: object) -> type[Any]:
+    # vLLM's get_representative_spec_type (nixl/utils.py), copied: the connector package
+    # imports NIXL. A group's class is its first member's.
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return type(next(iter(spec.kv_cache_specs.values())))
+    return type(spec)
+
+
+class _Subject(ast.NodeTransformer):
+    """Replaces every occurrence of the edit's subject expression with ``__s``."""
+
+    def __init__(self, subject: str) -> None:
+        self.subject = subject
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        if isinstance(node, ast.expr) and ast.unparse(node) == self.subject:
+            return ast.copy_location(ast.Name("__s", ast.Load()), node)
+        return super().visit(node)
+
+
+def _on_subject(text: str, subject: str) -> Any:
+    tree = _Subject(subject).visit(ast.parse(text.strip(), mode="eval"))
+    return compile(ast.fix_missing_locations(tree), "<edit>", "eval")
+
+
+def _asked(after: str) -> str:
+    """The subject a rewritten query asks: the argument of its ``traits_of(...)``."""
+    for node in ast.walk(ast.parse(after, mode="eval")):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "traits_of":
+            return ast.unparse(node.args[0])
+    raise AssertionError(f"no traits_of call in {after!r}")
+
+
+def test_every_rewrite_answers_as_the_check_on_every_spec_class(measured: Any) -> None:
+    """Failure mode (issue 20): a rewrite of the real tree that changes what a branch does
+    for some spec class. Every edit's check as written and its traits query are evaluated
+    on the catalog's real spec of every class, and on a two-layer UniformTypeKVCacheSpecs
+    of each: they agree, except (each named by the plan) the classes a miss left out, the
+    other page kinds the diff header lists (``differs_on``), and, on a group wrapper, a
+    query on the members where ``isinstance`` on the wrapper said False (the traits of
+    a group are its members'; docs/migration.md). ``grouped`` and the representative
+    forms agree on groups too."""
+    from vllm.v1 import kv_cache_interface as kvi
+
+    from kvspec_traits import TokenScope, TPLayout, representative_traits
+
+    env: dict[str, Any] = {
+        **vars(kvi),
+        "traits_of": traits_of,
+        "representative_traits": representative_traits,
+        "TokenScope": TokenScope,
+        "TPLayout": TPLayout,
+        "get_representative_spec_type": _representative_type,
+    }
+    singles = [e.spec for e in representative_specs() if not isinstance(e.spec, kvi.UniformTypeKVCacheSpecs)]
+    groups = [
+        kvi.UniformTypeKVCacheSpecs(block_size=s.block_size, kv_cache_specs={"l0": s, "l1": s})
+        for s in singles
+    ]
+    evaluated = 0
+    for edit in measured.plan.edits:
+        subject = _asked(edit.after)
+        try:
+            before = _on_subject(edit.before, subject)
+            after = _on_subject(edit.after, subject)
+            eval(before, {**env, "__s": singles[0]})
+        except NameError:
+            continue  # a kind variable computed earlier in the function: no spec alone
+        evaluated += 1
+        allowed = set(edit.missing) | set(edit.differs_on)
+        where = f"{edit.path}:{edit.line}: {edit.before} -> {edit.after}"
+        for spec in singles:
+            if type(spec).__name__ in allowed:
+                continue
+            assert eval(after, {**env, "__s": spec}) == eval(before, {**env, "__s": spec}), (
+                where,
+                type(spec).__name__,
+            )
+        whole = edit.trait == "grouped" or "representative_traits(" in edit.after
+        for group, member in zip(groups, singles, strict=True):
+            if type(member).__name__ in allowed:
+                continue
+            want = eval(before, {**env, "__s": group if whole else member})
+            assert eval(after, {**env, "__s": group}) == want, (where, "group", type(member))
+    # every edit but the kind-variable ones (`kind in (...)` with `kind` computed earlier)
+    assert evaluated >= len(measured.plan.edits) - 3

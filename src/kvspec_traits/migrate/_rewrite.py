@@ -1,7 +1,7 @@
 """Apply planned edits to one module with LibCST: only the planned expressions change, so
 formatting and comments everywhere else survive; the imports the new expressions need are
-added once (``from kvspec_traits import traits_of``, plus ``TokenScope``/``TPLayout`` when
-an expression names them)."""
+added once (``from kvspec_traits import traits_of``, plus ``TokenScope``/``TPLayout``/
+``representative_traits`` when an expression names them)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kvspec_traits.migrate._plan import Edit, Span
 
 __all__ = ["rewrite_module"]
 
-_IMPORTED: Final = ("traits_of", "TokenScope", "TPLayout")
+_IMPORTED: Final = ("representative_traits", "traits_of", "TokenScope", "TPLayout")
 _DROPPED: Final = "__kvspec_traits_dropped__"
 # A comparison or `not x` needs parentheses as an operand of these.
 _TIGHT_PARENTS: Final = (
@@ -125,7 +125,7 @@ def rewrite_module(code: str, edits: Sequence[Edit]) -> tuple[str, tuple[Edit, .
     context = CodemodContext()
     text = "\n".join(e.after for e in applied)
     for name in _IMPORTED:
-        if name == "traits_of" or f"{name}." in text:
+        if name == "traits_of" or f"{name}." in text or f"{name}(" in text:
             AddImportsVisitor.add_needed_import(context, "kvspec_traits", name)
     changed = AddImportsVisitor(context).transform_module(changed)
     return changed.code, applied
