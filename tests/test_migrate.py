@@ -76,7 +76,11 @@ FORMS: list[tuple[str, str, str]] = [
         "    return isinstance(spec, FullAttentionSpec)",
         "    return traits_of(spec).keeps_prompt",
     ),
-    ("grouped", "    if isinstance(spec, UniformTypeKVCacheSpecs):", "    if traits_of(spec).grouped:"),
+    (
+        "grouped",
+        "    if isinstance(spec, UniformTypeKVCacheSpecs):",
+        "    if traits_of(spec).grouped:",
+    ),
     (
         "get_representative_spec_type",
         "    if type(spec) is UniformTypeKVCacheSpecs:",
@@ -155,8 +159,8 @@ def test_diff_per_form(universe: Universe, capsys: pytest.CaptureFixture[str]) -
     for name, before, after in FORMS:
         assert f"\n-{before}\n" in out, name
         assert f"\n+{after}\n" in out, name
-    assert "\n+from kvspec_traits import TokenScope, traits_of\n" in out
-    assert out.count("import TokenScope, traits_of") == 1
+    assert "\n+from kvspec_traits import TokenScope, representative_traits, traits_of\n" in out
+    assert out.count("import TokenScope, representative_traits, traits_of") == 1
     # the chain's second line goes into the first
     assert "\n-            and not isinstance(spec, SlidingWindowMLASpec))\n" in out
     # the miss is named before the diff's `---` line (patch ignores it)
@@ -187,8 +191,9 @@ def test_edits_name_the_classes_answered_otherwise(universe: Universe) -> None:
     assert set(by_line[21].differs_on) == OTHER_KIND  # class_tuple
     assert by_line[17].differs_on == ()  # one_class: MambaSpec is the recurrent state
     strict = plan_migration([FIXTURE], universe, strict=True)
-    assert len(strict.edits) == 5
-    assert {s.line for s in strict.skips} == {21, 35, 39, 52}
+    # the is_mla queries (and the representative one) answer otherwise for other kinds
+    assert len(strict.edits) == 11
+    assert {s.line for s in strict.skips} == {21, 35, 39, 52, 96}
 
 
 def test_idempotent(migrated: Path, universe: Universe) -> None:

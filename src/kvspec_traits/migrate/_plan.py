@@ -143,7 +143,9 @@ def _why_not(site: Site) -> str | None:
         return "tests the group wrapper and reads its members (an unwrap)"
     if answer is None:
         return f"no trait question: {site.reason}"
-    if site.verdict not in _REWRITTEN_VERDICTS and not (grouped and site.verdict == "group-wrapper"):
+    if site.verdict not in _REWRITTEN_VERDICTS and not (
+        grouped and site.verdict == "group-wrapper"
+    ):
         return f"{site.verdict}: {site.reason}"
     if answer.match == "exact":
         return None

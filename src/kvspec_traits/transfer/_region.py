@@ -288,4 +288,3 @@ def has_ring(traits: Iterable[KVLayoutTraits]) -> bool:
     place, :attr:`TokenScope.RING`): a region's :attr:`Region.scratch`, a plan's
     default :attr:`PlanLayout.rows`, the connector's CSA-linear models."""
     return any(t.token_scope is TokenScope.RING for t in traits)
-
