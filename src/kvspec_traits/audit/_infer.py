@@ -268,7 +268,7 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
             missing = cand.value_classes - as_written - cand.varies
     elif not tested:
         answer = _group_answer(raw, u)
-    if raw.excluded and (answer is None or answer.match == "closest"):
+    if raw.excluded and (answer is None or answer.match != "exact"):
         # `A and not B`: the question is B's, negated; what B's question covers but B
         # does not take out of A gets through.
         taken_out = u.subclasses(raw.excluded)
