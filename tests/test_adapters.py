@@ -333,3 +333,39 @@ def test_hisparse_pages_are_never_transferred() -> None:
             per_token_bytes=656,
             prefix_cacheable=False,
         )
+
+
+# The kind traits (issue 20), hand-derived per class from vLLM's class tree and managers
+# (v1/core/single_type_kv_cache_manager.py, register_all_kvcache_specs):
+# - attention_page: the class has AttentionSpec's K/V fields (every AttentionSpec subclass);
+# - token_paged: neither MambaSpec's one state per request nor the ring's one page;
+# - keeps_prompt: FullAttentionManager or a subclass keeps every prompt block (full, MLA,
+#   hidden-state, sink; RSWAManager evicts generated tokens only), not a bare AttentionSpec
+#   (no manager is registered for it);
+# - grouped: UniformTypeKVCacheSpecs only.
+_KINDS: dict[str, tuple[bool, bool, bool]] = {
+    "AttentionSpec": (True, True, False),
+    "FullAttentionSpec": (True, True, True),
+    "MLAAttentionSpec": (True, True, True),
+    "HiddenStateCacheSpec": (True, True, True),
+    "SinkFullAttentionSpec": (True, True, True),
+    "RSWASpec": (True, True, True),
+    "SlidingWindowSpec": (True, True, False),
+    "SlidingWindowMLASpec": (True, True, False),
+    "ChunkedLocalAttentionSpec": (True, True, False),
+    "CircularBufferSpec": (True, False, False),
+    "CrossAttentionSpec": (True, True, False),
+    "EncoderOnlyAttentionSpec": (True, True, False),
+    "MambaSpec": (False, False, False),
+    "HiSparseHotSpec": (False, True, False),
+    "HiSparseResidentSpec": (False, True, False),
+    "UniformTypeKVCacheSpecs": (True, True, True),  # the catalog's group of MLA layers
+}
+
+
+def test_the_kind_traits_of_every_catalog_spec() -> None:
+    for label, spec in CATALOG.items():
+        t = traits_of(spec)
+        name = type(spec).__name__
+        assert (t.attention_page, t.token_paged, t.keeps_prompt) == _KINDS[name], label
+        assert t.grouped is (name == "UniformTypeKVCacheSpecs"), label

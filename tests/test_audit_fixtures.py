@@ -68,7 +68,7 @@ EXPECTED: list[Row] = [
         "isinstance",
         ("MambaSpec", "CircularBufferSpec"),
         False,
-        None,
+        ("token_paged", "False", "exact"),
         (),
         (),
         False,
@@ -120,8 +120,8 @@ EXPECTED: list[Row] = [
         "type-compare",
         ("FullAttentionSpec",),
         False,
-        ("token_scope", "TokenScope.FULL", "closest"),
-        (),
+        ("keeps_prompt", "True", "exact"),
+        (HIDDEN, MLA, "RSWASpec", "SinkFullAttentionSpec"),
         (HIDDEN, MLA, "RSWASpec", "SinkFullAttentionSpec"),
         False,
     ),
@@ -145,7 +145,7 @@ EXPECTED: list[Row] = [
         "type-compare",
         ("MambaSpec", "CircularBufferSpec"),
         True,
-        None,
+        ("token_paged", "False", "exact"),
         (),
         (),
         False,
@@ -170,7 +170,7 @@ EXPECTED: list[Row] = [
         "representative-type",
         ("MambaSpec", "CircularBufferSpec"),
         True,
-        None,
+        ("token_paged", "False", "exact"),
         (),
         (),
         False,
@@ -248,7 +248,7 @@ EXPECTED: list[Row] = [
         "isinstance",
         ("UniformTypeKVCacheSpecs",),
         False,
-        None,
+        ("grouped", "True", "exact"),
         (),
         (),
         False,
@@ -260,7 +260,7 @@ EXPECTED: list[Row] = [
         "isinstance",
         ("UniformTypeKVCacheSpecs",),
         False,
-        None,
+        ("grouped", "True", "exact"),
         (),
         (),
         True,
@@ -357,7 +357,9 @@ def test_closest_answers_name_the_classes_with_another_value(result: AuditResult
     by_function = {s.raw.function: s for s in result.sites}
     answer = by_function["type_is"].answer
     assert answer is not None
-    assert (answer.other_value_classes, answer.similarity) == (("RSWASpec",), 0.667)
+    # FullAttentionSpec's classes were a closest match of token_scope FULL (RSWASpec is
+    # PROMPT_AND_WINDOW); since issue 20 they are exactly keeps_prompt's
+    assert (answer.trait, answer.match, answer.other_value_classes) == ("keeps_prompt", "exact", ())
 
 
 def test_and_or_chains_take_negated_classes_out(result: AuditResult) -> None:

@@ -360,7 +360,7 @@ def test_an_adapter_returning_mistyped_or_inconsistent_traits_is_named() -> None
     def window_without_size(s: kvi.FullAttentionSpec) -> LayoutTraits:
         from kvspec_traits import TokenScope
 
-        return replace(right, token_scope=TokenScope.SLIDING_WINDOW)
+        return replace(right, token_scope=TokenScope.SLIDING_WINDOW, keeps_prompt=False)
 
     with pytest.raises(AdapterResultError, match=r"'page_size_bytes' is '65536' \(str\)"):
         _registry_with(page_as_str).traits_of(spec)
@@ -384,6 +384,22 @@ def test_layout_traits_refuses_a_missing_trait_instead_of_storing_a_property() -
     del kwargs["is_mla"]
     with pytest.raises(TypeError, match=r"missing keyword argument.*is_mla"):
         LayoutTraits(**kwargs)
+
+
+def test_layout_traits_refuses_kind_traits_its_token_scope_contradicts() -> None:
+    """Failure mode: an adapter that builds LayoutTraits by hand says ``token_paged`` of a
+    ring, ``keeps_prompt`` of a sliding window, or ``grouped`` of one layer, and a
+    connector asking those traits moves the wrong blocks (or reads one layer as a group)."""
+    from kvspec_traits import TokenScope
+
+    right = traits_of(kvi.FullAttentionSpec(**_full_kwargs()))
+    assert isinstance(right, LayoutTraits)
+    with pytest.raises(ValueError, match=r"token_paged=False.*contradict token_scope FULL"):
+        replace(right, token_paged=False)
+    with pytest.raises(ValueError, match=r"grouped=True.*a group's are GroupTraits"):
+        replace(right, grouped=True)
+    with pytest.raises(ValueError, match=r"keeps_prompt=True.*token_scope SLIDING_WINDOW"):
+        replace(right, token_scope=TokenScope.SLIDING_WINDOW, window_tokens=128)
 
 
 # -- a registration racing a resolution ------------------------------------------------------

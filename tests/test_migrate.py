@@ -60,6 +60,42 @@ FORMS: list[tuple[str, str, str]] = [
         "    is_mla_region = isinstance(layer_spec, MLAAttentionSpec)",
         "    is_mla_region = traits_of(layer_spec).is_mla",
     ),
+    # the traits of issue 20 (the left sites of vLLM 0.34's kv_transfer)
+    (
+        "attention_page",
+        "    return isinstance(spec, AttentionSpec)  # a paged per-token K/V page",
+        "    return traits_of(spec).attention_page  # a paged per-token K/V page",
+    ),
+    (
+        "token_paged",
+        "    return not isinstance(spec, (MambaSpec, CircularBufferSpec))",
+        "    return traits_of(spec).token_paged",
+    ),
+    (
+        "keeps_prompt",
+        "    return isinstance(spec, FullAttentionSpec)",
+        "    return traits_of(spec).keeps_prompt",
+    ),
+    (
+        "grouped",
+        "    if isinstance(spec, UniformTypeKVCacheSpecs):",
+        "    if traits_of(spec).grouped:",
+    ),
+    (
+        "get_representative_spec_type",
+        "    if type(spec) is UniformTypeKVCacheSpecs:",
+        "    if traits_of(spec).grouped:",
+    ),
+    (
+        "representative_type",
+        "    return get_representative_spec_type(spec) is CircularBufferSpec",
+        "    return representative_traits(traits_of(spec)).token_scope is TokenScope.RING",
+    ),
+    (
+        "representative_subclass",
+        "    return issubclass(",
+        "    return representative_traits(traits_of(spec)).is_mla",
+    ),
 ]
 
 # Where the traits query answers otherwise than the class check, by the adapters' traits
@@ -73,7 +109,15 @@ FORMS: list[tuple[str, str, str]] = [
 #   answers for the members; isinstance on the wrapper says False.
 OTHER_KIND = {"CircularBufferSpec", "HiSparseHotSpec", "HiSparseResidentSpec"}
 IS_MLA_DIFFERS = OTHER_KIND | {"UniformTypeKVCacheSpecs"}
+# - attention_page and keeps_prompt on that group: the members' answer (True), where
+#   isinstance on the wrapper said False. keeps_prompt is False for a bare AttentionSpec
+#   (no vLLM manager allocates it), as isinstance(spec, FullAttentionSpec) is, and True
+#   for RSWASpec (a FullAttentionSpec whose manager keeps the prompt).
+# - the representative forms ask the group's first member, as vLLM's helper does.
 DIFFERS: dict[str, set[str]] = {
+    "attention_page": {"UniformTypeKVCacheSpecs"},
+    "keeps_prompt": {"UniformTypeKVCacheSpecs"},
+    "representative_subclass": OTHER_KIND,
     "class_tuple": IS_MLA_DIFFERS,
     "or_chain": IS_MLA_DIFFERS,
     "and_chain": IS_MLA_DIFFERS,
@@ -115,8 +159,8 @@ def test_diff_per_form(universe: Universe, capsys: pytest.CaptureFixture[str]) -
     for name, before, after in FORMS:
         assert f"\n-{before}\n" in out, name
         assert f"\n+{after}\n" in out, name
-    assert "\n+from kvspec_traits import TokenScope, traits_of\n" in out
-    assert out.count("import TokenScope, traits_of") == 1
+    assert "\n+from kvspec_traits import TokenScope, representative_traits, traits_of\n" in out
+    assert out.count("import TokenScope, representative_traits, traits_of") == 1
     # the chain's second line goes into the first
     assert "\n-            and not isinstance(spec, SlidingWindowMLASpec))\n" in out
     # the miss is named before the diff's `---` line (patch ignores it)
@@ -125,7 +169,7 @@ def test_diff_per_form(universe: Universe, capsys: pytest.CaptureFixture[str]) -
         "forms.py:52 fixes a miss (the original leaves out SlidingWindowMLASpec): "
         "isinstance(layer_spec, MLAAttentionSpec) -> traits_of(layer_spec).is_mla"
     ) in head
-    assert "would rewrite 9 in 1 files (1 fixing a miss); left 0" in captured.err
+    assert "would rewrite 16 in 1 files (1 fixing a miss); left 0" in captured.err
     assert out.startswith("# kvspec-traits: ")  # stdout is the patch alone
 
 
@@ -147,8 +191,9 @@ def test_edits_name_the_classes_answered_otherwise(universe: Universe) -> None:
     assert set(by_line[21].differs_on) == OTHER_KIND  # class_tuple
     assert by_line[17].differs_on == ()  # one_class: MambaSpec is the recurrent state
     strict = plan_migration([FIXTURE], universe, strict=True)
-    assert len(strict.edits) == 5
-    assert {s.line for s in strict.skips} == {21, 35, 39, 52}
+    # the is_mla queries (and the representative one) answer otherwise for other kinds
+    assert len(strict.edits) == 11
+    assert {s.line for s in strict.skips} == {21, 35, 39, 52, 96}
 
 
 def test_idempotent(migrated: Path, universe: Universe) -> None:
@@ -212,7 +257,7 @@ def test_refuses_a_file_changed_since_it_was_read(tmp_path: Path, universe: Univ
     path = tmp_path / "racing.py"
     shutil.copy(FIXTURE, path)
     plan = plan_migration([path], universe)
-    assert len(plan.edits) == 9
+    assert len(plan.edits) == 16
     edited = path.read_text() + "\n# someone else's edit\n"
     path.write_text(edited)
     refused = write_plan(plan)
@@ -225,9 +270,9 @@ def test_refuses_a_file_changed_since_it_was_read(tmp_path: Path, universe: Univ
 def test_json_lists_edits_and_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "mixed.py"
     path.write_text(
-        "from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec\n"
+        "from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, MambaSpec\n"
         "def f(spec):\n"
-        "    return isinstance(spec, MambaSpec), isinstance(spec, AttentionSpec)\n"
+        "    return isinstance(spec, MambaSpec), isinstance(spec, HiddenStateCacheSpec)\n"
     )
     assert cli_main(["migrate", "--json", str(path)]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -235,7 +280,7 @@ def test_json_lists_edits_and_skips(tmp_path: Path, capsys: pytest.CaptureFixtur
         (3, "isinstance(spec, MambaSpec)", RECURRENT)
     ]
     assert [(s["line"], s["text"]) for s in out["skips"]] == [
-        (3, "isinstance(spec, AttentionSpec)")
+        (3, "isinstance(spec, HiddenStateCacheSpec)")
     ]
     assert out["skips"][0]["reason"].startswith("no trait question")
     assert out["written"] is False and out["refused"] == []

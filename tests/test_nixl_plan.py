@@ -611,6 +611,8 @@ def test_every_decision_follows_the_registry() -> None:
             tp_shards=1,
             token_scope=TokenScope.RING,
             window_tokens=16,
+            token_paged=False,
+            keeps_prompt=False,
         )
 
     spec = _PluginLatentSpec(**fields)  # type: ignore[arg-type]

@@ -61,6 +61,10 @@ FINGERPRINT: dict[str, str | tuple[None, str]] = {
     "prefix_cacheable": (None, "the scheduler's choice of blocks, not their bytes"),
     "uses_slot_mapping": (None, "how the model writes a page, not what the page holds"),
     "transferable": (None, "an untransferable layer gets no region (plan.skipped_layers)"),
+    "attention_page": (None, "the page kind; its bytes are state_components and head_segment"),
+    "token_paged": (None, "which blocks move, already in the record as state and scratch"),
+    "keeps_prompt": (None, "the scheduler's choice of blocks, not their bytes"),
+    "grouped": (None, "a region is per layer (traits_for_layer), never a group's page"),
 }
 
 # The audit's trait questions (audit/_questions.py, QUESTIONS) by trait, or why no class
@@ -88,6 +92,10 @@ AUDIT: dict[str, str | tuple[None, str]] = {
     "prefix_cacheable": "prefix_cacheable",
     "uses_slot_mapping": "uses_slot_mapping",
     "transferable": "transferable",
+    "attention_page": "attention_page",
+    "token_paged": "token_paged",
+    "keeps_prompt": "keeps_prompt",
+    "grouped": "grouped",
 }
 
 # The spec property each trait is checked against on every resolution (_verify.py
@@ -115,6 +123,11 @@ VERIFIED: dict[str, tuple[str, ...] | tuple[None, str]] = {
     "prefix_cacheable": ("prefix_cacheable",),
     "uses_slot_mapping": ("uses_slot_mapping",),
     "transferable": (None, _NO_PROPERTY),
+    # checked against token_scope instead (LayoutTraits.__post_init__)
+    "attention_page": (None, _NO_PROPERTY),
+    "token_paged": (None, _NO_PROPERTY),
+    "keeps_prompt": (None, _NO_PROPERTY),
+    "grouped": (None, "True exactly for GroupTraits (LayoutTraits refuses True)"),
 }
 
 # The range the result check holds a numeric trait to (_result_check.py).
@@ -218,6 +231,7 @@ def test_the_derived_places_follow_the_definition() -> None:
         "page_size_bytes": GroupRule.SUM,
         "per_token_bytes": GroupRule.SUM,
         "components": GroupRule.MEMBERS,
+        "grouped": GroupRule.MEMBERS,
         "prefix_cacheable": GroupRule.ALL,
         "transferable": GroupRule.ALL,
     }

@@ -121,6 +121,11 @@ def test_kv_head_major_slots_moves_bytes_without_changing_the_page(
         prefix_cacheable=cls is not kvi.CircularBufferSpec,
         uses_slot_mapping=cls is not kvi.CircularBufferSpec,
         transferable=scope not in (TokenScope.NONE, TokenScope.ENCODER),
+        attention_page=True,
+        token_paged=scope is not TokenScope.RING,
+        # every prompt block kept: FullAttentionSpec and its subclasses (R-SWA too)
+        keeps_prompt=issubclass(cls, kvi.FullAttentionSpec),
+        grouped=False,
     )
     # the slot-major page differs in that trait alone: a head's K and V slots are 8 apart
     assert dataclasses.replace(after, kv_head_contiguous=False) == before

@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 from kvspec_traits._traits import KVLayoutTraits
 
 if TYPE_CHECKING:
-    import ctypes
-
     from vllm.v1.kv_cache_interface import KVCacheSpec
 
 __all__ = [
@@ -69,10 +67,13 @@ _USED_OFFSET: Final = 16
 _VERSION_OFFSET: Final = 24
 
 
-def _version_cell(d: dict[Any, Any]) -> ctypes.c_uint64:
+def _version_tag(d: dict[Any, Any]) -> memoryview:
+    """``d``'s version tag in place, as a one-item memoryview of native ``Q``: ``tag[0]``
+    is a plain subscript (no ctypes attribute on the warm path)."""
     import ctypes  # (here, not at import: only a group spec needs it)
 
-    return ctypes.c_uint64.from_address(id(d) + _VERSION_OFFSET)
+    cells = (ctypes.c_uint64 * 1).from_address(id(d) + _VERSION_OFFSET)
+    return memoryview(cells).cast("B").cast("Q")
 
 
 def _probe() -> bool:
@@ -88,7 +89,7 @@ def _probe() -> bool:
         dict
     ) or ctypes.c_ssize_t.from_address(id(d) + _USED_OFFSET).value != len(d):
         return False
-    cell = _version_cell(d)
+    tag = _version_tag(d)
     mutations: tuple[Callable[[dict[str, object]], object], ...] = (
         lambda m: m.__setitem__("a", 3),  # a value replaced, same size
         lambda m: m.__setitem__("c", 4),
@@ -100,9 +101,9 @@ def _probe() -> bool:
         lambda m: m.clear(),
     )
     for mutate in mutations:
-        before = cell.value
+        before = tag[0]
         mutate(d)
-        if cell.value == before:
+        if tag[0] == before:
             return False
     return True
 
@@ -123,19 +124,19 @@ def watches_dicts() -> bool:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Watched:
     """A warm answer valid while its spec's dict keeps ``version``; ``members`` holds
-    the dict alive, so the cell reads that dict's memory."""
+    the dict alive, so ``tag`` reads that dict's memory."""
 
     traits: KVLayoutTraits
-    cell: ctypes.c_uint64
+    tag: memoryview
     version: int
     members: dict[Any, Any]
 
 
 def watch_of(
     spec: object, field_names: tuple[str, ...]
-) -> tuple[ctypes.c_uint64, int, dict[Any, Any]] | None:
+) -> tuple[memoryview, int, dict[Any, Any]] | None:
     """The guard of a spec whose only unhashable field is one plain dict: that dict's
-    version cell, its version now, and the dict. None unless the spec is a frozen
+    version tag, its version now, and the dict. None unless the spec is a frozen
     dataclass, every other field value is hashable and so is everything in the dict (a
     frozen spec's fields are trusted as a hashable spec's are; a mutable member's own
     changes would not show in the dict's version), or when this interpreter cannot
@@ -156,8 +157,8 @@ def watch_of(
             return None
     if found is None:
         return None
-    cell = _version_cell(found)
-    return cell, cell.value, found
+    tag = _version_tag(found)
+    return tag, tag[0], found
 
 
 def warm_path(
@@ -184,7 +185,7 @@ def warm_path(
         else:
             if type(hit) is not Watched:  # (one test, no attribute: singles stay fast)
                 return hit
-            if hit.cell.value == hit.version:
+            if hit.tag[0] == hit.version:
                 return hit.traits
         # Outside the except block: an error of resolve() is not chained to the KeyError.
         return resolve(spec)

@@ -170,12 +170,28 @@ class GroupTraits(KVLayoutTraits):
     def transferable(self) -> bool:
         return bool(self._get("transferable"))
 
+    @property
+    def attention_page(self) -> bool:
+        return bool(self._get("attention_page"))
+
+    @property
+    def token_paged(self) -> bool:
+        return bool(self._get("token_paged"))
+
+    @property
+    def keeps_prompt(self) -> bool:
+        return bool(self._get("keeps_prompt"))
+
+    @property
+    def grouped(self) -> bool:
+        return True  # the members' pages side by side: traits_for_layer reads each
+
 
 def _aggregate(name: str, per_layer: dict[str, TraitValue]) -> TraitValue | MixedGroupTraitsError:
     values = list(per_layer.values())
     rule = _RULES[name]
     if rule is GroupRule.MEMBERS:
-        return ()  # built on demand from the members (the property), e.g. layer-prefixed
+        return None  # built by the group's property (layer-prefixed components, grouped)
     if rule is GroupRule.SUM:
         if any(v is None for v in values):
             if all(v is None for v in values):

@@ -6,13 +6,14 @@ dtype travels as its name (``"bfloat16"``), a quantisation mode as vLLM's enum m
 
 from __future__ import annotations
 
-import enum
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Annotated, Any, Protocol
+
+from kvspec_traits._kinds import GroupRule, TokenScope, TPLayout
 
 __all__ = [
     "GroupRule",
@@ -27,59 +28,6 @@ __all__ = [
     "trait_types",
     "traits_as_dict",
 ]
-
-
-class TPLayout(enum.Enum):
-    """How one layer's cache is split across tensor-parallel ranks."""
-
-    REPLICATED = "replicated"
-    """Every TP rank holds the same bytes (MLA latent, replicated conv state).
-    A connector reads such a region from one remote rank."""
-    HEAD_SHARDED = "head_sharded"
-    """Each rank holds a slice of the KV heads; ranks are combined by heads."""
-    STATE_SHARDED = "state_sharded"
-    """Each rank holds a slice of a recurrent state (Mamba/GDN channels)."""
-
-
-class TokenScope(enum.Enum):
-    """Which tokens a page keeps, which is what decides what a transfer must move."""
-
-    FULL = "full"
-    """Every token of the request, for its lifetime."""
-    SLIDING_WINDOW = "sliding_window"
-    """Only the last ``window_tokens`` tokens (blocks behind the window are freed)."""
-    CHUNKED = "chunked"
-    """Tokens of the current attention chunk of ``window_tokens`` tokens."""
-    PROMPT_AND_WINDOW = "prompt_and_window"
-    """The whole prompt plus the last ``window_tokens`` generated tokens (R-SWA)."""
-    RING = "ring"
-    """A fixed ring of ``window_tokens`` rows per request, rewritten in place."""
-    RECURRENT_STATE = "recurrent_state"
-    """A state that summarises all tokens so far; its size does not grow with tokens."""
-    ENCODER = "encoder"
-    """Encoder outputs of the request (cross-attention), written once."""
-    SPARSE_HOT = "sparse_hot"
-    """HiSparse: a fixed per-request working set of device blocks, rebuilt per request."""
-    SPARSE_RESIDENT = "sparse_resident"
-    """HiSparse: reclaimable device copies of pages whose source of truth is on the host."""
-    NONE = "none"
-    """Nothing is kept across steps (encoder-only attention)."""
-
-
-class GroupRule(enum.Enum):
-    """How a group of layers allocated as one page (``GroupTraits``) answers a trait,
-    declared on the trait's annotation in :class:`LayoutTraits` (``Annotated[int,
-    GroupRule.SUM]``); a trait without one is ``COMMON``."""
-
-    COMMON = "common"
-    """The members' common value; members that disagree raise ``MixedGroupTraitsError``."""
-    SUM = "sum"
-    """The members' values added up (a group page is their pages side by side); ``None``
-    when every member's is ``None``."""
-    ALL = "all"
-    """True only if it is true of every member (as vLLM's group ``prefix_cacheable``)."""
-    MEMBERS = "members"
-    """Built from the members on demand (the components, with layer-prefixed names)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -332,6 +280,50 @@ class KVLayoutTraits(Protocol):
         """
         ...
 
+    @property
+    def attention_page(self) -> bool:
+        """Whether a page is an attention page: K/V (or latent) cells of ``[head slots,
+        states, cell]``, one state per ``tokens_per_state`` tokens ("does this layer have a
+        paged per-token K/V page?").
+
+        Source: the attention fields (``num_kv_heads``, ``head_size``, ``head_size_v``,
+        ``dtype``) every AttentionSpec subclass has, rings included; False for a recurrent
+        state (Mamba's ``shapes``) and the opaque HiSparse pages (only a ``page_size``).
+        """
+        ...
+
+    @property
+    def token_paged(self) -> bool:
+        """Whether a request's blocks follow its tokens: neither a recurrent state (one
+        state per request) nor a ring (one page rewritten in place).
+
+        Source: the token scope: False for RECURRENT_STATE and RING, True otherwise
+        (HiSparse pages too: copies of token-paged MLA pages).
+        """
+        ...
+
+    @property
+    def keeps_prompt(self) -> bool:
+        """Whether every prompt block stays allocated for the request's lifetime, so a
+        prefix hit on this layer is the whole matched prefix (vLLM's full-attention
+        managers: full, MLA, sink, hidden-state and R-SWA pages).
+
+        Source: the token scope FULL or PROMPT_AND_WINDOW (R-SWA evicts only generated
+        tokens); False for a bare AttentionSpec, which no vLLM manager allocates.
+        """
+        ...
+
+    @property
+    def grouped(self) -> bool:
+        """Whether these are the traits of a group spec: several layers' pages side by
+        side, each layer's own traits in ``traits_for_layer`` (where code unwraps vLLM's
+        ``UniformTypeKVCacheSpecs`` to its members).
+
+        Source: ``kv_cache_specs`` (the group spec's per-layer members); False for every
+        spec of one layer.
+        """
+        ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayoutTraits(KVLayoutTraits):
@@ -363,6 +355,10 @@ class LayoutTraits(KVLayoutTraits):
     prefix_cacheable: Annotated[bool, GroupRule.ALL]
     uses_slot_mapping: bool
     transferable: Annotated[bool, GroupRule.ALL]
+    attention_page: bool
+    token_paged: bool
+    keeps_prompt: bool
+    grouped: Annotated[bool, GroupRule.MEMBERS]
 
     def __post_init__(self) -> None:
         # The protocol's properties sit on the base class, so dataclass takes them as the
@@ -397,6 +393,15 @@ class LayoutTraits(KVLayoutTraits):
                 f"{self.spec_name}: a {self.tp_layout.name} layout splits into 2 or more "
                 f"shards (or None: up to the TP size), got tp_shards={self.tp_shards}; "
                 "one shard is TPLayout.REPLICATED"
+            )
+
+        paged = self.token_scope not in (TokenScope.RECURRENT_STATE, TokenScope.RING)
+        kept = self.token_scope in (TokenScope.FULL, TokenScope.PROMPT_AND_WINDOW)
+        if self.token_paged != paged or (self.keeps_prompt and not kept) or self.grouped:
+            raise ValueError(
+                f"{self.spec_name}: token_paged={self.token_paged}, keeps_prompt="
+                f"{self.keeps_prompt}, grouped={self.grouped} contradict token_scope "
+                f"{self.token_scope.name} (one layer's traits: a group's are GroupTraits)"
             )
 
     def as_dict(self) -> dict[str, TraitValue]:

@@ -99,16 +99,22 @@ _register(("KVCacheSpec",), _abstract, reads=("block_size",), ignores=BASE_IGNOR
 def _keeps_every_token(spec: AttentionSpec) -> LayoutTraits:
     # FullAttentionSpec's `sliding_window`/`attention_chunk_size` only change the kernel:
     # the manager keeps every token's block (hybrid allocator off), so the scope is FULL.
-    # A bare AttentionSpec has no window of its own either.
     return attention_traits(spec)
 
+
+def _bare(spec: AttentionSpec) -> LayoutTraits:
+    # A bare AttentionSpec has no window of its own, but no vLLM manager allocates it
+    # (KVCacheSpecRegistry has no entry for it): nothing promises to keep its prompt.
+    return attention_traits(spec, keeps_prompt=False)
+
+
+_register(("AttentionSpec",), _bare, reads=ATTENTION_READS, ignores=ATTENTION_IGNORES)
 
 # One function, registered for each class by name: a subclass not listed here still goes
 # through the MRO walk, its field accounting and its byte-math check, never silently
 # through this list.
 _register(
     (
-        "AttentionSpec",
         "FullAttentionSpec",
         "MLAAttentionSpec",
         "HiddenStateCacheSpec",

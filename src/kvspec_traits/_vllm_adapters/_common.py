@@ -200,6 +200,9 @@ def _quant_mode(spec: object) -> str:
 
 # -- attention ------------------------------------------------------------------------------
 
+# The scopes whose manager keeps every prompt block (R-SWA evicts generated tokens only).
+_KEEPS_PROMPT: Final = frozenset({TokenScope.FULL, TokenScope.PROMPT_AND_WINDOW})
+
 
 def attention_traits(
     spec: AttentionSpec,
@@ -330,6 +333,10 @@ def attention_traits(
         prefix_cacheable=_flag(spec, "prefix_cacheable", True),
         uses_slot_mapping=_flag(spec, "uses_slot_mapping", True),
         transferable=transferable,
+        attention_page=True,
+        token_paged=token_scope is not TokenScope.RING,
+        keeps_prompt=token_scope in _KEEPS_PROMPT,
+        grouped=False,
     )
     return replace(traits, **overrides) if overrides else traits  # type: ignore[arg-type]
 

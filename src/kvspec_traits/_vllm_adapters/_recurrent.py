@@ -124,6 +124,10 @@ def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
         prefix_cacheable=_flag(spec, "prefix_cacheable", True),
         uses_slot_mapping=_flag(spec, "uses_slot_mapping", True),
         transferable=True,
+        attention_page=False,
+        token_paged=False,
+        keeps_prompt=False,
+        grouped=False,
     )
     return replace(traits, **overrides) if overrides else traits  # type: ignore[arg-type]
 
@@ -157,6 +161,10 @@ def _hisparse(spec: HiSparseHotSpec | HiSparseResidentSpec, scope: TokenScope) -
         prefix_cacheable=_flag(spec, "prefix_cacheable", False),
         uses_slot_mapping=_flag(spec, "uses_slot_mapping", True),
         transferable=False,
+        attention_page=False,
+        token_paged=True,
+        keeps_prompt=False,
+        grouped=False,
     )
 
 

@@ -148,11 +148,14 @@ def _candidates(u: Universe, branch: frozenset[str]) -> Iterable[tuple[int, _Can
         labels = sorted({v for n in scope - varies for v in u.values(q.name, n)})
         for value in labels:
             overall = _have(u, q.name, value, everywhere)
-            if 2 * len(overall) > len(everywhere):
+            common = 2 * len(overall) > len(everywhere)
+            if common and not q.common:
                 continue  # the common case is no question: see MIN_SIMILARITY's docs
             have = _have(u, q.name, value, scope - varies)
             inter, union = tested & have, tested | have
             other, miss = tested - have, have - tested
+            if common and (other or miss):
+                continue  # a common value is asked only as the exact set
             yield (
                 priority,
                 _Candidate(
@@ -193,6 +196,28 @@ def _answer(cand: _Candidate, raw: RawSite, *, negated: bool) -> Answer:
         value_classes=tuple(sorted(cand.value_classes)),
         other_value_classes=tuple(sorted(cand.other)),
         varies=tuple(sorted(cand.varies)),
+    )
+
+
+def _group_answer(raw: RawSite, u: Universe) -> Answer | None:
+    # A check on vLLM's group wrapper alone asks whether a spec is a group of layers:
+    # the `grouped` trait, True for the group classes and no other.
+    groups = tuple(c for c in raw.classes if c in u.group_names)
+    if not groups or len(groups) != len(raw.classes) or raw.excluded or raw.form == "class-dict":
+        return None
+    q = next(q for q in QUESTIONS if q.name == "grouped")
+    subject = raw.subject or "spec"
+    if raw.form == "issubclass":
+        subject = f"<a {subject} instance>"
+    return Answer(
+        trait=q.name,
+        value="True",
+        match="exact",
+        similarity=1.0,
+        expression=q.expression(subject, "True", negated=raw.negated),
+        value_classes=tuple(sorted(groups)),
+        other_value_classes=(),
+        varies=(),
     )
 
 
@@ -253,7 +278,9 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         answer = _answer(cand, raw, negated=raw.negated)
         if answer.match != "closest":
             missing = cand.value_classes - as_written - cand.varies
-    if raw.excluded and (answer is None or answer.match == "closest"):
+    elif not tested:
+        answer = _group_answer(raw, u)
+    if raw.excluded and (answer is None or answer.match != "exact"):
         # `A and not B`: the question is B's, negated; what B's question covers but B
         # does not take out of A gets through.
         taken_out = u.subclasses(raw.excluded)
@@ -262,6 +289,9 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
             answer = _answer(neg, raw, negated=not raw.negated)
             missing = (neg.value_classes - taken_out - neg.varies) & u.subclasses(tested)
             negative = True
+    if not negative:
+        # `A and not B`: B's classes are taken out on purpose, never missed
+        missing -= u.subclasses(raw.excluded)
     excluded_by_flow = missing & blocked
     missing -= blocked
     # An out-of-tree subclass of a missed class, tested here or handled by the code

@@ -36,6 +36,9 @@ class Question:
     positive: str
     negative: str
     booleans: bool
+    common: bool = False
+    """Whether a value most classes have is still a question, matched exactly only:
+    ``isinstance(spec, AttentionSpec)`` asks for every attention page."""
 
     def expression(self, subject: str, value: str, *, negated: bool) -> str:
         """The expression that asks this question of ``subject`` (negated for
@@ -94,6 +97,36 @@ QUESTIONS: tuple[Question, ...] = (
         read=lambda t: _label(t.prefix_cacheable),
         positive="traits_of({s}).prefix_cacheable",
         negative="not traits_of({s}).prefix_cacheable",
+        booleans=True,
+    ),
+    Question(
+        name="attention_page",
+        read=lambda t: _label(t.attention_page),
+        positive="traits_of({s}).attention_page",
+        negative="not traits_of({s}).attention_page",
+        booleans=True,
+        common=True,
+    ),
+    Question(
+        name="token_paged",
+        read=lambda t: _label(t.token_paged),
+        positive="traits_of({s}).token_paged",
+        negative="not traits_of({s}).token_paged",
+        booleans=True,
+        common=True,
+    ),
+    Question(
+        name="keeps_prompt",
+        read=lambda t: _label(t.keeps_prompt),
+        positive="traits_of({s}).keeps_prompt",
+        negative="not traits_of({s}).keeps_prompt",
+        booleans=True,
+    ),
+    Question(
+        name="grouped",
+        read=lambda t: _label(t.grouped),
+        positive="traits_of({s}).grouped",
+        negative="not traits_of({s}).grouped",
         booleans=True,
     ),
 )

@@ -48,7 +48,7 @@ __all__ = [
     "load_universe",
 ]
 
-_FORMAT: Final = 3
+_FORMAT: Final = 4
 
 
 class ClassDefinitionLike(Protocol):

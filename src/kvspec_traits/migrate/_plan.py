@@ -19,14 +19,20 @@ from kvspec_traits.audit._questions import KIND_TRAITS, question_named
 
 __all__ = ["REWRITTEN_FORMS", "Edit", "Skip", "Span", "keep_context", "plan_site"]
 
-REWRITTEN_FORMS: Final = frozenset({"isinstance", "type-compare", "spec-kind", "mro-walk"})
+REWRITTEN_FORMS: Final = frozenset(
+    {"isinstance", "type-compare", "spec-kind", "mro-walk", "representative-type"}
+)
 """Forms asked of an instance: ``isinstance(x, C)``, ``type(x) is C``, vLLM's kind of a
 spec in reach (``get_kv_cache_spec_kind(spec) == KVCacheSpecKind.MAMBA``, or a kind
-variable computed from one earlier in the function) and walks over ``type(x).__mro__``
+variable computed from one earlier in the function), walks over ``type(x).__mro__``
 (``C in type(x).__mro__``, ``"C" in [c.__name__ for c in type(x).__mro__]``,
-``any(c.__name__ == "C" for c in type(x).__mro__)``). The others ask a class
-(``issubclass``, ``spec_type is C``), a stored name or a table, which a trait of an
-instance does not answer as written."""
+``any(c.__name__ == "C" for c in type(x).__mro__)``), and the class of a group's first
+member, ``get_representative_spec_type(x) is C`` (and ``issubclass`` of it), asked as
+``representative_traits(traits_of(x))``. The others ask a class held elsewhere
+(``issubclass(spec_type, C)``, ``spec_type is C``), a stored name or a table, which a
+trait of an instance does not answer as written."""
+
+_REPRESENTATIVE: Final = "get_representative_spec_type"
 
 _REWRITTEN_VERDICTS: Final = frozenset({"ok", "miss"})
 
@@ -111,26 +117,35 @@ def _skip(site: Site, reason: str) -> Skip:
     )
 
 
+def _of_representative(subject: str) -> bool:
+    # issubclass(get_representative_spec_type(x), C): the class of x's first member.
+    return subject.partition("(")[0].endswith(_REPRESENTATIVE)
+
+
 def _why_not(site: Site) -> str | None:
     # None: the site is rewritten; else the reason it is left.
     raw, answer = site.raw, site.answer
-    if raw.form not in REWRITTEN_FORMS:
+    grouped = answer is not None and answer.trait == "grouped"
+    if raw.form not in REWRITTEN_FORMS and not (
+        raw.form == "issubclass" and _of_representative(raw.subject)
+    ):
         what = {
-            "issubclass": "asks a class, not an instance",
+            "issubclass": "asks a class held elsewhere, not an instance (where the class "
+            "is computed from a spec, ask representative_traits(traits_of(spec)))",
             "class-compare": "compares a class read elsewhere, not an instance",
-            "representative-type": "asks a group's representative class (the group "
-            "wrapper's own traits may differ)",
         }
         return f"{raw.form}: {what.get(raw.form, 'no instance expression to rewrite')}"
     if raw.form == "spec-kind" and raw.subject.startswith("<"):
         return "spec-kind: the kind is not computed from a spec in reach (no spec to ask)"
     if "assert" in raw.context and raw.text.startswith("self."):
         return "a test assertion (assertIsInstance), not a branch"
-    if raw.unwraps:
+    if raw.unwraps and not grouped:
         return "tests the group wrapper and reads its members (an unwrap)"
     if answer is None:
         return f"no trait question: {site.reason}"
-    if site.verdict not in _REWRITTEN_VERDICTS:
+    if site.verdict not in _REWRITTEN_VERDICTS and not (
+        grouped and site.verdict == "group-wrapper"
+    ):
         return f"{site.verdict}: {site.reason}"
     if answer.match == "exact":
         return None
@@ -196,9 +211,14 @@ def _subject(check: ast.expr) -> ast.expr | None:
             inner = _subject(ast.Compare(left=node.value, ops=[ast.Is()], comparators=[]))
             return inner if inner is not None else node.value
     if isinstance(check, ast.Call) and check.args:
-        return check.args[0]
+        first = check.args[0]
+        if isinstance(first, ast.Call) and _representative_call(first):
+            return first.args[0]
+        return first
     if isinstance(check, ast.Compare):
         for side in (check.left, *check.comparators):
+            if isinstance(side, ast.Call) and _representative_call(side):
+                return side.args[0]
             if (
                 isinstance(side, ast.Call)
                 and isinstance(side.func, ast.Name)
@@ -209,6 +229,15 @@ def _subject(check: ast.expr) -> ast.expr | None:
             if isinstance(side, ast.Attribute) and side.attr == "__class__":
                 return side.value
     return None
+
+
+def _representative_call(node: ast.expr) -> bool:
+    # get_representative_spec_type(x), however it is imported
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    return name == _REPRESENTATIVE
 
 
 def _mro_any(node: ast.expr, index: SourceIndex) -> ast.expr | None:
@@ -304,6 +333,8 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
     question = question_named(answer.trait)
     # The audit wrote answer.expression on raw.subject; pick the polarity it used.
     raw_subject = site.raw.subject or "spec"
+    if site.raw.form == "issubclass":
+        raw_subject = f"<a {raw_subject} instance>"
     negated = next(
         (
             n
@@ -321,6 +352,11 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
         if "\n" in written:
             written = ast.unparse(subject)
     after = question.expression(written, answer.value, negated=negated)
+    if site.raw.form in ("representative-type", "issubclass"):
+        # the class of the group's first member: that member's traits (as vLLM's helper)
+        after = after.replace(
+            f"traits_of({written})", f"representative_traits(traits_of({written}))", 1
+        )
     other_kind, own_kind = _differs_on(site, universe, negated)
     if own_kind:
         return _skip(

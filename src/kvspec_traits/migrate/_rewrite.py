@@ -1,7 +1,7 @@
 """Apply planned edits to one module with LibCST: only the planned expressions change, so
 formatting and comments everywhere else survive; the imports the new expressions need are
-added once (``from kvspec_traits import traits_of``, plus ``TokenScope``/``TPLayout`` when
-an expression names them)."""
+added once (``from kvspec_traits import traits_of``, plus ``TokenScope``/``TPLayout``/
+``representative_traits`` when an expression names them)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kvspec_traits.migrate._plan import Edit, Span
 
 __all__ = ["rewrite_module"]
 
-_IMPORTED: Final = ("traits_of", "TokenScope", "TPLayout")
+_IMPORTED: Final = ("representative_traits", "traits_of", "TokenScope", "TPLayout")
 _DROPPED: Final = "__kvspec_traits_dropped__"
 # A comparison or `not x` needs parentheses as an operand of these.
 _TIGHT_PARENTS: Final = (
@@ -140,7 +140,7 @@ def rewrite_module(code: str, edits: Sequence[Edit]) -> tuple[str, tuple[Edit, .
             return code, ()
         return rewrite_module(code, applied)
     text = "\n".join(e.after for e in applied)
-    names = [n for n in _IMPORTED if n == "traits_of" or f"{n}." in text]
+    names = [n for n in _IMPORTED if n == "traits_of" or f"{n}." in text or f"{n}(" in text]
     return _add_imports(changed, names, whole="kvspec_traits" in code).code, applied
 
 

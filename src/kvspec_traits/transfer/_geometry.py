@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvspec_traits._traits import KVLayoutTraits, TPLayout
 from kvspec_traits.transfer._errors import UnsupportedLayoutError
-from kvspec_traits.transfer._region import MemoryRange, Rows, is_state, is_token_paged
+from kvspec_traits.transfer._region import MemoryRange, Rows, is_state
 
 if TYPE_CHECKING:
     import torch
@@ -266,7 +266,7 @@ def _latent(piece: Piece) -> bool:
     return (
         traits.is_mla
         and traits.tp_layout is TPLayout.REPLICATED
-        and is_token_paged(traits)
+        and traits.token_paged
         and piece.head_segment is None
     )
 

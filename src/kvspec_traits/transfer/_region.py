@@ -30,7 +30,6 @@ __all__ = [
     "desc_offsets",
     "has_ring",
     "is_state",
-    "is_token_paged",
     "region_sort_key",
 ]
 
@@ -289,9 +288,3 @@ def has_ring(traits: Iterable[KVLayoutTraits]) -> bool:
     place, :attr:`TokenScope.RING`): a region's :attr:`Region.scratch`, a plan's
     default :attr:`PlanLayout.rows`, the connector's CSA-linear models."""
     return any(t.token_scope is TokenScope.RING for t in traits)
-
-
-def is_token_paged(traits: KVLayoutTraits) -> bool:
-    """Whether a layer's pages are addressed by token position: neither a recurrent
-    state (one page per request) nor a ring (one page rewritten in place)."""
-    return not (is_state(traits) or has_ring((traits,)))

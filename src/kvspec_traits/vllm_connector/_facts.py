@@ -12,7 +12,7 @@ from kvspec_traits._group import representative_traits
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
 from kvspec_traits.transfer._config import CacheGroupTraits, TransferGroup, cache_group_traits
-from kvspec_traits.transfer._region import has_ring, is_state, is_token_paged
+from kvspec_traits.transfer._region import has_ring, is_state
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
     layer_traits = {layer: t for g in transferred for layer, t in g.layers.items()}
     kinds = [representative_traits(g.traits) for g in transferred]
     # vLLM leaves groups not addressed by token position out of the transfer block size.
-    block_sizes = [k.block_size for k in kinds if is_token_paged(k)]
+    block_sizes = [k.block_size for k in kinds if k.token_paged]
     ring = has_ring(representative_traits(g.traits) for g in groups)
     return LayoutFacts(
         transfer_groups=tuple(g.transfer for g in transferred if g.transfer is not None),
@@ -65,7 +65,7 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
         hybrid=any(t.token_scope is not TokenScope.FULL for t in layer_traits.values()),
         has_state=any(is_state(t) for t in layer_traits.values()),
         has_ring=ring,
-        mla=any(t.is_mla and is_token_paged(t) for t in layer_traits.values()),
+        mla=any(t.is_mla and t.token_paged for t in layer_traits.values()),
         replicated_state_kv_cache_group=replicated_state_group(groups) if ring else None,
     )
 
