@@ -340,7 +340,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             [(r.index, r.group_ids) for r in regions],
             len(self._layout_facts().transfer_groups),
         )
-        if self.pp_size > 1 and not self._requires_layer_name_routing():
+        if self.pp_size > 1 and quirks.stage_regions_by_position(self):
             start, end = self.model_config.get_layers_start_end_indices(
                 self.vllm_config.parallel_config
             )

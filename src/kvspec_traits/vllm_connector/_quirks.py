@@ -20,6 +20,7 @@ __all__ = [
     "metadata_has_layer_group_ids",
     "packed_member_layouts",
     "series_quirks",
+    "stage_regions_by_position",
     "tracks_region_layers",
     "transfer_layer_region_indices",
 ]
@@ -82,6 +83,16 @@ def tracks_region_layers(worker: Any) -> bool:
     routes by layer name (``_tracks_region_layers()``); 0.32/0.34 always."""
     tracks = getattr(worker, "_tracks_region_layers", None)
     return tracks is None or bool(tracks())
+
+
+def stage_regions_by_position(worker: Any) -> bool:
+    """Whether a pipeline-parallel stage pairs its regions with its PP 1 peer's by
+    position: vLLM 0.32/0.33 slice the peer's regions from the stage's first layer on
+    (``_remote_region_offset``), unless the worker routes by layer name
+    (``_requires_layer_name_routing()``: push with HMA or packed rows). vLLM 0.34 has
+    neither: ``add_remote_agent`` pairs every region by the layers both sides hold."""
+    routes_by_name = getattr(worker, "_requires_layer_name_routing", None)
+    return routes_by_name is not None and not routes_by_name()
 
 
 def metadata_has_layer_group_ids(metadata_class: type) -> bool:
