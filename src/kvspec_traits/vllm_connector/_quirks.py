@@ -6,7 +6,7 @@ comes from traits and the planner's region facts). Pure: no vLLM import at impor
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from kvspec_traits.vllm_connector._gate import installed_vllm, vllm_series
@@ -117,17 +117,11 @@ def keep_group_region_indices(
         ]
 
 
-def derive_region_sets(
-    worker: Any, packed_members: Sequence[Iterable[tuple[str, int, int]]]
-) -> None:
+def derive_region_sets(worker: Any, packed_layouts: dict[str, tuple[int, int]]) -> None:
     """What vLLM 0.33+ derives from the regions once they are set: the head-sharded
-    draft regions, and each layer's place in a packed row (``packed_members``: each
-    region's (layer, offset, length))."""
+    draft regions, and each layer's place in a packed row (``packed_layouts``: layer
+    -> (offset, length), ``_fields.packed_layouts``)."""
     if hasattr(worker, "_get_head_sharded_draft_regions"):
         worker._head_sharded_draft_regions = worker._get_head_sharded_draft_regions()
     if hasattr(worker, "_packed_member_layouts"):
-        worker._packed_member_layouts = {
-            layer: (offset, length)
-            for members in packed_members
-            for layer, offset, length in members
-        }
+        worker._packed_member_layouts = dict(packed_layouts)
