@@ -398,7 +398,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             self.region_plan,
             agent_metadata,
             require_traits_peer=lambda: requires_traits_peer(self.vllm_config),
-            stage=pipeline_stage(self),
+            stage_of=lambda: pipeline_stage(self),
             stage_view=self.stage_view,
         )
 

@@ -273,12 +273,13 @@ def check_remote_fingerprint(
     agent_metadata: Any,
     *,
     require_traits_peer: Callable[[], bool],
-    stage: PipelineStage | None = None,
+    stage_of: Callable[[], PipelineStage] = PipelineStage,
     stage_view: RegionPlan | None = None,
 ) -> None:
     """Check the peer's per-region traits fingerprint and regions against ``local``
-    (this rank's plan, held by pipeline stage ``stage``; default: no pipeline
-    parallelism) with the checks every backend runs
+    (this rank's plan, held by pipeline stage ``stage_of()``, asked once the peer's
+    fingerprint decoded; default: no pipeline parallelism) with the checks every
+    backend runs
     (:func:`~kvspec_traits.transfer.check_peer`).
 
     Where either side is a pipeline stage (push mode only, else
@@ -336,7 +337,7 @@ def check_remote_fingerprint(
         regions = peer_regions_of(agent_metadata)
     except MalformedMetadataError as exc:
         raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
-    stage = stage or PipelineStage()
+    stage = stage_of()
     check_pipeline_parallel(stage, remote.pp[1])
     view = _peer_stage_view(agent_metadata, peer) if stage.size > 1 else None
     try:
