@@ -72,6 +72,7 @@ from kvspec_traits.vllm_connector._connector import (
     TraitsNixlAgentMetadata,
     TraitsNixlConnectorWorker,
 )
+from kvspec_traits.vllm_connector._gate import vllm_series
 from tests.mla_backends import (
     AMX_MLA,
     CPU_MLA,
@@ -586,15 +587,18 @@ def test_ring_and_swa_mla_sharing_a_region(build: Callable[..., Built]) -> None:
 
 
 def _serve_handshake(
-    worker: NixlPullConnectorWorker, payload: object = None
+    worker: NixlPullConnectorWorker, payload: object = None, stages: tuple[Any, ...] = ()
 ) -> tuple[int, threading.Event]:
     """Serve ``worker``'s handshake payload (or ``payload``) with upstream's own
-    side-channel listener."""
+    side-channel listener; with ``stages`` (the workers of an engine's pipeline stages,
+    in rank order), each stage's payload at its ``(pp_rank, 0)``, as a PP engine does."""
     import msgspec
 
     port = _free_port()
     served = worker.xfer_handshake_metadata if payload is None else payload
     encoded = {(0, 0): msgspec.msgpack.Encoder().encode(served)}
+    for rank, stage in enumerate(stages):
+        encoded[(rank, 0)] = msgspec.msgpack.Encoder().encode(stage.xfer_handshake_metadata)
     ready, stop = threading.Event(), threading.Event()
     thread = threading.Thread(
         target=NixlBaseConnectorScheduler._nixl_handshake_listener,
@@ -695,8 +699,12 @@ def test_pipeline_parallel_peers_are_refused_before_any_connection(
 
     gqa = build(AGREE["gqa"])
     # Port 1 is never contacted: the refusal comes before vLLM's handshake and ours.
-    with pytest.raises(UnsupportedPipelineParallelError, match="pipeline-parallel size 1"):
+    # A pull worker (vLLM reads every layer from stage 0): push mode pairs stages
+    # (tests/test_connector_pipeline_parallel.py).
+    with pytest.raises(UnsupportedPipelineParallelError, match="in push mode only") as info:
         gqa.traits._nixl_handshake("127.0.0.1", 1, 1, "remote-engine", 1, 2)
+    assert info.value.series == vllm_series(vllm.__version__)
+    assert f"on vLLM {info.value.series} " in str(info.value)
 
 
 def test_use_mla_comes_from_the_layers_not_the_model_config(build: Callable[..., Built]) -> None:

@@ -21,6 +21,7 @@ fail (NIXL_ERR_NOT_FOUND on ids past the registered range).
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import time
 from collections.abc import Callable, Iterator
@@ -122,23 +123,43 @@ def make(
 ) -> Iterator[Callable[..., Any]]:
     """``make(family, cls, engine_id)``: a worker (pull or push) over vLLM's kernel-block
     views of ``family`` (a name of FAMILIES, or a Family), caches registered; shut down
-    afterwards."""
+    afterwards. ``stage=(pp_rank, pp_size)`` makes it that pipeline stage of its engine
+    (the layers vLLM places there: ``get_layers_start_end_indices``), ``kv_role`` sets
+    the config's role (default ``kv_both``); ``kernels=False`` keeps the family's own
+    block size and layout, blocks unsplit (no kernel block of 16)."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     made: list[Any] = []
 
     def _make(
-        family: str | Family, cls: type[NixlBaseConnectorWorker], engine_id: str
+        family: str | Family,
+        cls: type[NixlBaseConnectorWorker],
+        engine_id: str,
+        *,
+        stage: tuple[int, int] = (0, 1),
+        kv_role: str | None = None,
+        kernels: bool = True,
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         chosen = FAMILIES[family] if isinstance(family, str) else family
         groups = chosen.groups(1)
-        vllm_config = _vllm_config(tiny_models / chosen.model, LBHNC, CPU_MLA)
-        vllm_config.cache_config.block_size = BLOCK
-        config = layouts.kv_cache_config(groups, NB, LBHNC)
-        caches = layouts.allocate(config, LBHNC, _kernels(groups))
-        with (
-            set_current_vllm_config(vllm_config),
-            patch.object(base_worker, "select_common_block_size", return_value=KERNEL),
-        ):
+        layout = LBHNC if kernels else chosen.layout
+        vllm_config = _vllm_config(tiny_models / chosen.model, layout, CPU_MLA)
+        if kernels:
+            vllm_config.cache_config.block_size = BLOCK
+        if kv_role is not None and vllm_config.kv_transfer_config is not None:
+            vllm_config.kv_transfer_config.kv_role = kv_role  # type: ignore[assignment]
+        if stage[1] > 1:
+            parallel = vllm_config.parallel_config
+            parallel.pipeline_parallel_size, parallel.rank = stage[1], stage[0]
+            held = range(*vllm_config.model_config.get_layers_start_end_indices(parallel))
+            groups = layouts.stage_groups(groups, held)
+        config = layouts.kv_cache_config(groups, NB, layout)
+        caches = layouts.allocate(config, layout, _kernels(groups) if kernels else None)
+        split = (
+            patch.object(base_worker, "select_common_block_size", return_value=KERNEL)
+            if kernels
+            else contextlib.nullcontext()
+        )
+        with set_current_vllm_config(vllm_config), split:
             worker = _construct(lambda: cls(vllm_config, engine_id, config))
             made.append(worker)
             worker.register_kv_caches(caches)

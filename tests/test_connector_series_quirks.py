@@ -81,10 +81,22 @@ def test_layout_policy_per_series() -> None:
     facts = layout_facts(config)
 
     def layout(
-        version: str, *, ring: bool = False, ratio: int = 1, packed: bool = True, pp: int = 1
+        version: str,
+        *,
+        ring: bool = False,
+        ratio: int = 1,
+        packed: bool = True,
+        pp: int = 1,
+        push: bool = False,
     ) -> PlanLayout:
         return layout_policy(version).layout(
-            facts, ring=ring, state=False, kernel_ratio=ratio, packed_cache=packed, pp_size=pp
+            facts,
+            ring=ring,
+            state=False,
+            kernel_ratio=ratio,
+            packed_cache=packed,
+            pp_size=pp,
+            push=push,
         )
 
     expected = {
@@ -101,6 +113,13 @@ def test_layout_policy_per_series() -> None:
     )
     assert layout("0.34.0", pp=2).rows == Rows.SCATTERED
     assert layout("0.34.0", packed=False).rows == Rows.SCATTERED
+    # vLLM 0.32's push worker registers whole rows too (its _tracks_region_layers), and a
+    # push stage of PP > 1 each layer's page apart, overlaid pages of other sizes too (the
+    # pages of its rows are not the decode side's rows: _requires_layer_name_routing).
+    assert layout("0.32.1", push=True) == expected["0.33.0+cpu"]
+    stage = PlanLayout(sub_blocks=1, rows=Rows.SCATTERED, separate_page_sizes=True)
+    assert layout("0.32.1", push=True, pp=2) == stage
+    assert layout("0.33.0+cpu", push=True, pp=2) == stage
 
     page = traits_of(config.kv_cache_groups[0].kv_cache_spec).page_size_bytes
     names = list(config.kv_cache_groups[0].layer_names)

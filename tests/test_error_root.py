@@ -19,6 +19,7 @@ KEPT_BUILTINS: dict[str, type[BaseException]] = {
     "kvspec_traits.transfer._errors.MemoryTypeMismatchError": ValueError,
     "kvspec_traits.transfer._errors.MissingLayerError": KeyError,
     "kvspec_traits.transfer._errors.RegionConflictError": ValueError,
+    "kvspec_traits.transfer._errors.StageLayersError": ValueError,
     "kvspec_traits.transfer._errors.UnsupportedLayoutError": ValueError,
     "kvspec_traits.transfer._errors.BlockIdError": IndexError,
     "kvspec_traits.transfer._errors.BlockIdTypeError": TypeError,

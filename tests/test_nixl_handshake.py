@@ -16,8 +16,13 @@ from kvspec_traits.transfer import (
     FINGERPRINT_VERSION,
     HandshakeMismatchError,
     MalformedMetadataError,
+    PlanFingerprint,
     RegionPlan,
+    StageLayersError,
     check_handshake,
+    check_peer,
+    pair_stages,
+    peer_regions,
     plan_regions,
 )
 from tests.nixl_helpers import layouts
@@ -79,7 +84,7 @@ def test_order_of_data_inside_a_page_is_refused() -> None:
     assert nhd.fingerprint().digest != hnd.fingerprint().digest
     with pytest.raises(HandshakeMismatchError, match="head_major: local=True remote=False"):
         check_handshake(hnd, nhd.fingerprint())
-    assert FINGERPRINT_VERSION == 3
+    assert FINGERPRINT_VERSION == 4
 
 
 def test_replication_difference_is_refused() -> None:
@@ -104,6 +109,87 @@ def test_region_count_and_version_mismatch() -> None:
     fp = four.fingerprint()
     with pytest.raises(HandshakeMismatchError, match="version"):
         check_handshake(four, type(fp)(fp.version + 1, fp.tp_size, fp.regions))
+
+
+# -- pipeline stages: regions paired by the layers both sides hold --------------------------
+
+
+def _stage(
+    family: str, held: range, layers: int = 4, layout: KVCacheLayout | None = None
+) -> RegionPlan:
+    """The plan of a pipeline stage holding model layers ``held`` of a ``layers``-layer
+    model (its KV cache config has only those layers, as vLLM gives a stage)."""
+    fam = layouts.FAMILIES[family]
+    layout = layout or fam.layout
+    groups = layouts.stage_groups(getattr(layouts, family)(1, layers), held)
+    config = layouts.kv_cache_config(groups, 8, layout)
+    return plan_regions(layouts.allocate(config, layout), config)
+
+
+LLAMA_LAYER = "model.layers.{}.self_attn.attn"
+
+
+def test_a_stage_pairs_with_the_regions_of_its_layers_both_ways() -> None:
+    """Layers 2 and 3 of a 4-layer Llama (stage 1 of 2, vLLM's get_pp_indices(4, 1, 2) =
+    (2, 4)) against the whole model: one region per layer in model order (the whole
+    plan's regions 0-3 are layers 0-3), so the stage's regions 0 and 1 pair with the
+    whole plan's 2 and 3, from either side; no region of layers 0-1 is compared."""
+    stage, whole = _stage("llama_gqa", range(2, 4)), _plan("llama_gqa")
+    assert [r.layers for r in whole.regions] == [(LLAMA_LAYER.format(i),) for i in range(4)]
+    staged = stage.fingerprint(pp=(1, 2))
+    assert staged.pp == (1, 2) and staged.layers == (LLAMA_LAYER.format(2), LLAMA_LAYER.format(3))
+    assert pair_stages(staged, whole.fingerprint()) == ((0, 2), (1, 3))
+    assert pair_stages(whole, staged) == ((2, 0), (3, 1))
+    # The decoded payload carries the stage; the whole model is stage 0 of 1.
+    assert PlanFingerprint.from_payload(json.loads(staged.canonical())) == staged
+    assert json.loads(whole.fingerprint().canonical())["pp"] == [0, 1]
+    # check_peer runs the geometry, memory-type and placement checks on the pairs.
+    pairs = check_peer(whole, staged, peer_regions(stage), 1)
+    assert pairs == ((2, 0), (3, 1))
+
+
+def test_a_stage_layer_the_peer_lacks_is_refused_by_name() -> None:
+    """Before: the fingerprint compared whole plans, and PP was refused outright. A
+    stage holding layers 2-3 against a 3-layer peer: layer 3 is named."""
+    stage = _stage("llama_gqa", range(2, 4)).fingerprint(pp=(1, 2))
+    with pytest.raises(StageLayersError, match=r"model\.layers\.3\.self_attn\.attn") as info:
+        pair_stages(_plan("llama_gqa", layers=3), stage)
+    assert info.value.layers == (LLAMA_LAYER.format(3),)
+    assert info.value.stage == (0, 1) and info.value.peer_stage == (1, 2)
+    with pytest.raises(StageLayersError, match="both sides are pipeline stages"):
+        pair_stages(stage, stage)
+
+
+def test_a_stage_layer_laid_out_otherwise_is_refused_by_name() -> None:
+    """The same layers in LBNHC on the stage and LBHNC on the peer: equal sizes, every
+    byte elsewhere in the page; refused on the stage's first region."""
+    stage = _stage("llama_gqa", range(2, 4), layout=KVCacheLayout.LBNHC)
+    with pytest.raises(HandshakeMismatchError, match="head_major: local=False remote=True") as info:
+        pair_stages(stage.fingerprint(pp=(1, 2)), _plan("llama_gqa").fingerprint())
+    assert info.value.region == 0 and info.value.layers == (LLAMA_LAYER.format(2),)
+
+
+def test_a_region_of_other_layers_on_the_peer_is_refused() -> None:
+    """A peer holding the stage's layer in a region with another layer (its region
+    record names both) is laid out otherwise: refused on ``layers``."""
+    stage = _stage("llama_gqa", range(2, 4)).fingerprint(pp=(1, 2))
+    whole = _plan("llama_gqa").fingerprint()
+    merged = dict(whole.regions[2])
+    merged["layers"] = [LLAMA_LAYER.format(2), LLAMA_LAYER.format(3)]
+    forged = PlanFingerprint(
+        whole.version, whole.tp_size, (whole.regions[0], whole.regions[1], merged)
+    )
+    with pytest.raises(HandshakeMismatchError, match="layers: local=") as info:
+        pair_stages(stage, forged)
+    assert info.value.region == 0
+
+
+@pytest.mark.parametrize("pp", [[2, 2], [0, 0], [True, 2], [0], "0/1"])
+def test_a_malformed_stage_is_a_named_error(pp: object) -> None:
+    payload = _plan("llama_gqa").fingerprint().payload()
+    payload["pp"] = pp
+    with pytest.raises(MalformedMetadataError, match="'pp'"):
+        PlanFingerprint.from_payload(payload)
 
 
 # -- wire format -------------------------------------------------------------------------

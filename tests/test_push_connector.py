@@ -53,10 +53,16 @@ REQ = "cmpl-push-0"
 
 
 def _registration(
-    consumer: Any, d_port: int, p_port: int, producer: Any, blocks: tuple[list[int], ...]
+    consumer: Any,
+    d_port: int,
+    p_port: int,
+    producer: Any,
+    blocks: tuple[list[int], ...],
+    pp_size: int = 1,
 ) -> dict[str, Any]:
     """The decode side's block registration, with the fields vLLM's push scheduler
-    stages in ``update_state_after_alloc`` (push_scheduler.py)."""
+    stages in ``update_state_after_alloc`` (push_scheduler.py; ``remote_pp_size`` is the
+    prefill engine's PP size, from its ``kv_transfer_params``)."""
     return {
         "request_id": REQ,
         "decode_engine_id": consumer.engine_id,
@@ -68,7 +74,7 @@ def _registration(
         "remote_host": "127.0.0.1",
         "remote_port": p_port,
         "remote_tp_size": 1,
-        "remote_pp_size": 1,
+        "remote_pp_size": pp_size,
     }
 
 
@@ -81,15 +87,20 @@ def _push(
     timeout: float = 120,
 ) -> tuple[set[str], set[str]]:
     """One request through vLLM's push path; (prefill done_sending, decode done_recving)
-    once the decode side reports it, or when ``timeout`` passes."""
-    p_port, stop_p = _serve_handshake(producer)
+    once the decode side reports it, or when ``timeout`` passes. ``producer`` may be a
+    tuple of the prefill engine's pipeline stages (rank order): each is served at its
+    PP rank, each gets the request's blocks and writes its layers, and the request is
+    sent when every stage reports it."""
+    stages: tuple[Any, ...] = producer if isinstance(producer, tuple) else (producer,)
+    p_port, stop_p = _serve_handshake(stages[0], stages=stages)
     d_port, stop_d = _serve_handshake(consumer)
     try:
-        p_meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
-        p_meta.reqs_in_batch.add(REQ)
-        p_meta.reqs_to_send[REQ] = time.perf_counter() + 600
-        p_meta.push_finished_blocks[REQ] = remote
-        producer.start_load_kv(p_meta)
+        for stage in stages:
+            p_meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
+            p_meta.reqs_in_batch.add(REQ)
+            p_meta.reqs_to_send[REQ] = time.perf_counter() + 600
+            p_meta.push_finished_blocks[REQ] = remote
+            stage.start_load_kv(p_meta)
 
         d_meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
         d_meta.add_new_req_to_recv(
@@ -97,26 +108,31 @@ def _push(
             local_block_ids=local,
             kv_transfer_params={
                 "remote_block_ids": (),  # push: the decode side does not know them
-                "remote_engine_id": producer.engine_id,
+                "remote_engine_id": stages[0].engine_id,
                 "remote_request_id": REQ,
                 "remote_host": "127.0.0.1",
                 "remote_port": p_port,
                 "tp_size": 1,
+                "pp_size": len(stages),
             },
         )
-        d_meta.push_registrations[REQ] = _registration(consumer, d_port, p_port, producer, local)
+        d_meta.push_registrations[REQ] = _registration(
+            consumer, d_port, p_port, stages[0], local, len(stages)
+        )
         consumer.start_load_kv(d_meta)
 
-        sent: set[str] = set()
+        sent: list[set[str]] = [set() for _ in stages]
         received: set[str] = set()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and REQ not in received:
             # Each engine step's get_finished wakes the writer threads to drain notifs.
-            sent |= producer.get_finished()[0]
+            for done, stage in zip(sent, stages, strict=True):
+                done |= stage.get_finished()[0]
             received |= consumer.get_finished()[1]
             time.sleep(0.02)
-        sent |= producer.get_finished()[0]
-        return sent, received
+        for done, stage in zip(sent, stages, strict=True):
+            done |= stage.get_finished()[0]
+        return set.intersection(*sent), received
     finally:
         stop_p.set()
         stop_d.set()

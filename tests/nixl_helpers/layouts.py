@@ -194,6 +194,21 @@ def group(names: list[str], spec: KVCacheSpec) -> KVCacheGroupSpec:
     return KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)
 
 
+def stage_groups(groups: list[KVCacheGroupSpec], held: range) -> list[KVCacheGroupSpec]:
+    """The cache groups of a pipeline stage that holds model layers ``held`` (the
+    ``(start, end)`` of vLLM's ``get_pp_indices``): each group with its layers whose
+    index (``...layers.{i}...``) is in ``held``; a group left empty is dropped, as a
+    stage's KV cache config has only its own layers."""
+    staged = [
+        group(
+            [n for n in g.layer_names if int(n.split("layers.")[1].split(".")[0]) in held],
+            g.kv_cache_spec,
+        )
+        for g in groups
+    ]
+    return [g for g in staged if g.layer_names]
+
+
 def grown_attention(state_bytes: int, attention: Callable[[int], AttnSpec], block: int) -> AttnSpec:
     """``attention(block)`` at the first block size, doubling from ``block``, whose page
     holds a recurrent state of ``state_bytes``: vLLM unifies a hybrid model's page size by

@@ -20,6 +20,7 @@ from kvspec_traits.transfer._errors import (
     MemoryTypeMismatchError,
     MissingLayerError,
     RegionConflictError,
+    StageLayersError,
     UnsupportedLayoutError,
 )
 from kvspec_traits.transfer._fingerprint import (
@@ -27,6 +28,7 @@ from kvspec_traits.transfer._fingerprint import (
     PlanFingerprint,
     check_handshake,
     decode_fingerprint,
+    pair_stages,
 )
 from kvspec_traits.transfer._peer import (
     PeerRegion,
@@ -69,6 +71,7 @@ __all__ = [
     "RegionConflictError",
     "RegionPlan",
     "Rows",
+    "StageLayersError",
     "UnsupportedLayoutError",
     "check_handshake",
     "check_peer",
@@ -77,6 +80,7 @@ __all__ = [
     "check_peer_placement",
     "check_region_bounds",
     "decode_fingerprint",
+    "pair_stages",
     "peer_regions",
     "peer_registrations",
     "plan_regions",

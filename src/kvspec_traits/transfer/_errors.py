@@ -17,6 +17,7 @@ __all__ = [
     "MemoryTypeMismatchError",
     "MissingLayerError",
     "RegionConflictError",
+    "StageLayersError",
     "TraitDiff",
     "UnsupportedLayoutError",
 ]
@@ -107,6 +108,36 @@ class HandshakeMismatchError(KVSpecTraitsError, ValueError):
         super().__init__(
             f"KV layout handshake refused: producer and consumer differ on {where}: {what}"
         )
+
+
+class StageLayersError(KVSpecTraitsError, ValueError):
+    """A pipeline-parallel stage and its peer cannot be paired by the layers they hold:
+    the stage holds layers the peer lacks (another model, or another layer split), or
+    both sides are stages (a stage pairs with a peer that holds every layer).
+
+    ``.layers`` are the stage's layers the peer lacks (empty when both are stages),
+    ``.stage`` and ``.peer_stage`` each side's ``(pp_rank, pp_size)``, local first.
+    """
+
+    def __init__(
+        self, layers: Sequence[str], stage: tuple[int, int], peer_stage: tuple[int, int]
+    ) -> None:
+        self.layers = tuple(layers)
+        self.stage = stage
+        self.peer_stage = peer_stage
+        sides = f"PP stage {stage[0]} of {stage[1]} here, {peer_stage[0]} of {peer_stage[1]} there"
+        if self.layers:
+            what = (
+                f"the stage holds KV cache layers {list(self.layers)[:8]} that its peer "
+                f"lacks ({sides}); pair engines of the same model, with the peer holding "
+                f"every layer of the stage"
+            )
+        else:
+            what = (
+                f"both sides are pipeline stages ({sides}); a stage pairs with a peer of "
+                f"pipeline-parallel size 1, which holds every layer"
+            )
+        super().__init__(f"KV layout handshake refused: {what}")
 
 
 class MalformedMetadataError(KVSpecTraitsError, ValueError):

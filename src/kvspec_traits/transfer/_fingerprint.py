@@ -20,6 +20,7 @@ from kvspec_traits._traits import TPLayout
 from kvspec_traits.transfer._errors import (
     HandshakeMismatchError,
     MalformedMetadataError,
+    StageLayersError,
     TraitDiff,
 )
 from kvspec_traits.transfer._tp import shard_count
@@ -37,13 +38,16 @@ __all__ = [
     "decode_fingerprint",
     "fingerprint_of",
     "load_json",
+    "pair_stages",
     "record_page",
     "traits_record",
 ]
 
-FINGERPRINT_VERSION: Final = 3
-"""Version of :func:`traits_record`; 2 added ``head_major`` (the H/N/C order inside a
-page), 3 ``kv_head_contiguous`` (the order of head slots inside a page). A change to
+FINGERPRINT_VERSION: Final = 4
+"""Version of :func:`traits_record` and the payload around it; 2 added ``head_major``
+(the H/N/C order inside a page), 3 ``kv_head_contiguous`` (the order of head slots
+inside a page), 4 the pipeline stage (``pp``: rank and size) of the regions, so that a
+stage pairs with its peer by the layers both hold (:func:`pair_stages`). A change to
 the record's keys (a new :class:`Region` field) needs a new version."""
 
 NOT_FINGERPRINTED: Final[Mapping[str, str]] = {
@@ -170,16 +174,26 @@ def traits_record(region: Region, tp_size: int) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class PlanFingerprint:
-    """Canonical traits of every region, in region order, for one TP group size."""
+    """Canonical traits of every region, in region order, for one TP group size, and
+    the pipeline stage that holds them (``pp``: ``(pp_rank, pp_size)``; ``(0, 1)``
+    without pipeline parallelism, every layer of the model)."""
 
     version: int
     tp_size: int
     regions: tuple[Mapping[str, Any], ...]
+    pp: tuple[int, int] = (0, 1)
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """The layers the regions hold, in region order (each once)."""
+        held = (str(layer) for r in self.regions for layer in r.get("layers") or ())
+        return tuple(dict.fromkeys(held))
 
     def payload(self) -> dict[str, Any]:
         return {
             "v": self.version,
             "tp_size": self.tp_size,
+            "pp": list(self.pp),
             "regions": [dict(r) for r in self.regions],
         }
 
@@ -207,7 +221,15 @@ class PlanFingerprint:
             raise MalformedMetadataError("fingerprint has no positive 'tp_size'")
         if not isinstance(regions, list) or not all(isinstance(r, dict) for r in regions):
             raise MalformedMetadataError("fingerprint 'regions' is not a list of objects")
-        return cls(version=version, tp_size=tp_size, regions=tuple(regions))
+        pp = payload.get("pp", [0, 1])  # before version 4 (refused by the version check)
+        if not (
+            isinstance(pp, list)
+            and len(pp) == 2
+            and all(isinstance(p, int) and not isinstance(p, bool) for p in pp)
+            and 0 <= pp[0] < pp[1]
+        ):
+            raise MalformedMetadataError(f"fingerprint 'pp' {str(pp)[:40]} is not [rank, size]")
+        return cls(version=version, tp_size=tp_size, regions=tuple(regions), pp=(pp[0], pp[1]))
 
 
 def decode_fingerprint(data: str | bytes | bytearray | memoryview) -> PlanFingerprint:
@@ -216,8 +238,9 @@ def decode_fingerprint(data: str | bytes | bytearray | memoryview) -> PlanFinger
     return PlanFingerprint.from_payload(load_json(data, "layout fingerprint"))
 
 
-def fingerprint_of(plan: RegionPlan) -> PlanFingerprint:
-    """The fingerprint of a plan (what :meth:`RegionPlan.fingerprint` returns)."""
+def fingerprint_of(plan: RegionPlan, *, pp: tuple[int, int] = (0, 1)) -> PlanFingerprint:
+    """The fingerprint of a plan (what :meth:`RegionPlan.fingerprint` returns), held by
+    pipeline stage ``pp`` (``(pp_rank, pp_size)``)."""
     records = tuple(traits_record(r, plan.tp_size) for r in plan.regions)
     # Round-trip through JSON so local and decoded remote values compare alike
     # (tuples become lists, enums their values).
@@ -225,6 +248,7 @@ def fingerprint_of(plan: RegionPlan) -> PlanFingerprint:
         version=FINGERPRINT_VERSION,
         tp_size=plan.tp_size,
         regions=tuple(json.loads(canonical_json(list(records)))),
+        pp=pp,
     )
 
 
@@ -255,20 +279,96 @@ def check_handshake(local: PlanFingerprint | RegionPlan, remote: PlanFingerprint
             diffs.append(("regions only remote", None, sorted(theirs - mine_names)))
         raise HandshakeMismatchError(None, "region count", (), diffs)
     for index, (a, b) in enumerate(zip(mine.regions, remote.regions, strict=True)):
-        if _same(a, b):
-            continue
-        region_diffs: list[TraitDiff] = [
-            (key, a.get(key), b.get(key))
-            for key in sorted(set(a) | set(b))
-            if not _same(a.get(key), b.get(key))
-        ]
-        layers = a.get("layers")
+        _check_record(index, a, b)
+
+
+def _check_record(index: int, a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
+    """Refuse local record ``a`` (region ``index``) unless remote ``b`` equals it."""
+    if not _same(a, b):
+        raise _mismatch(index, a, b)
+
+
+def _mismatch(index: int, a: Mapping[str, Any], b: Mapping[str, Any]) -> HandshakeMismatchError:
+    """The refusal of local record ``a`` (region ``index``) against remote ``b``."""
+    region_diffs: list[TraitDiff] = [
+        (key, a.get(key), b.get(key))
+        for key in sorted(set(a) | set(b))
+        if not _same(a.get(key), b.get(key))
+    ]
+    return HandshakeMismatchError(index, str(a.get("name")), _held(a), region_diffs)
+
+
+def _held(record: Mapping[str, Any]) -> tuple[str, ...]:
+    layers = record.get("layers")
+    return tuple(str(x) for x in layers) if isinstance(layers, list) else ()
+
+
+def pair_stages(
+    local: PlanFingerprint | RegionPlan, remote: PlanFingerprint
+) -> tuple[tuple[int, int], ...]:
+    """Pair our regions with a peer's, as ``(local index, remote index)``, refusing a
+    peer whose layout differs from ours on any region both move.
+
+    Without pipeline parallelism on either side (both ``pp`` sizes 1) this is
+    :func:`check_handshake` (every region, by position). When one side is a pipeline
+    stage, it holds a slice of the layers and its peer (PP size 1) every layer: each
+    region of the stage pairs with the peer's region of exactly the same layers (the
+    n-th of the stage's regions of a layer set with the peer's n-th, as many on both
+    sides), and the two records must be equal. :class:`HandshakeMismatchError` names
+    the region and each differing trait (a peer that holds a layer in a region with
+    other layers, as a whole row of several layers, differs in ``layers``); a stage
+    layer the peer lacks, or two stages, raise :class:`StageLayersError`. The pairs
+    are in the stage's region order.
+    """
+    mine = local if isinstance(local, PlanFingerprint) else local.fingerprint()
+    if mine.pp[1] == 1 and remote.pp[1] == 1:
+        check_handshake(mine, remote)
+        return tuple((i, i) for i in range(len(mine.regions)))
+    if mine.version != remote.version:
         raise HandshakeMismatchError(
-            index,
-            str(a.get("name")),
-            [str(x) for x in layers] if isinstance(layers, list) else (),
-            region_diffs,
+            None, "fingerprint version", (), [("version", mine.version, remote.version)]
         )
+    if mine.pp[1] > 1 and remote.pp[1] > 1:
+        raise StageLayersError((), mine.pp, remote.pp)
+    stage_is_local = mine.pp[1] > 1
+    stage, whole = (mine, remote) if stage_is_local else (remote, mine)
+    whole_layers = set(whole.layers)
+    missing = [layer for layer in stage.layers if layer not in whole_layers]
+    if missing:
+        raise StageLayersError(missing, mine.pp, remote.pp)
+
+    def by_layers(fingerprint: PlanFingerprint) -> dict[tuple[str, ...], list[int]]:
+        found: dict[tuple[str, ...], list[int]] = {}
+        for index, record in enumerate(fingerprint.regions):
+            found.setdefault(_held(record), []).append(index)
+        return found
+
+    def local_first(stage_index: int, whole_index: int) -> tuple[int, int]:
+        return (stage_index, whole_index) if stage_is_local else (whole_index, stage_index)
+
+    partners = by_layers(whole)
+    counts = by_layers(stage)
+    pairs: list[tuple[int, int]] = []
+    for index, record in enumerate(stage.regions):
+        held = _held(record)
+        theirs = partners.get(held)
+        if theirs is None:
+            # Every layer is there, in regions grouped otherwise: the whole side's
+            # region of one of them differs at least in its layers.
+            other = next((i for i, r in enumerate(whole.regions) if set(held) & set(_held(r))), -1)
+            if other < 0:
+                raise MalformedMetadataError(f"fingerprint record {index} names no layers")
+            local_i, remote_i = local_first(index, other)
+            raise _mismatch(local_i, mine.regions[local_i], remote.regions[remote_i])
+        if len(theirs) != len(counts[held]):
+            local_n, remote_n = local_first(len(counts[held]), len(theirs))
+            raise HandshakeMismatchError(
+                None, "region count", held, [(f"regions of layers {list(held)}", local_n, remote_n)]
+            )
+        local_i, remote_i = local_first(index, theirs[counts[held].index(index)])
+        _check_record(local_i, mine.regions[local_i], remote.regions[remote_i])
+        pairs.append((local_i, remote_i))
+    return tuple(pairs)
 
 
 def _same(a: object, b: object) -> bool:

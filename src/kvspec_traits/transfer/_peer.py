@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from kvspec_traits.transfer._errors import MalformedMetadataError, MemoryTypeMismatchError
-from kvspec_traits.transfer._fingerprint import PlanFingerprint, check_handshake, record_page
+from kvspec_traits.transfer._fingerprint import (
+    PlanFingerprint,
+    fingerprint_of,
+    pair_stages,
+    record_page,
+)
 
 if TYPE_CHECKING:
     from kvspec_traits.transfer._region import RegionPlan
@@ -152,11 +157,15 @@ def check_peer(
     *,
     registrations: Sequence[PeerRegistration] | None = None,
     peer: str = "the peer",
-) -> None:
+    pp: tuple[int, int] = (0, 1),
+) -> tuple[tuple[int, int], ...]:
     """Every check a peer's regions pass before a backend uses them, in order:
 
-    1. :func:`check_handshake`: the same layout, region by region
-       (:class:`HandshakeMismatchError`);
+    1. :func:`~kvspec_traits.transfer._fingerprint.pair_stages`: the same layout,
+       region by region (:class:`HandshakeMismatchError`); where ``pp`` (our
+       ``(pp_rank, pp_size)``) or the peer's fingerprint names a pipeline stage, the
+       stage's regions with the peer's of the same layers (:class:`StageLayersError`
+       for a layer one side lacks);
     2. :func:`check_peer_geometry`: the addresses are what that layout implies at the
        peer's TP size (:class:`MalformedMetadataError`);
     3. :func:`check_peer_mem_types`: each region on the memory type of ours
@@ -165,12 +174,21 @@ def check_peer(
        overlap ours lacks (:class:`MalformedMetadataError`).
 
     ``registrations`` are the peer's (where its wire carries them; ``None`` skips the
-    binding of regions to registrations). ``peer`` names it in the messages.
+    binding of regions to registrations). ``peer`` names it in the messages. Returns
+    the pairs ``(our region index, the peer's)``; checks 3 and 4 run on them.
     """
-    check_handshake(plan, fingerprint)
+    pairs = pair_stages(fingerprint_of(plan, pp=pp), fingerprint)
     check_peer_geometry(fingerprint, regions, tp_size)
-    check_peer_mem_types(plan, regions, peer)
-    check_peer_placement(plan, regions, tp_size, registrations=registrations, peer=peer)
+    staged = pp[1] > 1 or fingerprint.pp[1] > 1
+    ours = plan.subset([i for i, _ in pairs]) if staged else plan
+    theirs = [regions[j] for _, j in pairs] if staged else regions
+    check_peer_mem_types(ours, theirs, peer)
+    # A stage's peer holds other layers between ours in its rows: where each region
+    # lies in a row is not compared (each region is addressed from its own base).
+    check_peer_placement(
+        ours, theirs, tp_size, registrations=registrations, peer=peer, rows=not staged
+    )
+    return pairs
 
 
 def check_peer_mem_types(plan: RegionPlan, regions: Sequence[PeerRegion], peer: str) -> None:
@@ -252,6 +270,7 @@ def check_peer_placement(
     *,
     registrations: Sequence[PeerRegistration] | None = None,
     peer: str = "the peer",
+    rows: bool = True,
 ) -> None:
     """Where a peer's regions lie, against its registrations and our plan (after
     :func:`check_handshake`): a shifted or swapped base is refused before a
@@ -261,8 +280,9 @@ def check_peer_placement(
     - Regions that share a byte on the peer must share one in our plan too (a base
       shifted onto a neighbour region is refused); regions of aliasing cache groups
       legitimately overlap, on both sides alike.
-    - At equal TP sizes, regions that our plan interleaves in one storage at one
-      stride (block-outermost rows) sit at the same offsets within the peer's rows.
+    - At equal TP sizes (and ``rows``), regions that our plan interleaves in one
+      storage at one stride (block-outermost rows) sit at the same offsets within the
+      peer's rows.
 
     Raises :class:`MalformedMetadataError` naming the regions.
     """
@@ -292,7 +312,7 @@ def check_peer_placement(
             f"(bases {regions[i].base_addr} and {regions[j].base_addr}) but not here: "
             f"a region base is shifted"
         )
-    if tp_size != plan.tp_size:
+    if tp_size != plan.tp_size or not rows:
         return
     anchors: dict[tuple[int, int], int] = {}
     for index, region in enumerate(plan.regions):

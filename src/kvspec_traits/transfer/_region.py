@@ -272,9 +272,23 @@ class RegionPlan:
             f"{self.skipped_layers.get(layer, 'unknown layer')})"
         )
 
-    def fingerprint(self) -> PlanFingerprint:
-        """The canonical, versioned per-region traits fingerprint for the handshake."""
-        return fingerprint_of(self)
+    def fingerprint(self, *, pp: tuple[int, int] = (0, 1)) -> PlanFingerprint:
+        """The canonical, versioned per-region traits fingerprint for the handshake, of
+        pipeline stage ``pp`` (``(pp_rank, pp_size)``; ``(0, 1)``: every layer)."""
+        return fingerprint_of(self, pp=pp)
+
+    def subset(self, indices: Sequence[int]) -> RegionPlan:
+        """The plan of the regions at ``indices`` (in that order) over the same
+        registrations: what a pipeline stage's peer moves of this plan."""
+        return RegionPlan(
+            regions=tuple(self.regions[i] for i in indices),
+            registrations=self.registrations,
+            num_blocks=self.num_blocks,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            skipped_layers=self.skipped_layers,
+            num_groups=self.num_groups,
+        )
 
 
 def is_state(traits: KVLayoutTraits) -> bool:

@@ -54,16 +54,19 @@ from kvspec_traits.transfer._region import is_state
 from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector._errors import UpstreamDisagreesError
 from kvspec_traits.vllm_connector._facts import LayoutFacts, layout_facts
-from kvspec_traits.vllm_connector._fields import worker_fields
+from kvspec_traits.vllm_connector._fields import packed_layouts, worker_fields
 from kvspec_traits.vllm_connector._gate import check_vllm_version, transfer_mode
 from kvspec_traits.vllm_connector._handshake import (
     TraitsNixlAgentMetadata,
+    check_decode_stage,
     check_parallel_pair,
     check_remote_fingerprint,
     decoding_traits_metadata,
     handshake_with,
     logger,
+    pipeline_stage,
     requires_traits_peer,
+    stage_view,
 )
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
@@ -81,6 +84,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
 
     # Class defaults: vLLM's tests build workers with object.__new__ (upstream's fields only).
     region_plan: RegionPlan | None = None
+    stage_view: RegionPlan | None = None  # whole rows as a PP stage pairs with them
     traits_fingerprint: PlanFingerprint | None = None
     _traits_registry: Registry = default_registry
     _policy: VllmLayoutPolicy = layout_policy()
@@ -95,6 +99,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
     ) -> None:
         if registry is not None:  # else the class default (or what a subclass set)
             self._traits_registry = registry
+        check_decode_stage(vllm_config, self._policy.quirks.series)  # before an agent exists
         # Before super().__init__: its block-size sync hook (below) needs them.
         self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -179,9 +184,12 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
 
     # -- register_kv_caches -------------------------------------------------------------
 
-    def plan(self, kv_caches: Mapping[str, torch.Tensor]) -> RegionPlan:
+    def plan(
+        self, kv_caches: Mapping[str, torch.Tensor], *, pp_size: int | None = None
+    ) -> RegionPlan:
         """The region plan of ``kv_caches`` for this rank (no NIXL calls), laid out as
-        this vLLM series registers it (:class:`VllmLayoutPolicy`)."""
+        this vLLM series registers it (:class:`VllmLayoutPolicy`; with ``pp_size``, as
+        a pipeline stage of that size would)."""
         # Host-resident (HiSparse) groups are planned over the host pool's block count
         # (the planner reads KVCacheConfig.hisparse_host_num_blocks), as vLLM does.
         return plan_regions(
@@ -190,7 +198,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             tp_size=self.transfer_tp_size,
             tp_rank=self.transfer_tp_rank,
             registry=self._traits_registry,
-            layout=self._policy.worker_layout(self, self._layout_facts()),
+            layout=self._policy.worker_layout(self, self._layout_facts(), pp_size=pp_size),
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -244,7 +252,9 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             self.register_local_xfer_handler(self.block_size)
         )
 
-        self.traits_fingerprint = plan.fingerprint()
+        stage = pipeline_stage(self)
+        self.traits_fingerprint = plan.fingerprint(pp=(stage.rank, stage.size))
+        self.stage_view = stage_view(self, kv_caches, plan)
         logger.info(
             "%s: registered %d NIXL regions planned from layout traits "
             "(fingerprint %s, replicated %s)",
@@ -274,8 +284,11 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             dcp_size=self.dcp_size,
             pcp_size=self.pcp_size,
             region_members=self.region_members,
-            packed_member_layouts=quirks.packed_member_layouts(self),
+            packed_member_layouts=packed_layouts(plan),
             kvspec_traits_fingerprint=self.traits_fingerprint.canonical(),
+            kvspec_traits_stage_view=self.stage_view.fingerprint().canonical()
+            if self.stage_view is not None
+            else None,
             **self._layer_group_ids(),
         )
         if self.compat_hash is None:
@@ -340,7 +353,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             [(r.index, r.group_ids) for r in regions],
             len(self._layout_facts().transfer_groups),
         )
-        if self.pp_size > 1 and not self._requires_layer_name_routing():
+        if self.pp_size > 1 and quirks.stage_regions_by_position(self):
             start, end = self.model_config.get_layers_start_end_indices(
                 self.vllm_config.parallel_config
             )
@@ -358,7 +371,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
                 f"supported for MLA models without recurrent state"
             )
         # vLLM 0.33+ derives these from the regions at the same point.
-        quirks.derive_region_sets(self, [r.packed_members for r in regions])
+        quirks.derive_region_sets(self, packed_layouts(plan))
 
     # -- handshake (the checks are vllm_connector._handshake's) --------------------------
 
@@ -385,6 +398,8 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             self.region_plan,
             agent_metadata,
             require_traits_peer=lambda: requires_traits_peer(self.vllm_config),
+            stage_of=lambda: pipeline_stage(self),
+            stage_view=self.stage_view,
         )
 
 

@@ -52,17 +52,40 @@ class PeerWithoutTraitsError(KVSpecTraitsError, RuntimeError):
 
 
 class UnsupportedPipelineParallelError(KVSpecTraitsError, NotImplementedError):
-    """The layout handshake compares one pipeline stage's regions; pairs with pipeline
-    parallelism on either side are refused until stages are matched by their layers."""
+    """A pipeline-parallel pair that vLLM's NIXL connector of the installed series does
+    not run, so neither does this one. vLLM 0.32, 0.33 and 0.34 run pipeline parallelism
+    on the prefill side in push mode only: each stage writes its layers into a decode
+    engine of pipeline-parallel size 1. Refused: a decode engine with PP above 1
+    (``decode_side``: vLLM counts completions per decode rank), and PP on either side
+    in pull mode (vLLM's pull worker reads every layer from stage 0's agent).
 
-    def __init__(self, local_pp: int, remote_pp: int) -> None:
+    ``.local_pp``, ``.remote_pp``, ``.series`` (the installed vLLM series),
+    ``.decode_side``.
+    """
+
+    def __init__(
+        self, local_pp: int, remote_pp: int, *, series: str, decode_side: bool = False
+    ) -> None:
         self.local_pp = local_pp
         self.remote_pp = remote_pp
-        super().__init__(
-            f"{CONNECTOR_NAME} checks KV layouts for pipeline-parallel size 1 only "
-            f"(local {local_pp}, remote {remote_pp}); run both engines with "
-            f"--pipeline-parallel-size 1, or use vLLM's NixlConnector for PP > 1"
-        )
+        self.series = series
+        self.decode_side = decode_side
+        push = 'kv_connector_extra_config {"transfer_mode": "push"}'
+        if decode_side:
+            what = (
+                f"runs pipeline parallelism on the prefill side only, as vLLM's "
+                f"NixlConnector does, but this decode engine has pipeline-parallel size "
+                f"{local_pp}. Run the decode engine with --pipeline-parallel-size 1 (the "
+                f"prefill engine may keep PP > 1 with {push})"
+            )
+        else:
+            what = (
+                f"pairs pipeline stages in push mode only: vLLM's pull worker reads every "
+                f"layer from stage 0 (pipeline-parallel size {local_pp} here, {remote_pp} "
+                f"on the peer). Set {push} on both engines, PP > 1 on the prefill side "
+                f"only, or run both with --pipeline-parallel-size 1"
+            )
+        super().__init__(f"{CONNECTOR_NAME} on vLLM {series} {what}")
 
 
 class UpstreamDisagreesError(KVSpecTraitsError, RuntimeError):

@@ -9,7 +9,7 @@ from typing import Any
 from kvspec_traits.transfer import MalformedMetadataError, PeerRegion, RegionPlan
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
-__all__ = ["peer_regions_of", "replicated_state_region", "worker_fields"]
+__all__ = ["packed_layouts", "peer_regions_of", "replicated_state_region", "worker_fields"]
 
 
 def worker_fields(plan: RegionPlan) -> dict[str, Any]:
@@ -37,6 +37,17 @@ def worker_fields(plan: RegionPlan) -> dict[str, Any]:
         "num_regions": len(regions),
         # The descriptors of the plan's strided list, expanded.
         "num_descs": sum(r.num_blocks for r in regions),
+    }
+
+
+def packed_layouts(plan: RegionPlan) -> dict[str, tuple[int, int]]:
+    """Each layer's ``(offset, page bytes)`` in the whole row it is registered in
+    (vLLM's ``packed_member_layouts``, sent in the agent metadata so that a PP stage
+    addresses its pages in the rows; empty without such rows)."""
+    return {
+        layer: (offset, length)
+        for region in plan.regions
+        for layer, offset, length in region.packed_members
     }
 
 

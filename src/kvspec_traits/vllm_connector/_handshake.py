@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import threading
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
@@ -23,10 +23,15 @@ from kvspec_traits.transfer import (
     MemoryTypeMismatchError,
     PlanFingerprint,
     RegionPlan,
+    StageLayersError,
     check_peer,
+    check_peer_geometry,
     check_region_bounds,
     decode_fingerprint,
+    pair_stages,
 )
+from kvspec_traits.transfer._fingerprint import record_page
+from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
     UnsupportedPipelineParallelError,
@@ -40,14 +45,18 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = [
+    "PipelineStage",
     "TraitsNixlAgentMetadata",
+    "check_decode_stage",
     "check_parallel_pair",
     "check_pipeline_parallel",
     "check_ring_tp",
     "check_remote_fingerprint",
     "decoding_traits_metadata",
     "handshake_with",
+    "pipeline_stage",
     "requires_traits_peer",
+    "stage_view",
 ]
 
 # The connector's logger (under "vllm." so vLLM's log configuration applies).
@@ -64,6 +73,10 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
     """
 
     kvspec_traits_fingerprint: bytes | None = None
+    kvspec_traits_stage_view: bytes | None = None
+    """A PP 1 push worker whose regions are whole rows of several layers: the
+    fingerprint of its layers as a pipeline stage lays them out (a region per page, as
+    vLLM expands ``packed_member_layouts``), which a stage's regions pair with."""
 
     def __eq__(self, other: object) -> bool:
         # The same peer metadata as vLLM's class decodes it (no fingerprint field) is
@@ -124,12 +137,70 @@ def decoding_traits_metadata(handshake: Callable[..., _T]) -> Callable[..., _T]:
 _handshake_peer = threading.local()
 
 
-def check_pipeline_parallel(pp_size: int, remote_pp_size: int) -> None:
-    """Refuse pipeline parallelism on either side: the fingerprint covers one stage's
-    regions only, so comparing it with remote PP rank 0 would refuse a good pair or
-    check one stage of several."""
-    if remote_pp_size > 1 or pp_size > 1:
-        raise UnsupportedPipelineParallelError(pp_size, remote_pp_size)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineStage:
+    """A worker's pipeline stage and how its vLLM series pairs stages, for the checks of
+    its handshakes (the worker's ``pipeline_stage()``)."""
+
+    rank: int = 0
+    size: int = 1
+    push: bool = False
+    """Whether the worker transfers in push mode (the one mode that pairs stages)."""
+    series: str = ""
+    region_offset: int | None = None
+    """vLLM 0.32/0.33 pairing by position: the first region of a PP 1 peer that a
+    stage's regions pair with when the peer has more (``_remote_region_offset``);
+    ``None`` where vLLM pairs regions by their layers."""
+
+
+def pipeline_stage(worker: Any) -> PipelineStage:
+    """A vLLM NIXL worker's pipeline stage: its rank as vLLM places layers on stages
+    (``ModelConfig.get_layers_start_end_indices``: ``rank // tp % pp``), its transfer
+    mode, and how its series pairs stages."""
+    push = worker._TRANSFER_MODE == "push"
+    series = worker._policy.quirks.series
+    if worker.pp_size == 1:
+        return PipelineStage(push=push, series=series)
+    parallel = worker.vllm_config.parallel_config
+    tp_size = max(1, int(parallel.tensor_parallel_size))
+    return PipelineStage(
+        rank=int(parallel.rank) // tp_size % worker.pp_size,
+        size=worker.pp_size,
+        push=push,
+        series=series,
+        region_offset=(
+            worker._remote_region_offset if quirks.stage_regions_by_position(worker) else None
+        ),
+    )
+
+
+def stage_view(worker: Any, kv_caches: Any, plan: RegionPlan) -> RegionPlan | None:
+    """A PP 1 push worker's plan as a pipeline stage lays out the same caches, where it
+    differs: whole rows of several layers (``Region.packed_members``) are a page per
+    layer for a stage (vLLM's ``_expand_remote_packed_rows``); ``None`` otherwise."""
+    if worker.pp_size > 1 or worker._TRANSFER_MODE != "push":
+        return None
+    if not any(region.packed_members for region in plan.regions):
+        return None
+    view: RegionPlan = worker.plan(kv_caches, pp_size=2)
+    return view
+
+
+def check_decode_stage(vllm_config: VllmConfig, series: str) -> None:
+    """Refuse a decode engine (``kv_consumer``) with pipeline parallelism, before a
+    NIXL agent exists (vLLM refuses it in its worker's constructor too; this names the
+    series and what to run instead)."""
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    config = vllm_config.kv_transfer_config
+    if pp_size > 1 and config is not None and config.kv_role == "kv_consumer":
+        raise UnsupportedPipelineParallelError(pp_size, 1, series=series, decode_side=True)
+
+
+def check_pipeline_parallel(stage: PipelineStage, remote_pp_size: int) -> None:
+    """Refuse pipeline parallelism on either side in pull mode: vLLM's pull worker
+    reads every layer from the peer's stage 0 (push mode pairs stages by layers)."""
+    if (remote_pp_size > 1 or stage.size > 1) and not stage.push:
+        raise UnsupportedPipelineParallelError(stage.size, remote_pp_size, series=stage.series)
 
 
 def check_ring_tp(
@@ -159,9 +230,9 @@ def check_ring_tp(
 
 def check_parallel_pair(worker: Any, remote_tp: int, remote_pp: int) -> None:
     """Refuse, before vLLM's handshake, the pairs the fingerprint cannot vouch for:
-    pipeline parallelism (:func:`check_pipeline_parallel`) and a replicated ring in a
-    split region between TP sizes (:func:`check_ring_tp`)."""
-    check_pipeline_parallel(worker.pp_size, remote_pp)
+    pipeline parallelism in pull mode (:func:`check_pipeline_parallel`) and a
+    replicated ring in a split region between TP sizes (:func:`check_ring_tp`)."""
+    check_pipeline_parallel(pipeline_stage(worker), remote_pp)
     plan = worker.region_plan
     # Workers that vLLM's tests build without register_kv_caches have no plan (and
     # maybe no KV cache config to take layer traits from): nothing to check.
@@ -202,10 +273,24 @@ def check_remote_fingerprint(
     agent_metadata: Any,
     *,
     require_traits_peer: Callable[[], bool],
+    stage_of: Callable[[], PipelineStage] = PipelineStage,
+    stage_view: RegionPlan | None = None,
 ) -> None:
     """Check the peer's per-region traits fingerprint and regions against ``local``
-    (this rank's plan) with the checks every backend runs
+    (this rank's plan, held by pipeline stage ``stage_of()``, asked once the peer's
+    fingerprint decoded; default: no pipeline parallelism) with the checks every
+    backend runs
     (:func:`~kvspec_traits.transfer.check_peer`).
+
+    Where either side is a pipeline stage (push mode only, else
+    :class:`UnsupportedPipelineParallelError`), the stage's regions are paired with the
+    peer's by the layers they hold: a stage layer the peer lacks raises
+    :class:`~kvspec_traits.transfer.StageLayersError`, a paired region laid out
+    otherwise :class:`~kvspec_traits.transfer.HandshakeMismatchError`; where vLLM pairs
+    them by position (0.32/0.33 without layer-name routing), a pairing by layers that
+    is not vLLM's raises :class:`UpstreamDisagreesError`. A PP 1 side registering
+    whole rows of several layers pairs by its ``stage_view`` (ours) or the peer's
+    ``kvspec_traits_stage_view``: its layers' pages as the stage lays them out.
 
     A layout mismatch raises :class:`~kvspec_traits.transfer.HandshakeMismatchError`
     naming the region and every differing trait; a region on another memory type than
@@ -252,12 +337,31 @@ def check_remote_fingerprint(
         regions = peer_regions_of(agent_metadata)
     except MalformedMetadataError as exc:
         raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
+    stage = stage_of()
+    check_pipeline_parallel(stage, remote.pp[1])
+    view = _peer_stage_view(agent_metadata, peer) if stage.size > 1 else None
     try:
-        # vLLM's metadata carries no registrations: placement is checked against
-        # our plan's overlaps and rows (check_peer_placement), not bound to them.
-        check_peer(local, remote, regions, remote.tp_size, peer=f"peer {peer}")
+        if view is not None:
+            # The peer registers whole rows: our pages pair with the pages of its rows
+            # (vLLM addresses them by packed_member_layouts, checked against the view).
+            check_peer_geometry(remote, regions, remote.tp_size)
+            pairs = pair_stages(local.fingerprint(pp=(stage.rank, stage.size)), view)
+            _check_packed_pages(view, agent_metadata)
+        else:
+            # vLLM's metadata carries no registrations: placement is checked against
+            # our plan's overlaps and rows (check_peer_placement), not bound to them.
+            mine = stage_view if stage_view is not None and remote.pp[1] > 1 else local
+            pairs = check_peer(
+                mine,
+                remote,
+                regions,
+                remote.tp_size,
+                peer=f"peer {peer}",
+                pp=(stage.rank, stage.size),
+            )
+        _check_positions(stage, pairs, len(remote.regions))
         _check_members(remote, agent_metadata)
-    except (HandshakeMismatchError, MemoryTypeMismatchError) as err:
+    except (HandshakeMismatchError, MemoryTypeMismatchError, StageLayersError) as err:
         _refuse(peer, agent_metadata, err)
         raise
     except MalformedMetadataError as exc:
@@ -269,6 +373,55 @@ def check_remote_fingerprint(
         peer,
         remote.digest[:16],
     )
+
+
+def _peer_stage_view(agent_metadata: Any, peer: str) -> PlanFingerprint | None:
+    """The peer's ``kvspec_traits_stage_view``, decoded (``None`` if it sent none)."""
+    data = getattr(agent_metadata, "kvspec_traits_stage_view", None)
+    if data is None:
+        return None
+    try:
+        return decode_fingerprint(data)
+    except MalformedMetadataError as exc:
+        raise MalformedMetadataError(f"peer {peer}: stage view: {exc.reason}") from exc
+
+
+def _check_packed_pages(view: PlanFingerprint, agent_metadata: Any) -> None:
+    """vLLM addresses each page of a peer's whole rows by its
+    ``packed_member_layouts`` ``(offset, length)``: each length is the page the peer's
+    stage view says, and every layer of the view has one."""
+    packed = getattr(agent_metadata, "packed_member_layouts", None) or {}
+    for index, record in enumerate(view.regions):
+        for layer in record.get("layers") or ():
+            if layer not in packed:
+                continue  # a layer outside the rows: its own region
+            page = record_page(record, index, view.tp_size)
+            offset, length = packed[layer]
+            if length != page or offset < 0:
+                raise MalformedMetadataError(
+                    f"packed_member_layouts places layer {layer!r} as {length} bytes at "
+                    f"{offset}, its stage view a page of {page} bytes"
+                )
+
+
+def _check_positions(
+    stage: PipelineStage, pairs: Sequence[tuple[int, int]], remote_regions: int
+) -> None:
+    """Where vLLM pairs a stage's regions with its peer's by position (0.32/0.33), the
+    pairs by layers must be those positions: the stage's regions in order, from
+    ``region_offset`` on when the peer has more regions (vLLM's slice), else from 0."""
+    if stage.size == 1 or stage.region_offset is None:
+        return
+    start = stage.region_offset if remote_regions > len(pairs) else 0
+    upstream = list(range(start, start + len(pairs)))
+    ours = [remote for _, remote in pairs]
+    if ours != upstream:
+        raise UpstreamDisagreesError(
+            f"which of the peer's regions PP stage {stage.rank} writes (vLLM {stage.series} "
+            f"pairs them by position)",
+            upstream,
+            ours,
+        )
 
 
 def _check_members(remote: PlanFingerprint, agent_metadata: Any) -> None:

@@ -33,48 +33,52 @@ class VllmLayoutPolicy:
         kernel_ratio: int,
         packed_cache: bool,
         pp_size: int,
+        push: bool = False,
     ) -> PlanLayout:
         """The plan layout of a worker: ``ring`` and ``state`` as the worker keeps them
         (``_is_csa_linear``, ``_has_mamba``), ``kernel_ratio`` its kernel blocks per
         block (``_physical_blocks_per_logical_kv_block``), ``packed_cache`` whether its
         cache is block-outermost (``_has_packed_cache``), ``pp_size`` its pipeline
-        parallel size.
+        parallel size, ``push`` whether it is a push worker.
 
         - vLLM's descriptor ids count kernel blocks: regions are planned in them.
         - CSA-linear (ring-buffer) models: regions in the order the caches come (the
           worker's descriptor code relies on those indices), and shared rows registered
           per owner, as for models with a recurrent state; other models: model-layer
           order, and a page that is not one dense run registered as its whole row.
-        - 0.33+: a block-outermost MLA cache without state, PP 1, registers its latent
-          pages as whole rows, each layer's place in the row advertised.
+        - 0.33+ (0.32: push workers): a block-outermost MLA cache without state, PP 1,
+          registers its latent pages as whole rows, each layer's place in the row
+          advertised. A push stage of PP > 1 registers each layer's page of the rows
+          as a region of its own (its rows hold other layers than the decode side's),
+          overlaid pages of other sizes apart.
         - 0.34: regions keyed by base and block length (overlaid pages of other sizes
           are separate regions).
         """
         rows = Rows.NONE if ring or state else Rows.SCATTERED
-        if (
-            self.quirks.packed_mla_rows
-            and facts.mla
-            and not facts.has_state
-            and packed_cache
-            and pp_size == 1
-        ):
+        packed_mla = facts.mla and not facts.has_state and packed_cache
+        if packed_mla and (self.quirks.packed_mla_rows or push) and pp_size == 1:
             rows |= Rows.LATENT
         return PlanLayout(
             sub_blocks=kernel_ratio,
             order="given" if ring else "model",
             rows=rows,
-            separate_page_sizes=self.quirks.regions_keyed_by_block_len,
+            separate_page_sizes=self.quirks.regions_keyed_by_block_len
+            or (packed_mla and push and pp_size > 1),
         )
 
-    def worker_layout(self, worker: Any, facts: LayoutFacts) -> PlanLayout:
-        """:meth:`layout` of a vLLM NIXL worker, from the attributes it keeps."""
+    def worker_layout(
+        self, worker: Any, facts: LayoutFacts, *, pp_size: int | None = None
+    ) -> PlanLayout:
+        """:meth:`layout` of a vLLM NIXL worker, from the attributes it keeps (with
+        ``pp_size``: as a stage of that pipeline-parallel size would lay it out)."""
         return self.layout(
             facts,
             ring=bool(worker._is_csa_linear),
             state=bool(worker._has_mamba),
             kernel_ratio=worker._physical_blocks_per_logical_kv_block,
             packed_cache=quirks.has_packed_cache(worker),
-            pp_size=worker.pp_size,
+            pp_size=worker.pp_size if pp_size is None else pp_size,
+            push=worker._TRANSFER_MODE == "push",
         )
 
 

@@ -6,7 +6,7 @@ comes from traits and the planner's region facts). Pure: no vLLM import at impor
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from kvspec_traits.vllm_connector._gate import installed_vllm, vllm_series
@@ -20,6 +20,7 @@ __all__ = [
     "metadata_has_layer_group_ids",
     "packed_member_layouts",
     "series_quirks",
+    "stage_regions_by_position",
     "tracks_region_layers",
     "transfer_layer_region_indices",
 ]
@@ -84,6 +85,16 @@ def tracks_region_layers(worker: Any) -> bool:
     return tracks is None or bool(tracks())
 
 
+def stage_regions_by_position(worker: Any) -> bool:
+    """Whether a pipeline-parallel stage pairs its regions with its PP 1 peer's by
+    position: vLLM 0.32/0.33 slice the peer's regions from the stage's first layer on
+    (``_remote_region_offset``), unless the worker routes by layer name
+    (``_requires_layer_name_routing()``: push with HMA or packed rows). vLLM 0.34 has
+    neither: ``add_remote_agent`` pairs every region by the layers both sides hold."""
+    routes_by_name = getattr(worker, "_requires_layer_name_routing", None)
+    return routes_by_name is not None and not routes_by_name()
+
+
 def metadata_has_layer_group_ids(metadata_class: type) -> bool:
     """vLLM 0.34's agent metadata names each region member's transfer group."""
     return "layer_group_ids" in {f.name for f in dataclasses.fields(metadata_class)}
@@ -106,17 +117,11 @@ def keep_group_region_indices(
         ]
 
 
-def derive_region_sets(
-    worker: Any, packed_members: Sequence[Iterable[tuple[str, int, int]]]
-) -> None:
+def derive_region_sets(worker: Any, packed_layouts: dict[str, tuple[int, int]]) -> None:
     """What vLLM 0.33+ derives from the regions once they are set: the head-sharded
-    draft regions, and each layer's place in a packed row (``packed_members``: each
-    region's (layer, offset, length))."""
+    draft regions, and each layer's place in a packed row (``packed_layouts``: layer
+    -> (offset, length), ``_fields.packed_layouts``)."""
     if hasattr(worker, "_get_head_sharded_draft_regions"):
         worker._head_sharded_draft_regions = worker._get_head_sharded_draft_regions()
     if hasattr(worker, "_packed_member_layouts"):
-        worker._packed_member_layouts = {
-            layer: (offset, length)
-            for members in packed_members
-            for layer, offset, length in members
-        }
+        worker._packed_member_layouts = dict(packed_layouts)
