@@ -120,14 +120,17 @@ def _kernels(groups: list[KVCacheGroupSpec]) -> list[int]:
 def make(
     distributed: None, tiny_models: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Callable[..., Any]]:
-    """``make(family, cls, engine_id)``: a worker (pull or push) over vLLM's kernel-block
-    views of ``family`` (a name of FAMILIES, or a Family), caches registered; shut down
-    afterwards."""
+    """``make(family, cls, engine_id, prepare=None)``: a worker (pull or push) over vLLM's
+    kernel-block views of ``family`` (a name of FAMILIES, or a Family), caches registered
+    (``prepare(worker)`` first, if given); shut down afterwards."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     made: list[Any] = []
 
     def _make(
-        family: str | Family, cls: type[NixlBaseConnectorWorker], engine_id: str
+        family: str | Family,
+        cls: type[NixlBaseConnectorWorker],
+        engine_id: str,
+        prepare: Callable[[Any], None] | None = None,
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         chosen = FAMILIES[family] if isinstance(family, str) else family
         groups = chosen.groups(1)
@@ -141,6 +144,8 @@ def make(
         ):
             worker = _construct(lambda: cls(vllm_config, engine_id, config))
             made.append(worker)
+            if prepare is not None:
+                prepare(worker)
             worker.register_kv_caches(caches)
         return worker, caches
 
