@@ -116,9 +116,10 @@ def test_host_buffer_moves_exactly_the_producers_blocks(
 
 
 def test_a_recurrent_state_is_refused_by_name(make: Callable[..., Any]) -> None:
-    """vLLM's host buffer copies each cache's shape, which a state layer's cache (its
-    conv and SSM tensors) does not have: refused by name at registration, where upstream
-    fails inside its allocation."""
+    """vLLM's host buffer gives each layer a tensor of its own, so the MLA + KDA hybrid's
+    states no longer share pages with the attention layers as vLLM allocates them:
+    refused by name at registration (upstream's worker, on the same caches, registers
+    its host buffer and then fails preparing its descriptors: NIXL_ERR_NOT_FOUND)."""
     with pytest.raises(UnsupportedHostBufferError, match="recurrent-state") as raised:
         make("mla_kda_hybrid", TraitsNixlConnectorWorker, "staged", _staged)
     assert "kv_buffer_device" in str(raised.value)

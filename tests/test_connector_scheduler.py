@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
     MambaSpec,
     RSWASpec,
     SlidingWindowSpec,
@@ -101,6 +102,10 @@ def _request(config: KVCacheConfig) -> tuple[list[int], ...]:
 
 
 DECISIONS = ("_is_hma_required", "blocks_per_sw", "_ssm_spec_blocks", "_has_mamba")
+# DeepSeek-V3.2's MLA and indexer caches are one UniformTypeKVCacheSpecs group: upstream's
+# "clip per group" flag is set (the group spec is not a FullAttentionSpec), ours is not
+# (every layer keeps every token); no group is windowed or a state, so both send the same.
+HMA_FLAG_FROM_THE_GROUP_CLASS = {"deepseek_v32_indexer"}
 
 
 def _decisions(scheduler: Any) -> dict[str, Any]:
@@ -122,6 +127,9 @@ def test_decisions_per_family_are_upstreams(
     config = _config(FAMILIES[family]())
     upstream = upstream_cls(vllm_config, "upstream", config)
     ours = ours_cls(vllm_config, "traits", config)
+    if family in HMA_FLAG_FROM_THE_GROUP_CLASS:
+        assert (upstream._is_hma_required, ours._is_hma_required) == (True, False)
+        ours._is_hma_required = True  # the rest must still be upstream's
     assert _decisions(ours) == _decisions(upstream)
     request = _request(config)
     assert ours.get_exchange_clipped_blocks(request) == upstream.get_exchange_clipped_blocks(
@@ -132,7 +140,7 @@ def test_decisions_per_family_are_upstreams(
 def test_hand_computed_windows_and_state_slots(vllm_config: Any) -> None:
     """vLLM's formulas by hand: gpt-oss's 128-token window over 32-token blocks sends
     cdiv(128, 32) + 1 = 5 blocks; DeepSeek-V4's SWA-MLA cache (a SlidingWindowSpec
-    subclass) 128 over 64 -> 3, its compressed MLA group and its ring every block; a GDN
+    subclass) 128 over 64 -> 3, its compressed MLA, ring and indexer groups every block; a GDN
     state with 2 scratch slots keeps the slot 3rd from the end."""
     gpt = TraitsNixlConnectorScheduler(vllm_config, "e", _config(FAMILIES["gpt_oss"]()))
     assert gpt.blocks_per_sw == [0, 5]
@@ -141,7 +149,8 @@ def test_hand_computed_windows_and_state_slots(vllm_config: Any) -> None:
         5,
     ]
     v4 = TraitsNixlConnectorScheduler(vllm_config, "e", _config(FAMILIES["deepseek_v4"]()))
-    assert v4.blocks_per_sw == [0, math.ceil(128 / 64) + 1, 0]
+    # Groups: compressed MLA, SWA-MLA, ring, indexer.
+    assert v4.blocks_per_sw == [0, math.ceil(128 / 64) + 1, 0, 0]
     spec = TraitsNixlConnectorScheduler(vllm_config, "e", _config(FAMILIES["gdn_speculative"]()))
     request = _request(spec.kv_cache_config)
     assert spec._ssm_spec_blocks == [None, 2] and spec._has_mamba
@@ -171,7 +180,7 @@ def test_group_spec_of_windowed_layers_sends_the_window(vllm_config: Any) -> Non
     the window freed). Upstream's check (``isinstance(spec, SlidingWindowSpec)`` on the
     group spec) misses it and sends every block, the freed ones too; the traits (the
     members' SLIDING_WINDOW scope) send the window: cdiv(128, 16) + 1 = 9 blocks."""
-    members = {
+    members: dict[str, KVCacheSpec] = {
         f"model.layers.{i}.attn": SlidingWindowSpec(
             block_size=16, num_kv_heads=2, head_size=64 * (i + 1), dtype=F32, sliding_window=128
         )

@@ -148,7 +148,7 @@ def scheduler_facts(
     for group in cache_group_traits(kv_cache_config, reg):
         kind = representative_traits(group.traits)
         window = kind.window_tokens if kind.token_scope is TokenScope.SLIDING_WINDOW else None
-        windows.append(math.ceil(window / kind.block_size) + 1 if window else 0)
+        windows.append(-(-window // kind.block_size) + 1 if window else 0)  # cdiv + 1
         spec = kv_cache_config.kv_cache_groups[group.kv_cache_group].kv_cache_spec
         scratch.append(_scratch_blocks(spec, group.kv_cache_group) if is_state(kind) else None)
     return SchedulerFacts(

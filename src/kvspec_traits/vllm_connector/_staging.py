@@ -32,8 +32,10 @@ def transfer_caches(worker: Any, kv_caches: Mapping[str, torch.Tensor]) -> Mappi
 
     Raises :class:`UnsupportedHostBufferError` where vLLM's host buffer cannot mirror
     the cache: a ring buffer (vLLM's own refusal: "NIXL host staging does not preserve
-    CSA-linear shared tensors") or a recurrent state (its cache is not one tensor of
-    token blocks, which the host allocation reads the shape of).
+    CSA-linear shared tensors") or a recurrent state (the host buffer gives each layer a
+    tensor of its own, so a state no longer shares its pages with the attention layers
+    as vLLM's hybrid allocation lays them out; upstream's worker registers it and then
+    fails to prepare its state descriptors, NIXL_ERR_NOT_FOUND).
     """
     if not worker.use_host_buffer:
         return kv_caches
@@ -45,8 +47,8 @@ def transfer_caches(worker: Any, kv_caches: Mapping[str, torch.Tensor]) -> Mappi
         )
     if facts.has_state:
         raise UnsupportedHostBufferError(
-            "a recurrent-state layer's cache is not one tensor of token blocks, which "
-            "vLLM's host buffer allocation copies the shape of"
+            "a recurrent-state layer shares its pages with attention layers in vLLM's "
+            "hybrid allocation, and the host buffer (one tensor per layer) does not"
         )
     worker.initialize_host_xfer_buffer(kv_caches=kv_caches)
     buffers: Mapping[str, Any] = worker.host_xfer_buffers
