@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
@@ -41,6 +42,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from kvspec_traits import InvalidSpecError
 from kvspec_traits import _families as families
 from kvspec_traits._traits import TokenScope
 from kvspec_traits.extend import (
@@ -253,3 +255,18 @@ def test_a_state_group_without_a_scratch_count_is_refused(vllm_config: Any) -> N
     with pytest.raises(UnknownStateBlocksError, match="num_speculative_blocks") as raised:
         TraitsNixlConnectorScheduler(vllm_config, "t", config)
     assert (raised.value.spec_name, raised.value.group) == (MambaSpec.__qualname__, 0)
+
+
+def test_a_state_spec_with_one_dtype_for_two_states_is_refused(vllm_config: Any) -> None:
+    """vLLM's lifecycle tests (utils.make_kv_cache_config with mamba) build
+    ``MambaSpec(shapes=((16,), (16,)), dtypes=(float16,))``: vLLM's ``page_size_bytes``
+    zips shapes with dtypes, so it counts the first state only (16 x 2 B = 32 B of the
+    64 B two fp16 states hold), and a worker would register half of each state. Upstream's
+    scheduler never reads the page and runs; ours refuses the spec when it is built
+    (``InvalidSpecError`` naming ``dtypes``), as its worker would before registering."""
+    spec = MambaSpec(block_size=16, shapes=((16,), (16,)), dtypes=(torch.float16,))
+    assert spec.page_size_bytes == 16 * 2  # the first state alone
+    config = _config([layouts.group(["mamba0", "mamba1"], spec)])
+    NixlPullConnectorScheduler(vllm_config, "u", config)
+    with pytest.raises(InvalidSpecError, match="dtypes"):
+        TraitsNixlConnectorScheduler(vllm_config, "t", config)

@@ -46,6 +46,13 @@ FILES = (
     "test_nixl_simple_cpu_offload.py",
     "test_multi_connector.py",
     "test_nixl_push_connector.py",
+    # Scheduler-side files: each builds NixlConnector's scheduler (vLLM's create_scheduler).
+    "test_remote_prefill_lifecycle.py",
+    "test_kv_load_failure_recovery.py",
+    "test_remote_decode_lifecycle.py",
+    "test_invalid_blocks_correctness.py",
+    "test_error_propagation.py",
+    "test_cache_pollution_prevention.py",
 )
 SUBJECTS = ("upstream", "traits")
 # How upstream's tests are run (pytest options, shard layout): part of the cache key of
