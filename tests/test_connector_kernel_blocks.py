@@ -122,11 +122,12 @@ def make(
     distributed: None, tiny_models: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Callable[..., Any]]:
     """``make(family, cls, engine_id)``: a worker (pull or push) over vLLM's kernel-block
-    views of ``family`` (a name of FAMILIES, or a Family), caches registered; shut down
-    afterwards. ``stage=(pp_rank, pp_size)`` makes it that pipeline stage of its engine
-    (the layers vLLM places there: ``get_layers_start_end_indices``), ``kv_role`` sets
-    the config's role (default ``kv_both``); ``kernels=False`` keeps the family's own
-    block size and layout, blocks unsplit (no kernel block of 16)."""
+    views of ``family`` (a name of FAMILIES, or a Family), caches registered
+    (``prepare(worker)`` first, if given); shut down afterwards. ``stage=(pp_rank,
+    pp_size)`` makes it that pipeline stage of its engine (the layers vLLM places there:
+    ``get_layers_start_end_indices``), ``kv_role`` sets the config's role (default
+    ``kv_both``); ``kernels=False`` keeps the family's own block size and layout, blocks
+    unsplit (no kernel block of 16)."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     made: list[Any] = []
 
@@ -134,6 +135,7 @@ def make(
         family: str | Family,
         cls: type[NixlBaseConnectorWorker],
         engine_id: str,
+        prepare: Callable[[Any], None] | None = None,
         *,
         stage: tuple[int, int] = (0, 1),
         kv_role: str | None = None,
@@ -162,6 +164,8 @@ def make(
         with set_current_vllm_config(vllm_config), split:
             worker = _construct(lambda: cls(vllm_config, engine_id, config))
             made.append(worker)
+            if prepare is not None:
+                prepare(worker)
             worker.register_kv_caches(caches)
         return worker, caches
 

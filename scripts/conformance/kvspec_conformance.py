@@ -4,8 +4,9 @@ upstream's classes or against ``TraitsNixlConnector`` bound in their place.
 Loaded with ``-p kvspec_conformance`` (this directory on ``PYTHONPATH``). Environment:
 
 - ``KVSPEC_CONFORMANCE_SUBJECT``: ``upstream`` (vLLM's classes, untouched) or ``traits``
-  (every NIXL connector and worker class vLLM defines, pull and push: ``NixlConnector``/
-  ``NixlPullConnector``, ``NixlPushConnector`` and their workers, rebound to ours in every
+  (every NIXL connector, worker and scheduler class vLLM defines, pull and push:
+  ``NixlConnector``/``NixlPullConnector``, ``NixlPushConnector``, their workers and their
+  schedulers (``NixlConnectorScheduler`` too), rebound to ours in every
   module of vLLM's ``nixl`` package before any test module is imported, so ``from ...
   import NixlConnector`` and the tests' fake-wrapper subclasses get ours, and the
   factory's ``"NixlConnector"`` loads ours).
@@ -14,9 +15,11 @@ Loaded with ``-p kvspec_conformance`` (this directory on ``PYTHONPATH``). Enviro
 The binding is proved after collection: every collected test module that holds one of
 those names must hold ours (else the session stops with exit code 3), and the factory
 must resolve ``"NixlConnector"`` to ours. The report records the modules checked and how
-many traits workers (pull or push) the tests of each file constructed: a file whose tests
-build workers with ``object.__new__`` only runs upstream's methods on our class and
-constructs none, which run.py's table says.
+many traits workers and schedulers (pull or push) the tests of each file constructed: a
+file whose tests build them with ``object.__new__`` only runs upstream's methods on our
+classes and constructs none, which run.py's table says. (vLLM's base classes,
+``NixlBaseConnector``/``NixlBaseConnectorWorker``/``NixlBaseConnectorScheduler``, are
+ours' bases, never built alone, and stay.)
 
 Stubs, only for what cannot exist on a CPU machine without a network: ``ray`` (when not
 installed) and the hub's model configs (``config.json`` of the few models the tests name,
@@ -54,6 +57,9 @@ REBOUND = {
     "NixlPullConnectorWorker": "TraitsNixlConnectorWorker",
     "NixlPushConnector": "TraitsNixlPushConnector",
     "NixlPushConnectorWorker": "TraitsNixlPushConnectorWorker",
+    "NixlConnectorScheduler": "TraitsNixlConnectorScheduler",
+    "NixlPullConnectorScheduler": "TraitsNixlConnectorScheduler",
+    "NixlPushConnectorScheduler": "TraitsNixlPushConnectorScheduler",
 }
 # Where each of ours is defined (the upstream subject must not import them, so by name).
 OURS_MODULE = {
@@ -61,6 +67,8 @@ OURS_MODULE = {
     "TraitsNixlConnectorWorker": "kvspec_traits.vllm_connector._connector",
     "TraitsNixlPushConnector": "kvspec_traits.vllm_connector._push",
     "TraitsNixlPushConnectorWorker": "kvspec_traits.vllm_connector._push",
+    "TraitsNixlConnectorScheduler": "kvspec_traits.vllm_connector._scheduler",
+    "TraitsNixlPushConnectorScheduler": "kvspec_traits.vllm_connector._scheduler",
 }
 NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
@@ -93,13 +101,15 @@ _constructed = [0]
 # Traits workers constructed per test file (the file of the test running at the time).
 _constructed_by_file: dict[str, int] = {}
 _current_file = ["(collection)"]
+# Traits schedulers (pull or push) constructed per test file.
+_schedulers_by_file: dict[str, int] = {}
 
 
 def _rebind() -> None:
     import importlib
     import pkgutil
 
-    from kvspec_traits.vllm_connector import _connector, _push
+    from kvspec_traits.vllm_connector import _connector, _scheduler
 
     package = importlib.import_module(NIXL_PACKAGE)
     modules = [package] + [
@@ -110,7 +120,7 @@ def _rebind() -> None:
     for module in modules:
         for name, replacement in REBOUND.items():
             if name in vars(module):
-                ours = _push if OURS_MODULE[replacement].endswith("_push") else _connector
+                ours = importlib.import_module(OURS_MODULE[replacement])
                 setattr(module, name, getattr(ours, replacement))
                 rebound.append(f"{module.__name__}.{name}")
     # Both workers (pull and push) run TraitsWorkerBase.__init__ once per construction.
@@ -122,6 +132,15 @@ def _rebind() -> None:
         init(self, *args, **kwargs)
 
     _connector.TraitsWorkerBase.__init__ = counting_init  # type: ignore[method-assign]
+    # Both schedulers likewise (TraitsSchedulerBase.__init__), counted apart.
+    scheduler_init = _scheduler.TraitsSchedulerBase.__init__
+
+    def counting_scheduler_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        key = _current_file[0]
+        _schedulers_by_file[key] = _schedulers_by_file.get(key, 0) + 1
+        scheduler_init(self, *args, **kwargs)
+
+    _scheduler.TraitsSchedulerBase.__init__ = counting_scheduler_init  # type: ignore[method-assign]
     _binding["rebound"] = rebound
 
 
@@ -249,6 +268,10 @@ _ID_NAMES = {
     "-TraitsNixlConnectorWorker": "-NixlPullConnectorWorker",
     "[TraitsNixlPushConnectorWorker": "[NixlPushConnectorWorker",
     "-TraitsNixlPushConnectorWorker": "-NixlPushConnectorWorker",
+    "[TraitsNixlConnectorScheduler": "[NixlPullConnectorScheduler",
+    "-TraitsNixlConnectorScheduler": "-NixlPullConnectorScheduler",
+    "[TraitsNixlPushConnectorScheduler": "[NixlPushConnectorScheduler",
+    "-TraitsNixlPushConnectorScheduler": "-NixlPushConnectorScheduler",
 }
 
 
@@ -282,6 +305,7 @@ def _write_report(*, partial: bool) -> None:
     _binding["ours_imported"] = bool(set(OURS_MODULE.values()) & set(sys.modules))
     _binding["traits_workers_constructed"] = _constructed[0]
     _binding["traits_workers_by_file"] = dict(_constructed_by_file)
+    _binding["traits_schedulers_by_file"] = dict(_schedulers_by_file)
     if path:
         tmp = Path(path + ".tmp")
         tmp.write_text(

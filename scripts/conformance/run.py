@@ -48,6 +48,13 @@ FILES = (
     "test_nixl_simple_cpu_offload.py",
     "test_multi_connector.py",
     "test_nixl_push_connector.py",
+    # Scheduler-side files: each builds NixlConnector's scheduler (vLLM's create_scheduler).
+    "test_remote_prefill_lifecycle.py",
+    "test_kv_load_failure_recovery.py",
+    "test_remote_decode_lifecycle.py",
+    "test_invalid_blocks_correctness.py",
+    "test_error_propagation.py",
+    "test_cache_pollution_prevention.py",
 )
 SUBJECTS = ("upstream", "traits")
 # How upstream's tests are run (pytest options, shard layout): part of the cache key of
@@ -360,14 +367,17 @@ def main() -> int:
                 outcomes["traits"][k] = "passed"
 
     print(f"\nvLLM {version} NIXL connector tests ({series} series): passed / run")
-    # How many of our workers (pull or push) each file's tests constructed with ours bound:
-    # a file that constructed none ran upstream's methods on our classes at most (workers
-    # made with object.__new__), so its count is no evidence for the traits worker.
+    # How many of our workers and schedulers (pull or push) each file's tests constructed
+    # with ours bound: a file that constructed none ran upstream's methods on our classes
+    # at most (made with object.__new__), so its count is no evidence for ours.
     built: Counter[str] = Counter()
+    schedulers: Counter[str] = Counter()
     for binding in bindings["traits"]:
         by_file = binding.get("traits_workers_by_file", {})  # type: ignore[union-attr]
         built.update({k.rpartition("/")[2]: int(v) for k, v in by_file.items()})
-    print(f"{'file':45} {'upstream':>12} {'traits':>12}  ours built")
+        by_file = binding.get("traits_schedulers_by_file", {})  # type: ignore[union-attr]
+        schedulers.update({k.rpartition("/")[2]: int(v) for k, v in by_file.items()})
+    print(f"{'file':45} {'upstream':>12} {'traits':>12}  ours built (workers, schedulers)")
     for name in FILES:
         cells = []
         for subject in SUBJECTS:
@@ -378,7 +388,8 @@ def main() -> int:
         if cells[1] == "0/0":
             note = "-"
         else:
-            note = str(built[name]) if built[name] else "0: not evidence (none constructed)"
+            made = (built[name], schedulers[name])
+            note = f"{made[0]}, {made[1]}" if any(made) else "0: not evidence (none constructed)"
         print(f"{name:45} {cells[0]:>12} {cells[1]:>12}  {note}")
     totals = [Counter(outcomes[s].values()) for s in SUBJECTS]
     print(

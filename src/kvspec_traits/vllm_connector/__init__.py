@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Final
 from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
 from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
+    UnknownStateBlocksError,
+    UnsupportedHostBufferError,
     UnsupportedPipelineParallelError,
     UnsupportedRingTPError,
     UnsupportedTransferModeError,
@@ -42,9 +44,13 @@ __all__ = [
     "PeerWithoutTraitsError",
     "TraitsNixlAgentMetadata",
     "TraitsNixlConnector",
+    "TraitsNixlConnectorScheduler",
     "TraitsNixlConnectorWorker",
     "TraitsNixlPushConnector",
+    "TraitsNixlPushConnectorScheduler",
     "TraitsNixlPushConnectorWorker",
+    "UnknownStateBlocksError",
+    "UnsupportedHostBufferError",
     "UnsupportedPipelineParallelError",
     "UnsupportedRingTPError",
     "UnsupportedTransferModeError",
@@ -64,6 +70,10 @@ if TYPE_CHECKING:
         TraitsNixlPushConnector,
         TraitsNixlPushConnectorWorker,
     )
+    from kvspec_traits.vllm_connector._scheduler import (
+        TraitsNixlConnectorScheduler,
+        TraitsNixlPushConnectorScheduler,
+    )
 
 # The classes need vLLM: loaded on first access (vLLM loads general plugins in every
 # process; its factory does getattr(import_module(kv_connector_module_path), name)).
@@ -73,6 +83,8 @@ _LAZY: Final = {
     "TraitsNixlAgentMetadata": IMPL_MODULE,
     "TraitsNixlPushConnector": PUSH_IMPL_MODULE,
     "TraitsNixlPushConnectorWorker": PUSH_IMPL_MODULE,
+    "TraitsNixlConnectorScheduler": f"{MODULE_PATH}._scheduler",
+    "TraitsNixlPushConnectorScheduler": f"{MODULE_PATH}._scheduler",
 }
 
 

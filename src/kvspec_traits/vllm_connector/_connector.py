@@ -11,8 +11,9 @@ planner only (no spec class is named here):
   (by :mod:`~kvspec_traits.vllm_connector._handshake`) against the peer's inside vLLM's
   handshake, so a layout mismatch is refused with the named diff.
 
-Everything else (transfers, descriptor ids, TP mapping, heartbeats, the scheduler) is
-upstream's; docs/vllm.md lists the spec-class branches left in that code.
+The scheduler's per-group decisions are ``_scheduler``'s, host staging buffers
+``_staging``'s. Everything else (transfers, descriptor ids, TP mapping, heartbeats, the
+host-buffer copies) is upstream's; docs/vllm.md lists the spec-class branches left there.
 """
 
 from __future__ import annotations
@@ -34,9 +35,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata,
     NixlConnectorMetadata,
     NixlHandshakePayload,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-    NixlPullConnectorScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
@@ -70,6 +68,8 @@ from kvspec_traits.vllm_connector._handshake import (
 )
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
+from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
+from kvspec_traits.vllm_connector._staging import transfer_caches
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -203,11 +203,6 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV caches with NIXL, regions planned from traits."""
-        if self.use_host_buffer:
-            raise NotImplementedError(
-                f"{CONNECTOR_NAME} registers device/CPU caches directly; host staging "
-                f"buffers (kv_buffer_device cpu on an accelerator) are upstream-only"
-            )
         # Through base_worker's names: vLLM's tests (and users' hooks) patch them there.
         self.transfer_topo = _bw.TransferTopology(  # type: ignore[attr-defined]
             tp_rank=self.transfer_tp_rank,
@@ -229,7 +224,10 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             self.vllm_config, ",".join(sorted(names)), transfer_mode=self._TRANSFER_MODE
         )
 
-        plan = self.plan(kv_caches)
+        # The caches themselves, or with kv_buffer_device "cpu" on an accelerator the host
+        # buffer vLLM allocates for them (upstream's copies fill it, before a send and
+        # after a receive): the regions and the fingerprint are planned over what NIXL moves.
+        plan = self.plan(transfer_caches(self, kv_caches))
         self.region_plan = plan
         self._apply_plan(plan)
 
@@ -271,7 +269,9 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             num_blocks=self.num_blocks,
             block_lens=self.block_len_per_layer,
             block_strides=self.block_stride_per_layer,
-            kv_cache_layout=self.kv_cache_layout,
+            kv_cache_layout=self.host_buffer_kv_cache_layout
+            if self.use_host_buffer
+            else self.kv_cache_layout,
             block_size=self.block_size,
             ssm_sizes=self._mamba_ssm_size,
             ple_block_len=self._ple_block_len,
@@ -426,7 +426,7 @@ class TraitsNixlConnector(NixlPullConnector):
         # Not NixlPullConnector.__init__: it would build upstream's worker (a NIXL agent).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPullConnectorScheduler(
+            self.connector_scheduler = TraitsNixlConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config
             )
         elif role == KVConnectorRole.WORKER:

@@ -9,6 +9,8 @@ from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 __all__ = [
     "PeerWithoutTraitsError",
+    "UnknownStateBlocksError",
+    "UnsupportedHostBufferError",
     "UnsupportedPipelineParallelError",
     "UnsupportedRingTPError",
     "UnsupportedTransferModeError",
@@ -135,4 +137,33 @@ class UnsupportedTransferModeError(KVSpecTraitsError, ValueError):
         super().__init__(
             f"{CONNECTOR_NAME}: invalid kv_connector_extra_config transfer_mode {mode!r}; "
             f'set "pull" (the default) or "push", as for vLLM\'s NixlConnector'
+        )
+
+
+class UnknownStateBlocksError(KVSpecTraitsError, TypeError):
+    """A recurrent-state cache group's spec does not say how many speculative scratch
+    slots trail its state per request (vLLM's ``MambaSpec.num_speculative_blocks``), so
+    the scheduler cannot tell which slot holds the state. ``.spec_name``, ``.group``."""
+
+    def __init__(self, spec_name: str, group: int) -> None:
+        self.spec_name = spec_name
+        self.group = group
+        super().__init__(
+            f"{CONNECTOR_NAME}: cache group {group} ({spec_name}) holds recurrent states "
+            f"but its spec has no non-negative int num_speculative_blocks, so the "
+            f"scheduler cannot tell the state slot from the speculative scratch slots "
+            f"after it; give the spec that field (0 without speculative decoding)"
+        )
+
+
+class UnsupportedHostBufferError(KVSpecTraitsError, NotImplementedError):
+    """Host staging (``kv_buffer_device: "cpu"`` on an accelerator) of a cache vLLM's
+    host buffer cannot mirror. ``.reason`` names it."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(
+            f"{CONNECTOR_NAME}: NIXL host staging (kv_buffer_device cpu) cannot stage "
+            f"this KV cache: {reason}. Register the caches directly (kv_buffer_device "
+            f"as the accelerator's), as with vLLM's NixlConnector"
         )

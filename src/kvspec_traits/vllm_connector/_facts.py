@@ -13,12 +13,19 @@ from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
 from kvspec_traits.transfer._config import CacheGroupTraits, TransferGroup, cache_group_traits
 from kvspec_traits.transfer._region import has_ring, is_state
+from kvspec_traits.vllm_connector._errors import UnknownStateBlocksError
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["LayoutFacts", "layout_facts", "replicated_state_group"]
+__all__ = [
+    "LayoutFacts",
+    "SchedulerFacts",
+    "layout_facts",
+    "replicated_state_group",
+    "scheduler_facts",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,3 +103,71 @@ def replicated_state_group(groups: Sequence[CacheGroupTraits]) -> int | None:
             f"recurrent-state layer (found groups {[g.kv_cache_group for g in found]})"
         )
     return found[0].kv_cache_group if found else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerFacts:
+    """What vLLM's NIXL scheduler decides from spec classes (``base_scheduler.py``:
+    ``isinstance(..., FullAttentionSpec / SlidingWindowSpec / MambaSpec)``), here from
+    traits. Per-group tuples are in transfer-group order."""
+
+    hybrid: bool
+    """As :attr:`LayoutFacts.hybrid` (vLLM: ``_is_hma_required`` unless the hybrid
+    allocator is disabled): only then are blocks clipped per group."""
+    window_blocks: tuple[int, ...]
+    """Per group: the trailing blocks a windowed group sends (vLLM's ``blocks_per_sw``),
+    0 for a group whose every block is sent."""
+    state_scratch_blocks: tuple[int | None, ...]
+    """Per group: for a recurrent-state group, the speculative scratch slots trailing
+    its state (vLLM's ``_ssm_spec_blocks``), ``None`` for any other group."""
+    has_state: bool
+    """A transferred layer holds a recurrent state (vLLM: ``_has_mamba``, which makes the
+    prefiller leave the last prompt token to the decoder)."""
+
+
+def scheduler_facts(
+    kv_cache_config: KVCacheConfig, registry: Registry | None = None
+) -> SchedulerFacts:
+    """Answer the NIXL scheduler's per-group questions from traits:
+
+    - windowed: ``token_scope`` :attr:`~TokenScope.SLIDING_WINDOW` sends its last
+      ``cdiv(window_tokens, block_size) + 1`` blocks (the window may start inside a
+      block), as vLLM does for ``SlidingWindowSpec``; every other scope sends every
+      block the request holds (a ring's blocks are all live, a chunk or an R-SWA prompt
+      is kept whole);
+    - state: :func:`~kvspec_traits.transfer._region.is_state` groups keep only their
+      state-bearing slot, behind the spec's ``num_speculative_blocks`` scratch slots.
+
+    Raises :class:`UnknownStateBlocksError` for a state group whose spec does not say
+    how many scratch slots it allocates.
+    """
+    reg = registry if registry is not None else default_registry
+    facts = layout_facts(kv_cache_config, reg)
+    windows: list[int] = []
+    scratch: list[int | None] = []
+    for group in cache_group_traits(kv_cache_config, reg):
+        kind = representative_traits(group.traits)
+        window = kind.window_tokens if kind.token_scope is TokenScope.SLIDING_WINDOW else None
+        windows.append(-(-window // kind.block_size) + 1 if window else 0)  # cdiv + 1
+        spec = kv_cache_config.kv_cache_groups[group.kv_cache_group].kv_cache_spec
+        scratch.append(_scratch_blocks(spec, group.kv_cache_group) if is_state(kind) else None)
+    return SchedulerFacts(
+        hybrid=facts.hybrid,
+        window_blocks=tuple(windows),
+        state_scratch_blocks=tuple(scratch),
+        has_state=facts.has_state,
+    )
+
+
+def _scratch_blocks(spec: object, kv_cache_group: int) -> int:
+    """``num_speculative_blocks`` of a state group's spec (of each member of a group
+    spec, which must agree)."""
+    members = getattr(spec, "kv_cache_specs", None)
+    found = {
+        getattr(s, "num_speculative_blocks", None)
+        for s in (members.values() if isinstance(members, Mapping) else (spec,))
+    }
+    value = found.pop() if len(found) == 1 else None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise UnknownStateBlocksError(type(spec).__qualname__, kv_cache_group)
+    return value

@@ -33,6 +33,7 @@ from kvspec_traits._registry import Registry
 from kvspec_traits.vllm_connector._connector import TraitsWorkerBase
 from kvspec_traits.vllm_connector._gate import check_vllm_version
 from kvspec_traits.vllm_connector._names import PUSH_CONNECTOR_NAME
+from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,7 +104,7 @@ class TraitsNixlPushConnector(NixlPushConnector):
         self.connector_scheduler: NixlPushConnectorScheduler | None = None
         self.connector_worker: NixlPushConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPushConnectorScheduler(
+            self.connector_scheduler = TraitsNixlPushConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config
             )
         elif role == KVConnectorRole.WORKER:
