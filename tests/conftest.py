@@ -33,6 +33,7 @@ SERIES_INDEPENDENT = frozenset(
     {
         "test_audit_cache",
         "test_audit_infer",
+        "test_conformance_judge",
         "test_import_graph",
         "test_missing_dependencies",
         "test_trait_wiring",

@@ -445,3 +445,21 @@ def test_a_registration_from_another_thread_during_a_resolution() -> None:
     thread.join(10)
     assert first.spec_name == "new"
     assert registry.traits_of(spec).spec_name == "new"
+
+
+def test_vllms_test_mamba_spec_with_one_dtype_for_two_states_is_refused() -> None:
+    """The ``MambaSpec`` of vLLM's kv_connector test helper (``make_kv_cache_config(...,
+    mamba_enabled=True)`` in tests/v1/kv_connector/unit/utils.py, 0.32-0.34): two states of
+    16 elements and one dtype. vLLM's ``page_size_bytes`` zips shapes with dtypes, so the
+    second state falls out of the page: 16 x 2 B = 32 B for 64 B of state (upstream wrong).
+    ``traits_of`` refuses it naming ``dtypes``, so a connector migrated to traits stops on
+    it where ``isinstance`` never looked at it: the migrated-suite difference
+    (expected_differences.toml, ``[[migrated]]``) this proves."""
+    spec = kvi.MambaSpec(
+        block_size=16, shapes=((16,), (16,)), dtypes=(torch.float16,), mamba_cache_mode="none"
+    )
+    assert spec.page_size_bytes == 16 * 2  # the second state is not in vLLM's page
+    with pytest.raises(InvalidSpecError) as info:
+        traits_of(spec)
+    assert (info.value.field, info.value.value) == ("dtypes", (torch.float16,))
+    assert "one per shape" in str(info.value)
