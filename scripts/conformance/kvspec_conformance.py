@@ -91,10 +91,9 @@ os.environ["HF_HUB_CACHE"] = str(_hub_cache())
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 _outcomes: dict[str, str] = {}
-# Per test file: how many tests were collected, and why it was not (an import error, a
-# module-level skip: "error: ..." or "skipped: ..."); per test
-# not passed: why (a skip's reason, a failure's one-line message). run_migrated.py's table
-# says why a file cannot run on this machine.
+# Per test file: how many tests were collected, or why it was not ("failed: ..." for an
+# import error, "skipped: ..." for a module-level skip); per test that did not pass: why (a
+# skip's reason, a failure's one-line message).
 _collected: dict[str, int] = {}
 _uncollected: dict[str, str] = {}
 _reasons: dict[str, str] = {}
