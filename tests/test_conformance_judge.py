@@ -138,32 +138,41 @@ def test_the_unmigrated_outcomes_share_run_pys_cache(
     assert again[f"{UNIT}/test_any.py"] == keys[f"{UNIT}/test_any.py"]
 
 
-def _outcomes(judge: ModuleType, outcomes: dict[str, str]) -> object:
+def _outcomes(judge: ModuleType, outcomes: dict[str, str], reasons: dict[str, str]) -> object:
     result = judge.Outcomes()
-    result.add({"outcomes": outcomes, "collected": {f"{UNIT}/test_any.py": len(outcomes)}})
+    collected = {f"{UNIT}/test_any.py": len(outcomes)}
+    result.add({"outcomes": outcomes, "collected": collected, "reasons": reasons})
     return result
 
 
 def test_the_verdict_fails_on_a_lost_test_unless_listed_with_a_proof(
     judge: ModuleType, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Lost (passes unmigrated, not migrated) and unlisted: 1. Listed with a proof test that
-    exists under tests/: 0. Listed with a proof that does not exist: 1. Listed while it
-    passes migrated (stale): 1. A test that only gets better is shown, not failed."""
+    """Lost (passes unmigrated, not migrated) and unlisted: 1. Listed by a pattern whose
+    refusal the failure says, with a proof test that exists under tests/: 0. The same entry
+    for a failure that says something else: 1 (an entry never covers another failure).
+    Listed with a proof that does not exist: 1. An entry none of whose tests is lost
+    (stale): 1. A test that only gets better is shown, not failed."""
     files = {f"{UNIT}/test_any.py": "unit"}
     a, b, c = (f"{UNIT}/test_any.py::test_{n}" for n in "abc")
-    before = _outcomes(judge, {a: "passed", b: "passed", c: "failed"})
-    after = _outcomes(judge, {a: "passed", b: "failed", c: "passed"})
+    refusal = "InvalidSpecError: FullAttentionSpec.dtype=None"
+    before = _outcomes(judge, {a: "passed", b: "passed", c: "failed"}, {c: "AssertionError"})
+    after = _outcomes(judge, {a: "passed", b: "failed", c: "passed"}, {b: f"x.{refusal} ..."})
     proof = "tests/test_conformance_judge.py::test_every_proof_of_the_migrated_list_exists"
-    entry = {"kind": "migrated", "proof": proof}
+    entry = {"kind": "migrated", "proof": proof, "refusal": refusal}
     assert judge.verdict("0.34", files, before, after, {}) == 1
     assert "[LOST] " + b in capsys.readouterr().out
-    assert judge.verdict("0.34", files, before, after, {b: entry}) == 0
+    pattern = f"{UNIT}/test_any.py::test_[b]"
+    assert judge.verdict("0.34", files, before, after, {pattern: entry}) == 0
     out = capsys.readouterr().out
     assert f"[differs] {c}: failed -> passed" in out
+    assert f"[listed] 1 tests of {pattern}" in out
     assert f"{'test_any.py':56}      3      2      2      2      1" in out
-    assert judge.verdict("0.34", files, before, after, {b: {**entry, "proof": "tests/x::y"}}) == 1
-    assert judge.verdict("0.34", files, before, after, {b: entry, a: entry}) == 1
+    other = {**entry, "refusal": "InvalidSpecError: MambaSpec.dtypes"}
+    assert judge.verdict("0.34", files, before, after, {pattern: other}) == 1
+    missing = {**entry, "proof": "tests/x::y"}
+    assert judge.verdict("0.34", files, before, after, {pattern: missing}) == 1
+    assert judge.verdict("0.34", files, before, after, {pattern: entry, a: entry}) == 1
     assert "listed but not lost" in capsys.readouterr().out
 
 

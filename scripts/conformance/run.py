@@ -66,7 +66,7 @@ EXTRA = ("collected", "uncollected", "reasons")
 KINDS = {
     "difference": {"test", "series", "upstream", "why", "proof"},
     "unsupported": {"test", "series", "mode", "issue", "refusal", "proof"},
-    "migrated": {"test", "series", "unmigrated", "migrated", "why", "proof"},
+    "migrated": {"test", "series", "unmigrated", "migrated", "refusal", "why", "proof"},
 }
 
 

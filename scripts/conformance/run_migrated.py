@@ -5,6 +5,7 @@ the migrated one.
 
     run_migrated.py [SERIES ...]           # default 0.32 0.33 0.34 (make conformance-migrated)
     run_migrated.py 0.34 --tree DIR        # DIR/kv_transfer: a copy migrated beforehand
+    run_migrated.py 0.34 --summarize       # the verdict of a run in progress, so far
 
 Per series: ``scripts/migrate_kv_transfer.py --out`` migrates a copy of that release's
 kv_transfer (``kvspec-traits migrate --write``, whatever its rules rewrite today); the
@@ -360,6 +361,21 @@ def proof_exists(proof: str) -> bool:
     )
 
 
+def listed_as(test: str, after: Outcomes, expected: dict[str, dict[str, object]]) -> str | None:
+    """The ``[[migrated]]`` entry that lists ``test``: its ``test`` (an fnmatch pattern)
+    matches, and the migrated run's failure says its ``refusal`` (so an entry for one
+    refusal never covers another failure of the same tests)."""
+    why = after.reasons.get(test, "")
+    return next(
+        (
+            key
+            for key, entry in expected.items()
+            if fnmatch.fnmatchcase(test, key) and str(entry["refusal"]) in why
+        ),
+        None,
+    )
+
+
 def why_not(rel: str, result: Outcomes) -> str:
     """Why ``rel`` does not pass whole on this run: counts and the commonest reason."""
     if rel in result.crashed:
@@ -426,7 +442,7 @@ def judge(series: str, tree: Path | None, jobs: int) -> int:
             write_cached(caches[rel], rel, vars(before))
 
     expected = expected_differences(series, ("migrated",))
-    unlisted = [k for k in lost_tests(before, after) if k not in expected]
+    unlisted = [k for k in lost_tests(before, after) if listed_as(k, after, expected) is None]
     if unlisted:  # a difference must reproduce alone: the runs share the cores
         again = rerun_alone(
             tests_root,
@@ -484,7 +500,7 @@ def verdict(
             counts["unmigrated"]["passed"],
             counts["migrated"]["passed"],
             sum(before.outcomes.get(k) != after.outcomes.get(k) for k in keys),
-            sum(k in expected for k in lost if k in keys),
+            sum(listed_as(k, after, expected) is not None for k in lost if k in keys),
         )
         totals.update(dict(zip(columns, row, strict=True)))
         note = "" if row[1] == row[0] and rel not in before.uncollected else why_not(rel, before)
@@ -497,14 +513,23 @@ def verdict(
     cannot = [rel for rel in files if before.of(rel)["passed"] == 0]
     print(f"files of which no test passes unmigrated on this machine: {len(cannot)}")
 
+    used: dict[str, int] = {}
     for k in sorted(before.outcomes.keys() | after.outcomes.keys()):
         b, a = before.outcomes.get(k, "not run"), after.outcomes.get(k, "not run")
-        if a != b:
-            mark = "listed" if k in expected else ("LOST" if b == "passed" else "differs")
-            print(f"  [{mark}] {k}: {b} -> {a}  {after.reasons.get(k, '')[:150]}")
-    unlisted = [k for k in lost if k not in expected]
-    no_proof = [k for k in lost if k in expected and not proof_exists(str(expected[k]["proof"]))]
-    stale = [k for k in expected if k in before.outcomes and k not in lost]
+        if a == b:
+            continue
+        entry = listed_as(k, after, expected) if k in lost else None
+        if entry is not None:
+            used[entry] = used.get(entry, 0) + 1
+            continue  # counted per entry below
+        mark = "LOST" if b == "passed" else "differs"
+        print(f"  [{mark}] {k}: {b} -> {a}  {after.reasons.get(k, '')[:150]}")
+    for key, count in used.items():
+        print(f"  [listed] {count} tests of {key}: {expected[key]['refusal']}")
+    unlisted = [k for k in lost if listed_as(k, after, expected) is None]
+    no_proof = [k for k in used if not proof_exists(str(expected[k]["proof"]))]
+    ran = before.outcomes.keys()
+    stale = [k for k in expected if k not in used and any(fnmatch.fnmatchcase(t, k) for t in ran)]
     for k in no_proof:
         print(f"!! listed without a proof test under tests/: {k} ({expected[k]['proof']})")
     for k in stale:
@@ -516,9 +541,32 @@ def verdict(
     return 1 if unlisted or no_proof or stale else 0
 
 
+def summarize(series: str) -> int:
+    """The verdict of the reports a run in progress (or stopped) has written so far, over
+    the tests both runs reported: ``run_migrated.py SERIES --summarize``."""
+    out_root = os.environ.get("KVSPEC_CONFORMANCE_OUT")
+    out_dir = Path(out_root) if out_root else REPO / ".cache" / "conformance"
+    out_dir /= f"migrated-{series}"
+    runs = {run: Outcomes() for run in RUNS}
+    for run, result in runs.items():
+        for report in sorted(out_dir.glob(f"{run}-*.json")):
+            if not report.name.endswith("-proof.json"):
+                result.add(json.loads(report.read_text()))
+    both = runs["unmigrated"].outcomes.keys() & runs["migrated"].outcomes.keys()
+    for result in runs.values():
+        result.outcomes = {k: v for k, v in result.outcomes.items() if k in both}
+    files = {k.split("::", 1)[0]: "" for k in sorted(both)}
+    print(f"(partial: {len(both)} tests both runs reported, in {out_dir})")
+    expected = expected_differences(series, ("migrated",))
+    return verdict(series, files, runs["unmigrated"], runs["migrated"], expected)
+
+
 def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs Runner.run's finally
     args = sys.argv[1:]
+    if "--summarize" in args:
+        args.remove("--summarize")
+        return max(summarize(s) for s in args or list(SERIES))
     tree = None
     if "--tree" in args:
         i = args.index("--tree")
