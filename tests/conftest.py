@@ -34,6 +34,7 @@ SERIES_INDEPENDENT = frozenset(
         "test_audit_cache",
         "test_audit_infer",
         "test_audit_readings",
+        "test_conformance_judge",
         "test_import_graph",
         "test_missing_dependencies",
         "test_trait_wiring",

@@ -461,3 +461,43 @@ def test_a_registration_from_another_thread_during_a_resolution() -> None:
     thread.join(10)
     assert first.spec_name == "new"
     assert registry.traits_of(spec).spec_name == "new"
+
+
+def test_vllms_test_mamba_spec_with_one_dtype_for_two_states_is_refused() -> None:
+    """The ``MambaSpec`` of vLLM's kv_connector test helper (``make_kv_cache_config(...,
+    mamba_enabled=True)`` in tests/v1/kv_connector/unit/utils.py, 0.32-0.34): two states of
+    16 elements and one dtype. vLLM's ``page_size_bytes`` zips shapes with dtypes, so the
+    second state falls out of the page: 16 x 2 B = 32 B for 64 B of state (upstream wrong).
+    ``traits_of`` refuses it naming ``dtypes``, so a connector migrated to traits stops on
+    it where ``isinstance`` never looked at it: the migrated-suite difference
+    (expected_differences.toml, ``[[migrated]]``) this proves."""
+    spec = kvi.MambaSpec(
+        block_size=16, shapes=((16,), (16,)), dtypes=(torch.float16,), mamba_cache_mode="none"
+    )
+    assert spec.page_size_bytes == 16 * 2  # the second state is not in vLLM's page
+    with pytest.raises(InvalidSpecError) as info:
+        traits_of(spec)
+    assert (info.value.field, info.value.value) == ("dtypes", (torch.float16,))
+    assert "one per shape" in str(info.value)
+
+
+def test_vllms_test_full_attention_spec_without_dtype_is_refused() -> None:
+    """vLLM 0.34's mooncake store worker tests build ``FullAttentionSpec(block_size=16,
+    num_kv_heads=8, head_size=64, dtype=None)``. vLLM's ``page_size_bytes`` then sizes the
+    page with torch's *global default* dtype (``torch.tensor([], dtype=None)``): 2 (K, V) x
+    16 x 8 x 64 x 4 B = 65536 B under float32, half that once someone calls
+    ``torch.set_default_dtype(torch.float16)``, so the page depends on process state, not on
+    the spec (upstream wrong). ``traits_of`` refuses it naming ``dtype``: the migrated
+    mooncake store code stops on it where ``isinstance`` never looked (the ``[[migrated]]``
+    difference in expected_differences.toml this proves)."""
+    spec = kvi.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=None)  # type: ignore[arg-type]
+    assert spec.page_size_bytes == 2 * 16 * 8 * 64 * 4
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        assert spec.page_size_bytes == 2 * 16 * 8 * 64 * 2
+    finally:
+        torch.set_default_dtype(default)
+    with pytest.raises(InvalidSpecError) as info:
+        traits_of(spec)
+    assert (info.value.field, info.value.value) == ("dtype", None)

@@ -19,7 +19,10 @@ many traits workers and schedulers (pull or push) the tests of each file constru
 file whose tests build them with ``object.__new__`` only runs upstream's methods on our
 classes and constructs none, which run.py's table says. (vLLM's base classes,
 ``NixlBaseConnector``/``NixlBaseConnectorWorker``/``NixlBaseConnectorScheduler``, are
-ours' bases, never built alone, and stay.)
+ours' bases, never built alone, and stay.) It also records, per test file, how many tests
+were collected and why a file was not (an import error, a module-level skip), and per test
+that did not pass, why (the skip's reason, the failure's message): run_migrated.py's table
+says why a file cannot run on this machine.
 
 Stubs, only for what cannot exist on a CPU machine without a network: ``ray`` (when not
 installed) and the hub's model configs (``config.json`` of the few models the tests name,
@@ -96,6 +99,12 @@ os.environ["HF_HUB_CACHE"] = str(_hub_cache())
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 _outcomes: dict[str, str] = {}
+# Per test file: how many tests were collected, or why it was not ("failed: ..." for an
+# import error, "skipped: ..." for a module-level skip); per test that did not pass: why (a
+# skip's reason, a failure's one-line message).
+_collected: dict[str, int] = {}
+_uncollected: dict[str, str] = {}
+_reasons: dict[str, str] = {}
 _binding: dict[str, Any] = {"subject": SUBJECT}
 _constructed = [0]
 # Traits workers constructed per test file (the file of the test running at the time).
@@ -192,6 +201,9 @@ class _Ours:
 def pytest_collection_finish(session: pytest.Session) -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    for item in session.items:  # what will run (after any deselection)
+        test_file = _upstream_id(item.nodeid).split("::", 1)[0]
+        _collected[test_file] = _collected.get(test_file, 0) + 1
     expected = {name: _Ours(replacement) for name, replacement in REBOUND.items()}
     if SUBJECT == "upstream" and set(OURS_MODULE.values()) & set(sys.modules):
         pytest.exit(
@@ -286,9 +298,28 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _current_file[0] = item.nodeid.split("::", 1)[0]
 
 
+def _why(report: pytest.CollectReport | pytest.TestReport) -> str:
+    """One line saying why a test was skipped or failed, or a file was not collected."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (file, line, "Skipped: reason")
+        return str(longrepr[2]).removeprefix("Skipped: ")[:200]
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None:
+        return str(crash.message).splitlines()[0][:200] if crash.message else ""
+    lines = [line for line in str(longrepr).splitlines() if line.startswith("E ")]
+    return (lines[-1][1:].strip() if lines else str(longrepr).strip()[-200:])[:200]
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed or report.skipped:
+        _uncollected[report.nodeid] = f"{report.outcome}: {_why(report)}"
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     nodeid = _upstream_id(report.nodeid)
     previous = _outcomes.get(nodeid)
+    if (report.failed or report.skipped) and nodeid not in _reasons:
+        _reasons[nodeid] = _why(report)
     if report.failed:
         _outcomes[nodeid] = "failed"
     elif report.skipped and previous != "failed":
@@ -310,7 +341,14 @@ def _write_report(*, partial: bool) -> None:
         tmp = Path(path + ".tmp")
         tmp.write_text(
             json.dumps(
-                {"binding": _binding, "outcomes": _outcomes, "partial": partial},
+                {
+                    "binding": _binding,
+                    "outcomes": _outcomes,
+                    "collected": _collected,
+                    "uncollected": _uncollected,
+                    "reasons": _reasons,
+                    "partial": partial,
+                },
                 indent=1,
                 sort_keys=True,
             )

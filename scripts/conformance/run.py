@@ -32,7 +32,9 @@ import sys
 import time
 import tomllib
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -62,19 +64,34 @@ SUBJECTS = ("upstream", "traits")
 # Upstream's outcomes, committed (see the module's docstring).
 STORE = HERE / "upstream"
 HARNESS = "pytest -q --timeout 600, one process per shard, gc frozen after collection: 1"
+# The scripts that run the harness, not part of it (not in the cache key).
+RUNNERS = ("run.py", "run_migrated.py")
+T = TypeVar("T")
+# What the plugin reports besides the outcomes, per test file or test: kept in the cache too.
+EXTRA = ("collected", "uncollected", "reasons")
 
 
-def expected_differences(series: str) -> dict[str, dict[str, object]]:
-    """The entries for ``series``: ``[[difference]]`` (upstream wrong, or a flag from the
-    traits with the same bytes) and ``[[unsupported]]`` (a mode ours refuses by name while
-    its issue is open; ``test`` may be an fnmatch pattern), each keyed by its test."""
+# The sections of expected_differences.toml and the fields each entry must have: run.py's
+# two, and run_migrated.py's ([[migrated]]: a test of vLLM's kv_connector suite that passes
+# on the unmigrated tree and not on the migrated one).
+KINDS = {
+    "difference": {"test", "series", "upstream", "why", "proof"},
+    "unsupported": {"test", "series", "mode", "issue", "refusal", "proof"},
+    "migrated": {"test", "series", "unmigrated", "migrated", "refusal", "why", "proof"},
+}
+
+
+def expected_differences(
+    series: str, kinds: Sequence[str] = ("difference", "unsupported")
+) -> dict[str, dict[str, object]]:
+    """The entries for ``series`` of ``kinds``: ``[[difference]]`` (upstream wrong, or a flag
+    from the traits with the same bytes) and ``[[unsupported]]`` (a mode ours refuses by
+    name while its issue is open; ``test`` may be an fnmatch pattern) by default, or
+    ``[[migrated]]`` (run_migrated.py's), each keyed by its test."""
     data = tomllib.loads((HERE / "expected_differences.toml").read_text())
     entries: dict[str, dict[str, object]] = {}
-    kinds = {
-        "difference": {"test", "series", "upstream", "why", "proof"},
-        "unsupported": {"test", "series", "mode", "issue", "refusal", "proof"},
-    }
-    for kind, required in kinds.items():
+    for kind in kinds:
+        required = KINDS[kind]
         for entry in data.get(kind, []):
             missing = required - set(entry)
             if missing:
@@ -98,19 +115,51 @@ def listed(test: str, expected: dict[str, dict[str, object]]) -> str | None:
     )
 
 
-def upstream_cache(series: str, tests_root: Path) -> dict[str, Path]:
+def cache_name(path: str) -> str:
+    """The name under which a vLLM test file's upstream outcomes are kept: its name for a
+    file directly in tests/v1/kv_connector/unit (the FILES of this pass, e.g.
+    ``test_tp_mapping.py``), else its path from there (or from the tests root, outside it)
+    with ``--`` for ``/`` (``offloading_connector--test_config.py``), so two files of one
+    name in different folders never share a cache file."""
+    if "/" not in path:
+        return path
+    rel = path.removeprefix(f"{UNIT}/") if path.startswith(f"{UNIT}/") else path
+    return rel.replace("/", "--")
+
+
+def _helpers(tests_root: Path, path: str) -> list[Path]:
+    """The shared files a test file outside tests/v1/kv_connector/unit depends on besides
+    the common ones: the conftest.py of every folder from tests/ down to its own, and the
+    other non-test modules of its own folder (its utils)."""
+    test_file = tests_root / path
+    out = [
+        folder / "conftest.py"
+        for folder in reversed(test_file.parents)
+        if folder.is_relative_to(tests_root / "tests")
+    ]
+    out += [p for p in sorted(test_file.parent.glob("*.py")) if not p.name.startswith("test_")]
+    return [p for p in dict.fromkeys(out) if p.exists()]
+
+
+def upstream_cache(series: str, tests_root: Path, files: Sequence[str] = FILES) -> dict[str, Path]:
     """Where upstream's outcomes are kept, one file per vLLM test file: keyed by that test
     file, the tests tree's shared files (conftests, helpers), the harness that runs them
     (plugin, stubs, hub configs, HARNESS), the series and the installed packages (a package
     installed or upgraded, e.g. orjson, which vLLM 0.33's tests import, changes which of
     upstream's tests can run). A file added to FILES, or one test file changed upstream,
-    costs only that file's upstream run."""
+    costs only that file's upstream run.
+
+    ``files``: names in tests/v1/kv_connector/unit (FILES, this pass's) or paths from the
+    tests root (``tests/v1/...``, run_migrated.py's: the whole unit suite and the other
+    tests that import a migrated module; a file outside the unit folder also keys on its
+    own conftests and helpers). Upstream's outcomes are the unmigrated tree's with
+    upstream's classes, so both runners share one cache."""
     common = hashlib.sha256(HARNESS.encode())
     unit = tests_root / UNIT
     shared = [p for p in sorted(unit.rglob("*.py")) if not p.name.startswith("test_")]
     shared += [tests_root / "tests" / "conftest.py", tests_root / "tests" / "v1" / "conftest.py"]
     harness = sorted(HERE.glob("**/*.py")) + sorted((HERE / "hub").glob("*.json"))
-    for path in shared + [p for p in harness if p.name not in ("run.py", "run_migrated.py")]:
+    for path in shared + [p for p in harness if p.name not in RUNNERS]:
         if path.exists():
             common.update(str(path.relative_to(path.parents[1])).encode() + path.read_bytes())
     # Relative: the key must not depend on where the checkout lies (CI clones elsewhere).
@@ -128,11 +177,15 @@ def upstream_cache(series: str, tests_root: Path) -> dict[str, Path]:
     ).stdout.strip()
     common.update(f"{series} {version} {vllm_root}".encode())
     out: dict[str, Path] = {}
-    for name in FILES:
+    for name in files:
         digest = common.copy()
-        test_file = unit / name
+        rel = name if "/" in name else f"{UNIT}/{name}"
+        if not rel.startswith(f"{UNIT}/"):
+            for helper in _helpers(tests_root, rel):
+                digest.update(str(helper.relative_to(tests_root)).encode() + helper.read_bytes())
+        test_file = tests_root / rel
         digest.update(test_file.read_bytes() if test_file.exists() else b"(absent)")
-        out[name] = STORE / series / f"{name}-{digest.hexdigest()[:16]}.json"
+        out[name] = STORE / series / f"{cache_name(name)}-{digest.hexdigest()[:16]}.json"
     return out
 
 
@@ -162,31 +215,42 @@ def pytest_command(
     python: str, tests_root: Path, targets: list[str], plugins: tuple[str, ...] = ()
 ) -> list[str]:
     """One pytest process over vLLM's tests tree with the conformance plugin (and
-    ``plugins`` before it), no config of its own, and pytest-timeout's 600 s."""
+    ``plugins`` before it), no config of its own, and pytest-timeout's 600 s. A file that
+    cannot be collected (an optional package missing on this machine) is reported by the
+    plugin and the others run (pytest would otherwise run none)."""
     loaded = [arg for plugin in (*plugins, "kvspec_conformance") for arg in ("-p", plugin)]
     return [
         *(python, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tests_root), "-q"),
-        *("-p", "no:cacheprovider", *loaded, "--timeout", "600", "--durations=20", *targets),
+        *("-p", "no:cacheprovider", *loaded, "--timeout", "600", "--durations=20"),
+        *("--continue-on-collection-errors", *targets),
     ]
 
 
 def rerun_alone(
-    tests_root: Path, out_dir: Path, env: dict[str, str], python: str, ids: list[str], port: int
+    tests_root: Path,
+    out_dir: Path,
+    env: dict[str, str],
+    python: str,
+    ids: list[str],
+    port: int,
+    subject: str = "traits",
+    plugins: tuple[str, ...] = (),
 ) -> dict[str, str]:
-    """Run ``ids`` again with ours, in one process with nothing beside it; their outcomes.
-    A test that passed upstream, failed with ours under the passes' load and passes alone
-    is a timing flake, not a difference (the rerun's log says which)."""
-    report = out_dir / "rerun-traits.json"
+    """Run ``ids`` again as ``subject`` (default ours; ``env`` and ``plugins`` as the run
+    that saw them fail), in one process with nothing beside it; their outcomes. A test that
+    passed upstream (or unmigrated), failed under the passes' load and passes alone is a
+    timing flake, not a difference (the rerun's log says which)."""
+    report = out_dir / f"rerun-{subject}.json"
     report.unlink(missing_ok=True)
     env.update(
-        KVSPEC_CONFORMANCE_SUBJECT="traits",
+        KVSPEC_CONFORMANCE_SUBJECT=subject,
         KVSPEC_CONFORMANCE_REPORT=str(report),
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(port),
     )
-    log_path = out_dir / "rerun-traits.log"
+    log_path = out_dir / f"rerun-{subject}.log"
     with log_path.open("wb") as log:
         subprocess.run(
-            pytest_command(python, tests_root, ids),
+            pytest_command(python, tests_root, ids, plugins),
             cwd=tests_root,
             env=env,
             stdout=log,
@@ -199,6 +263,39 @@ def rerun_alone(
     return outcomes
 
 
+def tests_tree(series: str) -> Path:
+    """vLLM's tests of ``series`` (the release's sdist, fetched by bootstrap). Resolved:
+    with .cache/ a link (a worktree sharing another checkout's trees), pytest would name
+    tests relative to the link's target, not "tests/v1/..."."""
+    return (REPO / ".cache" / f"vllm-tests-{SERIES[series]}").resolve()
+
+
+def series_env(series: str) -> dict[str, str]:
+    """The environment of a pytest process on ``series``: the harness and our src on the
+    path, after the release's pure modules for 0.33/0.34 (0.32 is installed)."""
+    path = [str(HERE), str(REPO / "src")]
+    if series != "0.32":
+        path.insert(0, str(REPO / ".cache" / f"vllm-{SERIES[series]}"))
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(path),
+        VLLM_TARGET_DEVICE="cpu",
+        KVSPEC_EXPECT_VLLM=series,
+        NIXL_LOG_LEVEL="WARN",
+    )
+
+
+def _of_file(mapping: dict[str, T], rel: str) -> dict[str, T]:
+    return {k: v for k, v in mapping.items() if k == rel or k.startswith(f"{rel}::")}
+
+
+def write_cached(path: Path, rel: str, report: dict[str, Any]) -> None:
+    """Keep the part of a plugin report (kvspec_conformance.py's) that is about the test
+    file ``rel`` (its path from the tests root) in the cache file ``path``."""
+    entry = {key: _of_file(report.get(key, {}), rel) for key in ("outcomes", *EXTRA)}
+    store_outcome(path, {**entry, "binding": report.get("binding", {})})
+
+
 def main() -> int:
     args = sys.argv[1:]
     summarize_only = "--summarize" in args
@@ -207,9 +304,7 @@ def main() -> int:
         raise SystemExit(f"usage: run.py {{{','.join(SERIES)}}} [--summarize]")
     series = args[0]
     version = SERIES[series]
-    # Resolved: with .cache/ a link (a worktree sharing another checkout's trees), pytest
-    # would name tests relative to the link's target, not "tests/v1/...".
-    tests_root = (REPO / ".cache" / f"vllm-tests-{version}").resolve()
+    tests_root = tests_tree(series)
     if not (tests_root / UNIT).is_dir():
         print(f"!! {tests_root / UNIT} is missing: run scripts/bootstrap.sh", file=sys.stderr)
         return 2
@@ -219,16 +314,7 @@ def main() -> int:
     out_root = os.environ.get("KVSPEC_CONFORMANCE_OUT")
     out_dir = (Path(out_root) if out_root else REPO / ".cache" / "conformance") / series
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = [str(HERE), str(REPO / "src")]
-    if series != "0.32":
-        path.insert(0, str(REPO / ".cache" / f"vllm-{version}"))
-    base_env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(path),
-        VLLM_TARGET_DEVICE="cpu",
-        KVSPEC_EXPECT_VLLM=series,
-        NIXL_LOG_LEVEL="WARN",
-    )
+    base_env = series_env(series)
     python = str(REPO / ".venv" / "bin" / "python")
     runs: list[tuple[str, int, subprocess.Popen[bytes], Path, float]] = []
     count = int(os.environ.get("KVSPEC_CONFORMANCE_SHARDS", "1"))
@@ -288,6 +374,7 @@ def main() -> int:
             runs.append((subject, index, proc, report, time.monotonic()))
     outcomes: dict[str, dict[str, str]] = {s: {} for s in SUBJECTS}
     bindings: dict[str, list[object]] = {s: [] for s in SUBJECTS}
+    upstream_extra: dict[str, dict[str, object]] = {key: {} for key in EXTRA}
     status = 0
     for subject, index, proc, report, started in runs:
         rc = proc.wait()
@@ -317,21 +404,20 @@ def main() -> int:
             continue
         outcomes[subject].update(data["outcomes"])
         bindings[subject].append(data["binding"])
+        if subject == "upstream":
+            for key in EXTRA:
+                upstream_extra[key].update(data.get(key, {}))
     if status:
         return status
     if not summarize_only:
         # A narrowed run (KVSPEC_CONFORMANCE_FILES) writes the files it ran, each its own key.
+        upstream_report = {
+            "outcomes": outcomes["upstream"],
+            "binding": bindings["upstream"][0] if bindings["upstream"] else {},
+            **upstream_extra,
+        }
         for name in uncached:
-            prefix = f"{UNIT}/{name}::"
-            store_outcome(
-                caches[name],
-                {
-                    "outcomes": {
-                        k: v for k, v in outcomes["upstream"].items() if k.startswith(prefix)
-                    },
-                    "binding": bindings["upstream"][0] if bindings["upstream"] else {},
-                },
-            )
+            write_cached(caches[name], f"{UNIT}/{name}", upstream_report)
         outcomes["upstream"].update(outcomes_cached)
         bindings["upstream"].extend(binding_cached)
     if summarize_only:
