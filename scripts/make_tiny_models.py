@@ -100,7 +100,6 @@ MODELS: dict[str, ModelRecipe] = {
             "conv_kernel": 4,
             "expand": 2,
             "chunk_size": 128,
-            "use_mamba_kernels": False,
             "max_position_embeddings": 1024,
             "layer_norm_epsilon": 1e-6,
             "tie_word_embeddings": False,

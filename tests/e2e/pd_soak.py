@@ -81,7 +81,8 @@ def make_prompts(
     """``count`` prompts cycling through four kinds of length, relative to the served
     KV block size: shorter than one block, between one and two, several blocks (up to
     what ``max_model_len`` leaves for the answer), and one of four shared prefixes of
-    one to two blocks followed by a suffix of up to a block (prefix-cache hits on the decode server, and pulls of only the rest)."""
+    one to two blocks followed by a suffix of up to a block (prefix-cache hits on the
+    decode server, and pulls of only the rest)."""
     rng = random.Random(seed)
     limit = max_model_len - max_tokens
     if limit <= 2 * block_size:
