@@ -73,6 +73,8 @@ RSS_SLACK_BYTES = 32 << 20
 FD_SLACK = 8
 # The producer's lease on blocks nobody pulled (vLLM's kv_lease_duration, 30 s) and margin.
 SETTLE_S = 90.0
+# A restart on a loaded 2-core machine took up to 250 s (and once more than 300 s).
+RESTART_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -251,7 +253,7 @@ class Soak:
 
         started = time.monotonic()
         victim.start()
-        victim.wait_ready(started + 300)
+        victim.wait_ready(started + RESTART_TIMEOUT_S)
         victim.check_serving()
         print(f"  {victim_name} restarted in {time.monotonic() - started:.0f} s", flush=True)
         _warm_up(pair, prompts[-1], self)
