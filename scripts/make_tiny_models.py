@@ -79,6 +79,33 @@ MODELS: dict[str, ModelRecipe] = {
         },
         seed=1234,
     ),
+    # Hybrid state model (Mamba2 + attention + MLP, NemotronH's "M*-"): one Mamba2 layer
+    # (8 heads of 32, state 16, one group), one GQA attention layer, one dense MLP layer.
+    # vLLM gives it a Mamba state cache group beside the attention group.
+    "nemotron-h": ModelRecipe(
+        name="nemotron-h",
+        architecture="NemotronHForCausalLM",
+        config={
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "layers_block_type": ["linear_attention", "full_attention", "mlp"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "mlp_hidden_act": "relu2",
+            "ssm_state_size": 16,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 32,
+            "n_groups": 1,
+            "conv_kernel": 4,
+            "expand": 2,
+            "chunk_size": 128,
+            "max_position_embeddings": 1024,
+            "layer_norm_epsilon": 1e-6,
+            "tie_word_embeddings": False,
+        },
+        seed=2424,
+    ),
     "deepseek-v2": ModelRecipe(
         name="deepseek-v2",
         architecture="DeepseekV2ForCausalLM",

@@ -31,7 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,8 @@ __all__ = [
     "disaggregated_complete",
     "free_port",
     "metric_total",
+    "process_group_usage",
+    "running_server",
     "scrape_metrics",
 ]
 
@@ -174,6 +176,9 @@ class VllmServer:
     port: int = 0
     side_channel_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    # How many times start() ran: a restarted server keeps its ports, and the log of
+    # each earlier run is kept as <name>.<run>.log.
+    runs: int = 0
     _rpc_dir: Path | None = None
 
     @property
@@ -242,6 +247,9 @@ class VllmServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         self.side_channel_port = self.side_channel_port or free_port()
+        if self.runs and self.log_path.exists():
+            self.log_path.rename(self.workdir / f"{self.name}.{self.runs}.log")
+        self.runs += 1
         log = self.log_path.open("wb")
         try:
             self.proc = subprocess.Popen(
@@ -318,6 +326,30 @@ class VllmServer:
         finally:
             if self._rpc_dir is not None:
                 shutil.rmtree(self._rpc_dir, ignore_errors=True)
+
+    def crash(self) -> None:
+        """SIGKILL the server's process group at once, as a crash would (no shutdown
+        runs, nothing is released), and wait until every process of it is gone. The
+        ports stay this server's: ``start()`` brings it back on them."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            raise RuntimeError(f"{self.name} is not running")
+        _LIVE.pop(proc.pid, None)
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise self.fail(f"process group {proc.pid} still alive 30 s after SIGKILL")
+        _tell_reaper(-proc.pid)
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
 
     @staticmethod
     def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -401,6 +433,41 @@ def running_pair(
             serving=serving,
             extra_env=extra_env,
         )
+
+
+@contextmanager
+def running_server(
+    *,
+    model: Path,
+    served_model_name: str,
+    workdir: Path,
+    serving: Serving = DEFAULT_SERVING,
+    name: str = "single",
+    core: int = 0,
+) -> Iterator[VllmServer]:
+    """One server without a KV connector (a plain, non-disaggregated vLLM), under the
+    same machine-wide lock as a pair: start, wait, check, yield, always kill."""
+    if _LIVE:
+        raise RuntimeError(
+            f"servers {[s.name for s in _LIVE.values()]} (pids {sorted(_LIVE)}) still run; "
+            f"stop them before starting another"
+        )
+    with _machine_wide_pair_lock():
+        server = VllmServer(
+            name=name,
+            model=model,
+            served_model_name=served_model_name,
+            core=core,
+            workdir=workdir,
+            serving=serving,
+        )
+        try:
+            server.start()
+            server.wait_ready(time.monotonic() + START_TIMEOUT_S)
+            server.check_serving()
+            yield server
+        finally:
+            server.stop()
 
 
 @contextmanager
@@ -581,6 +648,32 @@ def scrape_metrics(server: VllmServer) -> dict[str, float]:
             continue
         samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
     return samples
+
+
+def process_group_usage(server: VllmServer) -> tuple[int, int, int]:
+    """``(resident bytes, open file descriptors, processes)`` summed over the server's
+    process group (the API server and its engine core), from /proc; zeros when it is
+    not running."""
+    if server.proc is None:
+        return 0, 0, 0
+    pgid = server.proc.pid
+    page = os.sysconf("SC_PAGE_SIZE")
+    rss = fds = count = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            # Fields after the command name (which may hold spaces and parentheses).
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) != pgid:
+                continue
+            rss += int((entry / "statm").read_text().split()[1]) * page
+            fds += len(os.listdir(entry / "fd"))
+            count += 1
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+    return rss, fds, count
 
 
 def metric_total(samples: Mapping[str, float], name: str) -> float:

@@ -35,6 +35,15 @@ from tests.e2e.pd_harness import (
     running_pair,
     scrape_metrics,
 )
+from tests.e2e.pd_soak import (
+    Outcome,
+    Prompt,
+    disaggregated_request,
+    make_prompts,
+    run_load,
+    server_state,
+    single_request,
+)
 from tests.mla_backends import AMX_MLA, CPU_MLA, MLA_BACKENDS, MLABackend, skip_unless_offered
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm032_only, pytest.mark.timeout(900)]
@@ -256,3 +265,77 @@ def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair
     decode_log = servers.decode.log_tail(5000)
     assert "has the same KV layout (fingerprint" in decode_log, servers.decode.describe()
     assert "KV layout handshake refused" not in decode_log, servers.decode.describe()
+
+
+# The short form of `make soak` (benchmarks/soak.py, issue 24) on this module's llama pair:
+# last in the module, because it kills and restarts the pair's prefill server.
+SHORT_SOAK_REQUESTS = 50
+SHORT_SOAK_FAULT_REQUESTS = 24
+SHORT_SOAK_CONCURRENCY = 16
+SHORT_SOAK_MAX_TOKENS = 16
+
+
+def test_short_soak_exact_under_load_and_after_a_producer_crash(
+    pair: tuple[ModelCase, ServerPair],
+) -> None:
+    """50 prompts at concurrency 16 (shorter than a block, one to two blocks, several
+    blocks, shared prefixes), each answered disaggregated token for token as the
+    prefill server answers it alone; then the producer is SIGKILLed with requests in
+    flight and restarted on its ports. Failure modes: answers that drift under
+    concurrency (batch mates, reused blocks, a pull of the wrong blocks); a consumer
+    that hangs on a dead producer or answers from a dead producer's blocks wrongly; a
+    restarted producer the consumer cannot serve exactly again, or whose predecessor it
+    keeps as a NIXL peer."""
+    case, servers = pair
+    if case.name != "llama":
+        pytest.skip("the short soak runs on one model (llama); `make soak` runs them all")
+    block = int(_cache_info(scrape_metrics(servers.decode), "block_size"))
+    prompts = make_prompts(SHORT_SOAK_REQUESTS, block, SHORT_SOAK_MAX_TOKENS)
+    base = run_load(
+        "prefill server alone",
+        lambda p: single_request(servers.prefill, p, SHORT_SOAK_MAX_TOKENS),
+        prompts,
+        SHORT_SOAK_CONCURRENCY,
+    )
+    print(f"\n{base.summary()}")
+    assert base.clean, (base.summary(), base.failures())
+    baseline = {o.prompt: o.token_ids for o in base.outcomes}
+
+    def send(prompt: Prompt) -> Outcome:
+        return disaggregated_request(servers, prompt, SHORT_SOAK_MAX_TOKENS)
+
+    pd = run_load("disaggregated", send, prompts, SHORT_SOAK_CONCURRENCY, baseline)
+    print(pd.summary())
+    assert pd.clean and pd.token_differences == 0, (pd.summary(), pd.failures())
+    peers = server_state(servers.decode).peers
+
+    faulted = run_load(
+        "prefill killed",
+        send,
+        prompts[:SHORT_SOAK_FAULT_REQUESTS],
+        SHORT_SOAK_CONCURRENCY,
+        baseline,
+        after=(SHORT_SOAK_CONCURRENCY // 2, servers.prefill.crash),
+    )
+    print(faulted.summary(), *faulted.failures(), sep="\n")
+    assert not faulted.wrong and faulted.token_differences == 0, faulted.summary()
+    assert faulted.counts["timeout"] == 0 and faulted.counts["protocol"] == 0, faulted.summary()
+    # vLLM's "fail" policy (this pair's default): the requests that were in flight at the
+    # kill end with an error or a refused connection, never with an answer.
+    assert faulted.answered < len(faulted.outcomes), faulted.summary()
+
+    servers.prefill.start()
+    servers.prefill.wait_ready(time.monotonic() + 300)
+    servers.prefill.check_serving()
+    _warm_up(servers)
+    recovered = run_load(
+        "after restart",
+        send,
+        prompts[SHORT_SOAK_FAULT_REQUESTS:],
+        SHORT_SOAK_CONCURRENCY,
+        baseline,
+    )
+    print(recovered.summary(), *recovered.failures(), sep="\n")
+    assert recovered.clean and recovered.token_differences == 0, recovered.summary()
+    # The consumer released the dead producer's NIXL state once it met the new one.
+    assert server_state(servers.decode).peers == peers, servers.decode.log_path

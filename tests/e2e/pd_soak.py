@@ -1,0 +1,444 @@
+"""A prefill/decode soak on real vLLM-CPU servers: sustained load, token-exact answers,
+and a server killed mid-run (issue 24). Used by ``benchmarks/soak.py`` (``make soak``)
+and by the short form in ``tests/e2e/test_pd_soak.py``.
+
+Prompts are token ids (exact lengths, no tokenizer in the way): shorter than one KV
+block, longer than one, several blocks, and prompts that share a multi-block prefix.
+Every request is greedy, ignores EOS and asks for ``return_token_ids``; its answer is
+compared token by token with the same prompt's answer from a server that served it
+alone (no disaggregation). Requests stream their answer, so time to first token (TTFT) is
+measured at the client: for a disaggregated request from the start of its prefill
+request to the first token the decode server streams.
+
+Every request has a deadline; a request that reaches it counts as a hang. A request's
+outcome is one of: exact, wrong (tokens differ from the baseline, or it ended without
+error short of ``max_tokens``), vLLM's error (an HTTP error status, or an error event in
+the stream), unreachable (the server's socket refused or dropped: it was killed), or
+timeout.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.e2e.pd_harness import (
+    ServerPair,
+    VllmServer,
+    metric_total,
+    process_group_usage,
+    scrape_metrics,
+)
+
+__all__ = [
+    "REQUEST_TIMEOUT_S",
+    "LoadResult",
+    "Outcome",
+    "Prompt",
+    "ServerState",
+    "disaggregated_request",
+    "make_prompts",
+    "run_load",
+    "server_state",
+    "single_request",
+    "wait_settled",
+]
+
+REQUEST_TIMEOUT_S = 90.0
+# The tiny models' vocabulary (scripts/make_tiny_models.py): ids 0-2 are <s>, </s>, <pad>.
+VOCAB = (3, 2048)
+_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int
+    kind: str  # "short", "one+", "several", "shared prefix"
+    token_ids: tuple[int, ...]
+
+
+def make_prompts(
+    count: int, block_size: int, max_tokens: int, max_model_len: int = 512, seed: int = 24
+) -> list[Prompt]:
+    """``count`` prompts cycling through four kinds of length, relative to the served
+    KV block size: shorter than one block, between one and two, several blocks (up to
+    what ``max_model_len`` leaves for the answer), and one of four shared prefixes of
+    one to two blocks followed by a suffix of up to a block (prefix-cache hits on the
+    decode server, and pulls of only the rest)."""
+    rng = random.Random(seed)
+    limit = max_model_len - max_tokens
+    if limit <= 2 * block_size:
+        raise ValueError(
+            f"max_model_len {max_model_len} - max_tokens {max_tokens} leaves no room for "
+            f"prompts of several {block_size}-token blocks"
+        )
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(*VOCAB) for _ in range(n)]
+
+    prefixes = [tokens(rng.randint(block_size + 1, min(2 * block_size, limit - 8))) for _ in "abcd"]
+    prompts = []
+    for i in range(count):
+        kind = ("short", "one+", "several", "shared prefix")[i % 4]
+        if kind == "short":
+            ids = tokens(rng.randint(1, block_size - 1))
+        elif kind == "one+":
+            ids = tokens(rng.randint(block_size + 1, min(2 * block_size - 1, limit)))
+        elif kind == "several":
+            ids = tokens(rng.randint(min(2 * block_size + 1, limit), limit))
+        else:
+            prefix = prefixes[i // 4 % len(prefixes)]
+            ids = prefix + tokens(rng.randint(1, max(1, min(block_size, limit - len(prefix)))))
+        prompts.append(Prompt(i, kind, tuple(ids)))
+    return prompts
+
+
+@dataclass(frozen=True)
+class Outcome:
+    prompt: int
+    status: str  # "ok", "vllm-error", "unreachable", "timeout", "protocol"
+    token_ids: tuple[int, ...] = ()
+    ttft: float | None = None
+    latency: float = 0.0
+    detail: str = ""
+    finished_at: float = 0.0
+
+
+class _RequestError(Exception):
+    def __init__(self, status: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def _payload(
+    server: VllmServer, prompt: Prompt, max_tokens: int, params: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": server.served_model_name,
+        "prompt": list(prompt.token_ids),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if params is not None:
+        body["kv_transfer_params"] = dict(params)
+    return body
+
+
+def _open(server: VllmServer, body: Mapping[str, Any], deadline: float) -> Any:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise _RequestError("timeout", f"{server.name}: deadline passed before the request")
+    request = urllib.request.Request(
+        f"{server.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        return urllib.request.urlopen(request, timeout=remaining)
+    except urllib.error.HTTPError as err:
+        text = err.read().decode(errors="replace")[:300]
+        raise _RequestError("vllm-error", f"{server.name}: HTTP {err.code}: {text}") from err
+    except TimeoutError as err:
+        raise _RequestError("timeout", f"{server.name}: {err!r}") from err
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, TimeoutError):
+            raise _RequestError("timeout", f"{server.name}: {err!r}") from err
+        raise _RequestError("unreachable", f"{server.name}: {err!r}") from err
+
+
+def _read(server: VllmServer, read: Callable[[], bytes], deadline: float) -> bytes:
+    try:
+        data = read()
+    except TimeoutError as err:
+        raise _RequestError("timeout", f"{server.name}: {err!r}") from err
+    except (OSError, http.client.HTTPException) as err:  # reset, or a truncated answer
+        raise _RequestError("unreachable", f"{server.name}: {err!r}") from err
+    if time.monotonic() > deadline:
+        raise _RequestError("timeout", f"{server.name}: answer not complete by its deadline")
+    return data
+
+
+def _prefill(server: VllmServer, prompt: Prompt, deadline: float) -> dict[str, Any]:
+    with _open(server, _payload(server, prompt, 1, _PREFILL_PARAMS), deadline) as resp:
+        body: dict[str, Any] = json.loads(_read(server, resp.read, deadline))
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise _RequestError("protocol", f"{server.name} answered without kv_transfer_params")
+    return params
+
+
+def _stream(
+    server: VllmServer,
+    prompt: Prompt,
+    max_tokens: int,
+    params: Mapping[str, Any] | None,
+    deadline: float,
+) -> tuple[tuple[int, ...], float]:
+    """The answer's token ids and the time its first token arrived."""
+    body = _payload(server, prompt, max_tokens, params)
+    body["stream"] = True
+    tokens: list[int] = []
+    first: float | None = None
+    finish: str | None = None
+    with _open(server, body, deadline) as resp:
+        while True:
+            line = _read(server, resp.readline, deadline)
+            if not line:
+                break
+            text = line.decode(errors="replace").strip()
+            if not text.startswith("data:"):
+                continue
+            data = text[len("data:") :].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise _RequestError("vllm-error", f"{server.name}: stream error {chunk['error']}")
+            for choice in chunk.get("choices", ()):
+                ids = choice.get("token_ids") or ()
+                if ids and first is None:
+                    first = time.monotonic()
+                tokens.extend(int(t) for t in ids)
+                finish = choice.get("finish_reason") or finish
+    if finish is not None and finish != "length":
+        raise _RequestError("vllm-error", f"{server.name}: finish_reason {finish!r}")
+    if finish is None:
+        raise _RequestError("unreachable", f"{server.name}: stream ended without finishing")
+    if first is None:
+        raise _RequestError("protocol", f"{server.name}: no token in the answer")
+    return tuple(tokens), first
+
+
+def single_request(server: VllmServer, prompt: Prompt, max_tokens: int) -> Outcome:
+    """The prompt served by one server alone."""
+    start = time.monotonic()
+    try:
+        tokens, first = _stream(server, prompt, max_tokens, None, start + REQUEST_TIMEOUT_S)
+    except _RequestError as err:
+        end = time.monotonic()
+        return Outcome(
+            prompt.index, err.status, latency=end - start, detail=err.detail, finished_at=end
+        )
+    end = time.monotonic()
+    return Outcome(prompt.index, "ok", tokens, first - start, end - start, finished_at=end)
+
+
+def disaggregated_request(pair: ServerPair, prompt: Prompt, max_tokens: int) -> Outcome:
+    """Prefill on the producer (one token, ``do_remote_decode``), then the answer from
+    the consumer with the producer's ``kv_transfer_params`` (vLLM's toy proxy's flow)."""
+    start = time.monotonic()
+    deadline = start + REQUEST_TIMEOUT_S
+    try:
+        params = _prefill(pair.prefill, prompt, deadline)
+        tokens, first = _stream(pair.decode, prompt, max_tokens, params, deadline)
+    except _RequestError as err:
+        end = time.monotonic()
+        return Outcome(
+            prompt.index, err.status, latency=end - start, detail=err.detail, finished_at=end
+        )
+    end = time.monotonic()
+    return Outcome(prompt.index, "ok", tokens, first - start, end - start, finished_at=end)
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@dataclass
+class LoadResult:
+    """The outcomes of one batch, and how they compare with the baseline answers."""
+
+    name: str
+    outcomes: list[Outcome]
+    wall_s: float
+    baseline: Mapping[int, tuple[int, ...]] | None = None
+    counts: Counter[str] = field(default_factory=Counter)
+    wrong: list[int] = field(default_factory=list)
+    token_differences: int = 0
+
+    def __post_init__(self) -> None:
+        for outcome in self.outcomes:
+            status = outcome.status
+            if status == "ok" and self.baseline is not None:
+                expected = self.baseline[outcome.prompt]
+                diff = sum(a != b for a, b in zip(outcome.token_ids, expected, strict=False))
+                diff += abs(len(outcome.token_ids) - len(expected))
+                if diff:
+                    status = "wrong"
+                    self.wrong.append(outcome.prompt)
+                    self.token_differences += diff
+                else:
+                    status = "exact"
+            self.counts[status] += 1
+
+    @property
+    def answered(self) -> int:
+        return self.counts["exact"] + self.counts["ok"] + self.counts["wrong"]
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.answered / self.wall_s if self.wall_s > 0 else math.nan
+
+    def ttft(self, q: float) -> float:
+        return _percentile([o.ttft for o in self.outcomes if o.ttft is not None], q)
+
+    @property
+    def clean(self) -> bool:
+        """Every request answered (and, against a baseline, exactly)."""
+        return self.answered == len(self.outcomes) and not self.wrong
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
+        return (
+            f"{self.name}: {len(self.outcomes)} requests in {self.wall_s:.1f} s, "
+            f"{self.requests_per_s:.2f} req/s, TTFT p50 {self.ttft(50) * 1e3:.0f} ms "
+            f"p99 {self.ttft(99) * 1e3:.0f} ms; {counts}; token differences "
+            f"{self.token_differences}"
+        )
+
+    def failures(self, limit: int = 5) -> list[str]:
+        """A few of the non-answers, with vLLM's or the socket's words."""
+        seen: Counter[str] = Counter()
+        lines = []
+        for outcome in self.outcomes:
+            if outcome.status == "ok":
+                continue
+            key = f"{outcome.status}: {outcome.detail[:160]}"
+            seen[key] += 1
+        for key, n in seen.most_common(limit):
+            lines.append(f"  {n} x {key}")
+        return lines
+
+
+def run_load(
+    name: str,
+    send: Callable[[Prompt], Outcome],
+    prompts: Sequence[Prompt],
+    concurrency: int,
+    baseline: Mapping[int, tuple[int, ...]] | None = None,
+    after: tuple[int, Callable[[], None]] | None = None,
+) -> LoadResult:
+    """Send ``prompts`` with ``concurrency`` requests in flight. ``after=(n, action)``
+    runs ``action`` in its own thread once ``n`` requests have finished (a fault
+    injected mid-run, with the rest still in flight)."""
+    done = 0
+    lock = threading.Lock()
+    fired = threading.Event()
+    action_thread: list[threading.Thread] = []
+
+    def one(prompt: Prompt) -> Outcome:
+        nonlocal done
+        outcome = send(prompt)
+        with lock:
+            done += 1
+            if after is not None and done >= after[0] and not fired.is_set():
+                fired.set()
+                thread = threading.Thread(target=after[1], name="fault")
+                thread.start()
+                action_thread.append(thread)
+        return outcome
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(concurrency, thread_name_prefix=name) as pool:
+        outcomes = list(pool.map(one, prompts))
+    wall = time.monotonic() - start
+    for thread in action_thread:
+        thread.join()
+    return LoadResult(name, outcomes, wall, baseline)
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What a server holds, as observable from outside: its process group's memory and
+    open files (/proc), its KV cache use and NIXL failure counters (/metrics), and the
+    NIXL peers its worker holds (its log: handshakes the traits connector accepted,
+    less the peers vLLM released or evicted)."""
+
+    rss: int
+    fds: int
+    processes: int
+    kv_usage: float
+    peers: int
+    failed_transfers: float
+    failed_handshakes: float
+    expired: float
+
+    def describe(self) -> str:
+        if not self.processes:
+            return "down"
+        return (
+            f"RSS {self.rss / 2**20:.0f} MiB, {self.fds} fds, KV use "
+            f"{self.kv_usage * 100:.1f} %, NIXL peers {self.peers}, failed transfers "
+            f"{self.failed_transfers:.0f}, failed handshakes {self.failed_handshakes:.0f}, "
+            f"expired leases {self.expired:.0f}"
+        )
+
+
+_ACCEPTED = "has the same KV layout (fingerprint"
+_RELEASED = (
+    "Released NIXL state for replaced or locally invalid remote engine",
+    "Evicted stale remote engine",
+)
+
+
+def server_state(server: VllmServer) -> ServerState:
+    rss, fds, processes = process_group_usage(server)
+    if not processes:
+        return ServerState(0, 0, 0, math.nan, 0, math.nan, math.nan, math.nan)
+    samples = scrape_metrics(server)
+    log = server.log_tail(1_000_000)
+    peers = log.count(_ACCEPTED) - sum(log.count(line) for line in _RELEASED)
+    return ServerState(
+        rss=rss,
+        fds=fds,
+        processes=processes,
+        kv_usage=metric_total(samples, "vllm:kv_cache_usage_perc"),
+        peers=peers,
+        failed_transfers=metric_total(samples, "vllm:nixl_num_failed_transfers_total"),
+        failed_handshakes=metric_total(samples, "vllm:nixl_num_failed_handshakes_total"),
+        expired=metric_total(samples, "vllm:nixl_num_kv_expired_reqs_total"),
+    )
+
+
+def wait_settled(servers: Sequence[VllmServer], timeout_s: float) -> float:
+    """Wait until no server holds KV blocks (``kv_cache_usage_perc`` 0 on each): held
+    blocks of a finished or abandoned request are released, e.g. the producer's
+    blocks of requests whose consumer died, once their lease expires. Returns the
+    seconds waited; raises ``TimeoutError`` with the usage left after ``timeout_s``."""
+    start = time.monotonic()
+    while True:
+        usage = {
+            s.name: metric_total(scrape_metrics(s), "vllm:kv_cache_usage_perc") for s in servers
+        }
+        if all(u == 0 for u in usage.values()):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"KV blocks still held after {timeout_s:.0f} s: {usage}")
+        time.sleep(1.0)
