@@ -77,7 +77,7 @@ FLOW: list[Row] = [
     # looked up along type(spec).__mro__: no exact type check
     ("flow.py", 52, "class-dict", "ok", "high", None, (), (), (), ()),
     # assert then .kv_cache_specs: an unwrap, not a group wrapper warning
-    ("flow.py", 66, "isinstance", "ok", "high", None, (), (), (), ()),
+    ("flow.py", 66, "isinstance", "ok", "high", ("grouped", "True", "exact"), (), (), (), ()),
     # `if not spec.prefix_cacheable: continue` keeps HiSparseResidentSpec out
     (
         "flow.py",

@@ -10,24 +10,18 @@ classes is a *near* match, and the rest are the classes the branch misses.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import product
 from typing import Final, Literal
 
 from kvspec_traits.audit._around import blocked_classes, flow_reason, of_kinds
-from kvspec_traits.audit._questions import KIND_TRAITS, QUESTIONS, Question
+from kvspec_traits.audit._match import Candidate, best_candidate
+from kvspec_traits.audit._questions import QUESTIONS
 from kvspec_traits.audit._readings import defines, in_test, judged_on_vllm
 from kvspec_traits.audit._scan import RawSite
 from kvspec_traits.audit._tables import SILENT, table_reason
 from kvspec_traits.audit._universe import Universe
 
 __all__ = ["CONFIDENCES", "Answer", "Confidence", "Site", "Verdict", "infer"]
-
-MIN_SIMILARITY: Final = 0.6
-"""Below this Jaccard similarity no trait is named ("no single trait"). A value that more
-than half of all classes have (``transferable``, ``not is_mla``) is never named either:
-a branch on the common case is read through the exceptions it singles out."""
 
 Match = Literal["exact", "near", "closest"]
 
@@ -102,87 +96,7 @@ class Site:
         return CONFIDENCES.index(self.confidence) >= CONFIDENCES.index(confidence)
 
 
-def _kinds(u: Universe, name: str, traits: tuple[str, ...]) -> set[tuple[str, ...]]:
-    return set(product(*(sorted(u.values(t, name)) for t in traits)))
-
-
-@dataclass(frozen=True, slots=True)
-class _Candidate:
-    question: Question
-    value: str
-    exact: bool
-    near: bool
-    similarity: float
-    overall_similarity: float
-    value_classes: frozenset[str]
-    varies: frozenset[str]
-    other: frozenset[str]
-
-    def rank(self, priority: int) -> tuple[bool, bool, float, float, int, int]:
-        return (
-            self.exact,
-            self.near,
-            self.similarity,
-            self.overall_similarity,
-            -len(self.varies),
-            -priority,
-        )
-
-
-def _have(u: Universe, question: str, value: str, among: Iterable[str]) -> frozenset[str]:
-    return frozenset(n for n in among if u.values(question, n) == {value})
-
-
-def _candidates(u: Universe, branch: frozenset[str]) -> Iterable[tuple[int, _Candidate]]:
-    for priority, q in enumerate(QUESTIONS):
-        everywhere = u.concrete - {n for n in u.concrete if len(u.values(q.name, n)) > 1}
-        kind_traits = tuple(t for t in KIND_TRAITS if t != q.name)
-        branch_kinds: set[tuple[str, ...]] = set()
-        for name in branch:
-            branch_kinds |= _kinds(u, name, kind_traits)
-        scope = {n for n in u.concrete if _kinds(u, n, kind_traits) & branch_kinds}
-        varies = frozenset(n for n in scope if len(u.values(q.name, n)) > 1)
-        tested = branch - varies
-        if not tested:
-            continue
-        labels = sorted({v for n in scope - varies for v in u.values(q.name, n)})
-        for value in labels:
-            overall = _have(u, q.name, value, everywhere)
-            common = 2 * len(overall) > len(everywhere)
-            if common and not q.common:
-                continue  # the common case is no question: see MIN_SIMILARITY's docs
-            have = _have(u, q.name, value, scope - varies)
-            inter, union = tested & have, tested | have
-            other, miss = tested - have, have - tested
-            if common and (other or miss):
-                continue  # a common value is asked only as the exact set
-            yield (
-                priority,
-                _Candidate(
-                    question=q,
-                    value=value,
-                    exact=not other and not miss,
-                    near=not other and len(inter) > len(miss),
-                    similarity=len(inter) / len(union),
-                    overall_similarity=len(tested & overall) / len(tested | overall),
-                    value_classes=have,
-                    varies=varies,
-                    other=other,
-                ),
-            )
-
-
-def _best(u: Universe, branch: frozenset[str]) -> _Candidate | None:
-    best: tuple[int, _Candidate] | None = None
-    for priority, cand in _candidates(u, branch):
-        if best is None or cand.rank(priority) > best[1].rank(best[0]):
-            best = priority, cand
-    if best is None or best[1].similarity < MIN_SIMILARITY:
-        return None
-    return best[1]
-
-
-def _answer(cand: _Candidate, raw: RawSite, *, negated: bool) -> Answer:
+def _answer(cand: Candidate, raw: RawSite, *, negated: bool) -> Answer:
     match: Match = "exact" if cand.exact else "near" if cand.near else "closest"
     subject = raw.subject or "spec"
     if raw.form == "issubclass":
@@ -273,7 +187,7 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     missing: frozenset[str] = frozenset()
     negative = False
     # A dict keyed by classes holds one branch per key, not one question for all keys.
-    cand = _best(u, expanded) if expanded and raw.form != "class-dict" else None
+    cand = best_candidate(u, expanded) if expanded and raw.form != "class-dict" else None
     if cand is not None:
         answer = _answer(cand, raw, negated=raw.negated)
         if answer.match != "closest":
@@ -284,7 +198,7 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         # `A and not B`: the question is B's, negated; what B's question covers but B
         # does not take out of A gets through.
         taken_out = u.subclasses(raw.excluded)
-        neg = _best(u, taken_out)
+        neg = best_candidate(u, taken_out)
         if neg is not None and (neg.exact or neg.near):
             answer = _answer(neg, raw, negated=not raw.negated)
             missing = (neg.value_classes - taken_out - neg.varies) & u.subclasses(tested)

@@ -286,7 +286,7 @@ def _locate(site: Site, index: SourceIndex) -> tuple[list[ast.expr], bool] | Non
 
 
 def _kind(u: Universe, name: str, trait: str) -> frozenset[tuple[str, ...]]:
-    # The page kinds of a class, as the audit scopes a comparison (_infer._candidates).
+    # The page kinds of a class, as the audit scopes a comparison (_match._candidates).
     values = [sorted(u.values(t, name)) for t in KIND_TRAITS if t != trait]
     return frozenset(product(*values))
 
