@@ -270,3 +270,35 @@ def test_a_state_spec_with_one_dtype_for_two_states_is_refused(vllm_config: Any)
     NixlPullConnectorScheduler(vllm_config, "u", config)
     with pytest.raises(InvalidSpecError, match="dtypes"):
         TraitsNixlConnectorScheduler(vllm_config, "t", config)
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [type("AddsNothing", (NixlPushConnectorScheduler,), {}), TraitsNixlPushConnectorScheduler],
+    ids=["subclass adding nothing", "ours"],
+)
+def test_vllms_mro_patch_replaces_the_push_scheduler_method_under_test_in_any_subclass(
+    cls: type[NixlPushConnectorScheduler],
+) -> None:
+    """Why two of vLLM's push scheduler tests cannot pass with any subclass bound
+    (test_build_connector_meta_drains_both_sides, test_registration_watchdog_expires):
+    they stub the base scheduler's ``build_connector_meta`` at
+    ``sched.__class__.__mro__[1]``, assuming the class under test derives directly from
+    the base. For any subclass that attribute sits before upstream's push scheduler in
+    the MRO, so the stub answers for the push scheduler's own ``build_connector_meta``
+    (the drain and the registration watchdog under test never run), as the bare call
+    below shows. Ours does not override it: it runs upstream's method unchanged."""
+    from unittest.mock import MagicMock, patch
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+    )
+
+    assert cls.build_connector_meta is NixlPushConnectorScheduler.build_connector_meta
+    # __mro__[1] is upstream's push scheduler itself, or a class before it in the MRO.
+    assert cls.__mro__.index(cls.__mro__[1]) <= cls.__mro__.index(NixlPushConnectorScheduler)
+    stub = NixlConnectorMetadata()
+    with patch.object(cls.__mro__[1], "build_connector_meta", return_value=stub):
+        assert cls.build_connector_meta(object.__new__(cls), MagicMock()) is stub
+    # Outside the patch the push scheduler's own method is back in place.
+    assert cls.build_connector_meta is NixlPushConnectorScheduler.build_connector_meta

@@ -339,3 +339,52 @@ def test_short_soak_exact_under_load_and_after_a_producer_crash(
     assert recovered.clean and recovered.token_differences == 0, recovered.summary()
     # The consumer released the dead producer's NIXL state once it met the new one.
     assert server_state(servers.decode).peers == peers, servers.decode.log_path
+
+
+# Last in the module: it replaces the llama pair's decode server. A separate refusal pair
+# cost two more server starts; this costs one (issue 21: make test's time).
+def test_a_decode_server_of_another_layout_is_refused_at_handshake(
+    pair: tuple[ModelCase, ServerPair], tiny_models: Path
+) -> None:
+    """A decode server whose KV head size differs (llama-hd16) must not accept the
+    producer's blocks: the handshake fails with the named diff, the request fails
+    with an error status (no HTTP 200 with garbage), and nothing is transferred.
+
+    vLLM's compatibility hash (checked first, as upstream orders the handshake) would
+    already refuse this pair, since the model paths differ; the decode side turns it
+    off (``enforce_handshake_compat``: false), so the traits fingerprint, checked after
+    the agent metadata is decoded, is what must refuse it."""
+    case, servers = pair
+    if case.name != "llama":
+        pytest.skip("the refusal runs on the llama pair's producer only")
+    decode = servers.decode
+    decode.stop()
+    decode.model = tiny_models / "llama-hd16"
+    decode.kv_transfer_config = connector_config(
+        "kv_consumer",
+        "TraitsNixlConnector",
+        kv_connector_extra_config={"enforce_handshake_compat": False},
+    )
+    decode.start()
+    decode.wait_ready(time.monotonic() + 600)
+    decode.check_serving()
+    complete(servers.prefill, "warm up", 2)
+    before = scrape_metrics(decode)
+    with pytest.raises(RequestFailedError) as failed:
+        disaggregated_complete(servers, "hello world, once upon a time", 24)
+    after = scrape_metrics(decode)
+    log = decode.log_tail(4000)
+
+    # kv_load_failure_policy "fail" (the default): the request ends in an error.
+    assert failed.value.status == 500
+    assert "KV layout handshake refused" in log, log[-4000:]
+    refusal = next(line for line in log.splitlines() if "KV layout handshake refused" in line)
+    # The diff names the region, its layers and the traits that differ, with both values.
+    assert "model.layers.0.self_attn.attn" in refusal, refusal
+    # Decode (local) pages: 2 KV heads x 16 x K,V x float32 x 128 tokens; prefill: x 32.
+    assert "block_len: local=32768 remote=65536" in refusal, refusal
+    # vLLM's hash check was off: the refusal above is the fingerprint's.
+    assert "compatibility hash mismatch" not in log
+    assert metric_total(after, "vllm:nixl_bytes_transferred_sum") == metric_total(
+        before, "vllm:nixl_bytes_transferred_sum"
+    )
