@@ -30,7 +30,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -580,17 +580,28 @@ def complete(
     kv_transfer_params: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A greedy ``/v1/completions`` request that ignores EOS."""
+    payload = completion_payload(server, prompt, max_tokens, kv_transfer_params)
+    return _post(server, "/v1/completions", {**payload, "stream": False})
+
+
+def completion_payload(
+    server: VllmServer,
+    prompt: str | Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The body of a greedy ``/v1/completions`` request that ignores EOS (a prompt of
+    text or of token ids), with ``kv_transfer_params`` when given."""
     payload: dict[str, Any] = {
         "model": server.served_model_name,
-        "prompt": prompt,
+        "prompt": prompt if isinstance(prompt, str) else list(prompt),
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
-        "stream": False,
     }
     if kv_transfer_params is not None:
         payload["kv_transfer_params"] = dict(kv_transfer_params)
-    return _post(server, "/v1/completions", payload)
+    return payload
 
 
 @dataclass(frozen=True)

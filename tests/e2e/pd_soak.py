@@ -36,6 +36,7 @@ from typing import Any
 from tests.e2e.pd_harness import (
     ServerPair,
     VllmServer,
+    completion_payload,
     metric_total,
     process_group_usage,
     scrape_metrics,
@@ -132,17 +133,10 @@ class _RequestError(Exception):
 def _payload(
     server: VllmServer, prompt: Prompt, max_tokens: int, params: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": server.served_model_name,
-        "prompt": list(prompt.token_ids),
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
+    return {
+        **completion_payload(server, prompt.token_ids, max_tokens, params),
         "return_token_ids": True,
     }
-    if params is not None:
-        body["kv_transfer_params"] = dict(params)
-    return body
 
 
 def _open(server: VllmServer, body: Mapping[str, Any], deadline: float) -> Any:
@@ -232,11 +226,12 @@ def _stream(
     return tuple(tokens), first
 
 
-def single_request(server: VllmServer, prompt: Prompt, max_tokens: int) -> Outcome:
-    """The prompt served by one server alone."""
+def _timed(prompt: Prompt, answer: Callable[[float], tuple[tuple[int, ...], float]]) -> Outcome:
+    """``answer(deadline)``'s token ids and first-token time as an Outcome, or its
+    request error's, with the latency from now."""
     start = time.monotonic()
     try:
-        tokens, first = _stream(server, prompt, max_tokens, None, start + REQUEST_TIMEOUT_S)
+        tokens, first = answer(start + REQUEST_TIMEOUT_S)
     except _RequestError as err:
         end = time.monotonic()
         return Outcome(
@@ -244,23 +239,22 @@ def single_request(server: VllmServer, prompt: Prompt, max_tokens: int) -> Outco
         )
     end = time.monotonic()
     return Outcome(prompt.index, "ok", tokens, first - start, end - start, finished_at=end)
+
+
+def single_request(server: VllmServer, prompt: Prompt, max_tokens: int) -> Outcome:
+    """The prompt served by one server alone."""
+    return _timed(prompt, lambda deadline: _stream(server, prompt, max_tokens, None, deadline))
 
 
 def disaggregated_request(pair: ServerPair, prompt: Prompt, max_tokens: int) -> Outcome:
     """Prefill on the producer (one token, ``do_remote_decode``), then the answer from
     the consumer with the producer's ``kv_transfer_params`` (vLLM's toy proxy's flow)."""
-    start = time.monotonic()
-    deadline = start + REQUEST_TIMEOUT_S
-    try:
+
+    def answer(deadline: float) -> tuple[tuple[int, ...], float]:
         params = _prefill(pair.prefill, prompt, deadline)
-        tokens, first = _stream(pair.decode, prompt, max_tokens, params, deadline)
-    except _RequestError as err:
-        end = time.monotonic()
-        return Outcome(
-            prompt.index, err.status, latency=end - start, detail=err.detail, finished_at=end
-        )
-    end = time.monotonic()
-    return Outcome(prompt.index, "ok", tokens, first - start, end - start, finished_at=end)
+        return _stream(pair.decode, prompt, max_tokens, params, deadline)
+
+    return _timed(prompt, answer)
 
 
 def _percentile(values: Sequence[float], q: float) -> float:

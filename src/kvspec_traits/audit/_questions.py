@@ -49,28 +49,33 @@ class Question:
         return (self.negative if negated else self.positive).format(s=subject, v=value)
 
 
-QUESTIONS: tuple[Question, ...] = (
-    Question(
-        name="is_mla",
-        read=lambda t: _label(t.is_mla),
-        positive="traits_of({s}).is_mla",
-        negative="not traits_of({s}).is_mla",
+def _flag(name: str, *, common: bool = False) -> Question:
+    """A boolean trait asked as itself: ``traits_of(spec).<name>`` or its negation."""
+    return Question(
+        name=name,
+        read=lambda t: _label(getattr(t, name)),
+        positive=f"traits_of({{s}}).{name}",
+        negative=f"not traits_of({{s}}).{name}",
         booleans=True,
-    ),
-    Question(
-        name="token_scope",
-        read=lambda t: _label(t.token_scope),
-        positive="traits_of({s}).token_scope is {v}",
-        negative="traits_of({s}).token_scope is not {v}",
+        common=common,
+    )
+
+
+def _member(name: str) -> Question:
+    """An enum trait asked for one member: ``traits_of(spec).<name> is <member>``."""
+    return Question(
+        name=name,
+        read=lambda t: _label(getattr(t, name)),
+        positive=f"traits_of({{s}}).{name} is {{v}}",
+        negative=f"traits_of({{s}}).{name} is not {{v}}",
         booleans=False,
-    ),
-    Question(
-        name="tp_layout",
-        read=lambda t: _label(t.tp_layout),
-        positive="traits_of({s}).tp_layout is {v}",
-        negative="traits_of({s}).tp_layout is not {v}",
-        booleans=False,
-    ),
+    )
+
+
+QUESTIONS: tuple[Question, ...] = (
+    _flag("is_mla"),
+    _member("token_scope"),
+    _member("tp_layout"),
     Question(
         name="windowed",
         read=lambda t: _label(t.window_tokens is not None),
@@ -78,57 +83,13 @@ QUESTIONS: tuple[Question, ...] = (
         negative="traits_of({s}).window_tokens is None",
         booleans=True,
     ),
-    Question(
-        name="transferable",
-        read=lambda t: _label(t.transferable),
-        positive="traits_of({s}).transferable",
-        negative="not traits_of({s}).transferable",
-        booleans=True,
-    ),
-    Question(
-        name="uses_slot_mapping",
-        read=lambda t: _label(t.uses_slot_mapping),
-        positive="traits_of({s}).uses_slot_mapping",
-        negative="not traits_of({s}).uses_slot_mapping",
-        booleans=True,
-    ),
-    Question(
-        name="prefix_cacheable",
-        read=lambda t: _label(t.prefix_cacheable),
-        positive="traits_of({s}).prefix_cacheable",
-        negative="not traits_of({s}).prefix_cacheable",
-        booleans=True,
-    ),
-    Question(
-        name="attention_page",
-        read=lambda t: _label(t.attention_page),
-        positive="traits_of({s}).attention_page",
-        negative="not traits_of({s}).attention_page",
-        booleans=True,
-        common=True,
-    ),
-    Question(
-        name="token_paged",
-        read=lambda t: _label(t.token_paged),
-        positive="traits_of({s}).token_paged",
-        negative="not traits_of({s}).token_paged",
-        booleans=True,
-        common=True,
-    ),
-    Question(
-        name="keeps_prompt",
-        read=lambda t: _label(t.keeps_prompt),
-        positive="traits_of({s}).keeps_prompt",
-        negative="not traits_of({s}).keeps_prompt",
-        booleans=True,
-    ),
-    Question(
-        name="grouped",
-        read=lambda t: _label(t.grouped),
-        positive="traits_of({s}).grouped",
-        negative="not traits_of({s}).grouped",
-        booleans=True,
-    ),
+    _flag("transferable"),
+    _flag("uses_slot_mapping"),
+    _flag("prefix_cacheable"),
+    _flag("attention_page", common=True),
+    _flag("token_paged", common=True),
+    _flag("keeps_prompt"),
+    _flag("grouped"),
 )
 """In order of preference when two questions fit a branch equally well."""
 
