@@ -297,7 +297,7 @@ def test_vllms_mro_patch_replaces_the_push_scheduler_method_under_test_in_any_su
     assert cls.build_connector_meta is NixlPushConnectorScheduler.build_connector_meta
     # __mro__[1] is upstream's push scheduler itself, or a class before it in the MRO.
     assert cls.__mro__.index(cls.__mro__[1]) <= cls.__mro__.index(NixlPushConnectorScheduler)
-    stub = NixlConnectorMetadata()
+    stub = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
     with patch.object(cls.__mro__[1], "build_connector_meta", return_value=stub):
         assert cls.build_connector_meta(object.__new__(cls), MagicMock()) is stub
     # Outside the patch the push scheduler's own method is back in place.

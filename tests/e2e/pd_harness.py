@@ -104,6 +104,21 @@ def _tell_reaper(pgid: int) -> None:
         _reaper.stdin.flush()
 
 
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs. A zombie does not: killed, it
+    waits only for its parent (or, orphaned, for PID 1) to reap it, and ``killpg(pgid,
+    0)`` would still find it (an engine core whose API server was SIGKILLed with it)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # exited while we looked
+        state, _ppid, group = text[text.rindex(")") + 2 :].split()[:3]
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
+
+
 class ServerFailedError(RuntimeError):
     """A server died, did not become ready, or serves other than it was asked to; the
     message names it (model, backend, dtype) and carries its log tail."""
@@ -340,9 +355,7 @@ class VllmServer:
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
+            if not _group_runs(proc.pid):
                 break
             time.sleep(0.1)
         else:
