@@ -33,7 +33,7 @@ from kvspec_traits._accounting import (
     _Accounting,
     field_names_of,
 )
-from kvspec_traits._caches import MAX_SPECS, Watched, warm_path, watch_of
+from kvspec_traits._caches import MAX_SPECS, Watched, warm_entry, warm_path, watch_of
 from kvspec_traits._errors import (
     AdapterConflictError,
     AdapterError,
@@ -311,7 +311,7 @@ class Registry(FieldAccounting, AdapterLoading):
                     self._by_value[key] = traits
                 self._alive.append(spec)
                 if snapshot is None:
-                    self._by_id[id(spec)] = traits
+                    self._by_id[id(spec)] = warm_entry(traits)
                 else:
                     self._mutable[id(spec)] = (spec, snapshot, traits)
                     if guard is not None:
