@@ -235,6 +235,41 @@ def test_the_guard_keeps_a_copy_of_the_version_and_a_view_of_the_live_one() -> N
     assert now != then and then.tobytes() == recorded
 
 
+@pytest.mark.parametrize("watched", [True, False], ids=["version-tag", "snapshot"])
+def test_a_group_mutated_while_it_is_answered_is_answered_again(
+    watched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failure mode (issue 20 item 5, found by this test): a group mutated after its
+    snapshot but before its adapter read the members was cached with the new members'
+    answer under the old snapshot; the dict put back as the snapshot saw it was then
+    answered from the cache with the members it no longer held (also shared by value).
+    Now a change seen after the answer (the tag, or the snapshot taken again) answers again."""
+    if watched and not caches.watches_dicts():
+        pytest.skip("this interpreter's dicts carry no version tag that can be read")
+    monkeypatch.setattr(caches, "_watching", watched)
+    registry = Registry().copy()
+    members: dict[str, Any] = {"l0": _F8}
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
+    real: Callable[..., object] = snapshot
+    taken: list[object] = []
+
+    def then_mutated(spec: object, field_names: tuple[str, ...]) -> object:
+        taken.append(real(spec, field_names))
+        if len(taken) == 1:
+            members["l1"] = _F4  # after the first snapshot, before the adapter
+        return taken[-1]
+
+    monkeypatch.setattr(registry_module, "_snapshot", then_mutated)
+    both = _page() + _page(heads=4)
+    assert registry.traits_of(group).page_size_bytes == both
+    del members["l1"]  # as the first snapshot saw it
+    for _ in range(2):
+        assert registry.traits_of(group).page_size_bytes == _page() == group.page_size_bytes
+    members["l1"] = _F4
+    assert registry.traits_of(group).page_size_bytes == both
+    assert taken[0] != taken[1]  # the first answer was taken again, with its own snapshot
+
+
 def test_every_falsy_value_of_the_warm_cache_is_a_watched() -> None:
     """The warm path reads a falsy entry as a Watched: every spec of the catalog, and a
     group, leaves a truthy traits object or a Watched."""

@@ -66,7 +66,7 @@ __all__ = [
     "traits_of",
 ]
 
-# A resolution superseded by a registration is answered again, at most this many times.
+# A resolution superseded by a registration or a mutation is answered again, at most this often.
 _MAX_ATTEMPTS: Final = 8
 
 SpecT = TypeVar("SpecT", bound="KVCacheSpec")
@@ -302,6 +302,10 @@ class Registry(FieldAccounting, AdapterLoading):
             traits = self._by_value.get(key) if key is not None else None
             if traits is None:
                 traits = self._answer(spec, plan)
+            if snapshot is not None and (  # changed while answered: answer it again
+                guard[0] != guard[1] if guard else _snapshot(spec, plan.field_names) != snapshot
+            ):
+                continue
             with self._lock:
                 if generation != self._generation:
                     continue  # a registration superseded this adapter: answer again
