@@ -122,8 +122,8 @@ class Registry(FieldAccounting, AdapterLoading):
         super().__init__(builtins=builtins, entry_points=entry_points)
         self.name = name
         # The per-spec caches (kvspec_traits._caches), bounded by MAX_SPECS and emptied
-        # together. id(spec) -> traits (or Watched traits): the warm path. `_alive` holds
-        # every spec cached here, so while an entry exists no other object has that id.
+        # together. id(spec) -> traits (truthy: warm_entry) or a group's falsy Watched: the
+        # warm path. `_alive` holds every spec cached here, so no other object has its id.
         self._by_id: dict[int, KVLayoutTraits | Watched] = {}
         self._alive: list[object] = []
         # equal specs share one verified answer (unhashable ones by their snapshot).
