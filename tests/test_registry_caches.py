@@ -22,9 +22,10 @@ import kvspec_traits._registry as registry_module
 import kvspec_traits._verify as verify_module
 from kvspec_traits import GroupTraits, InvalidSpecError
 from kvspec_traits._accounting import FieldAccounting
-from kvspec_traits._caches import MAX_CLASSES, MAX_SPECS, watch_of
+from kvspec_traits._caches import MAX_CLASSES, MAX_SPECS, Watched, watch_of
 from kvspec_traits._loading import AdapterLoading
 from kvspec_traits._result_check import snapshot
+from kvspec_traits.catalog import representative_specs
 from kvspec_traits.extend import Registry
 
 
@@ -216,3 +217,67 @@ def test_only_a_frozen_spec_with_one_dict_of_hashable_values_is_watched() -> Non
     assert watch_of(Pack({"a": [1]}), names) is None  # a list in it can change unseen
     assert watch_of(Loose({"a": _F8}), ("members",)) is None
     assert watch_of(Pack({"a": _F8}, block_size=[16]), names) is None  # type: ignore[arg-type]
+
+
+def test_the_guard_keeps_a_copy_of_the_version_and_a_view_of_the_live_one() -> None:
+    """Failure mode (guarded here): the guard's recorded version read through the same
+    memory as the live tag (a view, not a copy), so every mutation would match it."""
+    if not caches.watches_dicts():
+        pytest.skip("this interpreter's dicts carry no version tag that can be read")
+    members: dict[str, Any] = {"l0": _F8}
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
+    guard = watch_of(group, tuple(f.name for f in dataclasses.fields(group)))
+    assert guard is not None
+    now, then, held = guard
+    assert held is members and now == then
+    recorded = then.tobytes()
+    members["l0"] = _F4
+    assert now != then and then.tobytes() == recorded
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["version-tag", "snapshot"])
+def test_a_group_mutated_while_it_is_answered_is_answered_again(
+    watched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failure mode (issue 20 item 5, found by this test): a group mutated after its
+    snapshot but before its adapter read the members was cached with the new members'
+    answer under the old snapshot; the dict put back as the snapshot saw it was then
+    answered from the cache with the members it no longer held (also shared by value).
+    Now a change seen after the answer (the tag, or the snapshot taken again) answers again."""
+    if watched and not caches.watches_dicts():
+        pytest.skip("this interpreter's dicts carry no version tag that can be read")
+    monkeypatch.setattr(caches, "_watching", watched)
+    registry = Registry().copy()
+    members: dict[str, Any] = {"l0": _F8}
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
+    real: Callable[..., object] = snapshot
+    taken: list[object] = []
+
+    def then_mutated(spec: object, field_names: tuple[str, ...]) -> object:
+        taken.append(real(spec, field_names))
+        if len(taken) == 1:
+            members["l1"] = _F4  # after the first snapshot, before the adapter
+        return taken[-1]
+
+    monkeypatch.setattr(registry_module, "_snapshot", then_mutated)
+    both = _page() + _page(heads=4)
+    assert registry.traits_of(group).page_size_bytes == both
+    del members["l1"]  # as the first snapshot saw it
+    for _ in range(2):
+        assert registry.traits_of(group).page_size_bytes == _page() == group.page_size_bytes
+    members["l1"] = _F4
+    assert registry.traits_of(group).page_size_bytes == both
+    assert taken[0] != taken[1]  # the first answer was taken again, with its own snapshot
+
+
+def test_every_falsy_value_of_the_warm_cache_is_a_watched() -> None:
+    """The warm path reads a falsy entry as a Watched: every spec of the catalog, and a
+    group, leaves a truthy traits object or a Watched."""
+    registry = Registry().copy()
+    specs: list[object] = [entry.spec for entry in representative_specs()]
+    specs.append(kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": _F8}))
+    for spec in specs:
+        registry.traits_of(spec)  # type: ignore[arg-type]
+    assert registry._by_id
+    for value in registry._by_id.values():
+        assert bool(value) is not isinstance(value, Watched), value

@@ -13,18 +13,22 @@ and dropping an entry only costs a recomputation: no bound can make an answer st
 A frozen spec whose only unhashable field is a plain dict of hashable values (vLLM's
 ``UniformTypeKVCacheSpecs``) is answered on the warm path too, guarded by the dict's
 version: CPython gives every dict a version tag that changes on each mutation (PEP 509,
-``ma_version_tag``), read here in place through ``ctypes``. A probe, on the first group,
-checks that this interpreter keeps that tag where it is read and changes it on every kind of
-mutation; where it does not (PyPy, a free-threaded or future CPython), the dict is not
+``ma_version_tag``), viewed here in place through ``ctypes`` as a one-item memoryview. Its
+warm entry, a :class:`Watched`, holds that view and a copy of it taken before the answer;
+the two are compared per call in C (``now == then``, no int built). A Watched is an empty
+dict, so falsy, while every traits object the warm cache holds is truthy
+(:func:`warm_entry`): one truth test tells a group from a single spec, cheaper than the
+type test it replaces, for singles too. A probe, on the first group, checks that this
+interpreter keeps that tag where it is read and that every kind of mutation makes the
+compare fail; where it does not (PyPy, a free-threaded or future CPython), the dict is not
 watched and such a spec takes the snapshot path, answered afresh after any mutation.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, final
 
 from kvspec_traits._traits import KVLayoutTraits
 
@@ -36,6 +40,7 @@ __all__ = [
     "MAX_SPECS",
     "Watched",
     "put_bounded",
+    "warm_entry",
     "warm_path",
     "watch_of",
     "watches_dicts",
@@ -68,17 +73,23 @@ _VERSION_OFFSET: Final = 24
 
 
 def _version_tag(d: dict[Any, Any]) -> memoryview:
-    """``d``'s version tag in place, as a one-item memoryview of native ``Q``: ``tag[0]``
-    is a plain subscript (no ctypes attribute on the warm path)."""
+    """``d``'s version tag in place, as a one-item memoryview of native ``Q``."""
     import ctypes  # (here, not at import: only a group spec needs it)
 
     cells = (ctypes.c_uint64 * 1).from_address(id(d) + _VERSION_OFFSET)
     return memoryview(cells).cast("B").cast("Q")
 
 
+def _copy_of(tag: memoryview) -> memoryview:
+    """A frozen copy of ``tag`` in the same format: ``tag == copy`` compares the two
+    native ``Q`` items in C, with no int built per call (``tag[0] == version`` builds one)."""
+    return memoryview(tag.tobytes()).cast("Q")
+
+
 def _probe() -> bool:
     """Whether this interpreter's dicts carry a version tag where it is read, changed by
-    every mutation the probe tries (never read unless the layout checks out first)."""
+    every mutation the probe tries, as seen by the compare the warm path makes (never read
+    unless the layout checks out first)."""
     gil_disabled = getattr(sys, "_is_gil_enabled", lambda: True)() is False
     if sys.implementation.name != "cpython" or gil_disabled or sys.maxsize != 2**63 - 1:
         return False
@@ -101,9 +112,11 @@ def _probe() -> bool:
         lambda m: m.clear(),
     )
     for mutate in mutations:
-        before = tag[0]
+        then = _copy_of(tag)
+        if tag != then:
+            return False
         mutate(d)
-        if tag[0] == before:
+        if tag == then:
             return False
     return True
 
@@ -121,26 +134,63 @@ def watches_dicts() -> bool:
 
 
 @final
-@dataclasses.dataclass(frozen=True, slots=True)
-class Watched:
-    """A warm answer valid while its spec's dict keeps ``version``; ``members`` holds
-    the dict alive, so ``tag`` reads that dict's memory."""
+class Watched(dict[Any, Any]):
+    """A warm answer valid while ``now``, its spec's dict's version tag read in place,
+    equals ``then``, that tag copied when the answer was cached; ``members`` holds the
+    dict alive, so ``now`` reads that dict's memory.
 
+    Always an empty dict, so falsy in C (no ``__bool__`` call): the warm path tells it
+    from a traits object by ``if hit:``, which costs a single spec less than a type test
+    (every other value of the warm cache is truthy, see :func:`warm_entry`).
+    """
+
+    __slots__ = ("members", "now", "then", "traits")
     traits: KVLayoutTraits
-    tag: memoryview
-    version: int
-    members: dict[Any, Any]
+    now: memoryview
+    then: memoryview
+    members: dict[Any, Any] | None
+
+    def __init__(
+        self,
+        traits: KVLayoutTraits,
+        now: memoryview,
+        then: memoryview,
+        members: dict[Any, Any] | None,
+    ) -> None:
+        super().__init__()
+        self.traits, self.now, self.then, self.members = traits, now, then, members
+
+    def __repr__(self) -> str:
+        return f"Watched({self.traits!r}, valid: {self.now == self.then})"
+
+    if TYPE_CHECKING:  # (declared for mypy only: at run time dict's C length answers)
+
+        def __bool__(self) -> Literal[False]: ...
+
+
+# Two views of one constant: a Watched holding them is always valid.
+_SAME: Final = memoryview(bytes(8)).cast("Q")
+
+
+def warm_entry(traits: KVLayoutTraits) -> KVLayoutTraits | Watched:
+    """What the warm cache holds for a spec answered without a guard: ``traits`` itself
+    when its class cannot make it falsy (no ``__bool__`` or ``__len__`` in its MRO, as for
+    every built-in traits class), else an always-valid :class:`Watched`, so that a falsy
+    value there is always a Watched."""
+    if any("__bool__" in vars(c) or "__len__" in vars(c) for c in type(traits).__mro__):
+        return Watched(traits, _SAME, _SAME, None)
+    return traits
 
 
 def watch_of(
     spec: object, field_names: tuple[str, ...]
-) -> tuple[memoryview, int, dict[Any, Any]] | None:
+) -> tuple[memoryview, memoryview, dict[Any, Any]] | None:
     """The guard of a spec whose only unhashable field is one plain dict: that dict's
-    version tag, its version now, and the dict. None unless the spec is a frozen
-    dataclass, every other field value is hashable and so is everything in the dict (a
-    frozen spec's fields are trusted as a hashable spec's are; a mutable member's own
-    changes would not show in the dict's version), or when this interpreter cannot
-    watch dicts."""
+    version tag, a copy of it now, and the dict (the arguments of :class:`Watched` after
+    the traits). None unless the spec is a frozen dataclass, every other field value is
+    hashable and so is everything in the dict (a frozen spec's fields are trusted as a
+    hashable spec's are; a mutable member's own changes would not show in the dict's
+    version), or when this interpreter cannot watch dicts."""
     params = getattr(type(spec), "__dataclass_params__", None)
     if params is None or not params.frozen or not watches_dicts():
         return None
@@ -158,15 +208,16 @@ def watch_of(
     if found is None:
         return None
     tag = _version_tag(found)
-    return tag, tag[0], found
+    return tag, _copy_of(tag), found
 
 
 def warm_path(
     by_id: dict[int, KVLayoutTraits | Watched], resolve: Callable[[KVCacheSpec], KVLayoutTraits]
 ) -> Callable[[KVCacheSpec], KVLayoutTraits]:
-    """``traits_of`` as a closure over the per-spec cache: a hit is one frame, one id()
-    and one dict subscript (plus the version compare of a watched group); the wheel is
-    pure Python (py3-none-any), so this is the whole warm path."""
+    """``traits_of`` as a closure over the per-spec cache: a hit is one frame, one id(),
+    one dict subscript and one truth test (plus, for a watched group, one compare of its
+    dict's version tag with its copy); the wheel is pure Python (py3-none-any), so this
+    is the whole warm path."""
 
     def traits_of(spec: KVCacheSpec) -> KVLayoutTraits:
         """The verified traits of a vLLM KV cache spec.
@@ -183,10 +234,12 @@ def warm_path(
         except KeyError:
             pass
         else:
-            if type(hit) is not Watched:  # (one test, no attribute: singles stay fast)
+            if hit:  # traits (warm_entry keeps them truthy); a Watched is falsy
                 return hit
-            if hit.tag[0] == hit.version:
-                return hit.traits
+            # So hit is a Watched, which mypy cannot infer from a truth test on a protocol
+            # (a cast or an annotated local would cost bytecodes on every call).
+            if hit.now == hit.then:  # type: ignore[union-attr]  # its dict is unchanged
+                return hit.traits  # type: ignore[union-attr]
         # Outside the except block: an error of resolve() is not chained to the KeyError.
         return resolve(spec)
 

@@ -33,7 +33,7 @@ from kvspec_traits._accounting import (
     _Accounting,
     field_names_of,
 )
-from kvspec_traits._caches import MAX_SPECS, Watched, warm_path, watch_of
+from kvspec_traits._caches import MAX_SPECS, Watched, warm_entry, warm_path, watch_of
 from kvspec_traits._errors import (
     AdapterConflictError,
     AdapterError,
@@ -66,7 +66,7 @@ __all__ = [
     "traits_of",
 ]
 
-# A resolution superseded by a registration is answered again, at most this many times.
+# A resolution superseded by a registration or a mutation is answered again, at most this often.
 _MAX_ATTEMPTS: Final = 8
 
 SpecT = TypeVar("SpecT", bound="KVCacheSpec")
@@ -122,8 +122,8 @@ class Registry(FieldAccounting, AdapterLoading):
         super().__init__(builtins=builtins, entry_points=entry_points)
         self.name = name
         # The per-spec caches (kvspec_traits._caches), bounded by MAX_SPECS and emptied
-        # together. id(spec) -> traits (or Watched traits): the warm path. `_alive` holds
-        # every spec cached here, so while an entry exists no other object has that id.
+        # together. id(spec) -> traits (truthy: warm_entry) or a group's falsy Watched: the
+        # warm path. `_alive` holds every spec cached here, so no other object has its id.
         self._by_id: dict[int, KVLayoutTraits | Watched] = {}
         self._alive: list[object] = []
         # equal specs share one verified answer (unhashable ones by their snapshot).
@@ -302,6 +302,10 @@ class Registry(FieldAccounting, AdapterLoading):
             traits = self._by_value.get(key) if key is not None else None
             if traits is None:
                 traits = self._answer(spec, plan)
+            if snapshot is not None and (  # changed while answered: answer it again
+                guard[0] != guard[1] if guard else _snapshot(spec, plan.field_names) != snapshot
+            ):
+                continue
             with self._lock:
                 if generation != self._generation:
                     continue  # a registration superseded this adapter: answer again
@@ -311,7 +315,7 @@ class Registry(FieldAccounting, AdapterLoading):
                     self._by_value[key] = traits
                 self._alive.append(spec)
                 if snapshot is None:
-                    self._by_id[id(spec)] = traits
+                    self._by_id[id(spec)] = warm_entry(traits)
                 else:
                     self._mutable[id(spec)] = (spec, snapshot, traits)
                     if guard is not None:
