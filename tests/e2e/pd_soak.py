@@ -27,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,11 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.e2e.pd_harness import (
+    PREFILL_PARAMS,
     ServerPair,
     VllmServer,
     completion_payload,
     metric_total,
     process_group_usage,
+    proxy_headers,
     scrape_metrics,
 )
 
@@ -59,14 +62,6 @@ __all__ = [
 REQUEST_TIMEOUT_S = 90.0
 # The tiny models' vocabulary (scripts/make_tiny_models.py): ids 0-2 are <s>, </s>, <pad>.
 VOCAB = (3, 2048)
-_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 @dataclass(frozen=True)
@@ -139,7 +134,9 @@ def _payload(
     }
 
 
-def _open(server: VllmServer, body: Mapping[str, Any], deadline: float) -> Any:
+def _open(
+    server: VllmServer, body: Mapping[str, Any], deadline: float, request_id: str | None
+) -> Any:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise _RequestError("timeout", f"{server.name}: deadline passed before the request")
@@ -147,7 +144,7 @@ def _open(server: VllmServer, body: Mapping[str, Any], deadline: float) -> Any:
         f"{server.url}/v1/completions",
         data=json.dumps(body).encode(),
         method="POST",
-        headers={"Content-Type": "application/json"},
+        headers=proxy_headers(request_id),
     )
     try:
         return urllib.request.urlopen(request, timeout=remaining)
@@ -175,8 +172,11 @@ def _read(server: VllmServer, read: Callable[[], bytes], deadline: float) -> byt
     return data
 
 
-def _prefill(server: VllmServer, prompt: Prompt, deadline: float) -> dict[str, Any]:
-    with _open(server, _payload(server, prompt, 1, _PREFILL_PARAMS), deadline) as resp:
+def _prefill(
+    server: VllmServer, prompt: Prompt, deadline: float, request_id: str
+) -> dict[str, Any]:
+    request = _payload(server, prompt, 1, PREFILL_PARAMS)
+    with _open(server, request, deadline, request_id) as resp:
         body: dict[str, Any] = json.loads(_read(server, resp.read, deadline))
     params = body.get("kv_transfer_params")
     if not isinstance(params, dict):
@@ -190,6 +190,7 @@ def _stream(
     max_tokens: int,
     params: Mapping[str, Any] | None,
     deadline: float,
+    request_id: str | None = None,
 ) -> tuple[tuple[int, ...], float]:
     """The answer's token ids and the time its first token arrived."""
     body = _payload(server, prompt, max_tokens, params)
@@ -197,7 +198,7 @@ def _stream(
     tokens: list[int] = []
     first: float | None = None
     finish: str | None = None
-    with _open(server, body, deadline) as resp:
+    with _open(server, body, deadline, request_id) as resp:
         while True:
             line = _read(server, resp.readline, deadline)
             if not line:
@@ -248,11 +249,13 @@ def single_request(server: VllmServer, prompt: Prompt, max_tokens: int) -> Outco
 
 def disaggregated_request(pair: ServerPair, prompt: Prompt, max_tokens: int) -> Outcome:
     """Prefill on the producer (one token, ``do_remote_decode``), then the answer from
-    the consumer with the producer's ``kv_transfer_params`` (vLLM's toy proxy's flow)."""
+    the consumer with the producer's ``kv_transfer_params``, both under one
+    ``X-Request-Id`` (vLLM's toy proxy's flow; push mode matches the two by it)."""
 
     def answer(deadline: float) -> tuple[tuple[int, ...], float]:
-        params = _prefill(pair.prefill, prompt, deadline)
-        return _stream(pair.decode, prompt, max_tokens, params, deadline)
+        request_id = uuid.uuid4().hex
+        params = _prefill(pair.prefill, prompt, deadline, request_id)
+        return _stream(pair.decode, prompt, max_tokens, params, deadline, request_id)
 
     return _timed(prompt, answer)
 

