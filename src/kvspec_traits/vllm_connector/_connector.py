@@ -12,8 +12,8 @@ planner only (no spec class is named here):
   handshake, so a layout mismatch is refused with the named diff.
 
 The scheduler's per-group decisions are ``_scheduler``'s, host staging buffers
-``_staging``'s. Everything else (transfers, descriptor ids, TP mapping, heartbeats, the
-host-buffer copies) is upstream's; docs/vllm.md lists the spec-class branches left there.
+``_staging``'s, lease checks ``_lease_worker``'s. The rest (transfers, descriptor ids, TP
+mapping, heartbeats, host-buffer copies) is upstream's; docs/vllm.md lists its branches.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from kvspec_traits.vllm_connector._handshake import (
     requires_traits_peer,
     stage_view,
 )
+from kvspec_traits.vllm_connector._lease_worker import LeasedPullWorker
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
@@ -403,8 +404,8 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
         )
 
 
-class TraitsNixlConnectorWorker(TraitsWorkerBase, NixlPullConnectorWorker):
-    """vLLM's pull-mode NIXL worker with its layout decisions taken from traits."""
+class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):
+    """vLLM's pull-mode NIXL worker: layout from traits, leases that fail closed."""
 
 
 class TraitsNixlConnector(NixlPullConnector):

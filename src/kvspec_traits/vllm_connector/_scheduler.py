@@ -7,18 +7,21 @@ allocator's per-group clipping needed), ``SlidingWindowSpec`` (send only the win
 blocks), ``MambaSpec`` (keep only the state slot, and leave the last prompt token to
 the decoder). Here each is answered by :func:`~kvspec_traits.vllm_connector._facts.
 scheduler_facts` from ``token_scope`` and ``is_state``, replacing upstream's answers
-as soon as its constructor has run (nothing reads them in between). Everything else
-(the handshake listener, leases, heartbeats, the clipping code that reads these
-answers) is upstream's.
+as soon as its constructor has run (nothing reads them in between). The pull
+scheduler also exports its lease deadline with each finished prefill and hands the
+consumer's workers the deadlines it received (:mod:`._lease`). Everything else (the
+handshake listener, leases, heartbeats, the clipping code that reads these answers) is
+upstream's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
     NixlBaseConnectorScheduler,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
@@ -28,10 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
 
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits.vllm_connector._facts import SchedulerFacts, scheduler_facts
+from kvspec_traits.vllm_connector._lease import LEASE_KEY, LEASES_ATTR, lease_offer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 __all__ = [
     "TraitsNixlConnectorScheduler",
@@ -70,7 +76,31 @@ class TraitsSchedulerBase(NixlBaseConnectorScheduler):
 
 
 class TraitsNixlConnectorScheduler(TraitsSchedulerBase, NixlPullConnectorScheduler):
-    """vLLM's pull-mode NIXL scheduler with its per-group decisions taken from traits."""
+    """vLLM's pull-mode NIXL scheduler with its per-group decisions taken from traits,
+    and leases that fail closed (:mod:`._lease`)."""
+
+    def request_finished(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, block_ids)
+        expiry = self._reqs_need_send.get(request.request_id)
+        if delay and params is not None and params.get("do_remote_prefill") and expiry:
+            # The producer's deadline, in this process's perf_counter (the clock the
+            # consumer's handshake measured): the consumer reads only before it.
+            params[LEASE_KEY] = lease_offer(expiry, self._kv_lease_duration)
+        return delay, params
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
+        # Upstream's metadata keeps only the fields it knows; the lease rides beside it.
+        offered = {
+            req_id: (entry[0].kv_transfer_params or {}).get(LEASE_KEY)
+            for req_id, entry in self._reqs_need_recv.items()
+        }
+        meta = super().build_connector_meta(scheduler_output)
+        if not isinstance(meta, NixlConnectorMetadata):
+            raise TypeError(f"vLLM's NIXL scheduler built {type(meta).__qualname__}")
+        setattr(meta, LEASES_ATTR, {r: offered.get(r) for r in meta.reqs_to_recv})
+        return meta
 
 
 class TraitsNixlPushConnectorScheduler(TraitsSchedulerBase, NixlPushConnectorScheduler):

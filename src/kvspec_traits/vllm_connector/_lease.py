@@ -1,0 +1,215 @@
+"""Expired leases fail closed: a pull consumer never hands the model blocks that its
+producer may already have released.
+
+vLLM's pull producer holds a finished prefill's blocks for ``kv_lease_duration`` (30 s
+by default). Each heartbeat from the consumer extends the lease to 2/3 of that duration
+after the heartbeat is received. When the lease expires, the producer releases the blocks
+and may reuse them. vLLM's consumer reads whenever it reaches the request. NIXL then
+reports a read of released, reused blocks as successful, so the answer is silently wrong
+(measured: docs/vllm.md "Soak", "Leases"). Upstream exports a deadline only for the
+turn-2 readback of bidirectional transfers.
+
+Here the producer (``TraitsNixlConnector``) adds its deadline and its extension to
+``kv_transfer_params`` under :data:`LEASE_KEY`. The deadline is in the producer
+scheduler's ``perf_counter``, the clock that vLLM's handshake measures the offset
+against. The consumer keeps a lower bound on each request's deadline in its own clock:
+the exported deadline less the handshake's clock offset. A heartbeat sent while that
+bound still held by ``margin`` raises the bound to the heartbeat's send time plus the
+extension. This holds because the producer handles its notifications before it reaps
+expired leases, and the producer receives a heartbeat after it is sent. The consumer
+declines a read that would start within ``margin`` of the bound, and it fails a read
+that completes within ``margin`` of it. vLLM's failure path then applies the consumer's
+``kv_load_failure_policy``: the blocks are recomputed, or the request ends with an error.
+The answer is never wrong.
+
+A producer that exports no lease (upstream's ``NixlConnector``) leaves the consumer
+with upstream's behaviour, and the consumer logs this once per engine. A malformed
+lease value is refused for its request, because it comes from the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from kvspec_traits._errors import KVSpecTraitsError
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
+
+__all__ = [
+    "LEASES_ATTR",
+    "LEASE_KEY",
+    "LEASE_MARGIN_KEY",
+    "LeaseBook",
+    "LeaseMarginError",
+    "LeaseOffer",
+    "MalformedLeaseError",
+    "lease_offer",
+    "parse_lease_offer",
+]
+
+logger = logging.getLogger("kvspec_traits.vllm_connector")
+
+LEASE_KEY: Final = "kvspec_lease"
+"""``kv_transfer_params`` key: the producer's ``{"expiry": float, "extension": float}``."""
+LEASES_ATTR: Final = "kvspec_leases"
+"""The attribute of the connector metadata that hands the consumer's workers each
+received request's :data:`LEASE_KEY` value (upstream's ``ReqMeta`` drops unknown keys)."""
+LEASE_MARGIN_KEY: Final = "kvspec_lease_margin"
+"""``kv_connector_extra_config`` key: seconds of slack the consumer keeps before a
+lease's bound (clock-offset error, notification delivery). Default 2.0."""
+DEFAULT_MARGIN: Final = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseOffer:
+    """A producer's lease on one request's blocks: ``expiry`` in the producer
+    scheduler's ``perf_counter``, ``extension`` the seconds one heartbeat adds."""
+
+    expiry: float
+    extension: float
+
+
+class MalformedLeaseError(KVSpecTraitsError, ValueError):
+    """A ``kv_transfer_params`` lease that is not ``{"expiry": finite number,
+    "extension": finite number >= 0}`` (the consumer logs it and does not read)."""
+
+
+class LeaseMarginError(KVSpecTraitsError, ValueError):
+    """``kv_connector_extra_config`` :data:`LEASE_MARGIN_KEY` is not a finite number of
+    seconds >= 0."""
+
+
+def lease_offer(expiry: float, lease_duration: float) -> dict[str, float]:
+    """The producer's :data:`LEASE_KEY` value for a deadline (vLLM's heartbeat extends
+    a lease by ``lease_duration * 2 // 3``, ``base_worker._lease_extension``)."""
+    return {"expiry": float(expiry), "extension": float(int(lease_duration) * 2 // 3)}
+
+
+def _finite(value: object, what: str) -> float:
+    # bool is an int subclass: a JSON true is not a time.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise MalformedLeaseError(f"{LEASE_KEY}.{what} is {value!r}, not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise MalformedLeaseError(f"{LEASE_KEY}.{what} is {value!r}, not a finite number")
+    return number
+
+
+def parse_lease_offer(value: object) -> LeaseOffer:
+    """Check a peer's :data:`LEASE_KEY` value (untrusted: it came over the wire)."""
+    if not isinstance(value, Mapping):
+        raise MalformedLeaseError(f"{LEASE_KEY} is {value!r}, not a mapping")
+    expiry = _finite(value.get("expiry"), "expiry")
+    extension = _finite(value.get("extension"), "extension")
+    if extension < 0:
+        raise MalformedLeaseError(f"{LEASE_KEY}.extension is {extension}, below 0")
+    return LeaseOffer(expiry, extension)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    engine_id: str
+    remote_request_id: str
+    offer: LeaseOffer | None  # None: the offer was malformed (refused)
+
+
+class LeaseBook:
+    """A consumer's lower bounds on its producers' lease deadlines, in its own clock.
+
+    Pure bookkeeping (no vLLM, no clock of its own): the worker passes the times and
+    the handshake's clock offsets (``remote = local + offset``).
+    """
+
+    def __init__(self, margin: float = DEFAULT_MARGIN) -> None:
+        if isinstance(margin, bool) or not isinstance(margin, int | float):
+            raise LeaseMarginError(
+                f"{CONNECTOR_NAME}: kv_connector_extra_config {LEASE_MARGIN_KEY} is "
+                f"{margin!r}; give a finite number of seconds >= 0"
+            )
+        if not math.isfinite(margin) or margin < 0:
+            raise LeaseMarginError(
+                f"{CONNECTOR_NAME}: kv_connector_extra_config {LEASE_MARGIN_KEY} is "
+                f"{margin!r}; give a finite number of seconds >= 0"
+            )
+        self.margin = margin
+        self._tracked: dict[str, _Tracked] = {}
+        # (before, after) the heartbeat sends for (engine, remote request), oldest first.
+        self._beats: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        self._unleased_engines: set[str] = set()
+
+    def track(self, req_id: str, engine_id: str, remote_request_id: str, raw: object) -> None:
+        """Start guarding ``req_id`` with ``raw``, the :data:`LEASE_KEY` value of its
+        ``kv_transfer_params`` (``None`` when the producer exported none)."""
+        if raw is None:
+            if engine_id not in self._unleased_engines:
+                self._unleased_engines.add(engine_id)
+                logger.warning(
+                    "%s: producer engine %s exports no lease (%s): its requests are read "
+                    "as upstream's NixlConnector reads them, without an expiry check",
+                    CONNECTOR_NAME,
+                    engine_id,
+                    LEASE_KEY,
+                )
+            return
+        try:
+            offer: LeaseOffer | None = parse_lease_offer(raw)
+        except MalformedLeaseError as err:
+            logger.error(
+                "%s: request %s from engine %s: %s; its blocks will not be read",
+                CONNECTOR_NAME,
+                req_id,
+                engine_id,
+                err,
+            )
+            offer = None
+        self._tracked[req_id] = _Tracked(engine_id, remote_request_id, offer)
+
+    def heartbeats_sent(
+        self, engine_id: str, remote_request_ids: Iterable[str], before: float, after: float
+    ) -> None:
+        """Record heartbeats sent between local times ``before`` and ``after``; forget
+        the beats of this engine's requests that are no longer heartbeated or guarded."""
+        live = set(remote_request_ids)
+        for rid in live:
+            self._beats.setdefault((engine_id, rid), []).append((before, after))
+        guarded = {(t.engine_id, t.remote_request_id) for t in self._tracked.values()}
+        for key in [k for k in self._beats if k[0] == engine_id and k[1] not in live]:
+            if key not in guarded:
+                del self._beats[key]
+
+    def bound(self, req_id: str, clock_offset: float | None) -> float | None:
+        """The local time before which the producer still holds ``req_id``'s blocks;
+        ``None`` for a request read without a check; ``-inf`` when it must not be read
+        (a malformed lease, or no clock offset to place the deadline with)."""
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            return None
+        if tracked.offer is None or clock_offset is None or not math.isfinite(clock_offset):
+            return -math.inf
+        bound = tracked.offer.expiry - clock_offset
+        # A beat counts if it was surely sent (after) a margin before the bound; the
+        # producer then extends from no earlier than the moment it was sent (before).
+        for before, after in self._beats.get((tracked.engine_id, tracked.remote_request_id), ()):
+            if after + self.margin < bound:
+                bound = max(bound, before + tracked.offer.extension)
+        return bound
+
+    def expired(self, req_id: str, clock_offset: float | None, now: float) -> bool:
+        """Whether ``req_id``'s blocks may be gone at local time ``now`` (with margin)."""
+        bound = self.bound(req_id, clock_offset)
+        return bound is not None and now + self.margin >= bound
+
+    def forget(self, req_id: str) -> None:
+        tracked = self._tracked.pop(req_id, None)
+        if tracked is not None:
+            self._beats.pop((tracked.engine_id, tracked.remote_request_id), None)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._tracked
+
+    def __len__(self) -> int:
+        """How many requests are guarded."""
+        return len(self._tracked)

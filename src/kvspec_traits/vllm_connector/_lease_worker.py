@@ -1,0 +1,120 @@
+"""The pull worker's half of :mod:`._lease`: vLLM's receive path, with reads that the
+producer's lease may no longer cover turned into vLLM's failed reads.
+
+Four points of upstream's ``NixlPullConnectorWorker`` (the same in 0.32, 0.33 and 0.34):
+
+- ``start_load_kv``: each received request's lease starts being tracked;
+- ``_send_heartbeats``: the heartbeats sent (to engines already handshaken) are recorded;
+- ``_read_blocks_for_req``: a read that would start too late is declined, the way
+  upstream declines an expired turn-2 readback (``_handle_failed_transfer`` without a
+  transport failure, ``record_kv_expired_req``);
+- ``_pop_done_transfers``: a read seen complete too late joins the failed ones, so
+  ``get_transfer_results`` reports it in ``failed_recving`` and (without the hybrid
+  allocator) its blocks as load errors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+
+from kvspec_traits.vllm_connector._handshake import logger
+from kvspec_traits.vllm_connector._lease import (
+    DEFAULT_MARGIN,
+    LEASE_MARGIN_KEY,
+    LEASES_ATTR,
+    LeaseBook,
+)
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
+
+__all__ = ["LeasedPullWorker"]
+
+
+class LeasedPullWorker(NixlPullConnectorWorker):
+    """vLLM's pull worker whose reads fail closed on expired leases."""
+
+    def _leases(self) -> LeaseBook:
+        book: LeaseBook | None = self.__dict__.get("_lease_book")
+        if book is None:  # built lazily: vLLM's tests build workers with object.__new__
+            vllm_config = getattr(self, "vllm_config", None)
+            config = None if vllm_config is None else vllm_config.kv_transfer_config
+            margin = DEFAULT_MARGIN
+            if config is not None:
+                margin = config.get_from_extra_config(LEASE_MARGIN_KEY, DEFAULT_MARGIN)
+            book = self.__dict__["_lease_book"] = LeaseBook(margin)
+        return book
+
+    def _lease_expired(self, req_id: str, engine_id: str) -> bool:
+        book = self._leases()
+        if req_id not in book:
+            return False
+        offset = self._engine_clock_offset.get(engine_id)
+        return book.expired(req_id, offset, time.perf_counter())
+
+    def _decline_expired(self, req_id: str, engine_id: str, when: str) -> None:
+        logger.warning(
+            "%s: request %s: the lease of engine %s on its blocks may have expired %s; "
+            "the read counts as failed (kv_load_failure_policy applies)",
+            CONNECTOR_NAME,
+            req_id,
+            engine_id,
+            when,
+        )
+        self.xfer_stats.record_kv_expired_req()  # type: ignore[no-untyped-call]  # vLLM
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        offered: Mapping[str, object] = getattr(metadata, LEASES_ATTR, None) or {}
+        if offered:
+            book = self._leases()
+            for req_id, meta in metadata.reqs_to_recv.items():
+                if req_id in offered and meta.remote is not None:
+                    remote = meta.remote
+                    book.track(req_id, remote.engine_id, remote.request_id, offered[req_id])
+        super().start_load_kv(metadata)
+
+    def _send_heartbeats(self, metadata: NixlConnectorMetadata) -> None:
+        before = time.perf_counter()
+        ready = {e for e in metadata.heartbeat_by_engine if e in self._remote_agents}
+        super()._send_heartbeats(metadata)
+        after = time.perf_counter()
+        book = self._leases()
+        for engine_id, info in metadata.heartbeat_by_engine.items():
+            if engine_id in ready and engine_id in self._remote_agents:
+                book.heartbeats_sent(engine_id, info.req_ids, before, after)
+
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        engine_id = meta.remote.engine_id
+        # Checked once the handshake is done (its clock offset places the deadline);
+        # before that upstream starts the handshake and calls this again.
+        if engine_id in self._remote_agents and self._lease_expired(req_id, engine_id):
+            self._decline_expired(req_id, engine_id, "before the read")
+            self._handle_failed_transfer(
+                req_id, None, self._recv_failures, record_failed_transfer=False
+            )
+            return
+        super()._read_blocks_for_req(req_id, meta)
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        done, failed = super()._pop_done_transfers(transfers)
+        if transfers is self._recving_transfers and len(self._leases()):
+            for req_id in done - failed:
+                meta = self._recving_metadata.get(req_id)
+                if meta is None or meta.remote is None:
+                    continue
+                if self._lease_expired(req_id, meta.remote.engine_id):
+                    self._decline_expired(req_id, meta.remote.engine_id, "before it completed")
+                    failed.add(req_id)
+        return done, failed
+
+    def get_transfer_results(self) -> Any:
+        results = super().get_transfer_results()
+        book = self._leases()
+        for req_id in results.finished_recving or ():
+            book.forget(req_id)
+        return results
