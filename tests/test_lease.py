@@ -314,6 +314,8 @@ def test_a_live_lease_reads_and_an_expired_one_reads_nothing(make: Callable[...,
         assert consumer.get_block_ids_with_load_errors() == set(LOCAL[0])
         assert all(int(c.count_nonzero()) == 0 for c in d_caches.values())
         assert len(consumer.xfer_stats.data["num_kv_expired_reqs"]) == 1
+        # Both requests left vLLM's receive bookkeeping, and their leases with them.
+        assert len(consumer._leases()) == 0
     finally:
         stop.set()
 

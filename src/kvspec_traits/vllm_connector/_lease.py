@@ -207,6 +207,10 @@ class LeaseBook:
         if tracked is not None:
             self._beats.pop((tracked.engine_id, tracked.remote_request_id), None)
 
+    def tracked(self) -> set[str]:
+        """The guarded requests."""
+        return set(self._tracked)
+
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._tracked
 

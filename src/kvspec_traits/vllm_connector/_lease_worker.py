@@ -73,7 +73,10 @@ class LeasedPullWorker(NixlPullConnectorWorker):
         if offered:
             book = self._leases()
             for req_id, meta in metadata.reqs_to_recv.items():
-                if req_id in offered and meta.remote is not None:
+                # Only reads that bring blocks: a full local prefix hit (or an aborted
+                # request's cleanup) only notifies the producer, and nothing is read.
+                reads = getattr(meta, "awaiting_kvs", False) or any(meta.local_block_ids)
+                if reads and req_id in offered and meta.remote is not None:
                     remote = meta.remote
                     book.track(req_id, remote.engine_id, remote.request_id, offered[req_id])
         super().start_load_kv(metadata)
@@ -115,6 +118,9 @@ class LeasedPullWorker(NixlPullConnectorWorker):
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()
         book = self._leases()
-        for req_id in results.finished_recving or ():
-            book.forget(req_id)
+        if len(book):
+            # Done (or failed) reads left vLLM's receive bookkeeping above; so did any
+            # request it dropped otherwise. Their leases are of no further use.
+            for req_id in book.tracked() - self._recving_metadata.keys():
+                book.forget(req_id)
         return results
