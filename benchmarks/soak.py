@@ -21,9 +21,10 @@ per model, ``--policy`` to override. A request the consumer reaches after the pr
 lease may have expired (30 s, vLLM's default) is declined by the connector and counted
 by vLLM's ``vllm:nixl_num_kv_expired_reqs``. It may then end with the "fail" policy's
 error, but never with a wrong answer (docs/vllm.md "Leases fail closed"), so the
-"exact" checks of steps 2 and 3 accept as many unanswered requests as were declined. The script exits 1 when any answer differs, any
-request hangs to its deadline, a recovery request fails, or a server's state does not
-return to its steady state.
+"exact" checks of steps 2 and 3 accept as many unanswered requests as were declined.
+The script exits 1 when any answer differs, any request hangs to its deadline, a
+recovery request fails undeclined, or a server's state does not return to its steady
+state.
 
 Run: ``make soak`` or ``.venv/bin/python benchmarks/soak.py [--models llama] [--requests 500]``.
 One server pair at a time, machine-wide (tests/e2e/pd_harness.py's lock).
@@ -59,10 +60,10 @@ from tests.e2e.pd_harness import (  # noqa: E402
     scrape_metrics,
 )
 from tests.e2e.pd_soak import (  # noqa: E402
-    LoadResult,
     Prompt,
     ServerState,
     disaggregated_request,
+    expired_reads,
     make_prompts,
     run_load,
     server_state,
@@ -179,7 +180,7 @@ class Soak:
             _warm_up(pair, prompts[1], self)
             usable = [p for p in prompts if p.index in baseline]
             before = scrape_metrics(pair.decode)
-            expired_before = metric_total(before, EXPIRED)
+            expired_before = expired_reads(pair.decode)
             pd = run_load(
                 "disaggregated",
                 lambda p: disaggregated_request(pair, p, args.max_tokens),
@@ -196,10 +197,10 @@ class Soak:
                 before, "vllm:external_prefix_cache_hits_total"
             )
             print(f"  NIXL moved {moved / 2**20:.1f} MiB; {external:.0f} external prefix hits")
-            declined = _declined(pair.decode, expired_before)
+            declined = expired_reads(pair.decode) - expired_before
             print(f"  {declined} reads declined on an expired lease")
             self.check(
-                _exact_or_declined(pd, declined),
+                pd.exact_or_declined(declined),
                 f"{model.name}: every disaggregated answer exact, or declined on an expired lease",
             )
             self.check(pd.token_differences == 0, f"{model.name}: 0 token differences")
@@ -268,17 +269,17 @@ class Soak:
         victim.check_serving()
         print(f"  {victim_name} restarted in {time.monotonic() - started:.0f} s", flush=True)
         _warm_up(pair, prompts[-1], self)
-        expired_before = metric_total(scrape_metrics(pair.decode), EXPIRED)
+        expired_before = expired_reads(pair.decode)
         recovered = run_load(
             f"after {victim_name} restart", send, recovery_prompts, args.concurrency, baseline
         )
         print(recovered.summary(), flush=True)
         for line in recovered.failures():
             print(line)
-        declined = _declined(pair.decode, expired_before)
+        declined = expired_reads(pair.decode) - expired_before
         print(f"  {declined} reads declined on an expired lease")
         self.check(
-            _exact_or_declined(recovered, declined),
+            recovered.exact_or_declined(declined),
             f"{what}: every request after the restart exact, or declined on an expired lease",
         )
         try:
@@ -304,22 +305,6 @@ class Soak:
             f"{what}: decode holds {after['decode'].peers} NIXL peer(s), as before "
             f"({steady['decode'].peers})",
         )
-
-
-EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
-
-
-def _declined(server: VllmServer, before: float) -> int:
-    """Reads the consumer declined (or failed) since ``before`` because the producer's
-    lease may have expired (docs/vllm.md "Leases fail closed"): vLLM's expired-request
-    counter, which the connector increments for each."""
-    return int(metric_total(scrape_metrics(server), EXPIRED) - before)
-
-
-def _exact_or_declined(result: LoadResult, declined: int) -> bool:
-    """No answer wrong, and every request not answered is one the consumer declined on an
-    expired lease (the "fail" policy's error; "recompute" answers them exactly)."""
-    return not result.wrong and len(result.outcomes) - result.answered <= declined
 
 
 def _print_states(label: str, states: dict[str, ServerState]) -> None:

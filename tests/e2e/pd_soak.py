@@ -311,6 +311,12 @@ class LoadResult:
         """Every request answered (and, against a baseline, exactly)."""
         return self.answered == len(self.outcomes) and not self.wrong
 
+    def exact_or_declined(self, declined: int) -> bool:
+        """No answer wrong, and no more requests unanswered than the consumer declined on
+        an expired lease (``declined``: its ``vllm:nixl_num_kv_expired_reqs`` delta; the
+        "fail" policy ends those with vLLM's error, "recompute" answers them exactly)."""
+        return not self.wrong and len(self.outcomes) - self.answered <= declined
+
     def summary(self) -> str:
         counts = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
         return (
@@ -439,3 +445,13 @@ def wait_settled(servers: Sequence[VllmServer], timeout_s: float) -> float:
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(f"KV blocks still held after {timeout_s:.0f} s: {usage}")
         time.sleep(1.0)
+
+
+EXPIRED_METRIC = "vllm:nixl_num_kv_expired_reqs_total"
+"""vLLM's count of reads given up on an expired lease, which the connector's lease check
+increments for each read it declines (docs/vllm.md "Leases fail closed")."""
+
+
+def expired_reads(server: VllmServer) -> int:
+    """The server's :data:`EXPIRED_METRIC` total now."""
+    return int(metric_total(scrape_metrics(server), EXPIRED_METRIC))

@@ -52,6 +52,7 @@ from tests.e2e.pd_soak import (
     Outcome,
     Prompt,
     disaggregated_request,
+    expired_reads,
     make_prompts,
     run_load,
     server_state,
@@ -102,14 +103,10 @@ class ModelCase:
     # "push": TraitsNixlPushConnector, the prefill server WRITEs into the decode server's.
     mode: Literal["pull", "push"] = "pull"
     # vLLM's kv_lease_duration (s) on both servers, None for its default (30 s): how long
-    # the prefill server keeps a finished request's blocks for the decode server. 120 s,
-    # the harness's request timeout: in CI's short soak (2 cores, load 15-30) decode
-    # requests waited up to 32 s, past the default lease. Upstream's consumer then read
-    # released, reused blocks and answered wrongly (2 of 50 requests). Ours declines such
-    # reads (vllm_connector._lease; tests/test_lease.py runs it with real reads), so they
-    # end with this pair's "fail" policy error. That is correct, but the count depends on
-    # load, so the pairs here keep their blocks as long as a request may take.
-    lease_s: int | None = 120
+    # the prefill server keeps a finished request's blocks for the decode server. Pull
+    # pairs keep vLLM's default; a read the consumer reaches after it is declined
+    # (vllm_connector._lease) and the short soak counts it as such, never as an answer.
+    lease_s: int | None = None
 
     @property
     def connector(self) -> str:
@@ -148,9 +145,11 @@ CASES = {
     # under other load a decode request then took up to 101 s (docs/vllm.md, "Push end to
     # end"), past vLLM's 30 s lease, after which the blocks are gone and the decode
     # request hangs until the client gives up. Upstream's NixlPushConnector does the
-    # same. The lease (120 s, as every pair here) is the harness's request timeout, so a
-    # slow registration is a slow answer, not a lost one.
-    "llama-push": ModelCase("llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4, mode="push"),
+    # same. The lease is raised to the harness's request timeout, so a slow registration
+    # is a slow answer, not a lost one.
+    "llama-push": ModelCase(
+        "llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4, mode="push", lease_s=120
+    ),
     # float32: 4 bytes an element; bfloat16: 2.
     "deepseek-v2-CPU_MLA": _deepseek(CPU_MLA, dtype_bytes=4),
     "deepseek-v2-AMX_MLA": _deepseek(AMX_MLA, dtype_bytes=2),
@@ -410,9 +409,15 @@ def test_short_soak_exact_under_load_and_after_a_producer_crash(
     def send(prompt: Prompt) -> Outcome:
         return disaggregated_request(servers, prompt, SHORT_SOAK_MAX_TOKENS)
 
+    expired = expired_reads(servers.decode)
     pd = run_load("disaggregated", send, prompts, SHORT_SOAK_CONCURRENCY, baseline)
-    print(pd.summary())
-    assert pd.clean and pd.token_differences == 0, (pd.summary(), pd.failures())
+    declined = expired_reads(servers.decode) - expired
+    print(pd.summary(), f"{declined} declined on an expired lease")
+    # On this 2-core machine a decode request can wait past vLLM's 30 s lease (CI: up to
+    # 32 s at load 15-30); the connector then declines its read ("fail" policy: an error),
+    # where upstream read the released blocks and answered wrongly (2 of 50 in CI).
+    assert pd.exact_or_declined(declined), (pd.summary(), declined, pd.failures())
+    assert pd.token_differences == 0, pd.summary()
     peers = server_state(servers.decode).peers
 
     faulted = run_load(
@@ -439,6 +444,7 @@ def test_short_soak_exact_under_load_and_after_a_producer_crash(
     servers.prefill.wait_ready(time.monotonic() + 600)
     servers.prefill.check_serving()
     _warm_up(servers)
+    expired = expired_reads(servers.decode)
     recovered = run_load(
         "after restart",
         send,
@@ -446,8 +452,10 @@ def test_short_soak_exact_under_load_and_after_a_producer_crash(
         SHORT_SOAK_CONCURRENCY,
         baseline,
     )
-    print(recovered.summary(), *recovered.failures(), sep="\n")
-    assert recovered.clean and recovered.token_differences == 0, recovered.summary()
+    declined = expired_reads(servers.decode) - expired
+    print(recovered.summary(), f"{declined} declined", *recovered.failures(), sep="\n")
+    assert recovered.exact_or_declined(declined), (recovered.summary(), declined)
+    assert recovered.token_differences == 0, recovered.summary()
     # The consumer released the dead producer's NIXL state once it met the new one.
     assert server_state(servers.decode).peers == peers, servers.decode.log_path
 
