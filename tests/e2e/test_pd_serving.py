@@ -35,6 +35,7 @@ from typing import Literal
 import pytest
 
 from kvspec_traits.vllm_connector import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
+from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY
 from tests.e2e.pd_harness import (
     DEFAULT_SERVING,
     RequestFailedError,
@@ -64,6 +65,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm032_only, pytest.mark.timeout(90
 
 MODULE = "kvspec_traits.vllm_connector"
 MAX_TOKENS = 24
+E2E_PROGRESS_DELAY_US = 100
 
 _SENTENCE = (
     "the quick brown fox jumps over the lazy dog while a river runs through the "
@@ -177,12 +179,12 @@ def _case_params() -> list[object]:
 def _kv_config(case: ModelCase, role: str, by_name: bool) -> dict[str, object]:
     # The prefill side names the module path, the decode side relies on the
     # vllm.general_plugins entry point: both ways of turning the connector on are used.
-    extra = {} if case.lease_s is None else {"kv_lease_duration": case.lease_s}
+    extra: dict[str, object] = {} if case.lease_s is None else {"kv_lease_duration": case.lease_s}
+    # NIXL's progress threads sleep 100 us between polls instead of spinning (docs/vllm.md
+    # "NIXL's progress threads"): two spinning pollers beside two engines on 2 cores.
+    extra[NIXL_PROGRESS_DELAY] = E2E_PROGRESS_DELAY_US
     return connector_config(
-        role,
-        case.connector,
-        None if by_name else MODULE,
-        **({"kv_connector_extra_config": extra} if extra else {}),
+        role, case.connector, None if by_name else MODULE, kv_connector_extra_config=extra
     )
 
 

@@ -1,19 +1,13 @@
-"""The connector and its worker, built on vLLM's pull-mode NIXL connector (push mode:
-``_push``, with the same :class:`TraitsWorkerBase`). Decided from traits and the region
-planner only (no spec class is named here):
-
-- the worker's layout facts (transfer ``block_size``, hybrid, recurrent state, ring
-  buffer, the replicated-state group), set before vLLM's kernel block-size sync;
-- ``register_kv_caches``: every region (base, block length, stride, block count, group
-  id, name), the REPLICATE/SPLIT flag of each region, the state and scratch region
-  indices, and the memory to register, from :func:`kvspec_traits.transfer.plan_regions`;
-- the per-region traits fingerprint, sent inside the NIXL agent metadata, and checked
-  (by :mod:`~kvspec_traits.vllm_connector._handshake`) against the peer's inside vLLM's
-  handshake, so a layout mismatch is refused with the named diff.
-
-The scheduler's per-group decisions are ``_scheduler``'s, host staging buffers
-``_staging``'s, lease checks ``_lease_worker``'s. The rest (transfers, descriptor ids, TP
-mapping, heartbeats, host-buffer copies) is upstream's; docs/vllm.md lists its branches.
+"""The connector and its worker, on vLLM's pull-mode NIXL connector (push: ``_push``, same
+:class:`TraitsWorkerBase`). From traits and the region planner only (no spec class named):
+the worker's layout facts (transfer ``block_size``, hybrid, state, ring, replicated-state
+group), set before vLLM's kernel block-size sync; ``register_kv_caches``' regions (base,
+block length, stride, count, group, name, REPLICATE/SPLIT, state and scratch indices, the
+memory registered) from :func:`kvspec_traits.transfer.plan_regions`; the per-region traits
+fingerprint in the agent metadata, checked against the peer's in vLLM's handshake
+(:mod:`~kvspec_traits.vllm_connector._handshake`). Scheduler decisions: ``_scheduler``;
+host staging: ``_staging``; leases: ``_lease_worker``. The rest (transfers, descriptor
+ids, TP mapping, heartbeats, host copies) is upstream's; docs/vllm.md lists its branches.
 """
 
 from __future__ import annotations
@@ -46,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
 
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import TPLayout
+from kvspec_traits.nixl._progress import progress_delay
 from kvspec_traits.nixl._register import register_ranges
 from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
 from kvspec_traits.transfer._region import is_state
@@ -67,7 +62,11 @@ from kvspec_traits.vllm_connector._handshake import (
     stage_view,
 )
 from kvspec_traits.vllm_connector._lease_worker import LeasedPullWorker
-from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
+from kvspec_traits.vllm_connector._names import (
+    CONNECTOR_NAME,
+    PUSH_IMPL_MODULE,
+    nixl_progress_delay,
+)
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
 from kvspec_traits.vllm_connector._staging import transfer_caches
@@ -103,7 +102,8 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
         check_decode_stage(vllm_config, self._policy.quirks.series)  # before an agent exists
         # Before super().__init__: its block-size sync hook (below) needs them.
         self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        with progress_delay(nixl_progress_delay(vllm_config)):  # the agent is built here
+            super().__init__(vllm_config, engine_id, kv_cache_config)
         self._check_upstream_group_kinds()
 
     def _layout_facts(self) -> LayoutFacts:

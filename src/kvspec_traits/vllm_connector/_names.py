@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 __all__ = [
     "CONNECTOR_NAME",
@@ -10,7 +13,9 @@ __all__ = [
     "MODULE_PATH",
     "PUSH_CONNECTOR_NAME",
     "PUSH_IMPL_MODULE",
+    "NIXL_PROGRESS_DELAY",
     "REQUIRE_TRAITS_PEER",
+    "nixl_progress_delay",
 ]
 
 CONNECTOR_NAME: Final = "TraitsNixlConnector"
@@ -23,3 +28,16 @@ PUSH_IMPL_MODULE: Final = "kvspec_traits.vllm_connector._push"
 REQUIRE_TRAITS_PEER: Final = "kvspec_require_traits_peer"
 """``kv_connector_extra_config`` key: true refuses NIXL peers that send no kvspec-traits
 fingerprint (upstream's ``NixlConnector``) with :class:`PeerWithoutTraitsError`."""
+NIXL_PROGRESS_DELAY: Final = "kvspec_nixl_progress_delay_us"
+"""``kv_connector_extra_config`` key: microseconds NIXL's progress thread sleeps between
+polls in this connector's agents (default 0, NIXL's busy polling; see
+:mod:`kvspec_traits.nixl._progress`)."""
+
+
+def nixl_progress_delay(vllm_config: VllmConfig) -> int:
+    """The :data:`NIXL_PROGRESS_DELAY` of a config, checked (``ProgressDelayError``)."""
+    from kvspec_traits.nixl._progress import check_delay
+
+    config = vllm_config.kv_transfer_config
+    raw = 0 if config is None else config.get_from_extra_config(NIXL_PROGRESS_DELAY, 0)
+    return check_delay(raw, f"kv_connector_extra_config {NIXL_PROGRESS_DELAY}")
