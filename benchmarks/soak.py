@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY  # noqa: E402
 from tests.e2e.pd_harness import (  # noqa: E402
     DEFAULT_SERVING,
     ServerFailedError,
@@ -160,18 +161,23 @@ class Soak:
             self.check(base.clean, f"{model.name}: every baseline request answered")
             baseline = {o.prompt: o.token_ids for o in base.outcomes if o.status == "ok"}
 
+        # NIXL's progress threads: a floor under their busy polling (docs/vllm.md).
+        extra = {NIXL_PROGRESS_DELAY: args.progress_delay_us}
         started = time.monotonic()
         with running_pair(
             prefill_model=models_dir / model.name,
             decode_model=models_dir / model.name,
             served_model_name="tiny",
             workdir=workdir / "pair",
-            prefill_kv=connector_config("kv_producer", "TraitsNixlConnector", MODULE),
+            prefill_kv=connector_config(
+                "kv_producer", "TraitsNixlConnector", MODULE, kv_connector_extra_config=extra
+            ),
             decode_kv=connector_config(
                 "kv_consumer",
                 "TraitsNixlConnector",
                 MODULE,
                 kv_load_failure_policy=model.policy,
+                kv_connector_extra_config=extra,
             ),
             serving=model.serving,
         ) as pair:
@@ -349,6 +355,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--fault-requests", type=int, default=64)
     parser.add_argument("--policy", choices=("fail", "recompute"), default=None)
+    parser.add_argument(
+        "--progress-delay-us",
+        type=int,
+        default=100,
+        help="kvspec_nixl_progress_delay_us on both servers (0: NIXL's busy polling)",
+    )
     args = parser.parse_args(argv)
     args.faults = [m for m in args.faults.split(",") if m]
     names = [m for m in args.models.split(",") if m]
