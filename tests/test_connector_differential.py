@@ -73,6 +73,7 @@ from kvspec_traits.vllm_connector._connector import (
     TraitsNixlConnectorWorker,
 )
 from kvspec_traits.vllm_connector._gate import vllm_series
+from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY
 from tests.mla_backends import (
     AMX_MLA,
     CPU_MLA,
@@ -270,6 +271,9 @@ def _vllm_config(
                 kv_connector_module_path="kvspec_traits.vllm_connector",
                 kv_role="kv_both",
                 kv_buffer_device="cpu",
+                # Our workers' NIXL progress threads sleep 100 us between polls instead of
+                # spinning a core each for the test's life (upstream's workers still spin).
+                kv_connector_extra_config={NIXL_PROGRESS_DELAY: 100},
             ),
         )
 

@@ -325,9 +325,9 @@ def test_a_read_that_completes_after_the_lease_counts_as_failed(make: Callable[.
     port, stop = _serve_handshake(producer)
     try:
         _handshaken(consumer, producer, port)
-        # The lease holds when the read starts (now + 0.2 < now + 1.0) and has run out
-        # when the consumer first sees the read done (polled from 1.5 s on).
-        soon = time.perf_counter() + 1.0
+        # The lease holds when the read starts (now + 0.2 < now + 2.0) and has run out
+        # when the consumer first sees the read done (polled from 2.5 s on).
+        soon = time.perf_counter() + 2.0
         consumer.start_load_kv(
             _metadata(producer, port, "slow", {"expiry": soon, "extension": 0.0})
         )
@@ -347,9 +347,9 @@ def test_a_heartbeat_sent_in_time_keeps_the_read(make: Callable[..., Any]) -> No
         before = layouts.backing(d_caches).clone()
         # Same lease as above, but the step that starts the read also sends vLLM's
         # heartbeat for the request (a real NIXL notification to the producer's agent):
-        # the bound becomes the send time + 5 s, past the first poll at 1.5 s.
-        soon = time.perf_counter() + 1.0
-        metadata = _metadata(producer, port, "beat", {"expiry": soon, "extension": 5.0})
+        # the bound becomes the send time + 60 s, well past the first poll at 2.5 s.
+        soon = time.perf_counter() + 2.0
+        metadata = _metadata(producer, port, "beat", {"expiry": soon, "extension": 60.0})
         metadata.heartbeat_by_engine = {
             producer.engine_id: HeartbeatInfo(
                 req_ids={"p-beat"}, host="127.0.0.1", port=port, tp_size=1
