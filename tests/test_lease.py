@@ -15,10 +15,12 @@ a real NIXL read, and vLLM's failure path); the scheduler tests use vLLM's own
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -283,25 +285,36 @@ def _poll(consumer: Any, req_id: str, after: float = 0.0) -> None:
     raise AssertionError(f"{req_id} was not reported done in 120 s")
 
 
-def _handshaken(consumer: Any, producer: Any, port: int) -> None:
-    """A first request with a lease far ahead: the handshake (and its clock offset),
-    then a read that must succeed."""
-    far = {"expiry": time.perf_counter() + 3600, "extension": 20.0}
-    consumer.start_load_kv(_metadata(producer, port, "warm", far))
-    _poll(consumer, "warm")
-    assert consumer.get_block_ids_with_load_errors() == set()
-    assert producer.engine_id in consumer._engine_clock_offset
+@dataclass
+class _Pair:
+    producer: Any
+    consumer: Any
+    port: int
+    p_caches: dict[str, torch.Tensor]
+    d_caches: dict[str, torch.Tensor]
 
 
-def _blocks(caches: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
-    return torch.cat([c[ids].flatten() for c in caches.values()])
+@contextlib.contextmanager
+def _handshaken(make: Callable[..., Any], margin: float) -> Iterator[_Pair]:
+    """A producer serving its handshake and a consumer (lease margin ``margin``) that has
+    made it (and measured its clock offset) through a first request with a lease far
+    ahead, whose read must succeed."""
+    producer, consumer, p_caches, d_caches = _pair(make, margin)
+    port, stop = _serve_handshake(producer)
+    try:
+        far = {"expiry": time.perf_counter() + 3600, "extension": 20.0}
+        consumer.start_load_kv(_metadata(producer, port, "warm", far))
+        _poll(consumer, "warm")
+        assert consumer.get_block_ids_with_load_errors() == set()
+        assert producer.engine_id in consumer._engine_clock_offset
+        yield _Pair(producer, consumer, port, p_caches, d_caches)
+    finally:
+        stop.set()
 
 
 def test_a_live_lease_reads_and_an_expired_one_reads_nothing(make: Callable[..., Any]) -> None:
-    producer, consumer, _, d_caches = _pair(make, margin=0.5)
-    port, stop = _serve_handshake(producer)
-    try:
-        _handshaken(consumer, producer, port)
+    with _handshaken(make, margin=0.5) as pair:
+        producer, consumer, port, d_caches = pair.producer, pair.consumer, pair.port, pair.d_caches
         # Zero the consumer's blocks, then ask for a request whose lease ran out a
         # second ago (same host: the measured offset is a few microseconds).
         for cache in d_caches.values():
@@ -316,15 +329,11 @@ def test_a_live_lease_reads_and_an_expired_one_reads_nothing(make: Callable[...,
         assert len(consumer.xfer_stats.data["num_kv_expired_reqs"]) == 1
         # Both requests left vLLM's receive bookkeeping, and their leases with them.
         assert len(consumer._leases()) == 0
-    finally:
-        stop.set()
 
 
 def test_a_read_that_completes_after_the_lease_counts_as_failed(make: Callable[..., Any]) -> None:
-    producer, consumer, _, _ = _pair(make, margin=0.2)
-    port, stop = _serve_handshake(producer)
-    try:
-        _handshaken(consumer, producer, port)
+    with _handshaken(make, margin=0.2) as pair:
+        producer, consumer, port = pair.producer, pair.consumer, pair.port
         # The lease holds when the read starts (now + 0.2 < now + 2.0) and has run out
         # when the consumer first sees the read done (polled from 2.5 s on).
         soon = time.perf_counter() + 2.0
@@ -333,15 +342,12 @@ def test_a_read_that_completes_after_the_lease_counts_as_failed(make: Callable[.
         )
         _poll(consumer, "slow", after=soon + 0.5)
         assert consumer.get_block_ids_with_load_errors() == set(LOCAL[0])
-    finally:
-        stop.set()
 
 
 def test_a_heartbeat_sent_in_time_keeps_the_read(make: Callable[..., Any]) -> None:
-    producer, consumer, p_caches, d_caches = _pair(make, margin=0.2)
-    port, stop = _serve_handshake(producer)
-    try:
-        _handshaken(consumer, producer, port)
+    with _handshaken(make, margin=0.2) as pair:
+        producer, consumer, port = pair.producer, pair.consumer, pair.port
+        p_caches, d_caches = pair.p_caches, pair.d_caches
         for cache in d_caches.values():
             cache.zero_()
         before = layouts.backing(d_caches).clone()
@@ -363,5 +369,3 @@ def test_a_heartbeat_sent_in_time_keeps_the_read(make: Callable[..., Any]) -> No
         groups = FAMILIES["attention"].groups(1)
         n = len(groups)
         assert_moved_exactly(groups, LOCAL[:n], tuple(REMOTE[:n]), p_caches, d_caches, before)
-    finally:
-        stop.set()
