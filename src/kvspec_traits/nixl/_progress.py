@@ -4,7 +4,8 @@ NIXL 1.5.1's ``nixl_agent`` builds its C++ agent config with ``pthrDelay = 0``
 (``nixl_cu12/_api.py``), and callers cannot change this. With a progress thread (NIXL's
 default, and vLLM's NIXL worker builds its agents that way), the thread then polls
 without sleeping. ``benchmarks/bench_nixl_progress.py`` measures this: on the 2-core
-machine an idle agent held 1.00 of a core at delay 0 and 0.03 at 100 us. A prefill/decode pair on two cores runs two such pollers beside two engines.
+machine an idle agent held 1.00 of a core at delay 0 and 0.03 at 100 us. A
+prefill/decode pair on two cores runs two such pollers beside two engines.
 
 :func:`progress_delay` sets a floor under that delay for the agents built inside it,
 and only for those. It does this by substituting, for the duration of the block, a
