@@ -97,9 +97,7 @@ def run(tree: dict[str, Any], root: Path) -> tuple[list[Reported], float]:
     reported: list[Reported] = []
     for _ in range(2):
         start = time.process_time()
-        result = audit_paths(
-            targets, universe, display_root=root, exclude=tree.get("exclude", ())
-        )
+        result = audit_paths(targets, universe, display_root=root, exclude=tree.get("exclude", ()))
         best = min(best, time.process_time() - start)
         reported = reported_sites(result, root)
     return reported, best
