@@ -21,11 +21,6 @@ from kvspec_traits.audit._scan import RawSite
 from kvspec_traits.audit._tables import SILENT, table_reason
 from kvspec_traits.audit._universe import Universe
 
-_EXACT_DOC_REASON: Final = (
-    "exact type check in a function whose docstring says its checks are exact (or speaks "
-    "of subclasses)"
-)
-
 __all__ = ["CONFIDENCES", "Answer", "Confidence", "Site", "Verdict", "infer"]
 
 Match = Literal["exact", "near", "closest"]
@@ -271,9 +266,6 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         elif "subclass-comment" in raw.context and exact:
             verdict, confidence = "deliberate", "medium"
             reason = "exact type check with a comment about subclasses just above"
-        elif "exact-doc" in raw.context and exact:
-            verdict, confidence = "deliberate", "medium"
-            reason = _EXACT_DOC_REASON
         elif "assert" in raw.context:
             verdict, confidence = "possible-miss", "low"
             reason = f"an assertion: {names} would fail loudly, not be mishandled"
@@ -312,9 +304,6 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     elif skipped and "subclass-comment" in raw.context:
         verdict, confidence = "deliberate", "medium"
         reason = "exact type check with a comment about subclasses just above"
-    elif skipped and "exact-doc" in raw.context:
-        verdict, confidence = "deliberate", "medium"
-        reason = _EXACT_DOC_REASON
     elif skipped and (refusal := _refuses_skipped(raw)):
         verdict, confidence = "possible-miss", "low"
         reason = f"{refusal}: the subclasses it skips ({', '.join(skipped)}) are refused loudly"

@@ -5,7 +5,6 @@ check says (guards, exits, refusals, unwrapping), recorded as :class:`RawSite`.
 from __future__ import annotations
 
 import ast
-import re
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -33,8 +32,6 @@ _TRAIT_ATTRIBUTES: Final = frozenset({"prefix_cacheable"})
 continue`` excludes the classes whose answer is False."""
 _EXITS: Final = (ast.Return, ast.Raise, ast.Continue, ast.Break)
 _SUBCLASS_WORDS: Final = ("subclass",)
-_EXACT_DOC: Final = re.compile(r"\bexact(ly)?\b|\bsubclass", re.IGNORECASE)
-"""Words of a function's docstring that state its type checks are exact on purpose."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,9 +52,7 @@ class RawSite:
     ``raise`` in the module is guarded by; ``context`` flags (``assert``: the check is
     asserted; ``validation``: it guards a ``raise``; ``chain-raises``: its if/elif chain
     ends in ``else: raise``; ``subclass-comment``: a comment just above speaks of
-    subclasses; ``exact-doc``: an exact check in a function whose docstring says its checks
-    are exact or speaks of subclasses); ``kinds`` the ``KVCacheSpecKind`` members a
-    spec-kind site compares with;
+    subclasses); ``kinds`` the ``KVCacheSpecKind`` members a spec-kind site compares with;
     ``subclass_safe`` a class-keyed dict looked up along ``type(x).__mro__``; ``table`` the
     name such a dict is bound to and ``lookup`` how the scanned code looks that name up by
     type (see :mod:`~kvspec_traits.audit._tables`); ``others`` the names in the class
@@ -362,10 +357,6 @@ class SiteFinder(CheckReader):
                 for text in above
             ):
                 flags.append("subclass-comment")
-        if check.exact and isinstance(self.scope, ast.FunctionDef | ast.AsyncFunctionDef):
-            doc = ast.get_docstring(self.scope) or ""
-            if _EXACT_DOC.search(doc):
-                flags.append("exact-doc")
         return tuple(flags)
 
     def _others(self, node: ast.AST) -> tuple[str, ...]:
