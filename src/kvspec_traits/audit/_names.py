@@ -63,6 +63,8 @@ class NameResolver:
         self.package = module if is_package else module.rpartition(".")[0]
         self.bindings: dict[str, _Binding] = {}
         self.class_sets: dict[str, tuple[str, ...]] = {}
+        # names bound to class sets inside functions (not exported)
+        self.local_sets: dict[str, tuple[str, ...]] = {}
         # module-level names bound to a set of KVCacheSpecKind members
         # (`_SLIDING_KINDS = frozenset({KVCacheSpecKind.SLIDING_WINDOW, ...})`)
         self.kind_sets: dict[str, tuple[str, ...]] = {}
@@ -92,6 +94,41 @@ class NameResolver:
     def _bindmodule_level(self) -> None:
         for stmt in module_level(self._tree.body):
             self._bind_assignment(stmt)
+        self._bind_function_level()
+
+    def _bind_function_level(self) -> None:
+        """Class sets assigned inside functions (``supported = (FullAttentionSpec, ...)``
+        then ``isinstance(spec, supported)``): a name no module-level statement binds,
+        every assignment of which, in any function, is a set of spec classes. ``+=`` and
+        ``|=`` add their classes (the set a check may test is their union). They resolve
+        in this module only (no export)."""
+        top = {id(s) for s in module_level(self._tree.body)}
+        found: dict[str, list[str]] = {}
+        ambiguous: set[str] = set()
+        for stmt in all_statements(self._tree.body):
+            if id(stmt) in top:
+                continue
+            target: ast.expr | None = None
+            value: ast.expr | None = None
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+                target, value = stmt.targets[0], stmt.value
+            elif isinstance(stmt, ast.AnnAssign) or (
+                isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Add | ast.BitOr)
+            ):
+                target, value = stmt.target, stmt.value
+            elif isinstance(stmt, ast.Assign):
+                ambiguous.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+            if not isinstance(target, ast.Name) or value is None:
+                continue
+            classes = self.classes_of(value)
+            if classes:
+                found.setdefault(target.id, []).extend(classes)
+            else:
+                ambiguous.add(target.id)
+        for name, names in found.items():
+            if name not in ambiguous and name not in self.bindings:
+                self.bindings[name] = dedup(names)
+                self.local_sets[name] = dedup(names)
 
     def import_refs(self) -> list[str]:
         """The dotted references this module's imports bind."""
@@ -103,11 +140,13 @@ class NameResolver:
         self.bindings = {}
         self.bindings.update(self._imports)
         self.class_sets = {}
+        self.local_sets = {}
         self._bindmodule_level()
 
     def tokens(self) -> set[bytes]:
         """Names whose occurrence in the source can start a check on spec classes."""
         names = set(self.known) | set(self.class_sets) | set(self.kind_sets)
+        names.update(self.local_sets)
         for sets in self.exports.values():
             names.update(sets)  # `mod.LATENT` through a module alias
         for name, bound in self.bindings.items():
