@@ -501,3 +501,30 @@ def test_vllms_test_full_attention_spec_without_dtype_is_refused() -> None:
     with pytest.raises(InvalidSpecError) as info:
         traits_of(spec)
     assert (info.value.field, info.value.value) == ("dtype", None)
+
+
+def test_vllms_test_group_of_specs_without_dtype_is_refused_by_member() -> None:
+    """vLLM 0.34's ``test_worker_scales_uniform_attention_group_under_dcp`` wraps the same
+    dtype-less ``FullAttentionSpec`` in a ``UniformTypeKVCacheSpecs`` (layers of 8 and of 4
+    KV heads). The group's page is its members' pages, each sized with torch's global
+    default dtype (``2 x 16 x 8 x 64 x 4 B + 2 x 16 x 4 x 64 x 4 B`` under float32, half
+    under float16): process state, not the spec. ``traits_of`` refuses the group naming the
+    member and its field (``kv_cache_specs['layer0'].dtype``), so the migrated store worker
+    stops on it where ``isinstance`` only looked at the group's class (the ``[[migrated]]``
+    difference in expected_differences.toml this proves)."""
+    members = {
+        "layer0": kvi.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=None),  # type: ignore[arg-type]
+        "layer1": kvi.FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=None),  # type: ignore[arg-type]
+    }
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
+    assert group.page_size_bytes == 2 * 16 * 8 * 64 * 4 + 2 * 16 * 4 * 64 * 4
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        assert group.page_size_bytes == 2 * 16 * 8 * 64 * 2 + 2 * 16 * 4 * 64 * 2
+    finally:
+        torch.set_default_dtype(default)
+    with pytest.raises(InvalidSpecError) as info:
+        traits_of(group)
+    assert (info.value.field, info.value.value) == ("kv_cache_specs['layer0'].dtype", None)
+    assert "UniformTypeKVCacheSpecs" in str(info.value)
