@@ -195,8 +195,10 @@ class Request:
         if bounds is None:
             return
         lo, hi = bounds
-        # A mask no larger than the copy a sort makes (8 bytes an id): one vectorised pass.
-        if hi - lo < 8 * n:
+        # One vectorised pass over a mask of at most 32 bytes an id (4 KiB at least;
+        # small lists were checked by a set when converted): below a request's own
+        # descriptors' memory, and cheaper than a sort.
+        if hi - lo < 32 * n + 4096:
             seen = np.zeros(hi - lo + 1, dtype=np.bool_)
             shifted = blocks - lo if lo else blocks
             seen[shifted] = True
