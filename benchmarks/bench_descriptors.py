@@ -29,10 +29,11 @@ Both sides' id arrays must be equal (checked before timing), and merged rows mus
 the bytes of one row per block. Timings are the best of interleaved repetitions in CPU
 time of this thread (a shared machine only ever adds time; gc off while timing, as
 timeit does); peak memory is tracemalloc's peak over one call (numpy's buffers are
-traced), the result included. Targets (the DeepSeek-V4 table, issue 22), per size:
-prepped and merged time <= 1.0x upstream, and their peak memory <= 1.0x upstream's.
-The Llama-4 table is printed, not gated: there merged mode writes rows (8x fewer
-descriptors for NIXL), which cost more than ids to build on small requests.
+traced), the result included. Targets (issue 22), per size and for both tables:
+prepped and merged time <= 1.0x upstream, and their peak memory <= 1.0x upstream's; each
+is printed with met / NOT met. On the Llama-4 table merged mode writes rows (8x fewer
+descriptors for NIXL), whose build costs a fixed 20-30 us of numpy calls more than ids
+(docs/nixl.md, "Per-request descriptor work against upstream").
 
 Run: ``.venv/bin/python benchmarks/bench_descriptors.py`` (``--quick`` for a smoke run).
 """
@@ -255,26 +256,30 @@ def main(argv: list[str]) -> int:
     )
     llama4 = _plan(layouts.llama4(1, layers=LAYERS), KVCacheLayout.LBHNC)
     info = _table(
-        f"Llama-4 dense pages, {LAYERS} layers, runs of {RUN} ids (not gated)",
+        f"Llama-4 dense pages, {LAYERS} layers, runs of {RUN} ids",
         llama4,
         _runs,
         sizes,
         quick,
     )
-    times, memory = worst[0::4] + worst[1::4], worst[2::4] + worst[3::4]
-    ok = max(times) <= TARGET and max(memory) <= MEMORY_TARGET
-    print(
-        f"\ntarget: prepped and merged time <= {TARGET:.1f}x upstream at every size "
-        f"(DeepSeek-V4): worst {max(times):.2f}x ({'met' if max(times) <= TARGET else 'NOT met'})"
-    )
-    print(
-        f"target: per-request peak memory <= {MEMORY_TARGET:.1f}x upstream's (DeepSeek-V4): "
-        f"worst {max(memory):.2f}x ({'met' if max(memory) <= MEMORY_TARGET else 'NOT met'})"
-    )
-    print(
-        f"info (Llama-4 runs): worst prepped {max(info[0::4]):.2f}x, merged "
-        f"{max(info[1::4]):.2f}x, peak memory {max(info[2::4] + info[3::4]):.2f}x upstream"
-    )
+    ok = True
+    for name, ratios in (("DeepSeek-V4", worst), ("Llama-4", info)):
+        for what, column, target in (
+            ("prepped time", ratios[0::4], TARGET),
+            ("merged time", ratios[1::4], TARGET),
+            (
+                "per-request peak memory",
+                [max(a, b) for a, b in zip(ratios[2::4], ratios[3::4], strict=True)],
+                MEMORY_TARGET,
+            ),
+        ):
+            met = max(column) <= target
+            ok &= met
+            where = [n for n, r in zip(sizes, column, strict=True) if r > target]
+            print(
+                f"target: {name} {what} <= {target:.1f}x upstream at every size: worst "
+                f"{max(column):.2f}x ({'met' if met else f'NOT met at {where} blocks per group'})"
+            )
     return 0 if ok else 1
 
 

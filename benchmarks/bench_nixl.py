@@ -18,8 +18,11 @@
    repetitions each. Also printed: our descriptor build alone (``request_descs``), and
    numpy copying the same blocks (``dst[ids] = src[ids]``, and one slice copy per run of
    consecutive ids), which shows where the transport stands against a copy here.
-   Target: ours <= 1.05x raw NIXL from 64 KiB. ``--profile`` adds a cProfile of one read
-   per mode at 4 KiB (where the time goes below the target's range).
+   Both spans run from before the descriptors are posted to after the handle is
+   released (ours also builds its descriptors inside it, raw posts them ready-made: the
+   same arrays, checked to be the same count). Target: ours <= 1.05x raw NIXL from
+   64 KiB. ``--profile`` adds a cProfile of one read per mode and block size, ours and
+   raw, with the own time spent in kvspec_traits' Python.
 
 Run: ``.venv/bin/python benchmarks/bench_nixl.py`` (add ``--quick`` for a smoke run).
 """
@@ -37,6 +40,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.nixl_helpers
@@ -189,25 +193,25 @@ def bench_transfer(total_bytes: int, reps: int, profile: bool) -> list[tuple[int
     )
     print(
         f"{'block':>7} {'blocks':>6} | {'numpy idx':>9} {'numpy runs':>10} | {'mode':>9} "
-        f"{'descs':>6} {'per-block':>9} | {'ours ms':>8} {'build ms':>8} {'raw ms':>8} "
-        f"{'ours/raw':>8} | {'x numpy idx':>11} {'x runs':>6}"
+        f"{'descs':>6} {'per-block':>9} | {'ours cpu':>8} {'build ms':>8} {'raw cpu':>8} "
+        f"{'ours/raw':>8} | {'ours wall':>7} {'raw wall':>7} {'wall x':>7} | "
+        f"{'x numpy idx':>11} {'x runs':>6}"
     )
     out = []
     for block_len, heads, head_size in ((4096, 1, 64), (65536, 8, 128), (1 << 20, 16, 1024)):
-        for mode, ratio in _transfer_point(
-            block_len, heads, head_size, total_bytes, reps, profile and block_len == 4096
-        ):
+        for mode, ratio in _transfer_point(block_len, heads, head_size, total_bytes, reps, profile):
             out.append((block_len, mode, ratio))
     return out
 
 
 def _raw_read(
     consumer: TraitsNixlAgent, producer: TraitsNixlAgent, peer: RemotePeer, descs: RequestDescs
-) -> float:
+) -> tuple[float, float]:
     """One read through NIXL's own API only: the agents, prepared lists and descriptor
-    arrays read_blocks would use, posted and waited for as a NIXL user would."""
+    arrays read_blocks would use, posted and waited for as a NIXL user would; (CPU
+    seconds of this process, wall seconds)."""
     agent, source = consumer._agent, producer._agent
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     if descs.local_ids is not None and descs.remote_ids is not None:
         handle = agent.make_prepped_xfer(
             "READ", consumer._local_prepped, descs.local_ids, peer.prepped, descs.remote_ids, b""
@@ -226,9 +230,8 @@ def _raw_read(
             break
         if state == "ERR":
             raise RuntimeError("raw NIXL: transfer failed")
-    seconds = time.perf_counter() - start
-    agent.release_xfer_handle(handle)
-    return seconds
+    agent.release_xfer_handle(handle)  # inside the span, as read_blocks' seconds include it
+    return time.process_time() - cpu, time.perf_counter() - start
 
 
 def _transfer_point(
@@ -277,29 +280,38 @@ def _transfer_point(
             consumer.read_blocks(peer, ids, mode=mode, progress=producer.progress)
 
         build = min(_timed(build_descs) for _ in range(reps))
-        consumer.read_blocks(peer, ids, mode=mode, progress=producer.progress)  # warm-up
+        warm = consumer.read_blocks(peer, ids, mode=mode, progress=producer.progress)
+        if warm.descriptors != descs.descriptors:  # the raw row posts exactly ours
+            raise RuntimeError(f"{mode}: raw NIXL would post other descriptors than ours")
         _raw_read(consumer, producer, peer, descs)
         ours, raw = [], []
         for _ in range(reps):  # interleaved: both see the same load
             dst.fill(0)
+            cpu = time.process_time()
             result = consumer.read_blocks(peer, ids, mode=mode, progress=producer.progress)
-            ours.append(result.seconds)
+            ours.append((time.process_time() - cpu, result.seconds))
             if not np.array_equal(dst[idx], src[idx]):
                 raise RuntimeError(f"{mode}: bytes differ after our read")
             dst.fill(0)
             raw.append(_raw_read(consumer, producer, peer, descs))
             if not np.array_equal(dst[idx], src[idx]):
                 raise RuntimeError(f"{mode}: bytes differ after the raw NIXL read")
-        t, t_raw = min(ours), min(raw)
+        # CPU time of this process (the copy runs inside NIXL's postXferReq, in this
+        # thread): other processes on the shared cores add wall time to whichever of
+        # the two they interrupt, CPU time to neither. Wall time printed beside it.
+        t, t_raw = min(c for c, _ in ours), min(c for c, _ in raw)
+        w, w_raw = min(x for _, x in ours), min(x for _, x in raw)
         out.append((mode, t / t_raw))
         print(
             f"{block_len // 1024:>5}Ki {len(ids):>6} | {t_idx * 1e3:>9.2f} {t_runs * 1e3:>10.2f} | "
             f"{mode:>9} {result.descriptors:>6} {result.per_block_descriptors:>9} | "
             f"{t * 1e3:>8.2f} {build * 1e3:>8.3f} {t_raw * 1e3:>8.2f} {t / t_raw:>7.2f}x | "
-            f"{t_idx / t:>11.2f} {t_runs / t:>6.2f}"
+            f"{w * 1e3:>7.2f} {w_raw * 1e3:>7.2f} {w / w_raw:>6.2f}x | "
+            f"{t_idx / w:>11.2f} {t_runs / w:>6.2f}"
         )
         if profile:
             _profile(read, mode)
+            _profile(partial(_raw_read, consumer, producer, peer, descs), f"raw NIXL {mode}")
     consumer.close()
     producer.close()
     return out
@@ -312,7 +324,15 @@ def _profile(fn: Callable[[], object], mode: str) -> None:
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:6]  # type: ignore[attr-defined]
     total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
-    print(f"    profile of one {mode} read ({total * 1e3:.1f} ms own time in all):")
+    ours = sum(
+        v[2]
+        for (path, _, _), v in stats.stats.items()  # type: ignore[attr-defined]
+        if "kvspec_traits" in path
+    )
+    print(
+        f"    profile of one {mode} read ({total * 1e3:.2f} ms own time in all, "
+        f"{ours * 1e3:.3f} ms in kvspec_traits' Python):"
+    )
     for (path, line, name), (_, calls, own, _, _) in rows:
         where = name if path == "~" else f"{Path(path).name}:{line}({name})"
         print(f"      {own * 1e3:>8.2f} ms {own / total:>5.0%} {calls:>6}x {where}")
@@ -358,8 +378,8 @@ def main() -> int:
         verdict = ("met" if ratio <= TARGET else "NOT met") if gated else "info (not gated)"
         ok &= ratio <= TARGET or not gated
         print(
-            f"target: ours <= {TARGET}x raw NIXL from 64 KiB; {mode} at {block_len // 1024} KiB "
-            f"blocks: {ratio:.2f}x ({verdict})"
+            f"target: ours <= {TARGET}x raw NIXL (CPU time) from 64 KiB; {mode} at "
+            f"{block_len // 1024} KiB blocks: {ratio:.2f}x ({verdict})"
         )
     return 0 if ok else 1
 

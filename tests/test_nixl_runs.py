@@ -9,6 +9,8 @@ and with block ids that are empty, single, unsorted, in runs, or repeated remote
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -91,6 +93,63 @@ def test_run_merge_equals_scalar_merge_on_every_family(family: str) -> None:
             _assert_same(scalar, vector)
             if name == "empty":
                 assert all(i.count == 0 for i in vector), name
+
+
+def _peer_of(plan: RegionPlan, regions: tuple[PeerRegion, ...], tp: int, rank: int) -> RemotePeer:
+    meta = PeerMetadata(
+        agent_name=f"producer{rank}",
+        tp_rank=rank,
+        tp_size=tp,
+        num_blocks=NB,
+        fingerprint=plan.fingerprint(),
+        regions=regions,
+        agent_metadata=b"md",
+    )
+    return RemotePeer(meta)
+
+
+@pytest.mark.parametrize("family", sorted(layouts.FAMILIES))
+def test_request_rows_equal_scalar_merge_on_every_family(family: str) -> None:
+    """What read_blocks posts in merged mode (request_descs: the one-class path where
+    every bucket is dense or never joins, else the run tables), with no prepared list so
+    rows are always written, equals merge_runs of the per-block rows: ids given as lists
+    and as arrays, the same or other remote ids."""
+    plan = _plan(family)
+    regions = peer_regions(plan)
+    remotes = {0: regions}
+    rng = np.random.default_rng(11)
+    for name, local in _requests(plan.num_groups, rng):
+        for remote in (
+            None,
+            [[(b + 3) % NB for b in g] for g in local],
+            [[1] * len(g) for g in local],
+        ):
+            scalar, _ = _both(plan, remotes, 1, local, remote)
+            for ids in (local, [np.asarray(g, dtype=np.int64) for g in local]):
+                got = request_descs(plan, {0: _peer_of(plan, regions, 1, 0)}, ids, remote, "merged")
+                assert got.local_ids is None, name
+                _assert_same(scalar, got.items)
+                assert got.nbytes == sum(i.nbytes for i in scalar)
+
+
+def test_rows_merge_across_abutting_regions() -> None:
+    """Llama's layers are one tensor, layer after layer: a request of every block is one
+    descriptor over every region, as merge_runs gives (the seams between rows are
+    tested where their bytes can abut); with the second layer moved elsewhere, the
+    rows around it no longer merge."""
+    plan = _plan("llama_gqa")
+    first, second = plan.regions[0], plan.regions[1]
+    far = dataclasses.replace(second, base_addr=second.base_addr + (1 << 40))
+    apart = dataclasses.replace(plan, regions=(first, far, *plan.regions[2:]))
+    ids = [list(range(NB))]
+    counts = []
+    for case in (plan, apart):
+        regions = peer_regions(case)
+        scalar, _ = _both(case, {0: regions}, 1, ids)
+        got = request_descs(case, {0: _peer_of(case, regions, 1, 0)}, ids, None, "merged")
+        _assert_same(scalar, got.items)
+        counts.append(got.descriptors)
+    assert counts == [1, 3 if len(plan.regions) > 2 else 2]
 
 
 @pytest.mark.parametrize("family", ["llama_gqa", "deepseek_v3", "gpt_oss", "llama4"])

@@ -13,6 +13,7 @@ The per-request ``Nx3`` form (with TP splitting) is ``nixl/_items.py``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, Final, cast
 
 import numpy as np
@@ -39,6 +40,7 @@ __all__ = [
     "build_state_descs",
     "desc_ids_of",
     "desc_index",
+    "request_pair",
 ]
 
 U64 = npt.NDArray[np.uint64]
@@ -107,15 +109,49 @@ class Request:
     :class:`BlockIdTypeError` / :class:`BlockIdShapeError` before anything is built.
     """
 
-    __slots__ = ("_all", "_bounds", "groups", "side")
+    __slots__ = ("_all", "_bounds", "distinct", "groups", "pair", "side")
 
     def __init__(self, block_ids: BlockIds, num_groups: int, side: str = "local") -> None:
         self.side = side
         self._all: npt.NDArray[np.int64] | None = None
         self._bounds: dict[int, tuple[int, int] | None] = {}
+        self.distinct = False
+        """Known to hold no id twice, in all groups together (else: not checked yet)."""
+        self.pair: npt.NDArray[np.int64] | None = None
+        """``(2, n)``: this request's ids (row 0) over the remote ones (row 1), when
+        :func:`request_pair` converted both into one array."""
         self.groups: list[npt.NDArray[np.int64]] = [
             _as_ids(g, side) for g in group_lists(block_ids, num_groups, side)
         ]
+
+    @classmethod
+    def _of_flat(
+        cls,
+        side: str,
+        flat: npt.NDArray[np.int64],
+        sizes: list[int],
+        bounds: list[tuple[int, int] | None],
+    ) -> Request:
+        """A request whose groups are consecutive slices of ``flat`` (so :attr:`all` is
+        ``flat`` itself, no concatenate), with each group's bounds already known."""
+        self = cls.__new__(cls)
+        self.side = side
+        self._all = flat
+        self.distinct = False
+        self.pair = None
+        self.groups = []
+        pos = 0
+        for size in sizes:
+            self.groups.append(flat[pos : pos + size])
+            pos += size
+        self._bounds = dict(enumerate(bounds))
+        known = [b for b in bounds if b is not None]
+        if len(known) == 1:
+            self._bounds[-1] = known[0]
+        else:
+            lows, highs = zip(*known, strict=True) if known else ((), ())
+            self._bounds[-1] = (min(lows), max(highs)) if known else None
+        return self
 
     @property
     def all(self) -> npt.NDArray[np.int64]:
@@ -143,6 +179,8 @@ class Request:
         region takes every group's blocks (``shared``). Call after the bounds check
         (:meth:`DescIndex.check`: ids are then non-negative and bounded, so a mask is
         cheap)."""
+        if self.distinct:
+            return
         if shared and len(self.groups) > 1:
             self._distinct(self.all, -1)
         else:
@@ -157,7 +195,10 @@ class Request:
         if bounds is None:
             return
         lo, hi = bounds
-        if hi - lo < 8 * n + 4096:  # one vectorised pass over a bounded mask
+        # One vectorised pass over a mask of at most 32 bytes an id (4 KiB at least;
+        # small lists were checked by a set when converted): below a request's own
+        # descriptors' memory, and cheaper than a sort.
+        if hi - lo < 32 * n + 4096:
             seen = np.zeros(hi - lo + 1, dtype=np.bool_)
             shifted = blocks - lo if lo else blocks
             seen[shifted] = True
@@ -172,6 +213,61 @@ class Request:
         raise DuplicateBlockIdError(
             repeated, None if group_id < 0 or len(self.groups) == 1 else group_id
         )
+
+
+def request_pair(
+    block_ids: BlockIds, remote_block_ids: BlockIds | None, num_groups: int
+) -> tuple[Request, Request]:
+    """Both sides of a request (the remote one is the local one when
+    ``remote_block_ids`` is None), validated as :class:`Request` validates each, with
+    the same errors in the same order. Python lists, as vLLM hands them, are converted
+    in one pass into one array and their bounds taken for every group at once (two
+    numpy calls for a request instead of two per group and side); a request holding
+    an array goes group by group, as :class:`Request` does."""
+    lists = group_lists(block_ids, num_groups, "local")
+    arrays = [check_id_list(g, "local") for g in lists]
+    rlists = None
+    if remote_block_ids is not None:
+        rlists = group_lists(remote_block_ids, num_groups, "remote")
+        arrays += [check_id_list(g, "remote") for g in rlists]
+    if any(arrays):
+        lreq = Request(block_ids, num_groups, "local")
+        if remote_block_ids is None:
+            return lreq, lreq
+        return lreq, Request(remote_block_ids, num_groups, "remote")
+    every = lists if rlists is None else lists + rlists
+    sizes = [len(g) for g in every]
+    total = sum(sizes)
+    try:
+        flat = np.fromiter(chain.from_iterable(every), dtype=np.int64, count=total)
+    except OverflowError:
+        for i, g in enumerate(every):  # raises for the first list with an id past int64
+            _as_ids(g, "local" if i < len(lists) else "remote")
+        raise
+    starts, pos = [], 0
+    for size in sizes:
+        if size:
+            starts.append(pos)
+        pos += size
+    lows = np.minimum.reduceat(flat, starts).tolist() if starts else []
+    highs = np.maximum.reduceat(flat, starts).tolist() if starts else []
+    bounds: list[tuple[int, int] | None] = []
+    found = iter(zip(lows, highs, strict=True))
+    for size in sizes:
+        bounds.append(next(found) if size else None)
+    n = sum(sizes[:num_groups])
+    lreq = Request._of_flat("local", flat[:n], sizes[:num_groups], bounds[:num_groups])
+    if n <= _SMALL:  # a set of a few ids costs less than a numpy pass
+        lreq.distinct = len(set(chain.from_iterable(lists))) == n
+    if rlists is None:
+        return lreq, lreq
+    rreq = Request._of_flat("remote", flat[n:], sizes[num_groups:], bounds[num_groups:])
+    if total == 2 * n:
+        lreq.pair = rreq.pair = flat.reshape(2, n)
+    return lreq, rreq
+
+
+_SMALL: Final = 64
 
 
 class DescIndex:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Final
 
 import numpy as np
@@ -135,6 +136,7 @@ _Row = tuple[int, int, int, int, int, int, int, int, int, int]
 """(region, local base, local stride, remote base, remote stride, length, local device,
 remote device, remote block count, local block count) of one (region, read)."""
 _U64_END: Final = 1 << 64
+_U64_MASK: Final = _U64_END - 1
 
 
 def _join_class(row: _Row) -> tuple[int, int, int] | None:
@@ -159,6 +161,26 @@ def _join_class(row: _Row) -> tuple[int, int, int] | None:
     return (lstride, rstride, length)
 
 
+def seam_may_join(a: _Row, b: _Row) -> bool:
+    """Whether a descriptor of row ``a`` (one block, or a run of them) may end where one
+    of row ``b`` starts, on both sides and on the same devices, for any ids within the
+    rows' block counts (ids are bounds-checked first): a conservative interval test,
+    ``False`` only when no request can make the two merge (``merge_runs``' test, in
+    uint64, which matches integer arithmetic while every address stays below 2**64)."""
+    _, la, ls, ra, rs, length, ld, rd, rc, lc = a
+    _, lb, lsb, rb, rsb, _, ldb, rdb, rcb, lcb = b
+    if ld != ldb or rd != rdb:
+        return False
+    ends = ((la, la + (ls + length) * lc), (ra, ra + (rs + length) * rc))
+    starts = ((lb, lb + lsb * lcb), (rb, rb + rsb * rcb))
+    if any(hi >= _U64_END for _, hi in ends + starts):
+        return True
+    return all(
+        e_lo <= s_hi and s_lo <= e_hi
+        for (e_lo, e_hi), (s_lo, s_hi) in zip(ends, starts, strict=True)
+    )
+
+
 class _Bucket:
     """The reads of one cache group's regions from one remote rank, as columns: row
     ``i`` is one (region, read) pair, in region order. Rows are also sorted by how
@@ -166,16 +188,27 @@ class _Bucket:
     (``nixl/_runs.py``)."""
 
     __slots__ = (
+        "bases",
         "classes",
         "count_limit",
+        "devices",
+        "edges",
+        "factors",
+        "inner_seams",
         "lbase",
         "ldev",
         "length",
         "lstride",
+        "offsets",
+        "one_class",
         "rbase",
         "rdev",
         "regions",
+        "row_bytes",
         "rstride",
+        "steps",
+        "template_offsets",
+        "uniform_params",
     )
 
     def __init__(self, rows: list[_Row]) -> None:
@@ -196,6 +229,50 @@ class _Bucket:
             (key, np.asarray(idx, dtype=np.intp)) for key, idx in members.items()
         )
         """Per join class, the rows (bucket indices, ascending) of that class."""
+        # Both sides' rows as one product and sum (nixl/_runs.py's one-class path): row
+        # (side, i) of run (first id f, n ids) is factors * (f, n, 0) + offsets, i.e.
+        # (base + stride * f, length * n, device).
+        k = len(rows)
+        self.factors = np.zeros((2, k, 1, 3), dtype=np.uint64)
+        self.offsets = np.zeros((2, k, 1, 3), dtype=np.uint64)
+        self.factors[0, :, 0, 0], self.factors[1, :, 0, 0] = cols[:, 2], cols[:, 4]
+        self.factors[:, :, 0, 1] = cols[:, 5]
+        self.offsets[0, :, 0, 0], self.offsets[1, :, 0, 0] = cols[:, 1], cols[:, 3]
+        self.offsets[0, :, 0, 2], self.offsets[1, :, 0, 2] = cols[:, 6], cols[:, 7]
+        classes = [cls for cls, _ in self.classes]
+        self.one_class: tuple[int, int, int] | bool | None = (
+            classes[0] if len(classes) == 1 and classes[0] in (None, (0, 0, 0)) else False
+        )
+        """The bucket's one join class when it is dense or never (``None``), else False:
+        those buckets take nixl/_runs.py's one-class path."""
+        uniform = bool(k) and all(
+            row[2] == rows[0][2] and row[4] == rows[0][4] and row[5:8] == rows[0][5:8]
+            for row in rows
+        )
+        self.uniform_params = (rows[0][2], rows[0][4], rows[0][5]) if k else (0, 0, 0)
+        self.devices = (rows[0][6], rows[0][7]) if k else (0, 0)
+        self.row_bytes = sum(row[5] for row in rows)
+        """Bytes one block moves over every row."""
+        """(local stride, remote stride, length) of every row of a uniform bucket."""
+        self.steps: frozenset[tuple[int, int]] | None = (
+            frozenset(
+                ((b[1] - a[1]) & _U64_MASK, (b[3] - a[3]) & _U64_MASK) for a, b in pairwise(rows)
+            )
+            if uniform
+            else None
+        )
+        """A uniform bucket (rows differing only in their bases): the base differences
+        (mod 2**64, per side) of neighbouring rows; ``None`` otherwise. A request's last
+        run of a row ends where the next row's first run begins only if that offset is
+        one of these."""
+        self.bases = self.offsets[..., 0].copy()  # (side, row, 1)
+        self.template_offsets = self.offsets[:, :1].copy()
+        self.template_offsets[..., 0] = 0
+        self.inner_seams = any(seam_may_join(a, b) for a, b in pairwise(rows))
+        """Whether the runs of one row may join those of the next (their bytes can abut
+        on both sides): only then must a request's rows be tested at those seams."""
+        self.edges: tuple[_Row, _Row] | None = (rows[0], rows[-1]) if rows else None
+        """The first and the last row, for the seams between buckets."""
 
 
 class ReadTable:
@@ -205,7 +282,7 @@ class ReadTable:
     that cannot move (or needs a rank that was not given) raises when a request
     names blocks of its group."""
 
-    __slots__ = ("buckets", "errors", "mapped")
+    __slots__ = ("buckets", "errors", "mapped", "uniform")
 
     def __init__(
         self, plan: RegionPlan, remotes: Mapping[int, Sequence[PeerRegion]], reads: ReadCache
@@ -247,6 +324,18 @@ class ReadTable:
                     )
             self.buckets.append({rank: _Bucket(r) for rank, r in sorted(rows.items())})
             self.errors.append(error)
+        every = [b for buckets in self.buckets for b in buckets.values()]
+        params = {(b.uniform_params, b.devices) for b in every if b.steps is not None}
+        self.uniform: tuple[U64, U64] | None = None
+        """Every bucket uniform with the same strides, length and devices: ``(side, 1,
+        (stride, length))`` and ``(side, 1, (device,))``, so a run's row but for its base
+        is the same in every bucket (nixl/_runs.py writes it once a request)."""
+        if every and len(params) == 1 and all(b.steps is not None for b in every):
+            ((lstride, rstride, length), (ldev, rdev)) = params.pop()
+            self.uniform = (
+                np.array([[[lstride, length]], [[rstride, length]]], dtype=np.uint64),
+                np.array([[[ldev]], [[rdev]]], dtype=np.uint64),
+            )
 
 
 def read_table(

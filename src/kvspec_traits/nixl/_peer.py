@@ -8,7 +8,14 @@ from typing import Any, Literal, get_args
 
 import numpy.typing as npt
 
-from kvspec_traits.nixl._descs import BlockIds, DescIndex, Request, desc_ids_of, desc_index
+from kvspec_traits.nixl._descs import (
+    BlockIds,
+    DescIndex,
+    Request,
+    desc_ids_of,
+    desc_index,
+    request_pair,
+)
 from kvspec_traits.nixl._errors import MemoryTypeMismatchError, MissingPeerError
 from kvspec_traits.nixl._items import ReadCache, check_lengths
 from kvspec_traits.nixl._wire import PeerMetadata
@@ -91,10 +98,7 @@ def prepped_desc_ids(
     two ``_compute_desc_ids`` calls), with the ids validated first (types, one list per
     group, bounds on both sides, distinct destinations). The ids are int32 (NIXL's
     index type) unless a list holds 2^31 descriptors or more."""
-    lreq = Request(block_ids, plan.num_groups, "local")
-    rreq = (
-        lreq if remote_block_ids is None else Request(remote_block_ids, plan.num_groups, "remote")
-    )
+    lreq, rreq = request_pair(block_ids, remote_block_ids, plan.num_groups)
     return prepped_ids_of(plan, peer, lreq, rreq)
 
 

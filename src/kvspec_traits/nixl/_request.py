@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy.typing as npt
 
-from kvspec_traits.nixl._descs import BlockIds, Request, desc_index
+from kvspec_traits.nixl._descs import BlockIds, desc_index, request_pair
 from kvspec_traits.nixl._errors import MissingPeerError
 from kvspec_traits.nixl._items import (
     ReadCache,
@@ -34,7 +34,14 @@ from kvspec_traits.nixl._peer import (
     check_prepped_rank,
     prepped_ids_of,
 )
-from kvspec_traits.nixl._runs import merged_rows, request_runs
+from kvspec_traits.nixl._runs import (
+    OneClassRuns,
+    Runs,
+    merged_rows,
+    one_class_rows,
+    one_class_runs,
+    request_runs,
+)
 from kvspec_traits.transfer import RegionPlan
 
 __all__ = ["MERGE_PAYS", "RequestDescs", "request_descs"]
@@ -90,10 +97,7 @@ def request_descs(
     """Validate a request and build what ``read_blocks(mode=mode)`` posts for it
     (``by_rank``: the remote ranks by TP rank, checked by the caller). Raises the
     block-id errors and :class:`MissingPeerError` before anything is built."""
-    lreq = Request(block_ids, plan.num_groups, "local")
-    rreq = (
-        lreq if remote_block_ids is None else Request(remote_block_ids, plan.num_groups, "remote")
-    )
+    lreq, rreq = request_pair(block_ids, remote_block_ids, plan.num_groups)
     if mode == "prepped":
         if len(by_rank) != 1 or next(iter(by_rank.values())).meta.tp_size != plan.tp_size:
             raise ValueError("mode='prepped' needs one peer of the same TP size")
@@ -117,12 +121,17 @@ def request_descs(
         # Every row keeps a run at least: merging cannot cut MERGE_PAYS times.
         local_ids, remote_ids, nbytes = prepped_ids_of(plan, prepped, lreq, rreq)
         return RequestDescs(local_ids, remote_ids, [], int(local_ids.size), nbytes)
-    runs = request_runs(*checked_request(plan, remotes, lreq, rreq, first.reads))
-    if prepped is not None and runs.count * MERGE_PAYS > runs.per_block:
+    table, groups = checked_request(plan, remotes, lreq, rreq, first.reads)
+    simple = one_class_runs(table, lreq, rreq)
+    runs = request_runs(table, groups) if simple is None else None
+    counted: OneClassRuns | Runs = simple or cast("Runs", runs)
+    if prepped is not None and counted.count * MERGE_PAYS > counted.per_block:
         # The local ids were checked with the runs (bounds, distinct destinations).
         local_ids, remote_ids, nbytes = prepped_ids_of(
             plan, prepped, lreq, rreq, local_checked=True
         )
-        return RequestDescs(local_ids, remote_ids, [], runs.per_block, nbytes)
-    items = merged_rows(runs)
-    return RequestDescs(None, None, items, runs.per_block, sum(i.nbytes for i in items))
+        return RequestDescs(local_ids, remote_ids, [], counted.per_block, nbytes)
+    if simple is not None:
+        return RequestDescs(None, None, one_class_rows(simple), simple.per_block, simple.nbytes)
+    items = merged_rows(cast("Runs", runs))
+    return RequestDescs(None, None, items, counted.per_block, sum(i.nbytes for i in items))
