@@ -512,7 +512,7 @@ def test_vllms_test_group_of_specs_without_dtype_is_refused_by_member() -> None:
     member and its field (``kv_cache_specs['layer0'].dtype``), so the migrated store worker
     stops on it where ``isinstance`` only looked at the group's class (the ``[[migrated]]``
     difference in expected_differences.toml this proves)."""
-    members = {
+    members: dict[str, kvi.KVCacheSpec] = {
         "layer0": kvi.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=None),  # type: ignore[arg-type]
         "layer1": kvi.FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=None),  # type: ignore[arg-type]
     }
