@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 
 from kvspec_traits.nixl import DuplicateBlockIdError, PeerMetadata, RemotePeer, peer_regions
+from kvspec_traits.nixl._checked import checked_request, transfer_items_of
 from kvspec_traits.nixl._descs import Request
 from kvspec_traits.nixl._items import (
     ReadCache,
     TransferItems,
-    checked_request,
     merge_runs,
-    transfer_items_of,
 )
 from kvspec_traits.nixl._request import MERGE_PAYS, request_descs
 from kvspec_traits.nixl._runs import merged_rows, request_runs

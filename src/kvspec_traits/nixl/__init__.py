@@ -16,6 +16,7 @@ with needs("kvspec_traits.nixl (the NIXL shim)"):
     import numpy  # noqa: F401  # imported here to name it when missing, used by the modules below
 
 from kvspec_traits.nixl._agent import TraitsNixlAgent
+from kvspec_traits.nixl._checked import transfer_items
 from kvspec_traits.nixl._descs import BlockIds, block_desc_ids, build_block_descs, build_state_descs
 from kvspec_traits.nixl._errors import (
     BlockIdError,
@@ -26,7 +27,7 @@ from kvspec_traits.nixl._errors import (
     MissingPeerError,
     TransferFailedError,
 )
-from kvspec_traits.nixl._items import TransferItems, merge_runs, peer_regions, transfer_items
+from kvspec_traits.nixl._items import TransferItems, merge_runs, peer_regions
 from kvspec_traits.nixl._peer import DescMode, RemotePeer, TransferResult, prepped_desc_ids
 from kvspec_traits.nixl._wire import (
     PeerMetadata,

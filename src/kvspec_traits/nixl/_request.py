@@ -20,28 +20,21 @@ from typing import Any, Final, cast
 
 import numpy.typing as npt
 
+from kvspec_traits.nixl._checked import checked_request, transfer_items_of
 from kvspec_traits.nixl._descs import BlockIds, desc_index, request_pair
 from kvspec_traits.nixl._errors import MissingPeerError
 from kvspec_traits.nixl._items import (
     ReadCache,
     TransferItems,
-    checked_request,
-    transfer_items_of,
 )
+from kvspec_traits.nixl._onerun import OneClassRuns, one_class_rows, one_class_runs
 from kvspec_traits.nixl._peer import (
     DescMode,
     RemotePeer,
     check_prepped_rank,
     prepped_ids_of,
 )
-from kvspec_traits.nixl._runs import (
-    OneClassRuns,
-    Runs,
-    merged_rows,
-    one_class_rows,
-    one_class_runs,
-    request_runs,
-)
+from kvspec_traits.nixl._runs import Runs, merged_rows, request_runs
 from kvspec_traits.transfer import RegionPlan
 
 __all__ = ["MERGE_PAYS", "RequestDescs", "request_descs"]
