@@ -94,6 +94,18 @@ def test_direct_subclass_of_the_abstract_base_is_refused() -> None:
     assert info.value.spec_type is DirectSpec
 
 
+def test_the_abstract_base_itself_is_refused() -> None:
+    """vLLM 0.34's ``test_canonical_mapping.py::test_fail_closed_cases`` asks for the
+    canonical mapping of a bare ``KVCacheSpec(block_size=4)``: upstream's
+    ``isinstance(spec, AttentionSpec)`` is False and the mapping is ``None`` (the opaque
+    per-rank fallback). The base class has no layout fields, so ``traits_of`` refuses it
+    by name, and the migrated line raises where upstream returned ``None`` (the
+    ``[[migrated]]`` difference in expected_differences.toml this proves)."""
+    with pytest.raises(UnsupportedSpecError, match="abstract") as info:
+        traits_of(kvi.KVCacheSpec(block_size=4))
+    assert info.value.spec_type is kvi.KVCacheSpec
+
+
 @pytest.mark.parametrize("obj", [object(), 42, "FullAttentionSpec"])
 def test_objects_that_are_not_specs_are_refused(obj: object) -> None:
     with pytest.raises(UnsupportedSpecError, match="is it a vLLM KV cache spec") as info:
