@@ -41,7 +41,7 @@ from kvspec_traits.audit._universe import installed_vllm_dir
 VERSION = ".".join(vllm.__version__.split(".")[:2])
 
 # Sites under vllm/distributed/kv_transfer, per vLLM version.
-SITES = {"0.32": 92, "0.33": 104, "0.34": 104}
+SITES = {"0.32": 92, "0.33": 104, "0.34": 105}  # 0.34: moriio_connector.py:655, a local class set
 FILES_WITH_SITES = {"0.32": 19, "0.33": 21, "0.34": 22}
 _OFFLOAD = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/"
 MISSES = {

@@ -66,9 +66,13 @@ EXPECTED = {
         97,
         ["class-compare", "deliberate", "issubclass", "issubclass", "kept", "kept"],
     ),
-    "0.34": (104, 93, 97, ["issubclass", "issubclass", "kept", "kept"]),
+    "0.34": (105, 93, 97, ["issubclass", "issubclass", "kept", "kept"]),
 }
-# All sites rewritten (exact matches, the miss fixed), per series: >= 90% on 0.34.
+# All sites rewritten (exact matches, the miss fixed), per series. On 0.34, 94 of 105
+# (89.5%): issue 20's 90% was met at 94 of 104 until the audit found the 105th site (a
+# class set built at run time, `supported += (CircularBufferSpec,)` under a condition,
+# moriio_connector.py:655), which migrate leaves: one line cannot ask it, since the set differs
+# by path.
 REWRITTEN = {"0.32": 80, "0.33": 92, "0.34": 94}
 
 
