@@ -328,8 +328,9 @@ class TraitsNixlAgent:
     def _wait(
         self, posted: list[_Posted], deadline: float, progress: Callable[[], object] | None
     ) -> None:
-        pending = list(posted)
-        polls = 0
+        # Runs per poll for the whole read: NIXL's errors are wrapped as _checked does,
+        # but inline (a try costs nothing until it raises), and the calls are bound here.
+        check, clock, pending, polls = self._agent.check_xfer_state, time.perf_counter, posted, 0
         while pending:
             if progress is not None:
                 progress()
@@ -338,13 +339,18 @@ class TraitsNixlAgent:
                 time.sleep(50e-6)
             still = []
             for p in pending:
-                state = self._checked(self._agent.check_xfer_state, p.handle)
+                try:
+                    state = check(p.handle)
+                except Exception as exc:
+                    raise TransferFailedError(
+                        f"NIXL check_xfer_state failed: {exc}", str(exc)
+                    ) from exc
                 if state == "ERR":
                     raise TransferFailedError(f"read from {p.peer} failed", "ERR")
                 if state != "DONE":
                     still.append(p)
             pending = still
-            if pending and time.perf_counter() > deadline:
+            if pending and clock() > deadline:
                 raise TransferFailedError(
                     f"read from {[p.peer for p in pending]} not done by the deadline", "PROC"
                 )
