@@ -92,7 +92,8 @@ EXPECTED: list[Row] = [
         "isinstance",
         ("SlidingWindowSpec", "MambaSpec"),
         False,
-        ("token_scope", "TokenScope.SLIDING_WINDOW", "closest"),
+        # no single scope names both; the two scopes together name exactly their classes
+        ("token_scope", "TokenScope.SLIDING_WINDOW, TokenScope.RECURRENT_STATE", "exact"),
         (),
         (),
         False,

@@ -7,6 +7,8 @@ same ``is_mla`` value, a state class whose ``tp_layout`` varies, and a group wra
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvspec_traits.audit import ClassInfo, RawSite, Universe, infer
 from kvspec_traits.audit._questions import QUESTIONS
 
@@ -255,3 +257,39 @@ def test_negated_site_renders_the_negated_expression() -> None:
 
 def test_universe_round_trips_through_json() -> None:
     assert Universe.from_json(U.to_json()) == U
+
+
+def test_a_set_of_one_enum_traits_values_is_an_exact_answer_when_nothing_else_fits() -> None:
+    # Win, WinLatent and State: no single trait value names them (windowed takes Chunk
+    # and leaves State), but the scopes SLIDING_WINDOW and RECURRENT_STATE name exactly
+    # them among the classes of their page kind.
+    site = infer(_site("Win", "State"), U)
+    assert site.answer is not None and site.missing == () and site.verdict == "ok"
+    assert (site.answer.trait, site.answer.match) == ("token_scope", "exact")
+    assert site.answer.expression == (
+        "traits_of(spec).token_scope in (TokenScope.SLIDING_WINDOW, TokenScope.RECURRENT_STATE)"
+    )
+    negated = infer(_site("Win", "State", negated=True), U).answer
+    assert negated is not None and " not in (" in negated.expression
+
+
+def test_a_set_of_scopes_that_also_takes_an_untested_class_is_no_answer() -> None:
+    # vLLM 0.34's MoRIIO set (FullAttentionSpec, SlidingWindowSpec, MambaSpec): Full,
+    # Win and State here. Attn, the bare base, has the FULL scope too and the tuple
+    # rejects it, so no set of scopes is exact: the closest single trait stays.
+    site = infer(_site("Full", "Win", "State"), U)
+    assert site.answer is None or site.answer.match == "closest"
+
+
+def test_a_and_not_b_is_asked_as_two_traits_when_both_are_exact() -> None:
+    # `isinstance(s, Win) and not isinstance(s, WinLatent)`: Win's classes are exactly
+    # the SLIDING_WINDOW scope; among them WinLatent's are exactly is_mla.
+    site = infer(replace(_site("Win"), excluded=("WinLatent",)), U)
+    assert site.answer is not None and site.verdict == "ok" and site.missing == ()
+    assert site.answer.unless == ("is_mla", "True")
+    assert site.answer.expression == (
+        "traits_of(spec).token_scope is TokenScope.SLIDING_WINDOW and not traits_of(spec).is_mla"
+    )
+    # negated (`not (A and not B)`) it is not asked so: no such reading is written
+    flipped = infer(replace(_site("Win", negated=True), excluded=("WinLatent",)), U)
+    assert flipped.answer is None or flipped.answer.unless == ()

@@ -96,6 +96,19 @@ FORMS: list[tuple[str, str, str]] = [
         "    return issubclass(",
         "    return representative_traits(traits_of(spec)).is_mla",
     ),
+    # no single value names the classes: two values of one enum trait do, exactly
+    (
+        "scope_set",
+        "    return isinstance(spec, (kvi.SlidingWindowSpec, kvi.MambaSpec))",
+        "    return traits_of(spec).token_scope in "
+        "(TokenScope.SLIDING_WINDOW, TokenScope.RECURRENT_STATE)",
+    ),
+    # `A and not B` as two traits: each operand keeps its line
+    (
+        "sliding_not_mla",
+        "        isinstance(spec, kvi.SlidingWindowSpec)",
+        "        traits_of(spec).token_scope is TokenScope.SLIDING_WINDOW",
+    ),
 ]
 
 # Where the traits query answers otherwise than the class check, by the adapters' traits
@@ -163,13 +176,22 @@ def test_diff_per_form(universe: Universe, capsys: pytest.CaptureFixture[str]) -
     assert out.count("import TokenScope, representative_traits, traits_of") == 1
     # the chain's second line goes into the first
     assert "\n-            and not isinstance(spec, SlidingWindowMLASpec))\n" in out
+    # ... unless it is asked by a trait of its own
+    assert "\n-        and not isinstance(spec, kvi.SlidingWindowMLASpec)\n" in out
+    assert "\n+        and not traits_of(spec).is_mla\n" in out
     # the miss is named before the diff's `---` line (patch ignores it)
     head = out.split("\n--- a/")[0]
     assert (
         "forms.py:52 fixes a miss (the original leaves out SlidingWindowMLASpec): "
         "isinstance(layer_spec, MLAAttentionSpec) -> traits_of(layer_spec).is_mla"
     ) in head
-    assert "would rewrite 16 in 1 files (1 fixing a miss); left 0" in captured.err
+    assert "would rewrite 18 in 1 files (1 fixing a miss); left 1" in captured.err
+    # a class set grown on one path only (`supported += (...)` under an `if`): the audit
+    # reads the union, which the check tests on that path alone, so it is left
+    assert (
+        "forms.py:117: isinstance(spec, supported)  [its classes are the name "
+        "'supported', bound more than once in the function"
+    ) in captured.err
     assert out.startswith("# kvspec-traits: ")  # stdout is the patch alone
 
 
@@ -192,8 +214,15 @@ def test_edits_name_the_classes_answered_otherwise(universe: Universe) -> None:
     assert by_line[17].differs_on == ()  # one_class: MambaSpec is the recurrent state
     strict = plan_migration([FIXTURE], universe, strict=True)
     # the is_mla queries (and the representative one) answer otherwise for other kinds
-    assert len(strict.edits) == 11
-    assert {s.line for s in strict.skips} == {21, 35, 39, 52, 96}
+    assert len(strict.edits) == 13
+    assert {s.line for s in strict.skips} == {
+        21,
+        35,
+        39,
+        52,
+        96,
+        117,
+    }  # and the set built on a path
 
 
 def test_idempotent(migrated: Path, universe: Universe) -> None:
@@ -257,7 +286,7 @@ def test_refuses_a_file_changed_since_it_was_read(tmp_path: Path, universe: Univ
     path = tmp_path / "racing.py"
     shutil.copy(FIXTURE, path)
     plan = plan_migration([path], universe)
-    assert len(plan.edits) == 16
+    assert len(plan.edits) == 18
     edited = path.read_text() + "\n# someone else's edit\n"
     path.write_text(edited)
     refused = write_plan(plan)

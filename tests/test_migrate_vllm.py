@@ -52,28 +52,29 @@ def measured(tmp_path_factory: pytest.TempPathFactory, universe: Universe) -> An
 # The site counts are the audit's (tests/test_audit_vllm.py pins and explains them); in
 # 0.34 the class identity check became a second issubclass.
 # Issue 20's traits (attention_page, token_paged, keeps_prompt, grouped) and the
-# representative forms took the whole trees to 80/92, 92/104 and 94/104 sites rewritten.
+# representative forms took the whole trees to 80/92, 92/104 and 94/104 sites rewritten;
+# `A and not B` asked as two traits (MoRIIO's sliding window that is not MLA) one more each.
 EXPECTED = {
     "0.32": (
         92,
-        79,
-        85,
+        80,
+        86,
         ["class-compare", "deliberate", "issubclass", "issubclass", "kept", "kept"],
     ),
     "0.33": (
         104,
-        91,
-        97,
+        92,
+        98,
         ["class-compare", "deliberate", "issubclass", "issubclass", "kept", "kept"],
     ),
-    "0.34": (105, 93, 97, ["issubclass", "issubclass", "kept", "kept"]),
+    "0.34": (105, 94, 98, ["issubclass", "issubclass", "kept", "kept"]),
 }
-# All sites rewritten (exact matches, the miss fixed), per series. On 0.34, 94 of 105
-# (89.5%): issue 20's 90% was met at 94 of 104 until the audit found the 105th site (a
-# class set built at run time, `supported += (CircularBufferSpec,)` under a condition,
-# moriio_connector.py:655), which migrate leaves: one line cannot ask it, since the set differs
-# by path.
-REWRITTEN = {"0.32": 80, "0.33": 92, "0.34": 94}
+# All sites rewritten (exact matches, the miss fixed), per series. On 0.34, 95 of 105
+# (90.5%). Left there: a class set built at run time (`supported += (CircularBufferSpec,)`
+# under a condition, moriio_connector.py:655), which one line cannot ask since the set
+# differs by path (and whose classes no set of token scopes names: a bare AttentionSpec
+# has the FULL scope too).
+REWRITTEN = {"0.32": 81, "0.33": 93, "0.34": 95}
 
 
 def test_rewrites_most_exact_match_sites(measured: Any) -> None:

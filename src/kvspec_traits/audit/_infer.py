@@ -10,12 +10,17 @@ classes is a *near* match, and the rest are the classes the branch misses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Literal
 
 from kvspec_traits.audit._around import blocked_classes, flow_reason, of_kinds
-from kvspec_traits.audit._match import Candidate, best_candidate
-from kvspec_traits.audit._questions import QUESTIONS
+from kvspec_traits.audit._match import (
+    Candidate,
+    best_candidate,
+    relative_candidate,
+    value_set_candidate,
+)
+from kvspec_traits.audit._questions import QUESTIONS, VALUE_SEPARATOR, ask
 from kvspec_traits.audit._readings import defines, in_test, judged_on_vllm
 from kvspec_traits.audit._scan import RawSite
 from kvspec_traits.audit._tables import SILENT, table_reason
@@ -45,6 +50,9 @@ class Answer:
     value_classes: tuple[str, ...]
     other_value_classes: tuple[str, ...]
     varies: tuple[str, ...]
+    unless: tuple[str, ...] = ()
+    """For ``A and not B`` read as two traits: B's trait and value, asked ``and not``
+    after this answer's (see :func:`~kvspec_traits.audit._match.relative_candidate`)."""
 
 
 Verdict = Literal[
@@ -96,11 +104,16 @@ class Site:
         return CONFIDENCES.index(self.confidence) >= CONFIDENCES.index(confidence)
 
 
-def _answer(cand: Candidate, raw: RawSite, *, negated: bool) -> Answer:
-    match: Match = "exact" if cand.exact else "near" if cand.near else "closest"
+def _subject_of(raw: RawSite) -> str:
     subject = raw.subject or "spec"
     if raw.form == "issubclass":
         subject = f"<a {subject} instance>"  # traits describe instances, not classes
+    return subject
+
+
+def _answer(cand: Candidate, raw: RawSite, *, negated: bool) -> Answer:
+    match: Match = "exact" if cand.exact else "near" if cand.near else "closest"
+    subject = _subject_of(raw)
     return Answer(
         trait=cand.question.name,
         value=cand.value,
@@ -188,6 +201,13 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     negative = False
     # A dict keyed by classes holds one branch per key, not one question for all keys.
     cand = best_candidate(u, expanded) if expanded and raw.form != "class-dict" else None
+    if (
+        (cand is None or not (cand.exact or cand.near))
+        and expanded
+        and not (exact or raw.excluded or raw.form == "class-dict")
+    ):
+        # no single value is asked: several values of one enum trait may be, exactly
+        cand = value_set_candidate(u, expanded) or cand
     if cand is not None:
         answer = _answer(cand, raw, negated=raw.negated)
         if answer.match != "closest":
@@ -203,6 +223,26 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
             answer = _answer(neg, raw, negated=not raw.negated)
             missing = (neg.value_classes - taken_out - neg.varies) & u.subclasses(tested)
             negative = True
+        elif (answer is None or answer.match == "closest") and not (
+            raw.negated or exact or raw.form == "class-dict"
+        ):
+            # no question names the classes left: A's trait, less B's within A, may
+            rel = relative_candidate(u, u.subclasses(tested), taken_out)
+            if rel is not None:
+                whole, other, value = rel
+                unless = (other.name, value)
+                answer = replace(
+                    _answer(whole, raw, negated=False),
+                    unless=unless,
+                    expression=ask(
+                        whole.question.name,
+                        whole.value,
+                        _subject_of(raw),
+                        negated=False,
+                        unless=unless,
+                    ),
+                )
+                missing = frozenset()
     if not negative:
         # `A and not B`: B's classes are taken out on purpose, never missed
         missing -= u.subclasses(raw.excluded)
@@ -225,6 +265,10 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
     confidence: Confidence = "high"
     if raw.unwraps:
         reason = "tests the group wrapper and reads its members (an unwrap)"
+    elif answer and answer.unless:
+        reason = "asks exactly one trait's classes, less those of another trait's value"
+    elif answer and answer.match == "exact" and VALUE_SEPARATOR in answer.value:
+        reason = "asks exactly the classes of several values of one trait"
     elif answer and answer.match == "exact":
         reason = "asks exactly one trait's classes"
     elif answer and answer.match == "closest":

@@ -8,12 +8,23 @@ class check never stands for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Final
 
+from kvspec_traits._kinds import TokenScope, TPLayout
 from kvspec_traits._traits import KVLayoutTraits
 
-__all__ = ["KIND_TRAITS", "QUESTIONS", "Question", "question_named"]
+__all__ = [
+    "KIND_TRAITS",
+    "QUESTIONS",
+    "VALUE_SEPARATOR",
+    "Question",
+    "answer_values",
+    "ask",
+    "joined_values",
+    "question_named",
+]
 
 
 def _label(value: object) -> str:
@@ -39,14 +50,60 @@ class Question:
     common: bool = False
     """Whether a value most classes have is still a question, matched exactly only:
     ``isinstance(spec, AttentionSpec)`` asks for every attention page."""
+    member_of: str = ""
+    """For an enum trait, the expression asking for one of several values (``{v}`` is a
+    tuple of members or a name bound to one); empty for a boolean trait."""
+    not_member_of: str = ""
 
     def expression(self, subject: str, value: str, *, negated: bool) -> str:
         """The expression that asks this question of ``subject`` (negated for
-        ``not isinstance`` / ``is not`` / ``not in`` sites)."""
+        ``not isinstance`` / ``is not`` / ``not in`` sites). ``value`` is one label, or
+        several joined by ``", "`` (a set of an enum trait's values, see
+        :data:`VALUE_SEPARATOR`)."""
+        if VALUE_SEPARATOR in value and self.member_of:
+            return self.member_in(subject, f"({value})", negated=negated)
         if self.booleans:
             truthy = (value == "True") != negated
             return (self.positive if truthy else self.negative).format(s=subject, v=value)
         return (self.negative if negated else self.positive).format(s=subject, v=value)
+
+    def member_in(self, subject: str, container: str, *, negated: bool) -> str:
+        """``traits_of(subject).<trait> in <container>`` (``not in`` when negated)."""
+        template = self.not_member_of if negated else self.member_of
+        if not template:
+            raise ValueError(f"{self.name} is a boolean trait: it has no set of values")
+        return template.format(s=subject, v=container)
+
+
+VALUE_SEPARATOR: Final = ", "
+"""Joins the labels of an answer that is a set of one enum trait's values."""
+
+_ORDER: Final = {_label(m): i for i, m in enumerate((*TokenScope, *TPLayout))}
+
+
+def joined_values(labels: Iterable[str]) -> str:
+    """Labels of one enum trait joined in the enum's own order (an answer's value)."""
+    return VALUE_SEPARATOR.join(sorted(labels, key=lambda v: (_ORDER.get(v, len(_ORDER)), v)))
+
+
+def answer_values(value: str) -> frozenset[str]:
+    """The labels an answer's value stands for (one, or a set of an enum's values)."""
+    return frozenset(value.split(VALUE_SEPARATOR))
+
+
+def ask(
+    trait: str, value: str, subject: str, *, negated: bool, unless: tuple[str, ...] = ()
+) -> str:
+    """The traits expression of an answer: ``trait`` asked for ``value`` of ``subject``,
+    and, for ``A and not B`` read as two traits, ``and not`` the ``unless`` trait's value
+    (``(trait, value)``; only with ``negated`` False)."""
+    text = question_named(trait).expression(subject, value, negated=negated)
+    if unless:
+        if negated:
+            raise ValueError("an answer with `unless` is asked only as written, not negated")
+        other, other_value = unless
+        text += " and " + question_named(other).expression(subject, other_value, negated=True)
+    return text
 
 
 def _flag(name: str, *, common: bool = False) -> Question:
@@ -69,6 +126,8 @@ def _member(name: str) -> Question:
         positive=f"traits_of({{s}}).{name} is {{v}}",
         negative=f"traits_of({{s}}).{name} is not {{v}}",
         booleans=False,
+        member_of=f"traits_of({{s}}).{name} in {{v}}",
+        not_member_of=f"traits_of({{s}}).{name} not in {{v}}",
     )
 
 

@@ -12,8 +12,9 @@ import libcst as cst
 
 from kvspec_traits.audit import Site, Universe, audit_paths
 from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES
-from kvspec_traits.migrate._plan import Edit, Skip, SourceIndex, keep_context, plan_site
+from kvspec_traits.migrate._plan import Edit, Skip, keep_context, plan_site
 from kvspec_traits.migrate._rewrite import rewrite_module
+from kvspec_traits.migrate._source import SourceIndex
 
 __all__ = ["FilePlan", "MigrationPlan", "Refusal", "plan_migration", "write_plan"]
 

@@ -1,4 +1,5 @@
-"""Which audit sites are rewritten, where each one sits in the source, and what replaces it.
+"""Which audit sites are rewritten, and what replaces each (where it sits in the source is
+:mod:`kvspec_traits.migrate._source`'s).
 
 Works on the standard syntax tree, like the audit: a site's position (line, column of its
 first check) is found again, the expression the audit read as one check is recovered (the
@@ -15,9 +16,19 @@ from itertools import product
 from typing import Final
 
 from kvspec_traits.audit import Site, Universe
-from kvspec_traits.audit._questions import KIND_TRAITS, question_named
+from kvspec_traits.audit._questions import KIND_TRAITS, answer_values, ask
+from kvspec_traits.migrate._source import (
+    REPRESENTATIVE,
+    SourceIndex,
+    Span,
+    bound_more_than_once,
+    locate,
+    source_of,
+    span_of,
+    subject_of,
+)
 
-__all__ = ["REWRITTEN_FORMS", "Edit", "Skip", "Span", "keep_context", "plan_site"]
+__all__ = ["REWRITTEN_FORMS", "Edit", "Skip", "keep_context", "plan_site"]
 
 REWRITTEN_FORMS: Final = frozenset(
     {"isinstance", "type-compare", "spec-kind", "mro-walk", "representative-type"}
@@ -32,20 +43,7 @@ member, ``get_representative_spec_type(x) is C`` (and ``issubclass`` of it), ask
 (``issubclass(spec_type, C)``, ``spec_type is C``), a stored name or a table, which a
 trait of an instance does not answer as written."""
 
-_REPRESENTATIVE: Final = "get_representative_spec_type"
-
 _REWRITTEN_VERDICTS: Final = frozenset({"ok", "miss"})
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """Start and end (exclusive) of an expression: 1-based lines, 0-based character
-    columns (LibCST's positions, parentheses excluded)."""
-
-    line: int
-    col: int
-    end_line: int
-    end_col: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,6 +64,9 @@ class Edit:
     spans: tuple[Span, ...]
     chain: bool
     differs_on: tuple[str, ...] = ()
+    parts: tuple[str, ...] = ()
+    """When set, one replacement per span (``A and not B`` asked as two traits keeps its
+    two operands, and the lines they are on); else the first span takes ``after``."""
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -119,7 +120,7 @@ def _skip(site: Site, reason: str) -> Skip:
 
 def _of_representative(subject: str) -> bool:
     # issubclass(get_representative_spec_type(x), C): the class of x's first member.
-    return subject.partition("(")[0].endswith(_REPRESENTATIVE)
+    return subject.partition("(")[0].endswith(REPRESENTATIVE)
 
 
 def _why_not(site: Site) -> str | None:
@@ -156,135 +157,6 @@ def _why_not(site: Site) -> str | None:
     )
 
 
-def _char_col(lines: list[str], line: int, byte_col: int) -> int:
-    text = lines[line - 1] if 0 < line <= len(lines) else ""
-    return len(text.encode("utf-8")[:byte_col].decode("utf-8", errors="replace"))
-
-
-def _span(node: ast.expr, lines: list[str]) -> Span:
-    end_line = node.end_lineno or node.lineno
-    return Span(
-        node.lineno,
-        _char_col(lines, node.lineno, node.col_offset),
-        end_line,
-        _char_col(lines, end_line, node.end_col_offset or 0),
-    )
-
-
-def _source_of(node: ast.expr, lines: list[str]) -> str:
-    span = _span(node, lines)
-    if span.line == span.end_line:
-        return lines[span.line - 1][span.col : span.end_col]
-    parts = [
-        lines[span.line - 1][span.col :],
-        *lines[span.line : span.end_line - 1],
-        lines[span.end_line - 1][: span.end_col],
-    ]
-    return "\n".join(parts)
-
-
-class SourceIndex:
-    """One module's syntax tree with parent links and checks found by position."""
-
-    def __init__(self, text: str) -> None:
-        self.tree = ast.parse(text)
-        self.lines = text.splitlines()
-        self.parents: dict[int, ast.AST] = {}
-        self.at: dict[tuple[int, int], list[ast.expr]] = {}
-        for node in ast.walk(self.tree):
-            for child in ast.iter_child_nodes(node):
-                self.parents[id(child)] = node
-            if isinstance(node, ast.Call | ast.Compare):
-                self.at.setdefault((node.lineno, node.col_offset), []).append(node)
-
-    def parent(self, node: ast.AST) -> ast.AST | None:
-        return self.parents.get(id(node))
-
-
-def _subject(check: ast.expr) -> ast.expr | None:
-    # The instance a check asks about: isinstance(x, C), not ..., type(x) is C, and the
-    # x of type(x).__mro__ anywhere inside an MRO walk.
-    while isinstance(check, ast.UnaryOp) and isinstance(check.op, ast.Not):
-        check = check.operand
-    for node in ast.walk(check):
-        if isinstance(node, ast.Attribute) and node.attr == "__mro__":
-            inner = _subject(ast.Compare(left=node.value, ops=[ast.Is()], comparators=[]))
-            return inner if inner is not None else node.value
-    if isinstance(check, ast.Call) and check.args:
-        first = check.args[0]
-        if isinstance(first, ast.Call) and _representative_call(first):
-            return first.args[0]
-        return first
-    if isinstance(check, ast.Compare):
-        for side in (check.left, *check.comparators):
-            if isinstance(side, ast.Call) and _representative_call(side):
-                return side.args[0]
-            if (
-                isinstance(side, ast.Call)
-                and isinstance(side.func, ast.Name)
-                and side.func.id == "type"
-                and len(side.args) == 1
-            ):
-                return side.args[0]
-            if isinstance(side, ast.Attribute) and side.attr == "__class__":
-                return side.value
-    return None
-
-
-def _representative_call(node: ast.expr) -> bool:
-    # get_representative_spec_type(x), however it is imported
-    if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords):
-        return False
-    func = node.func
-    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-    return name == _REPRESENTATIVE
-
-
-def _mro_any(node: ast.expr, index: SourceIndex) -> ast.expr | None:
-    # `any(<node> for c in type(x).__mro__)`: the any() call a name walk stands for.
-    gen = index.parent(node)
-    call = index.parent(gen) if isinstance(gen, ast.GeneratorExp) else None
-    if (
-        isinstance(gen, ast.GeneratorExp)
-        and isinstance(call, ast.Call)
-        and isinstance(call.func, ast.Name)
-        and call.func.id == "any"
-        and gen.elt is node
-        and len(gen.generators) == 1
-        and isinstance(gen.generators[0].iter, ast.Attribute)
-        and gen.generators[0].iter.attr == "__mro__"
-    ):
-        return call
-    return None
-
-
-def _locate(site: Site, index: SourceIndex) -> tuple[list[ast.expr], bool] | None:
-    # The expressions the audit read as this site: ([one], False) or (members, True).
-    raw = site.raw
-    for node in index.at.get((raw.line, raw.col), []):
-        current: ast.expr = node
-        while True:
-            if ast.unparse(current) == raw.text:
-                walk = _mro_any(current, index) if raw.form == "mro-walk" else None
-                return [walk if walk is not None else current], False
-            parent = index.parent(current)
-            if isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not):
-                current = parent
-                continue
-            break
-        parent = index.parent(current)
-        if isinstance(parent, ast.BoolOp):
-            joiner = " or " if isinstance(parent.op, ast.Or) else " and "
-            parts = raw.text.split(joiner)
-            start = next((i for i, v in enumerate(parent.values) if v is current), None)
-            if start is None:
-                continue
-            members = [v for v in parent.values[start:] if ast.unparse(v) in parts]
-            if joiner.join(ast.unparse(m) for m in members) == raw.text:
-                return members, True
-    return None
-
-
 def _kind(u: Universe, name: str, trait: str) -> frozenset[tuple[str, ...]]:
     # The page kinds of a class, as the audit scopes a comparison (_match._candidates).
     values = [sorted(u.values(t, name)) for t in KIND_TRAITS if t != trait]
@@ -304,8 +176,18 @@ def _differs_on(site: Site, u: Universe, negated: bool) -> tuple[tuple[str, ...]
     concrete = u.concrete
     branch = frozenset(site.branch_classes)
     old = concrete - branch if site.raw.negated else branch
-    have = frozenset(n for n in concrete if u.values(answer.trait, n) == {answer.value})
-    varies = frozenset(n for n in concrete if len(u.values(answer.trait, n)) > 1)
+    values = answer_values(answer.value)
+    # (one value, or a set of an enum's values: a class has one of them)
+    have = frozenset(
+        n
+        for n in concrete
+        if len(u.values(answer.trait, n)) == 1 and u.values(answer.trait, n) <= values
+    )
+    asked = (answer.trait, *answer.unless[:1])
+    varies = frozenset(n for n in concrete if any(len(u.values(t, n)) > 1 for t in asked))
+    if answer.unless:
+        trait, value = answer.unless
+        have -= {n for n in concrete if u.values(trait, n) == {value}}
     new = concrete - have if negated else have
     differ = (old ^ new) - varies - set(site.missing)
     kinds = frozenset(k for n in branch for k in _kind(u, n, answer.trait))
@@ -321,16 +203,26 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
     answer = site.answer
     if answer is None:  # _why_not returned a reason already
         return _skip(site, "no trait question")
-    found = _locate(site, index)
+    found = locate(site, index)
     if found is None:
         return _skip(site, "the check could not be found again in the source")
     members, chain = found
     # a spec-kind site's subject is the spec the audit resolved (a kind variable's spec
     # is no part of the check as written)
-    subject = _subject(members[0]) if site.raw.form != "spec-kind" else None
+    subject = subject_of(members[0]) if site.raw.form != "spec-kind" else None
     if subject is None and site.raw.form != "spec-kind":
         return _skip(site, "no instance expression in the check")
-    question = question_named(answer.trait)
+    bound = bound_more_than_once(members[0], index)
+    if bound:
+        return _skip(
+            site,
+            f"its classes are the name {bound!r}, bound more than once in the function: "
+            f"which classes it holds depends on the path taken",
+        )
+
+    def asked(subject: str, negated: bool) -> str:
+        return ask(answer.trait, answer.value, subject, negated=negated, unless=answer.unless)
+
     # The audit wrote answer.expression on raw.subject; pick the polarity it used.
     raw_subject = site.raw.subject or "spec"
     if site.raw.form == "issubclass":
@@ -338,8 +230,8 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
     negated = next(
         (
             n
-            for n in (False, True)
-            if question.expression(raw_subject, answer.value, negated=n) == answer.expression
+            for n in ((False,) if answer.unless else (False, True))
+            if asked(raw_subject, n) == answer.expression
         ),
         None,
     )
@@ -348,10 +240,10 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
     if subject is None:
         written = site.raw.subject
     else:
-        written = _source_of(subject, index.lines)  # the subject as the source spells it
+        written = source_of(subject, index.lines)  # the subject as the source spells it
         if "\n" in written:
             written = ast.unparse(subject)
-    after = question.expression(written, answer.value, negated=negated)
+    after = asked(written, negated)
     if site.raw.form in ("representative-type", "issubclass"):
         # the class of the group's first member: that member's traits (as vLLM's helper)
         after = after.replace(
@@ -375,10 +267,21 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
         verdict=site.verdict,
         fixes_miss=site.verdict == "miss",
         missing=site.missing,
-        spans=tuple(_span(m, index.lines) for m in members),
+        spans=tuple(span_of(m, index.lines) for m in members),
         chain=chain,
         differs_on=other_kind,
+        parts=_parts(answer.unless, written, after, len(members) if chain else 1),
     )
+
+
+def _parts(unless: tuple[str, ...], subject: str, after: str, members: int) -> tuple[str, ...]:
+    # `A and not B` written as two operands: each becomes its own trait question.
+    if not unless or members != 2:
+        return ()
+    trait, value = unless
+    second = ask(trait, value, subject, negated=True)
+    first = after.removesuffix(f" and {second}")
+    return (first, second) if first != after else ()
 
 
 def _rests_on(left: Site, other: Site) -> bool:

@@ -13,7 +13,8 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
-from kvspec_traits.migrate._plan import Edit, Span
+from kvspec_traits.migrate._plan import Edit
+from kvspec_traits.migrate._source import Span
 
 __all__ = ["rewrite_module"]
 
@@ -48,6 +49,9 @@ class _Swap(cst.CSTTransformer):
         self.replace: dict[Span, str] = {}
         self.drop: set[Span] = set()
         for edit in edits:
+            if edit.parts:
+                self.replace.update(zip(edit.spans, edit.parts, strict=True))
+                continue
             self.replace[edit.spans[0]] = edit.after
             self.drop.update(edit.spans[1:])
         self.done: set[Span] = set()
