@@ -126,12 +126,20 @@ def test_seed_line_becomes_a_traits_query_true_for_sliding_window_mla(
     plan = plan_migration([path], universe)
     seeds = [e for e in plan.edits if e.before == script.SEED_LINE.partition(" = ")[2]]
     assert len(seeds) == 1
-    for e in seeds:
-        assert e.after == "traits_of(layer_spec).is_mla"
-        assert e.fixes_miss and e.missing == ("SlidingWindowMLASpec",)
+    (seed_edit,) = seeds
+    # Where register_kv_caches also handles the compressor ring (0.32, 0.33: it names
+    # CircularBufferSpec), the ring reaches the line, and is_mla alone says True for it (a
+    # ring stores no V): the query also asks the MLA pages' page kind, which the ring's
+    # (no slot mapping) is not. 0.34's function no longer names the ring.
+    handles_ring = "CircularBufferSpec" in _function_text(path, "register_kv_caches")
+    after = "traits_of(layer_spec).is_mla" + (
+        " and traits_of(layer_spec).uses_slot_mapping" if handles_ring else ""
+    )
+    assert seed_edit.after == after
+    assert seed_edit.fixes_miss and seed_edit.missing == ("SlidingWindowMLASpec",)
     assert "fixes a miss (the original leaves out SlidingWindowMLASpec)" in plan.files[0].diff()
     assert write_plan(plan) == []
-    assert "            is_mla_region = traits_of(layer_spec).is_mla\n" in path.read_text()
+    assert f"            is_mla_region = {after}\n" in path.read_text()
     # evaluated on the catalog's real SlidingWindowMLASpec instances (DeepSeek-V4)
     swa = [
         e.spec for e in representative_specs() if type(e.spec).__name__ == "SlidingWindowMLASpec"
@@ -142,13 +150,14 @@ def test_seed_line_becomes_a_traits_query_true_for_sliding_window_mla(
     seed = script.SEED_LINE.partition(" = ")[2]
     for spec in swa:
         assert eval(seed, {**vars(kv_cache_interface), "layer_spec": spec}) is False
-        assert (
-            eval(
-                "traits_of(layer_spec).is_mla",  # the migrated line's expression
-                {"traits_of": traits_of, "layer_spec": spec},
-            )
-            is True
-        )
+        # the migrated line's expression
+        assert eval(after, {"traits_of": traits_of, "layer_spec": spec}) is True
+
+
+def _function_text(path: Path, name: str) -> str:
+    tree = ast.parse(path.read_text())
+    (found,) = (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    return ast.unparse(found)
 
 
 def _representative_type(spec: object) -> type[Any]:

@@ -16,12 +16,13 @@ from itertools import product
 from typing import Final
 
 from kvspec_traits.audit import Site, Universe
-from kvspec_traits.audit._questions import KIND_TRAITS, answer_values, ask
+from kvspec_traits.audit._questions import KIND_TRAITS, answer_values, ask, question_named
 from kvspec_traits.migrate._source import (
     REPRESENTATIVE,
     SourceIndex,
     Span,
     bound_more_than_once,
+    handled_nearby,
     locate,
     source_of,
     span_of,
@@ -256,6 +257,24 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
             f"{after} would answer otherwise for {', '.join(own_kind)}, "
             f"of the branch's own page kind",
         )
+    reaches = handled_nearby(members[0], index, other_kind)
+    if reaches:
+        # Another page kind is compared apart only while it takes paths of its own; a
+        # function that names the class handles it here, so the check sees it too: the
+        # query also asks the page kind the branch's classes share, or is not written.
+        guard = _kind_guard(universe, site.branch_classes, tuple(reaches))
+        if guard is None or answer.unless:
+            named = ", ".join(f"{c} (line {line})" for c, line in sorted(reaches.items()))
+            return _skip(
+                site,
+                f"{after} would answer otherwise for {named}, which this function also "
+                f"handles: such a spec reaches the check",
+            )
+        trait, value = guard
+        kind = question_named(trait).expression(written, value, negated=False)
+        positive = asked(written, False)
+        after = f"not ({positive} and {kind})" if negated else f"{positive} and {kind}"
+        other_kind = tuple(c for c in other_kind if c not in reaches)
     return Edit(
         path=site.path,
         line=site.raw.line,
@@ -272,6 +291,20 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
         differs_on=other_kind,
         parts=_parts(answer.unless, written, after, len(members) if chain else 1),
     )
+
+
+def _kind_guard(
+    u: Universe, branch: tuple[str, ...], differ: tuple[str, ...]
+) -> tuple[str, str] | None:
+    # A page-kind trait whose value every branch class has and no differing class has:
+    # asked with the query, it answers False for those classes, as the check does.
+    for trait in KIND_TRAITS:
+        values = {v for n in branch for v in u.values(trait, n)}
+        if len(values) == 1:
+            (value,) = values
+            if all(value not in u.values(trait, n) for n in differ):
+                return trait, value
+    return None
 
 
 def _parts(unless: tuple[str, ...], subject: str, after: str, members: int) -> tuple[str, ...]:

@@ -106,7 +106,8 @@ class _Swap(cst.CSTTransformer):
         # The node itself is last on the path until it is left.
         parent = self._path[-2] if len(self._path) > 1 else None
         tight = isinstance(parent, _TIGHT_PARENTS) or (
-            isinstance(parent, cst.UnaryOperation) and not isinstance(parent.operator, cst.Not)
+            isinstance(parent, cst.UnaryOperation)
+            and (not isinstance(parent.operator, cst.Not) or isinstance(new, cst.BooleanOperation))
         )
         if tight:
             return new.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])

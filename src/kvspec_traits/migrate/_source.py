@@ -6,6 +6,7 @@ terms (:class:`Span`)."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -16,6 +17,7 @@ __all__ = [
     "SourceIndex",
     "Span",
     "bound_more_than_once",
+    "handled_nearby",
     "locate",
     "source_of",
     "span_of",
@@ -79,6 +81,40 @@ class SourceIndex:
 
     def parent(self, node: ast.AST) -> ast.AST | None:
         return self.parents.get(id(node))
+
+    def function_of(self, node: ast.AST) -> ast.AST | None:
+        """The innermost function (or lambda) ``node`` is in; None at module level."""
+        scope = self.parent(node)
+        while scope is not None and not isinstance(
+            scope, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+        ):
+            scope = self.parent(scope)
+        return scope
+
+
+def handled_nearby(check: ast.expr, index: SourceIndex, classes: Iterable[str]) -> dict[str, int]:
+    """Those of ``classes`` that the function ``check`` is in names elsewhere (a reference
+    ``X`` or ``mod.X`` outside the check), each with the line of its first mention:
+    evidence that a spec of that class reaches the check."""
+    scope = index.function_of(check)
+    wanted = set(classes)
+    if scope is None or not wanted:
+        return {}
+    inside = {id(n) for n in ast.walk(check)}
+    found: dict[str, int] = {}
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Name | ast.Attribute) and id(node) not in inside:
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if name in wanted:
+                found[name] = min(found.get(name, node.lineno), node.lineno)
+    return found
+    wanted = set(classes)
+    inside = {id(n) for n in ast.walk(check)}
+    for node in ast.walk(scope):
+        name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+        if name in wanted and id(node) not in inside and isinstance(node, ast.Name | ast.Attribute):
+            return f"{name} (line {node.lineno})"
+    return ""
 
 
 def subject_of(check: ast.expr) -> ast.expr | None:
@@ -176,11 +212,7 @@ def bound_more_than_once(check: ast.expr, index: SourceIndex) -> str:
         if subject
         else set()
     )
-    scope: ast.AST | None = check
-    while scope is not None and not isinstance(
-        scope, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
-    ):
-        scope = index.parent(scope)
+    scope = index.function_of(check)
     if scope is None:
         return ""
     counts: dict[str, int] = {}
