@@ -219,30 +219,35 @@ def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
         # does not take out of A gets through.
         taken_out = u.subclasses(raw.excluded)
         neg = best_candidate(u, taken_out)
-        if neg is not None and (neg.exact or neg.near):
-            answer = _answer(neg, raw, negated=not raw.negated)
-            missing = (neg.value_classes - taken_out - neg.varies) & u.subclasses(tested)
-            negative = True
-        elif (answer is None or answer.match == "closest") and not (
-            raw.negated or exact or raw.form == "class-dict"
+        neg_missing = (
+            (neg.value_classes - taken_out - neg.varies) & u.subclasses(tested)
+            if neg is not None
+            else frozenset()
+        )
+        rel = None
+        if (
+            (answer is None or answer.match == "closest")
+            and not (neg is not None and (neg.exact or (neg.near and neg_missing)))
+            and not (raw.negated or exact or raw.form == "class-dict")
         ):
-            # no question names the classes left: A's trait, less B's within A, may
+            # No question names the classes left, and B's question alone names no miss:
+            # A's trait, less B's trait within A, may name them exactly.
             rel = relative_candidate(u, u.subclasses(tested), taken_out)
-            if rel is not None:
-                whole, other, value = rel
-                unless = (other.name, value)
-                answer = replace(
-                    _answer(whole, raw, negated=False),
-                    unless=unless,
-                    expression=ask(
-                        whole.question.name,
-                        whole.value,
-                        _subject_of(raw),
-                        negated=False,
-                        unless=unless,
-                    ),
-                )
-                missing = frozenset()
+        if rel is not None:
+            whole, other, value = rel
+            unless = (other.name, value)
+            answer = replace(
+                _answer(whole, raw, negated=False),
+                unless=unless,
+                expression=ask(
+                    whole.question.name, whole.value, _subject_of(raw), negated=False, unless=unless
+                ),
+            )
+            missing = frozenset()
+        elif neg is not None and (neg.exact or neg.near):
+            answer = _answer(neg, raw, negated=not raw.negated)
+            missing = neg_missing
+            negative = True
     if not negative:
         # `A and not B`: B's classes are taken out on purpose, never missed
         missing -= u.subclasses(raw.excluded)

@@ -108,13 +108,6 @@ def handled_nearby(check: ast.expr, index: SourceIndex, classes: Iterable[str]) 
             if name in wanted:
                 found[name] = min(found.get(name, node.lineno), node.lineno)
     return found
-    wanted = set(classes)
-    inside = {id(n) for n in ast.walk(check)}
-    for node in ast.walk(scope):
-        name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
-        if name in wanted and id(node) not in inside and isinstance(node, ast.Name | ast.Attribute):
-            return f"{name} (line {node.lineno})"
-    return ""
 
 
 def subject_of(check: ast.expr) -> ast.expr | None:
