@@ -12,6 +12,7 @@ The per-request ``Nx3`` form (with TP splitting) is ``nixl/_items.py``.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any, Final, cast
@@ -239,7 +240,13 @@ def request_pair(
     sizes = [len(g) for g in every]
     total = sum(sizes)
     try:
-        flat = np.fromiter(chain.from_iterable(every), dtype=np.int64, count=total)
+        if total <= _SMALL:
+            flat = np.fromiter(chain.from_iterable(every), dtype=np.int64, count=total)
+        else:  # array's list path converts a Python int in 13 ns, fromiter in 17
+            buf = array("q", every[0])
+            for g in every[1:]:
+                buf.fromlist(g)
+            flat = np.frombuffer(buf, dtype=np.int64)
     except OverflowError:
         for i, g in enumerate(every):  # raises for the first list with an id past int64
             _as_ids(g, "local" if i < len(lists) else "remote")
