@@ -145,13 +145,7 @@ class Request:
         for size in sizes:
             self.groups.append(flat[pos : pos + size])
             pos += size
-        self._bounds = dict(enumerate(bounds))
-        known = [b for b in bounds if b is not None]
-        if len(known) == 1:
-            self._bounds[-1] = known[0]
-        else:
-            lows, highs = zip(*known, strict=True) if known else ((), ())
-            self._bounds[-1] = (min(lows), max(highs)) if known else None
+        self._bounds = dict(enumerate(bounds))  # every group's: all's follow from them
         return self
 
     @property
@@ -170,8 +164,13 @@ class Request:
         """``(min, max)`` of the blocks of ``group_id`` (``None`` if it has none)."""
         if group_id in self._bounds:
             return self._bounds[group_id]
-        blocks = self.blocks(group_id)
-        bounds = (int(blocks.min()), int(blocks.max())) if blocks.size else None
+        groups = range(len(self.groups))
+        if group_id < 0 and all(g in self._bounds for g in groups):  # from every group's
+            known = [b for g in groups if (b := self._bounds[g]) is not None]
+            bounds = (min(b[0] for b in known), max(b[1] for b in known)) if known else None
+        else:
+            blocks = self.blocks(group_id)
+            bounds = (int(blocks.min()), int(blocks.max())) if blocks.size else None
         self._bounds[group_id] = bounds
         return bounds
 
@@ -251,17 +250,19 @@ def request_pair(
         for i, g in enumerate(every):  # raises for the first list with an id past int64
             _as_ids(g, "local" if i < len(lists) else "remote")
         raise
-    starts, pos = [], 0
-    for size in sizes:
-        if size:
-            starts.append(pos)
-        pos += size
-    lows = np.minimum.reduceat(flat, starts).tolist() if starts else []
-    highs = np.maximum.reduceat(flat, starts).tolist() if starts else []
-    bounds: list[tuple[int, int] | None] = []
-    found = iter(zip(lows, highs, strict=True))
-    for size in sizes:
-        bounds.append(next(found) if size else None)
+    bounds: list[tuple[int, int] | None]
+    if total <= _SMALL:  # Python's min and max of a few ints cost less than numpy calls
+        bounds = [(min(g), max(g)) if g else None for g in every]
+    else:
+        starts, pos = [], 0
+        for size in sizes:
+            if size:
+                starts.append(pos)
+            pos += size
+        lows = np.minimum.reduceat(flat, starts).tolist() if starts else []
+        highs = np.maximum.reduceat(flat, starts).tolist() if starts else []
+        found = iter(zip(lows, highs, strict=True))
+        bounds = [next(found) if size else None for size in sizes]
     n = sum(sizes[:num_groups])
     lreq = Request._of_flat("local", flat[:n], sizes[:num_groups], bounds[:num_groups])
     if n <= _SMALL:  # a set of a few ids costs less than a numpy pass
