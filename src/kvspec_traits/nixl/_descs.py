@@ -206,7 +206,7 @@ class Request:
                 return
         else:
             ordered = np.sort(blocks)
-            if not bool((ordered[1:] == ordered[:-1]).any()):
+            if not np.count_nonzero(ordered[1:] == ordered[:-1]):  # not .any(): a Python call
                 return
         ordered = np.sort(blocks)
         repeated = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
