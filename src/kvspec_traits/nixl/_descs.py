@@ -244,7 +244,7 @@ def request_pair(
         else:  # array's list path converts a Python int in 13 ns, fromiter in 17
             buf = array("q", every[0])
             for g in every[1:]:
-                buf.fromlist(g)
+                buf.fromlist(g if type(g) is list else list(g))  # a tuple or range too
             flat = np.frombuffer(buf, dtype=np.int64)
     except OverflowError:
         for i, g in enumerate(every):  # raises for the first list with an id past int64
