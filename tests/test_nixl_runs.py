@@ -14,7 +14,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvspec_traits.nixl import DuplicateBlockIdError, PeerMetadata, RemotePeer, peer_regions
+from kvspec_traits.nixl import (
+    BlockIdTypeError,
+    DuplicateBlockIdError,
+    PeerMetadata,
+    RemotePeer,
+    peer_regions,
+)
 from kvspec_traits.nixl._checked import checked_request, transfer_items_of
 from kvspec_traits.nixl._descs import Request
 from kvspec_traits.nixl._items import (
@@ -227,3 +233,32 @@ def test_merged_mode_refuses_repeated_destinations_before_building() -> None:
         with pytest.raises(DuplicateBlockIdError) as info:
             request_descs(plan, {0: _peer(plan)}, ids, None, "merged")
         assert info.value.block_id == repeated
+
+
+@pytest.mark.parametrize("per_side", [20, 150])  # both sides 40 ids (one pass) or 300
+def test_tuples_and_ranges_are_ids_as_lists_are(per_side: int) -> None:
+    """A request's groups as tuples or ranges give the lists' descriptors, in every mode,
+    on both sides of the 64-id conversion split (``array``'s list path above it takes
+    lists only: a tuple or range group there raised a bare ``TypeError``), and an id past
+    int64 in one is the same ``BlockIdTypeError``."""
+    config, caches = layouts.build("llama_gqa", 400)
+    plan = plan_regions(caches, config)
+    peer = _peer(plan)
+    local, remote = list(range(per_side)), list(range(200, 200 + per_side))
+    for mode in ("prepped", "merged", "per_block"):
+        want = request_descs(plan, {0: peer}, [local], [remote], mode)
+        for lform, rform in ((tuple(local), range(200, 200 + per_side)), (local, tuple(remote))):
+            got = request_descs(plan, {0: peer}, [lform], [rform], mode)
+            assert (got.descriptors, got.per_block, got.nbytes) == (
+                want.descriptors,
+                want.per_block,
+                want.nbytes,
+            )
+            for a, b in ((got.local_ids, want.local_ids), (got.remote_ids, want.remote_ids)):
+                assert (a is None) == (b is None)
+                assert a is None or b is None or np.array_equal(a, b)
+            for x, y in zip(got.items, want.items, strict=True):
+                assert np.array_equal(x.local, y.local) and np.array_equal(x.remote, y.remote)
+    with pytest.raises(BlockIdTypeError, match="does not fit in int64") as info:
+        request_descs(plan, {0: peer}, [local], [(*remote[:-1], 1 << 63)], "prepped")
+    assert info.value.side == "remote"

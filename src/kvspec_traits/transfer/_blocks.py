@@ -58,6 +58,9 @@ def check_id_list(value: object, side: str) -> bool:
     """Refuse one group's ids unless they are Python ints (not ``bool``) or a 1-D
     integer array whose values fit in int64 (:class:`BlockIdTypeError`). Returns
     whether ``value`` is an array (the caller converts it its own way)."""
+    if type(value) is list:  # vLLM's form; an exact list has no ndim or dtype
+        _check_ints(value, side)
+        return False
     if is_id_array(value):
         array: Any = value
         if array.dtype.kind not in "iu":
@@ -74,11 +77,18 @@ def check_id_list(value: object, side: str) -> bool:
             )
         return True
     if isinstance(value, _LISTS):
-        if value and set(map(type, value)) != {int}:
-            bad = next(v for v in value if type(v) is not int)
-            raise BlockIdTypeError(side, bad, f"{bad!r} is a {type(bad).__name__}, not an int")
+        _check_ints(value, side)
         return False
     raise BlockIdTypeError(side, value, f"a {type(value).__name__} is not a list of ids")
+
+
+def _check_ints(value: Sequence[object], side: str) -> None:
+    """Every id a Python int, exactly (``bool``, numpy scalars and other ``int``
+    subclasses refused): one pass of ``type`` and a count by identity (10 ns an id,
+    against 18 for a set of the types)."""
+    if list(map(type, value)).count(int) != len(value):
+        bad = next(v for v in value if type(v) is not int)
+        raise BlockIdTypeError(side, bad, f"{bad!r} is a {type(bad).__name__}, not an int")
 
 
 def group_lists(block_ids: object, num_groups: int, side: str) -> list[Any]:
