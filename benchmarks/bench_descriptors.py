@@ -9,7 +9,8 @@ built with ``object.__new__`` and only the attributes that method reads. Ours is
 :func:`kvspec_traits.nixl._request.request_descs`, the whole per-request work of
 ``TraitsNixlAgent.read_blocks`` before it calls NIXL, in ``mode="prepped"`` (vLLM's
 prepared lists) and in the default ``mode="merged"`` (merged ``Nx3`` rows where merging
-pays, else the prepared lists: nixl/_request.py), including the validation upstream
+cuts the descriptors 3x and the request has at least ``MERGE_MIN_DESCRIPTORS``, else the
+prepared lists: nixl/_request.py), including the validation upstream
 does not do (id types, one list per group, bounds on both sides, distinct
 destinations).
 
@@ -23,7 +24,8 @@ membership only; row addresses are computed, never dereferenced):
   groups; requests of n distinct ids per group, shuffled as a free list hands them out
   (no runs: and a region's blocks never abut in these rows, so nothing merges);
 - Llama-4 (dense pages, layer-outermost: consecutive blocks abut), 60 layers, two
-  groups; requests made of runs of 8 consecutive ids on both sides, so merged rows pay.
+  groups; requests made of runs of 8 consecutive ids on both sides, so merging cuts the
+  descriptors 8x (rows from 16,384 descriptors, 1,024 blocks per group here).
 
 Both sides' id arrays must be equal (checked before timing), and merged rows must move
 the bytes of one row per block. Timings are the best of interleaved repetitions in CPU
@@ -32,8 +34,9 @@ timeit does); peak memory is tracemalloc's peak over one call (numpy's buffers a
 traced), the result included. Targets (issue 22), per size and for both tables:
 prepped and merged time <= 1.0x upstream, and their peak memory <= 1.0x upstream's; each
 is printed with met / NOT met. On the Llama-4 table merged mode writes rows (8x fewer
-descriptors for NIXL), whose build costs a fixed 20-30 us of numpy calls more than ids
-(docs/nixl.md, "Per-request descriptor work against upstream").
+descriptors for NIXL) from 1,024 blocks per group; below, where their build's fixed 20-30
+us of numpy calls more than ids is not repaid, it posts ids (docs/nixl.md, "Per-request
+descriptor work against upstream").
 
 Run: ``.venv/bin/python benchmarks/bench_descriptors.py`` (``--quick`` for a smoke run).
 """

@@ -19,6 +19,7 @@ from kvspec_traits.nixl import (
     DuplicateBlockIdError,
     PeerMetadata,
     RemotePeer,
+    _request,
     peer_regions,
 )
 from kvspec_traits.nixl._checked import checked_request, transfer_items_of
@@ -28,7 +29,7 @@ from kvspec_traits.nixl._items import (
     TransferItems,
     merge_runs,
 )
-from kvspec_traits.nixl._request import MERGE_PAYS, request_descs
+from kvspec_traits.nixl._request import MERGE_MIN_DESCRIPTORS, MERGE_PAYS, request_descs
 from kvspec_traits.nixl._runs import merged_rows, request_runs
 from kvspec_traits.transfer import PeerRegion, RegionPlan, plan_regions
 from tests.nixl_helpers import layouts
@@ -201,11 +202,14 @@ def _peer(plan: RegionPlan, prepped: bool = True) -> RemotePeer:
     return RemotePeer(meta, prepped=object() if prepped else None)
 
 
-def test_merged_mode_uses_prepared_ids_where_rows_do_not_pay() -> None:
+def test_merged_mode_uses_prepared_ids_where_rows_do_not_pay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """DeepSeek-V4 rows (a region's blocks never abut) and shuffled ids: merging would
     leave one row per block, so merged mode selects the prepared-list ids, the same
     ones ``mode="prepped"`` gives; the same blocks in runs on a dense layout are rows,
-    MERGE_PAYS times fewer or better."""
+    MERGE_PAYS times fewer or better, from MERGE_MIN_DESCRIPTORS descriptors (here 12
+    blocks in 4 regions: 48), and ids below."""
     v4 = _plan("deepseek_v4")
     ids = [[7, 1], [12, 3], [9], [0]]
     merged = request_descs(v4, {0: _peer(v4)}, ids, None, "merged")
@@ -217,8 +221,18 @@ def test_merged_mode_uses_prepared_ids_where_rows_do_not_pay() -> None:
     assert np.array_equal(merged.remote_ids, prepped.remote_ids)
     assert (merged.per_block, merged.nbytes) == (prepped.per_block, prepped.nbytes)
     dense = _plan("llama_gqa")
-    rows = request_descs(dense, {0: _peer(dense)}, [list(range(12))], None, "merged")
+    run = [list(range(12))]
+    small = request_descs(dense, {0: _peer(dense)}, run, None, "merged")
+    same = request_descs(dense, {0: _peer(dense)}, run, None, "prepped")
+    assert small.per_block == 48 < MERGE_MIN_DESCRIPTORS and small.local_ids is not None
+    assert np.array_equal(small.local_ids, same.local_ids)  # type: ignore[arg-type]
+    monkeypatch.setattr(_request, "MERGE_MIN_DESCRIPTORS", 49)
+    below = request_descs(dense, {0: _peer(dense)}, run, None, "merged")
+    assert below.local_ids is not None  # 48 < 49: ids
+    monkeypatch.setattr(_request, "MERGE_MIN_DESCRIPTORS", 48)
+    rows = request_descs(dense, {0: _peer(dense)}, run, None, "merged")
     assert rows.local_ids is None and rows.descriptors * MERGE_PAYS <= rows.per_block
+    assert rows.nbytes == same.nbytes  # the same bytes either way
     # No prepared list (as for another TP size): rows even where nothing merges.
     unprepped = request_descs(v4, {0: _peer(v4, prepped=False)}, ids, None, "merged")
     assert unprepped.local_ids is None and unprepped.descriptors == merged.per_block

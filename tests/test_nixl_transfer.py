@@ -22,6 +22,7 @@ from kvspec_traits.nixl import (
     MissingPeerError,
     TraitsNixlAgent,
     TransferFailedError,
+    _request,
     encode_metadata,
 )
 from kvspec_traits.transfer import (
@@ -43,7 +44,9 @@ def _agent(pool: list[TraitsNixlAgent]) -> TraitsNixlAgent:
 
 
 @pytest.mark.parametrize("family", sorted(layouts.FAMILIES))
-def test_request_blocks_arrive_byte_exact(family: str, agents: list[TraitsNixlAgent]) -> None:
+def test_request_blocks_arrive_byte_exact(
+    family: str, agents: list[TraitsNixlAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
     config_p, caches_p = layouts.build(family, NB)
     config_d, caches_d = layouts.build(family, NB)
     layouts.fill_pattern(caches_p, seed=11)
@@ -55,18 +58,28 @@ def test_request_blocks_arrive_byte_exact(family: str, agents: list[TraitsNixlAg
     peer = consumer.connect(producer.metadata())
     block_ids = checks.request_blocks(config_d)
     per_block = sum(len(ids) for ids in block_ids)
-    for mode in ("prepped", "per_block", "merged"):
+    # "merged" at its default posts this small request's ids (fewer descriptors than
+    # MERGE_MIN_DESCRIPTORS); "rows" is merged mode with that bound at 0, so rows move
+    # real bytes too.
+    for mode in ("prepped", "per_block", "merged", "rows"):
         layouts.backing(caches_d).zero_()
-        result = consumer.read_blocks(
-            peer, block_ids, mode=mode, timeout=20, progress=producer.progress
-        )
+        with monkeypatch.context() as patched:
+            if mode == "rows":
+                patched.setattr(_request, "MERGE_MIN_DESCRIPTORS", 0)
+            result = consumer.read_blocks(
+                peer,
+                block_ids,
+                mode="merged" if mode == "rows" else mode,  # type: ignore[arg-type]
+                timeout=20,
+                progress=producer.progress,
+            )
         assert checks.assert_transferred(caches_p, caches_d, config_d, block_ids) > 0
         # One descriptor per block per region, whichever group(s) the region serves.
         expected = sum(
             per_block if r.group_id < 0 else len(block_ids[r.group_id]) for r in plan_d.regions
         )
         assert result.per_block_descriptors == expected
-        if mode == "merged":
+        if mode == "rows":
             dense = all(r.block_len == r.block_stride for r in plan_d.regions)
             # Runs of 3 consecutive ids merge where a region's blocks abut; where
             # they do not, rows may still merge where one region's page ends at the
@@ -280,9 +293,13 @@ def test_replicated_regions_may_come_from_any_rank_in_prepped_mode(
     checks.assert_transferred(caches_p, caches_d, config_d, block_ids)
 
 
-def test_packed_rows_move_whole_rows(agents: list[TraitsNixlAgent]) -> None:
+def test_packed_rows_move_whole_rows(
+    agents: list[TraitsNixlAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """DeepSeek-V4 rows as one region: one descriptor per block (runs merge), and every
-    requested page still arrives while unrequested blocks stay zero."""
+    requested page still arrives while unrequested blocks stay zero. (Merged mode
+    writes rows for requests this small only with MERGE_MIN_DESCRIPTORS lowered.)"""
+    monkeypatch.setattr(_request, "MERGE_MIN_DESCRIPTORS", 0)
     config_p, caches_p = layouts.build("deepseek_v4", NB)
     config_d, caches_d = layouts.build("deepseek_v4", NB)
     layouts.fill_pattern(caches_p, seed=12)

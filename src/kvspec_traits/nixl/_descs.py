@@ -366,6 +366,13 @@ class DescIndex:
                 pos += size
         return out
 
+    def count(self, request: Request) -> int:
+        """How many descriptors the request is, one per block per region (what the ids
+        path posts), before anything is checked or built."""
+        if not self.mapped:
+            return int(self.by_group[0].size) * request.all.size
+        return sum(m.size * b.size for m, b in zip(self.by_group, request.groups, strict=True))
+
     def nbytes(self, request: Request) -> int:
         if not self.mapped:
             return request.all.size * self.bytes_per_block[0]

@@ -37,7 +37,7 @@ from kvspec_traits.nixl._peer import (
 from kvspec_traits.nixl._runs import Runs, merged_rows, request_runs
 from kvspec_traits.transfer import RegionPlan
 
-__all__ = ["MERGE_PAYS", "RequestDescs", "request_descs"]
+__all__ = ["MERGE_MIN_DESCRIPTORS", "MERGE_PAYS", "RequestDescs", "request_descs"]
 
 MERGE_PAYS: Final = 3
 """Merged mode writes ``Nx3`` rows when merging cuts the descriptors at least this many
@@ -46,6 +46,16 @@ against ``2`` int32 ids and takes a few more numpy calls per cache group (about 
 more per request; with runs of 8 blocks rows cost about what vLLM's ids do at 1,000
 blocks per group and up: benchmarks/bench_descriptors.py), while NIXL posts and
 completes a fraction of the descriptors (benchmarks/bench_nixl.py)."""
+
+MERGE_MIN_DESCRIPTORS: Final = 16_384
+"""Where a prepared list may be used, merged mode writes rows only for requests of at
+least this many descriptors (one per block per region). Writing rows costs a request
+about 20-30 us more than selecting ids whatever its size, while what fewer descriptors
+save is per descriptor: raw NIXL over UCX on this host posted 147 rows and 1,024 ids in
+the same CPU time (benchmarks/bench_nixl.py), and a NIC's work requests are saved only in
+number. From 16,384 descriptors up (Llama-4's 60 regions at 256 blocks per group and
+more) rows cost less than vLLM's own ids (benchmarks/bench_descriptors.py); below, the
+prepared lists' ids do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +117,17 @@ def request_descs(
         per_block = sum(i.count for i in items)
         return RequestDescs(None, None, items, per_block, sum(i.nbytes for i in items))
     prepped = _prepped_peer(plan, by_rank)
+    index = desc_index(plan)
     # The most blocks one (region, read) row takes (a plan whose regions all take
     # every group's blocks reads them together).
-    longest = max(g.size for g in lreq.groups) if desc_index(plan).mapped else lreq.all.size
-    if prepped is not None and 0 < longest < MERGE_PAYS:
-        # Every row keeps a run at least: merging cannot cut MERGE_PAYS times.
+    longest = max(g.size for g in lreq.groups) if index.mapped else lreq.all.size
+    if (
+        prepped is not None
+        and longest > 0
+        and (longest < MERGE_PAYS or index.count(lreq) < MERGE_MIN_DESCRIPTORS)
+    ):
+        # Every row keeps a run at least, so merging cannot cut MERGE_PAYS times; or the
+        # request is too small for fewer descriptors to repay writing rows.
         local_ids, remote_ids, nbytes = prepped_ids_of(plan, prepped, lreq, rreq)
         return RequestDescs(local_ids, remote_ids, [], int(local_ids.size), nbytes)
     table, groups = checked_request(plan, remotes, lreq, rreq, first.reads)
