@@ -446,16 +446,7 @@ def judge(series: str, tree: Path | None, jobs: int) -> int:
     expected = expected_differences(series, ("migrated",))
     unlisted = [k for k in lost_tests(before, after) if listed_as(k, after, expected) is None]
     if unlisted:  # a difference must reproduce alone: the runs share the cores
-        again = rerun_alone(
-            tests_root,
-            out_dir,
-            runner.env("migrated", out_dir / "rerun.json", out_dir / "rerun-proof.json"),
-            PYTHON,
-            unlisted,
-            runner.port + 1990,
-            "upstream",
-            ("kvspec_migrated",),
-        )
+        again = _alone(runner, "migrated", out_dir, unlisted, 1990)
         print(f"== rerun alone on the migrated tree (log {out_dir / 'rerun-upstream.log'}):")
         for k in unlisted:
             print(f"   {again.get(k, 'not run')}: {k}")
@@ -468,16 +459,7 @@ def judge(series: str, tree: Path | None, jobs: int) -> int:
             # side, alone too, tells the two apart.
             unmig_dir = out_dir / "alone-unmigrated"
             unmig_dir.mkdir(exist_ok=True)
-            alone = rerun_alone(
-                tests_root,
-                unmig_dir,
-                runner.env("unmigrated", unmig_dir / "rerun.json", unmig_dir / "proof.json"),
-                PYTHON,
-                still,
-                runner.port + 1995,
-                "upstream",
-                ("kvspec_migrated",),
-            )
+            alone = _alone(runner, "unmigrated", unmig_dir, still, 1995)
             print(f"== the same alone on the unmigrated tree (log {unmig_dir}):")
             for k in still:
                 print(f"   {alone.get(k, 'not run')}: {k}")
@@ -492,6 +474,20 @@ def judge(series: str, tree: Path | None, jobs: int) -> int:
         f"{os.getloadavg()[0]:.1f} at end"
     )
     return status
+
+
+def _alone(runner: Runner, run: str, out_dir: Path, ids: list[str], port: int) -> dict[str, str]:
+    """``ids`` rerun in one process on the ``run`` tree, nothing beside it: outcomes."""
+    return rerun_alone(
+        runner.tests_root,
+        out_dir,
+        runner.env(run, out_dir / "rerun.json", out_dir / "rerun-proof.json"),
+        PYTHON,
+        ids,
+        runner.port + port,
+        "upstream",
+        ("kvspec_migrated",),
+    )
 
 
 def lost_tests(before: Outcomes, after: Outcomes) -> list[str]:
