@@ -44,6 +44,7 @@ __all__ = [
     "PromptResult",
     "RequestFailedError",
     "ServerFailedError",
+    "ServerNotReadyError",
     "ServerPair",
     "Serving",
     "VllmServer",
@@ -51,6 +52,7 @@ __all__ = [
     "disaggregated_complete",
     "free_port",
     "metric_total",
+    "machine_snapshot",
     "process_group_usage",
     "proxy_headers",
     "running_server",
@@ -126,6 +128,11 @@ def _group_runs(pgid: int) -> bool:
 class ServerFailedError(RuntimeError):
     """A server died, did not become ready, or serves other than it was asked to; the
     message names it (model, backend, dtype) and carries its log tail."""
+
+
+class ServerNotReadyError(ServerFailedError):
+    """A server that still runs but did not answer ``/health`` by its deadline; the
+    message also carries :func:`machine_snapshot`."""
 
 
 @dataclass(frozen=True)
@@ -292,10 +299,17 @@ class VllmServer:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
-    def fail(self, why: str) -> ServerFailedError:
-        return ServerFailedError(
-            f"{self.describe()}: {why}\n--- last lines of {self.log_path} ---\n{self.log_tail()}"
-        )
+    def fail(self, why: str, *, snapshot: bool = False) -> ServerFailedError:
+        """The named error, with the log's tail; with ``snapshot``, also what the machine
+        and this server's processes were doing (:func:`machine_snapshot`), for a failure
+        that the log alone cannot explain (a server that printed nothing)."""
+        text = f"{self.describe()}: {why}\n--- last lines of {self.log_path} ---\n{self.log_tail()}"
+        if snapshot:
+            pgid = self.proc.pid if self.proc is not None else None
+            text += f"\n--- the machine (this server's process group: {pgid}) ---\n"
+            text += machine_snapshot(pgid)
+            return ServerNotReadyError(text)
+        return ServerFailedError(text)
 
     def check_serving(self) -> None:
         """The ready server runs the dtype (and, where vLLM logs it, the attention
@@ -321,6 +335,7 @@ class VllmServer:
         """Poll ``/health`` until it answers 200, the process exits, or ``deadline``."""
         if self.proc is None:
             raise RuntimeError(f"{self.name} was never started")
+        started = time.monotonic()
         while True:
             code = self.proc.poll()
             if code is not None:
@@ -332,7 +347,8 @@ class VllmServer:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise self.fail(f"not ready after {START_TIMEOUT_S:.0f} s")
+                waited = time.monotonic() - started
+                raise self.fail(f"not ready after {waited:.0f} s", snapshot=True)
             time.sleep(1.0)
 
     def stop(self) -> None:
@@ -721,6 +737,95 @@ def process_group_usage(server: VllmServer) -> tuple[int, int, int]:
         except (OSError, ValueError, IndexError):
             continue  # exited meanwhile
     return rss, fds, count
+
+
+def _proc_table() -> dict[int, tuple[str, str, int, float, int]]:
+    """``pid -> (command, state, process group, CPU seconds, resident bytes)`` of every
+    process, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    page = os.sysconf("SC_PAGE_SIZE")
+    table: dict[int, tuple[str, str, int, float, int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # exited while we looked
+        fields = text[text.rindex(")") + 2 :].split()
+        command = text[text.index("(") + 1 : text.rindex(")")]
+        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        table[int(stat.parent.name)] = (
+            command,
+            fields[0],
+            int(fields[2]),
+            cpu,
+            int(fields[21]) * page,
+        )
+    return table
+
+
+def _py_spy() -> str | None:
+    """py-spy (a dev dependency) beside this interpreter, or on PATH."""
+    local = Path(sys.executable).with_name("py-spy")
+    return str(local) if local.exists() else shutil.which("py-spy")
+
+
+def machine_snapshot(pgid: int | None, sample_s: float = 1.0) -> str:
+    """What the machine is doing, for a server that did not start or answer: load,
+    memory, free space where servers write, the processes that used the most CPU over
+    ``sample_s``, and every process of ``pgid`` with its kernel wait channel and, where
+    py-spy can attach, its Python stacks. Never raises: a diagnosis must not hide the
+    failure it explains."""
+    out: list[str] = []
+    try:
+        out.append(f"load {Path('/proc/loadavg').read_text().strip()}")
+        meminfo = dict(
+            (line.split(":")[0], line.split()[1])
+            for line in Path("/proc/meminfo").read_text().splitlines()
+        )
+        out.append(
+            f"memory: {int(meminfo['MemAvailable']) >> 10} MiB available of "
+            f"{int(meminfo['MemTotal']) >> 10} MiB"
+        )
+        for place in (REPO, Path(tempfile.gettempdir()), Path("/dev/shm")):
+            with suppress(OSError):
+                usage = shutil.disk_usage(place)
+                out.append(f"{place}: {usage.free >> 20} MiB free of {usage.total >> 20} MiB")
+        before = _proc_table()
+        time.sleep(sample_s)
+        after = _proc_table()
+        busy = sorted(
+            ((row[3] - before[pid][3], pid) for pid, row in after.items() if pid in before),
+            reverse=True,
+        )
+        out.append(
+            f"busiest processes over {sample_s:.0f} s (CPU share, pid, group, state, command):"
+        )
+        for used, pid in busy[:8]:
+            command, state, group, _cpu, _rss = after[pid]
+            out.append(f"  {used / sample_s:5.0%} {pid} {group} {state} {command}")
+        members = sorted(pid for pid, row in after.items() if pgid is not None and row[2] == pgid)
+        for pid in members:
+            command, state, _group, cpu, rss = after[pid]
+            wchan = "?"
+            with suppress(OSError):
+                wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
+            out.append(
+                f"group member {pid} {command}: state {state}, {cpu:.1f} CPU s, "
+                f"{rss >> 20} MiB resident, waiting in {wchan}"
+            )
+        spy = _py_spy()
+        for pid in members if spy is not None else ():
+            with suppress(OSError, subprocess.SubprocessError):
+                dump = subprocess.run(
+                    [str(spy), "dump", "--pid", str(pid)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                out.append(f"py-spy dump {pid}:\n{dump.stdout}{dump.stderr}")
+    except Exception as exc:  # a diagnosis must never mask the failure
+        out.append(f"(snapshot stopped: {exc!r})")
+    return "\n".join(out)
 
 
 def metric_total(samples: Mapping[str, float], name: str) -> float:

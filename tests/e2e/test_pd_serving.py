@@ -39,6 +39,7 @@ from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY
 from tests.e2e.pd_harness import (
     DEFAULT_SERVING,
     RequestFailedError,
+    ServerNotReadyError,
     ServerPair,
     Serving,
     VllmServer,
@@ -442,8 +443,7 @@ def test_short_soak_exact_under_load_and_after_a_producer_crash(
     # kill end with an error or a refused connection, never with an answer.
     assert faulted.answered < len(faulted.outcomes), faulted.summary()
 
-    servers.prefill.start()
-    servers.prefill.wait_ready(time.monotonic() + 600)
+    _restart(servers.prefill)
     servers.prefill.check_serving()
     _warm_up(servers)
     expired = expired_reads(servers.decode)
@@ -460,6 +460,26 @@ def test_short_soak_exact_under_load_and_after_a_producer_crash(
     assert recovered.token_differences == 0, recovered.summary()
     # The consumer released the dead producer's NIXL state once it met the new one.
     assert server_state(servers.decode).peers == peers, servers.decode.log_path
+
+
+# A restart normally answers in 35-50 s. Once in CI (2026-12-04) a restarted producer
+# printed not one line in 600 s, and answered within a minute once the consumer beside it
+# was stopped; the cause is not known. The first wait is bounded, what the machine was
+# doing then is printed (machine_snapshot: the busiest processes, the server's wait
+# channels and Python stacks), and the server is started once more, so that the test
+# judges the consumer and the restarted producer's answers, not one stuck start.
+RESTART_WAIT_S = 240.0
+
+
+def _restart(server: VllmServer) -> None:
+    server.start()
+    try:
+        server.wait_ready(time.monotonic() + RESTART_WAIT_S)
+    except ServerNotReadyError as stuck:
+        print(f"\n{server.name} was not ready; what the machine was doing:\n{stuck}")
+        server.stop()
+        server.start()
+        server.wait_ready(time.monotonic() + RESTART_WAIT_S)
 
 
 # Last in the module: it replaces the llama pair's decode server. A separate refusal pair
@@ -479,8 +499,7 @@ def test_a_decode_server_of_another_layout_is_refused_at_handshake(
     if case is not CASES["llama"]:
         pytest.skip("the refusal runs on the llama pull pair's producer only")
     if servers.prefill.proc is None:  # the short soak above failed before its restart
-        servers.prefill.start()
-        servers.prefill.wait_ready(time.monotonic() + 600)
+        _restart(servers.prefill)
     decode = servers.decode
     decode.stop()
     decode.model = tiny_models / "llama-hd16"
