@@ -66,9 +66,11 @@ from kvspec_traits.vllm_connector._names import (
     CONNECTOR_NAME,
     PUSH_IMPL_MODULE,
     nixl_progress_delay,
+    shm_wait,
 )
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
+from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
 from kvspec_traits.vllm_connector._staging import transfer_caches
 
 if TYPE_CHECKING:
@@ -424,6 +426,7 @@ class TraitsNixlConnector(NixlPullConnector):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         check_vllm_version()
+        apply_shm_wait(shm_wait(vllm_config))  # before this process waits on a queue
         # Not NixlPullConnector.__init__: it would build upstream's worker (a NIXL agent).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:

@@ -15,7 +15,10 @@ __all__ = [
     "PUSH_IMPL_MODULE",
     "NIXL_PROGRESS_DELAY",
     "REQUIRE_TRAITS_PEER",
+    "SHM_WAIT",
+    "SHM_WAITS",
     "nixl_progress_delay",
+    "shm_wait",
 ]
 
 CONNECTOR_NAME: Final = "TraitsNixlConnector"
@@ -41,3 +44,29 @@ def nixl_progress_delay(vllm_config: VllmConfig) -> int:
     config = vllm_config.kv_transfer_config
     raw = 0 if config is None else config.get_from_extra_config(NIXL_PROGRESS_DELAY, 0)
     return check_delay(raw, f"kv_connector_extra_config {NIXL_PROGRESS_DELAY}")
+
+
+SHM_WAIT: Final = "kvspec_shm_wait"
+"""``kv_connector_extra_config`` key: how vLLM's shared-memory queues (engine core <->
+worker) wait for the next message in the processes that build this connector.
+``"yield"`` (the default) leaves vLLM as it is: ``os.sched_yield()`` between checks for
+a second after each message. ``"sleep"`` takes vLLM's own other path,
+``time.sleep(0)`` (``vllm.distributed.utils.USE_SCHED_YIELD`` false, which vLLM uses on
+Python < 3.11.1). On a loaded machine whose kernel schedules with EEVDF, a worker that
+spins on ``sched_yield`` was seen runnable and not run for 20-120 s (docs/vllm.md, "Push
+end to end"); push mode spins without pause while the producer holds blocks."""
+SHM_WAITS: Final = ("yield", "sleep")
+
+
+def shm_wait(vllm_config: VllmConfig) -> str:
+    """The :data:`SHM_WAIT` of a config, checked (``ShmWaitError``)."""
+    from kvspec_traits.vllm_connector._shm_wait import ShmWaitError
+
+    config = vllm_config.kv_transfer_config
+    raw = "yield" if config is None else config.get_from_extra_config(SHM_WAIT, "yield")
+    if raw not in SHM_WAITS:
+        raise ShmWaitError(
+            f"kv_connector_extra_config {SHM_WAIT} is {raw!r}; give one of {list(SHM_WAITS)} "
+            '("yield": vLLM\'s default, "sleep": time.sleep(0) between checks)'
+        )
+    return str(raw)
