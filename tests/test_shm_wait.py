@@ -22,8 +22,8 @@ from vllm.distributed import utils as vllm_utils
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvspec_traits.vllm_connector import TraitsNixlConnector, TraitsNixlPushConnector
-from kvspec_traits.vllm_connector._names import SHM_WAIT, shm_wait
-from kvspec_traits.vllm_connector._shm_wait import ShmWaitError, apply_shm_wait
+from kvspec_traits.vllm_connector._names import SHM_WAIT
+from kvspec_traits.vllm_connector._shm_wait import ShmWaitError, apply_shm_wait, shm_wait
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
 from tests.test_connector_differential import LBHNC, _gqa, _vllm_config

@@ -5,9 +5,9 @@ group), set before vLLM's kernel block-size sync; ``register_kv_caches``' region
 block length, stride, count, group, name, REPLICATE/SPLIT, state and scratch indices, the
 memory registered) from :func:`kvspec_traits.transfer.plan_regions`; the per-region traits
 fingerprint in the agent metadata, checked against the peer's in vLLM's handshake
-(:mod:`~kvspec_traits.vllm_connector._handshake`). Scheduler decisions: ``_scheduler``;
-host staging: ``_staging``; leases: ``_lease_worker``. The rest (transfers, descriptor
-ids, TP mapping, heartbeats, host copies) is upstream's; docs/vllm.md lists its branches.
+(:mod:`~kvspec_traits.vllm_connector._handshake`). Scheduler: ``_scheduler``; host staging:
+``_staging``; leases: ``_lease_worker``; queue waits: ``_shm_wait``. The rest (transfers,
+descriptor ids, TP mapping, heartbeats, host copies) is upstream's: docs/vllm.md lists it.
 """
 
 from __future__ import annotations
@@ -66,11 +66,10 @@ from kvspec_traits.vllm_connector._names import (
     CONNECTOR_NAME,
     PUSH_IMPL_MODULE,
     nixl_progress_delay,
-    shm_wait,
 )
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
-from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
+from kvspec_traits.vllm_connector._shm_wait import apply_from_config
 from kvspec_traits.vllm_connector._staging import transfer_caches
 
 if TYPE_CHECKING:
@@ -193,8 +192,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
         """The region plan of ``kv_caches`` for this rank (no NIXL calls), laid out as
         this vLLM series registers it (:class:`VllmLayoutPolicy`; with ``pp_size``, as
         a pipeline stage of that size would)."""
-        # Host-resident (HiSparse) groups are planned over the host pool's block count
-        # (the planner reads KVCacheConfig.hisparse_host_num_blocks), as vLLM does.
+        # HiSparse groups: over the host pool's blocks (hisparse_host_num_blocks), as vLLM.
         return plan_regions(
             kv_caches,
             self.kv_cache_config,
@@ -227,9 +225,8 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             self.vllm_config, ",".join(sorted(names)), transfer_mode=self._TRANSFER_MODE
         )
 
-        # The caches themselves, or with kv_buffer_device "cpu" on an accelerator the host
-        # buffer vLLM allocates for them (upstream's copies fill it, before a send and
-        # after a receive): the regions and the fingerprint are planned over what NIXL moves.
+        # The caches, or (kv_buffer_device "cpu" on an accelerator) the host buffer upstream's
+        # copies fill before a send and after a receive: regions and fingerprint of what NIXL moves.
         plan = self.plan(transfer_caches(self, kv_caches))
         self.region_plan = plan
         self._apply_plan(plan)
@@ -426,7 +423,7 @@ class TraitsNixlConnector(NixlPullConnector):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         check_vllm_version()
-        apply_shm_wait(shm_wait(vllm_config))  # before this process waits on a queue
+        apply_from_config(vllm_config)  # kvspec_shm_wait, before this process waits on a queue
         # Not NixlPullConnector.__init__: it would build upstream's worker (a NIXL agent).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:

@@ -18,7 +18,6 @@ __all__ = [
     "SHM_WAIT",
     "SHM_WAITS",
     "nixl_progress_delay",
-    "shm_wait",
 ]
 
 CONNECTOR_NAME: Final = "TraitsNixlConnector"
@@ -56,17 +55,3 @@ Python < 3.11.1). On a loaded machine whose kernel schedules with EEVDF, a worke
 spins on ``sched_yield`` was seen runnable and not run for 20-120 s (docs/vllm.md, "Push
 end to end"); push mode spins without pause while the producer holds blocks."""
 SHM_WAITS: Final = ("yield", "sleep")
-
-
-def shm_wait(vllm_config: VllmConfig) -> str:
-    """The :data:`SHM_WAIT` of a config, checked (``ShmWaitError``)."""
-    from kvspec_traits.vllm_connector._shm_wait import ShmWaitError
-
-    config = vllm_config.kv_transfer_config
-    raw = "yield" if config is None else config.get_from_extra_config(SHM_WAIT, "yield")
-    if raw not in SHM_WAITS:
-        raise ShmWaitError(
-            f"kv_connector_extra_config {SHM_WAIT} is {raw!r}; give one of {list(SHM_WAITS)} "
-            '("yield": vLLM\'s default, "sleep": time.sleep(0) between checks)'
-        )
-    return str(raw)

@@ -32,9 +32,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 from kvspec_traits._registry import Registry
 from kvspec_traits.vllm_connector._connector import TraitsWorkerBase
 from kvspec_traits.vllm_connector._gate import check_vllm_version
-from kvspec_traits.vllm_connector._names import PUSH_CONNECTOR_NAME, shm_wait
+from kvspec_traits.vllm_connector._names import PUSH_CONNECTOR_NAME
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
-from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
+from kvspec_traits.vllm_connector._shm_wait import apply_from_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -94,7 +94,7 @@ class TraitsNixlPushConnector(NixlPushConnector):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         check_vllm_version()
-        apply_shm_wait(shm_wait(vllm_config))  # before this process waits on a queue
+        apply_from_config(vllm_config)  # kvspec_shm_wait, before this process waits on a queue
         # NixlPushConnector.__init__ would build upstream's worker (a NIXL agent) first:
         # its base's constructor and its one push check, then ours.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)

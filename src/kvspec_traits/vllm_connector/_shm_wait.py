@@ -16,10 +16,15 @@ scheduler, each worker process for the worker), before anything waits on a queue
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from kvspec_traits._errors import KVSpecTraitsError
+from kvspec_traits.vllm_connector._names import SHM_WAIT, SHM_WAITS
 
-__all__ = ["ShmWaitError", "apply_shm_wait"]
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["ShmWaitError", "apply_from_config", "apply_shm_wait", "shm_wait"]
 
 _LOG = logging.getLogger(__name__)
 FLAG = "USE_SCHED_YIELD"
@@ -52,3 +57,20 @@ def apply_shm_wait(mode: str) -> bool:
             "time.sleep(0) instead of os.sched_yield() in this process"
         )
     return True
+
+
+def shm_wait(vllm_config: VllmConfig) -> str:
+    """The :data:`~._names.SHM_WAIT` of a config, checked (:class:`ShmWaitError`)."""
+    config = vllm_config.kv_transfer_config
+    raw = "yield" if config is None else config.get_from_extra_config(SHM_WAIT, "yield")
+    if raw not in SHM_WAITS:
+        raise ShmWaitError(
+            f"kv_connector_extra_config {SHM_WAIT} is {raw!r}; give one of {list(SHM_WAITS)} "
+            '("yield": vLLM\'s default, "sleep": time.sleep(0) between checks)'
+        )
+    return str(raw)
+
+
+def apply_from_config(vllm_config: VllmConfig) -> bool:
+    """:func:`apply_shm_wait` of the config's ``kvspec_shm_wait`` (checked)."""
+    return apply_shm_wait(shm_wait(vllm_config))
