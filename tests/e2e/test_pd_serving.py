@@ -24,7 +24,6 @@ each case's dtype and block size, which the harness checks the servers actually 
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ from typing import Literal
 import pytest
 
 from kvspec_traits.vllm_connector import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
-from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY
+from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY, SHM_WAIT
 from tests.e2e.pd_harness import (
     DEFAULT_SERVING,
     RequestFailedError,
@@ -110,6 +109,8 @@ class ModelCase:
     # pairs keep vLLM's default; a read the consumer reaches after it is declined
     # (vllm_connector._lease) and the short soak counts it as such, never as an answer.
     lease_s: int | None = None
+    # kvspec_shm_wait on both servers (None: not set, vLLM's own sched_yield).
+    shm_wait: str | None = None
 
     @property
     def connector(self) -> str:
@@ -150,8 +151,16 @@ CASES = {
     # request hangs until the client gives up. Upstream's NixlPushConnector does the
     # same. The lease is raised to the harness's request timeout, so a slow registration
     # is a slow answer, not a lost one.
+    # kvspec_shm_wait "sleep": vLLM's queue readers sleep(0) instead of sched_yield; with
+    # the yield a push pair's worker went unscheduled for 21-172 s under load (docs/vllm.md,
+    # "Push end to end": 4 of 4 runs stalled with it, 0 of 9 without).
     "llama-push": ModelCase(
-        "llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4, mode="push", lease_s=120
+        "llama",
+        layers=2,
+        token_bytes_per_layer=2 * 2 * 32 * 4,
+        mode="push",
+        lease_s=120,
+        shm_wait="sleep",
     ),
     # float32: 4 bytes an element; bfloat16: 2.
     "deepseek-v2-CPU_MLA": _deepseek(CPU_MLA, dtype_bytes=4),
@@ -165,15 +174,6 @@ CASES = {
 
 def _case_params() -> list[object]:
     marks = {f"deepseek-v2-{b.name}": skip_unless_offered(b) for b in MLA_BACKENDS}
-    # Opt-in: on a loaded 2-core machine the push pair lost its warm-up push in 2 of 6
-    # runs (upstream's NixlPushConnector loses requests the same way: docs/vllm.md "Push
-    # end to end"), so make test does not run it unless KVSPEC_E2E_PUSH=1.
-    marks["llama-push"] = [
-        pytest.mark.skipif(
-            os.environ.get("KVSPEC_E2E_PUSH") != "1",
-            reason="the push pair is opt-in (KVSPEC_E2E_PUSH=1): flaky on a loaded 2-core machine",
-        )
-    ]
     return [pytest.param(key, id=key, marks=marks.get(key, [])) for key in sorted(CASES)]
 
 
@@ -184,6 +184,8 @@ def _kv_config(case: ModelCase, role: str, by_name: bool) -> dict[str, object]:
     # NIXL's progress threads sleep 100 us between polls instead of spinning (docs/vllm.md
     # "NIXL's progress threads"): two spinning pollers beside two engines on 2 cores.
     extra[NIXL_PROGRESS_DELAY] = E2E_PROGRESS_DELAY_US
+    if case.shm_wait is not None:
+        extra[SHM_WAIT] = case.shm_wait
     return connector_config(
         role, case.connector, None if by_name else MODULE, kv_connector_extra_config=extra
     )
@@ -348,6 +350,9 @@ _CONNECTOR_BUILT = re.compile(
 )
 
 
+_SHM_WAIT_SET = re.compile(r"\((EngineCore|Worker) pid=\d+\) INFO .*kvspec_shm_wait 'sleep'")
+
+
 def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair]) -> None:
     """Both servers built the case's connector (TraitsNixlConnector or, in push mode,
     TraitsNixlPushConnector, whose scheduler is TraitsNixlPushConnectorScheduler), and
@@ -373,6 +378,11 @@ def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair
         assert "KV layout handshake refused" not in log, server.describe()
         if case.mode == "push" or server is servers.decode:
             assert "has the same KV layout (fingerprint" in log, server.describe()
+        # kvspec_shm_wait "sleep" took effect where the connector was built (engine core and
+        # worker), and nowhere without the key.
+        switched = set(_SHM_WAIT_SET.findall(log))
+        expected = {"EngineCore", "Worker"} if case.shm_wait == "sleep" else set()
+        assert switched == expected, (server.describe(), switched)
 
 
 # The short form of `make soak` (benchmarks/soak.py, issue 24) on this module's llama pair:

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ShmWaitError", "apply_from_config", "apply_shm_wait", "shm_wait"]
 
-_LOG = logging.getLogger(__name__)
+# Under "vllm.", so vLLM's own log configuration prints it beside vLLM's lines.
+_LOG = logging.getLogger("vllm.kvspec_traits.connector")
 FLAG = "USE_SCHED_YIELD"
 
 
