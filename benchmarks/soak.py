@@ -47,7 +47,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY  # noqa: E402
+from kvspec_traits.vllm_connector._names import (  # noqa: E402
+    NIXL_PROGRESS_DELAY,
+    SHM_WAIT,
+    SHM_WAITS,
+)
 from tests.e2e.pd_harness import (  # noqa: E402
     DEFAULT_SERVING,
     ServerFailedError,
@@ -162,7 +166,7 @@ class Soak:
             baseline = {o.prompt: o.token_ids for o in base.outcomes if o.status == "ok"}
 
         # NIXL's progress threads: a floor under their busy polling (docs/vllm.md).
-        extra = {NIXL_PROGRESS_DELAY: args.progress_delay_us}
+        extra = {NIXL_PROGRESS_DELAY: args.progress_delay_us, SHM_WAIT: args.shm_wait}
         started = time.monotonic()
         with running_pair(
             prefill_model=models_dir / model.name,
@@ -360,6 +364,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=100,
         help="kvspec_nixl_progress_delay_us on both servers (0: NIXL's busy polling)",
+    )
+    parser.add_argument(
+        "--shm-wait",
+        choices=SHM_WAITS,
+        default="sleep",
+        help="kvspec_shm_wait on both servers (yield: vLLM's own sched_yield; docs/vllm.md)",
     )
     args = parser.parse_args(argv)
     args.faults = [m for m in args.faults.split(",") if m]

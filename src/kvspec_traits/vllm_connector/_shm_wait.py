@@ -51,12 +51,13 @@ def apply_shm_wait(mode: str) -> bool:
             f"kvspec_shm_wait 'sleep': this vLLM's vllm.distributed.utils has no boolean "
             f"{FLAG}, so its shared-memory queues cannot be told to sleep; remove the key"
         )
-    if getattr(utils, FLAG):
-        setattr(utils, FLAG, False)
-        _LOG.info(
-            "kvspec_shm_wait 'sleep': vLLM's shared-memory queue readers wait with "
-            "time.sleep(0) instead of os.sched_yield() in this process"
-        )
+    was = getattr(utils, FLAG)
+    setattr(utils, FLAG, False)
+    _LOG.info(
+        "kvspec_shm_wait 'sleep': vLLM's shared-memory queue readers wait with "
+        "time.sleep(0)%s in this process",
+        " instead of os.sched_yield()" if was else " (already)",
+    )
     return True
 
 
