@@ -68,7 +68,7 @@ MAX_TOKENS = 24
 E2E_PROGRESS_DELAY_US = 100
 # kvspec_shm_wait on every pair: vLLM's queue readers sleep(0) between checks instead of
 # sched_yield. With the yield, a push pair's worker went unscheduled for 21-172 s on this
-# loaded 2-core machine (docs/vllm.md, "Push end to end": every run of 4 stalled, none of
+# loaded 2-core machine (docs/vllm.md, "Push end to end": each of 5 runs stalled, none of
 # 9 with "sleep"), and once in CI a restarted producer printed nothing for 600 s beside a
 # consumer spinning on a dead peer's blocks.
 E2E_SHM_WAIT = "sleep"
