@@ -30,18 +30,24 @@ from kvspec_traits.vllm_connector._names import (
     CONNECTOR_NAME,
     IMPL_MODULE,
     MODULE_PATH,
+    NIXL_PROGRESS_DELAY,
     PUSH_CONNECTOR_NAME,
     PUSH_IMPL_MODULE,
     REQUIRE_TRAITS_PEER,
+    SHM_WAIT,
 )
+from kvspec_traits.vllm_connector._shm_wait import ShmWaitError
 
 __all__ = [
     "CONNECTOR_NAME",
     "MODULE_PATH",
+    "NIXL_PROGRESS_DELAY",
     "PUSH_CONNECTOR_NAME",
     "REQUIRE_TRAITS_PEER",
+    "SHM_WAIT",
     "SUPPORTED_VLLM_SERIES",
     "PeerWithoutTraitsError",
+    "ShmWaitError",
     "TraitsNixlAgentMetadata",
     "TraitsNixlConnector",
     "TraitsNixlConnectorScheduler",
