@@ -8,8 +8,9 @@ records each request's seconds and outcome. The connectors alternate run by run 
 upstream's, ours, ...), so both meet the same machine; ``--burners N`` adds N processes
 that spin for the whole benchmark, the "other work" under which push pairs stall here
 (docs/vllm.md, "Push end to end"). Both connectors get the same settings; NIXL's progress
-threads poll as NIXL sets them (``--progress-delay-us`` 0), since upstream's class has
-no such key.
+threads poll as NIXL sets them (``--progress-delay-us`` 0) and vLLM's queues wait with
+``sched_yield`` (``--shm-wait yield``), since upstream's class reads neither key; the
+flags set them for ours, to measure what they change.
 
 Prints per connector: runs, requests, answered, failed, slow (answered after
 ``--slow-s``), median and longest seconds; the answers of both connectors must be equal,
@@ -40,16 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvspec_traits.vllm_connector import PUSH_CONNECTOR_NAME  # noqa: E402
-from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY  # noqa: E402
-from tests.e2e.pd_harness import (  # noqa: E402
-    ServerFailedError,
-    ServerPair,
-    complete,
-    connector_config,
-    disaggregated_complete,
-    running_pair,
-)
+from kvspec_traits.vllm_connector import NIXL_PROGRESS_DELAY, PUSH_CONNECTOR_NAME, SHM_WAIT  # noqa: E402
+from tests.e2e import pd_harness as harness  # noqa: E402
 
 UPSTREAM = "NixlPushConnector"
 MODULE = "kvspec_traits.vllm_connector"
@@ -103,15 +96,16 @@ def _tiny_llama() -> Path:
     return models_dir / "llama"
 
 
-def _configs(connector: str, delay_us: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _configs(connector: str, delay_us: int, shm_wait: str) -> tuple[dict[str, Any], dict[str, Any]]:
     extra: dict[str, object] = {"kv_lease_duration": 120}
     module = None
-    if connector == PUSH_CONNECTOR_NAME:
+    if connector == PUSH_CONNECTOR_NAME:  # upstream's class reads neither key
         extra[NIXL_PROGRESS_DELAY] = delay_us
+        extra[SHM_WAIT] = shm_wait
         module = MODULE
     return (
-        connector_config("kv_producer", connector, module, kv_connector_extra_config=extra),
-        connector_config("kv_consumer", connector, module, kv_connector_extra_config=extra),
+        harness.connector_config("kv_producer", connector, module, kv_connector_extra_config=extra),
+        harness.connector_config("kv_consumer", connector, module, kv_connector_extra_config=extra),
     )
 
 
@@ -122,10 +116,10 @@ def _one_run(
     seconds: list[float] = []
     failed: list[str] = []
     differ: list[str] = []
-    prefill_kv, decode_kv = _configs(connector, args.progress_delay_us)
+    prefill_kv, decode_kv = _configs(connector, args.progress_delay_us, args.shm_wait)
     started = time.monotonic()
-    pair: ServerPair
-    with running_pair(
+    pair: harness.ServerPair
+    with harness.running_pair(
         prefill_model=model,
         decode_model=model,
         served_model_name="tiny",
@@ -135,12 +129,12 @@ def _one_run(
     ) as pair:
         print(f"  pair ready in {time.monotonic() - started:.0f} s", flush=True)
         for server in pair.servers():
-            complete(server, "warm up", 2)
+            harness.complete(server, "warm up", 2)
         prompts = [PROMPTS[0], *[PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]]
         for i, prompt in enumerate(prompts):
             t0 = time.monotonic()
             try:
-                text = disaggregated_complete(pair, prompt, MAX_TOKENS).text
+                text = harness.disaggregated_complete(pair, prompt, MAX_TOKENS).text
             except Exception as err:  # a timeout or an error status: counted, not raised
                 took = time.monotonic() - t0
                 what = f"{type(err).__name__} after {took:.0f} s: {str(err).splitlines()[0][:120]}"
@@ -164,6 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--burners", type=int, default=0, help="spinning processes beside")
     parser.add_argument("--slow-s", type=float, default=30.0)
     parser.add_argument("--progress-delay-us", type=int, default=0)
+    parser.add_argument(
+        "--shm-wait",
+        choices=("yield", "sleep"),
+        default="yield",
+        help="kvspec_shm_wait for ours (upstream's class has no such key: vLLM's yield)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     seconds, failed, bad = _one_run(
                         connector, model, workdir / f"{connector}-{run}", args, answers
                     )
-                except ServerFailedError as err:
+                except harness.ServerFailedError as err:
                     print(f"  {str(err).splitlines()[0]}", flush=True)
                     status = 1
                     continue
