@@ -19,7 +19,12 @@ class _Sleeper(VllmServer):
     """A "server" that starts, prints nothing, and never listens: a stuck start."""
 
     def command(self) -> list[str]:
-        return [sys.executable, "-c", "import time\nwhile True: time.sleep(0.2)"]
+        return [
+            sys.executable,
+            "-u",
+            "-c",
+            "import time\nprint('looping')\nwhile True: time.sleep(0.2)",
+        ]
 
 
 class _Quitter(VllmServer):
@@ -40,7 +45,9 @@ def test_a_server_that_never_answers_fails_with_the_machine_and_its_stacks(
         if server.proc is None:
             raise AssertionError("start() left no process")
         pid = server.proc.pid
-        time.sleep(1.0)  # past the interpreter's start-up, into the loop
+        deadline = time.monotonic() + 60  # past the interpreter's start-up, into the loop
+        while "looping" not in server.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.1)
         with pytest.raises(ServerNotReadyError) as failed:
             server.wait_ready(time.monotonic() + 1.5)
     finally:
@@ -56,8 +63,8 @@ def test_a_server_that_never_answers_fails_with_the_machine_and_its_stacks(
     assert f"group member {pid} python" in text, text
     assert f"py-spy dump {pid}:" in text, text
     dump = text.split(f"py-spy dump {pid}:")[1]
-    if "Permission denied" not in dump and "ptrace" not in dump.lower():
-        assert "<module> (<string>:2)" in dump, dump
+    if "Thread" in dump:  # py-spy attached (a machine may forbid ptrace): the loop's line
+        assert "<module> (<string>:3)" in dump, dump
 
 
 def test_a_server_that_exits_fails_at_once_without_a_snapshot(tmp_path: Path) -> None:
