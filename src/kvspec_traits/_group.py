@@ -7,6 +7,7 @@ is the members' common value, and asking for one they disagree on raises
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from fractions import Fraction
 from types import MappingProxyType
@@ -153,7 +154,7 @@ class GroupTraits(KVLayoutTraits):
     @property
     def components(self) -> tuple[PageComponent, ...]:
         return tuple(
-            PageComponent(name=f"{layer}/{c.name}", shape=c.shape, dtype=c.dtype, nbytes=c.nbytes)
+            dataclasses.replace(c, name=f"{layer}/{c.name}")
             for layer, t in self._members.items()
             for c in t.components
         )

@@ -43,6 +43,37 @@ class PageComponent:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
+    tp_split: tuple[int, ...] | None = None
+    """How this component of a ``STATE_SHARDED`` page divides across tensor-parallel
+    ranks: the sizes, along its first dimension and in this rank's elements, of the runs
+    each rank holds one contiguous slice of (their sum is ``shape[0]``). Mamba-2's conv
+    state in vLLM's DS layout ``(conv_dim, kernel - 1)`` is ``(x, B, C)``, each run
+    ``1/TP`` of the model's; its SSM state ``(heads, head_dim)`` is ``(heads,)``. A rank
+    of another TP size finds its share of a peer's component from these runs alone.
+
+    ``None``: the spec does not say how the component splits (a connector must not move
+    it between TP sizes); always ``None`` on pages that are not TP-sharded states.
+    Source: the adapter (vLLM's Mamba specs: ``mamba_type`` and ``shapes``, as vLLM's
+    ``derive_mamba_conv_split`` decomposes them)."""
+
+    def __post_init__(self) -> None:
+        split = self.tp_split
+        if split is None:
+            return
+        if (
+            not isinstance(split, tuple)
+            or not split
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in split)
+        ):
+            raise ValueError(
+                f"component {self.name!r}: tp_split must be None or a non-empty tuple of "
+                f"positive ints, got {split!r}"
+            )
+        if not self.shape or sum(split) != self.shape[0]:
+            raise ValueError(
+                f"component {self.name!r}: tp_split {split} must add up to the first "
+                f"dimension of its shape {self.shape}"
+            )
 
 
 TraitValue = bool | int | str | Fraction | None | TPLayout | TokenScope | tuple[PageComponent, ...]

@@ -111,6 +111,9 @@ _MAMBA_READS: Final = (
     "tp_replicated",
     "num_heads",
     "tokens_per_state",
+    # Which kernel family computes the state: how its conv state splits across TP ranks
+    # (PageComponent.tp_split, as vLLM's derive_mamba_conv_split decomposes it).
+    "mamba_type",
     # vLLM 0.34: each state starts at a multiple of state_alignment bytes.
     "state_alignment",
     "state_content_size_bytes",
@@ -118,8 +121,6 @@ _MAMBA_READS: Final = (
 )
 _MAMBA_IGNORES: Final = (
     *BASE_IGNORES,
-    # Which kernel family computes the state (shapes and dtypes carry its layout).
-    "mamba_type",
     # How many state blocks the manager keeps per request (prefix caching, speculative
     # decoding, prefill checkpoints); each page holds one state either way.
     "mamba_cache_mode",

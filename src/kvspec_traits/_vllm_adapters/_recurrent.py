@@ -57,6 +57,41 @@ def _shapes(spec: MambaSpec) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
     return tuple(out)
 
 
+def _tp_splits(
+    spec: MambaSpec, states: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+) -> tuple[tuple[int, ...] | None, ...]:
+    """How each state tensor of a TP-sharded Mamba page divides across TP ranks (the
+    runs along its first dimension, :attr:`PageComponent.tp_split`), as vLLM's NIXL
+    transfer decomposes it (``derive_mamba_conv_split``): the conv state in the DS layout
+    ``(conv_dim, kernel - 1)`` by sub-projection (Mamba-1 ``(x,)``, Mamba-2 ``(x, B, C)``,
+    GDN ``(Q, K, V)``), the temporal state by its heads. ``None`` for a kernel family or
+    a conv layout (vLLM's default SD, ``(kernel - 1, conv_dim)``) that vLLM does not
+    decompose, and for a page of other than two tensors: no split is described."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    unknown: tuple[tuple[int, ...] | None, ...] = (None,) * len(states)
+    kind = getattr(spec.mamba_type, "name", None)
+    if len(states) != 2 or not is_conv_state_dim_first():
+        return unknown
+    (conv, _), (temporal, _) = states
+    if len(conv) != 2:
+        return unknown
+    conv_dim = conv[0]
+    if kind == "MAMBA1" and temporal[0] == conv_dim:
+        runs: tuple[int, ...] = (conv_dim,)
+    elif kind == "MAMBA2" and len(temporal) == 2:
+        x = temporal[0] * temporal[1]  # local heads x head_dim
+        runs = (x, (conv_dim - x) // 2, (conv_dim - x) // 2)
+    elif kind == "GDN_ATTN" and len(temporal) == 3:
+        value = temporal[0] * temporal[1]  # local value heads x head_v_dim
+        runs = ((conv_dim - value) // 2, (conv_dim - value) // 2, value)
+    else:
+        return unknown
+    if sum(runs) != conv_dim or min(runs) <= 0:
+        return unknown  # not the decomposition vLLM's kernels lay out: undescribed
+    return (runs, (temporal[0],))
+
+
 def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
     """A recurrent state: one page per block holding every state tensor once.
 
@@ -81,11 +116,19 @@ def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
             spec, "tokens_per_state", tps, "an int <= 0 (vLLM's -1: a state covers every token)"
         )
     replicated = _flag(spec, "tp_replicated")
+    states = _shapes(spec)
+    splits = (None,) * len(states) if replicated else _tp_splits(spec, states)
     components: list[PageComponent] = []
-    for i, (shape, dtype) in enumerate(_shapes(spec)):
+    for i, ((shape, dtype), split) in enumerate(zip(states, splits, strict=True)):
         nbytes = prod(shape) * dtype.itemsize
         components.append(
-            PageComponent(name=f"state{i}", shape=shape, dtype=dtype_name(dtype), nbytes=nbytes)
+            PageComponent(
+                name=f"state{i}",
+                shape=shape,
+                dtype=dtype_name(dtype),
+                nbytes=nbytes,
+                tp_split=split,
+            )
         )
         gap = -nbytes % alignment
         if gap:

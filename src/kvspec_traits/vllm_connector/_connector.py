@@ -33,20 +33,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
-    _is_attention_spec,
-    _is_ssm_spec,
-)
 
 from kvspec_traits._registry import Registry, default_registry
-from kvspec_traits._traits import TPLayout
 from kvspec_traits.nixl._progress import progress_delay
 from kvspec_traits.nixl._register import register_ranges
 from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
 from kvspec_traits.transfer._region import is_state
 from kvspec_traits.vllm_connector import _quirks as quirks
-from kvspec_traits.vllm_connector._errors import UpstreamDisagreesError
-from kvspec_traits.vllm_connector._facts import LayoutFacts, layout_facts
+from kvspec_traits.vllm_connector import _seam as seam
+from kvspec_traits.vllm_connector._facts import GroupKind, LayoutFacts, layout_facts
 from kvspec_traits.vllm_connector._fields import packed_layouts, worker_fields
 from kvspec_traits.vllm_connector._gate import check_vllm_version, transfer_mode
 from kvspec_traits.vllm_connector._handshake import (
@@ -105,7 +100,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
         self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
         with progress_delay(nixl_progress_delay(vllm_config)):  # the agent is built here
             super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._check_upstream_group_kinds()
+        self._own_group_kinds()
 
     def _layout_facts(self) -> LayoutFacts:
         """The layout facts (computed here for a worker built without __init__)."""
@@ -139,50 +134,42 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
         self.use_mla = facts.mla
         self._is_csa_linear = facts.has_ring
         self._ple_group_index = facts.replicated_state_kv_cache_group
-        if facts.has_state and self._conv_decomp is None:
-            self._conv_decomp = self._state_conv_split()
-            self._mamba_ssm_size = self._conv_decomp.ssm_sizes
+        # The state split from traits, replacing vLLM's derive_mamba_conv_split (equal
+        # for vLLM's Mamba kinds; the only one for a state class vLLM does not know).
+        if facts.state_split is not None:
+            self._conv_decomp = seam.conv_split_info(facts.state_split)
+            self._mamba_ssm_size = facts.state_split.sizes
         super()._sync_block_size_with_kernel()
 
-    def _state_conv_split(self) -> Any:
-        from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import (
-            derive_mamba_conv_split,
-        )
-
-        for layer, traits in self.layout_facts.layer_traits.items():
-            if is_state(traits) and (
-                not self.layout_facts.has_ring or traits.tp_layout is not TPLayout.REPLICATED
-            ):
-                return derive_mamba_conv_split(
-                    self._layer_specs[layer],  # type: ignore[arg-type]  # a state spec
-                    self.vllm_config.parallel_config.tensor_parallel_size,
-                )
-        raise ValueError(
-            f"{CONNECTOR_NAME}: no TP-sharded recurrent state layer to "
-            f"derive the conv/SSM split from"
-        )
-
-    def _check_upstream_group_kinds(self) -> None:
-        """Upstream's descriptor-id math numbers the groups of its ``transfer_groups``
-        and classifies them by class (attention vs SSM); both must agree with the
-        planner's or the descriptors would not match our regions."""
-        planned = tuple(g.kv_cache_group for g in self.layout_facts.transfer_groups)
+    def _own_group_kinds(self) -> None:
+        """Replace vLLM's class-based group kinds (``_group_spec_types``, set in its
+        ``__init__`` from ``type(spec)``) with the traits' (:mod:`._seam`), and 0.34's
+        DCP-replicated groups (MLA classes) with the groups whose every layer is
+        TP-replicated."""
+        facts = self.layout_facts
+        planned = tuple(g.kv_cache_group for g in facts.transfer_groups)
         if tuple(self.kv_cache_config.transfer_group_ids) != planned:
             raise ValueError(
                 f"{CONNECTOR_NAME}: vLLM transfers cache groups "
                 f"{self.kv_cache_config.transfer_group_ids}, the region planner {planned}"
             )
-        for index, (spec_type, state_group) in enumerate(
-            zip(self._group_spec_types, self.layout_facts.group_is_state, strict=True)
-        ):
-            upstream = "state" if _is_ssm_spec(spec_type) else "paged"
-            if not (upstream == "state" or _is_attention_spec(spec_type)):
-                upstream = "unknown"
-            ours = "state" if state_group else "paged"
-            if upstream != ours:
-                raise UpstreamDisagreesError(
-                    f"the kind of transfer group {index} ({spec_type.__qualname__})", upstream, ours
-                )
+        self._group_spec_types = seam.group_spec_types(facts.group_kinds)
+        quirks.keep_dcp_replicated_groups(self, facts.replicated_groups(), facts.transfer_groups)
+
+    def _logical_to_kernel_block_ids(self, block_ids: Any, ratio: int) -> Any:
+        """Manager blocks to kernel blocks, per transfer group: a state group's blocks
+        are indivisible (kept as they are), every other group's block ``b`` is kernel
+        blocks ``b * ratio`` to ``b * ratio + ratio - 1`` (vLLM's rule, its group kinds
+        from traits)."""
+        if ratio == 1:
+            return block_ids
+        kinds = self._layout_facts().group_kinds
+        return [
+            list(group)
+            if kinds[i] is GroupKind.STATE
+            else [b * ratio + k for b in group for k in range(ratio)]
+            for i, group in enumerate(block_ids)
+        ]
 
     # -- register_kv_caches -------------------------------------------------------------
 

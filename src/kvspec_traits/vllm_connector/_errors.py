@@ -13,6 +13,8 @@ __all__ = [
     "UnsupportedHostBufferError",
     "UnsupportedPipelineParallelError",
     "UnsupportedRingTPError",
+    "UnsupportedStateLayoutError",
+    "UnsupportedStateTPError",
     "UnsupportedTransferModeError",
     "UnsupportedVllmVersionError",
     "UpstreamDisagreesError",
@@ -166,4 +168,42 @@ class UnsupportedHostBufferError(KVSpecTraitsError, NotImplementedError):
             f"{CONNECTOR_NAME}: NIXL host staging (kv_buffer_device cpu) cannot stage "
             f"this KV cache: {reason}. Register the caches directly (kv_buffer_device "
             f"as the accelerator's), as with vLLM's NixlConnector"
+        )
+
+
+class UnsupportedStateLayoutError(KVSpecTraitsError, NotImplementedError):
+    """A recurrent-state layer whose traits describe a page the connector cannot cut
+    into NIXL descriptors. ``.spec_name`` (the spec class), ``.layer``, ``.trait`` (the
+    trait that decides it), ``.reason``."""
+
+    def __init__(self, spec_name: str, layer: str, trait: str, reason: str) -> None:
+        self.spec_name = spec_name
+        self.layer = layer
+        self.trait = trait
+        self.reason = reason
+        super().__init__(
+            f"{CONNECTOR_NAME} cannot transfer recurrent-state layer {layer!r} "
+            f"({spec_name}), by its trait {trait}: {reason}"
+        )
+
+
+class UnsupportedStateTPError(KVSpecTraitsError, NotImplementedError):
+    """Prefill and decode run different TP sizes, and a TP-sharded recurrent state's
+    traits do not say how it divides across ranks (a component without
+    :attr:`~kvspec_traits.PageComponent.tp_split`, or a rest of the page in more than one
+    run), so no rank of one TP size can find its share in the other's pages. Raised
+    before the handshake: no byte moves. ``.spec_name``, ``.layer``, ``.local_tp``,
+    ``.remote_tp``."""
+
+    def __init__(self, spec_name: str, layer: str, local_tp: int, remote_tp: int) -> None:
+        self.spec_name = spec_name
+        self.layer = layer
+        self.local_tp = local_tp
+        self.remote_tp = remote_tp
+        super().__init__(
+            f"{CONNECTOR_NAME} cannot move recurrent-state layer {layer!r} ({spec_name}) "
+            f"between TP {remote_tp} and TP {local_tp}: its traits' components do not "
+            f"say how the state divides across TP ranks (PageComponent.tp_split). Run "
+            f"prefill and decode with equal TP sizes, or give each state component a "
+            f"tp_split in the spec's adapter"
         )

@@ -4,28 +4,126 @@ traits (pure: vLLM's types are named for type checking only)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvspec_traits._group import representative_traits
 from kvspec_traits._registry import Registry, default_registry
-from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
+from kvspec_traits._traits import KVLayoutTraits, PageComponent, TokenScope, TPLayout
 from kvspec_traits.transfer._config import CacheGroupTraits, TransferGroup, cache_group_traits
 from kvspec_traits.transfer._region import has_ring, is_state
-from kvspec_traits.vllm_connector._errors import UnknownStateBlocksError
+from kvspec_traits.vllm_connector._errors import (
+    UnknownStateBlocksError,
+    UnsupportedStateLayoutError,
+)
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = [
+    "GroupKind",
     "LayoutFacts",
     "SchedulerFacts",
+    "StateSplit",
+    "group_kind",
     "layout_facts",
     "replicated_state_group",
     "scheduler_facts",
 ]
+
+
+class GroupKind(enum.Enum):
+    """How a transfer group's blocks are addressed, which decides its descriptors: the
+    question vLLM's NIXL worker answers from the group's spec class (``AttentionSpec``,
+    ``CircularBufferSpec``, ``MambaSpec``), answered here from traits."""
+
+    PAGED = "paged"
+    """Token-addressed pages (attention, MLA latents, HiSparse copies): a request's
+    blocks in every region of the group, split into kernel blocks."""
+    RING = "ring"
+    """A ring buffer (:attr:`TokenScope.RING`): one page per request rewritten in place,
+    living in its own scratch regions only."""
+    STATE = "state"
+    """Recurrent states (:attr:`TokenScope.RECURRENT_STATE`): one indivisible page per
+    block, addressed by state descriptors (never kernel blocks, never head slices)."""
+
+
+def group_kind(traits: KVLayoutTraits) -> GroupKind:
+    """The :class:`GroupKind` of a group from its (representative) traits."""
+    if is_state(traits):
+        return GroupKind.STATE
+    if has_ring((traits,)):
+        return GroupKind.RING
+    return GroupKind.PAGED
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StateSplit:
+    """How this rank's recurrent-state page is cut into transfer descriptors, from its
+    traits' components: the first tensor (vLLM: the conv state) in one descriptor per
+    run of its :attr:`~kvspec_traits.PageComponent.tp_split` (one run, the whole tensor,
+    where the split is not described), then one descriptor for the rest of the state
+    (vLLM: the temporal state) from ``sizes[0]`` on. Field for field vLLM's
+    ``MambaConvSplitInfo``, whose descriptor code the connector runs.
+
+    ``layer``/``spec_name`` name the state layer it was taken from; ``tp_movable``
+    whether its traits describe how it divides across TP ranks (every tensor a
+    ``tp_split``, the rest one run), so that a rank of another TP size may read it."""
+
+    layer: str
+    spec_name: str
+    conv_rows: int
+    """Elements per row of the first tensor's first dimension (``prod(shape[1:])``)."""
+    local_proj_dims: tuple[int, ...]
+    conv_dtype_size: int
+    sizes: tuple[int, int]
+    """(offset of the rest of the state in the page, bytes of the rest)."""
+    tp_movable: bool
+
+
+def state_split(layer: str, traits: KVLayoutTraits) -> StateSplit:
+    """The :class:`StateSplit` of recurrent-state layer ``layer``. Padding components
+    (uint8 ``pad<i>``, as the built-in Mamba adapter names the alignment gaps) start no
+    descriptor. Raises :class:`UnsupportedStateLayoutError` for a state of one tensor
+    (nothing to put in the second descriptor) or an empty first tensor."""
+    offsets: list[tuple[int, PageComponent]] = []
+    offset = 0
+    for component in traits.components:
+        if not (component.dtype == "uint8" and component.name.startswith("pad")):
+            offsets.append((offset, component))
+        offset += component.nbytes
+    if len(offsets) < 2 or offsets[0][0] != 0:
+        raise UnsupportedStateLayoutError(
+            traits.spec_name,
+            layer,
+            "components",
+            "a recurrent-state page moves as its first tensor and the rest of the page "
+            f"(two descriptors or more); its components are {[c.name for c in traits.components]}",
+        )
+    first = offsets[0][1]
+    rest_start = offsets[1][0]
+    rest_end = offsets[-1][0] + offsets[-1][1].nbytes
+    elements = math.prod(first.shape)
+    if not first.shape or elements == 0 or first.nbytes % elements:
+        raise UnsupportedStateLayoutError(
+            traits.spec_name, layer, "components", f"first tensor {first} has no element size"
+        )
+    rest = [c for _, c in offsets[1:]]
+    return StateSplit(
+        layer=layer,
+        spec_name=traits.spec_name,
+        conv_rows=elements // first.shape[0],
+        local_proj_dims=first.tp_split or (first.shape[0],),
+        conv_dtype_size=first.nbytes // elements,
+        sizes=(rest_start, rest_end - rest_start),
+        tp_movable=first.tp_split is not None
+        and len(rest) == 1
+        and rest[0].tp_split is not None
+        and len(rest[0].tp_split) == 1,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,8 +136,8 @@ class LayoutFacts:
     """The transferred cache groups, as the planner numbers them
     (:func:`kvspec_traits.transfer._config.transfer_groups`)."""
     layer_traits: Mapping[str, KVLayoutTraits]
-    group_is_state: tuple[bool, ...]
-    """Per transfer group: holds recurrent states (vLLM: an SSM group)."""
+    group_kinds: tuple[GroupKind, ...]
+    """Per transfer group: how its blocks are addressed (vLLM: its spec class)."""
     transfer_block_size: int | None
     """LCM of the token-paged transfer groups' block sizes (None if there are none)."""
     hybrid: bool
@@ -47,10 +145,31 @@ class LayoutFacts:
     has_state: bool
     has_ring: bool
     mla: bool
-    """Some transferred layer caches one latent per token (vLLM: ``use_mla``)."""
+    """Every transferred token-paged layer is TP-replicated (vLLM: ``use_mla``, which
+    makes its TP mapping read every attention region from one remote rank). A model
+    mixing head-sharded and replicated pages (a GQA model with an MLA draft) is not:
+    its regions carry their own REPLICATE/SPLIT flags."""
+    state_split: StateSplit | None
+    """How the TP-sharded recurrent states are cut into descriptors (vLLM:
+    ``_conv_decomp``); None without one."""
     replicated_state_kv_cache_group: int | None
     """The cache group whose layers are all TP-replicated states next to a ring (vLLM:
     the CSA-linear PLE group)."""
+
+    def replicated_groups(self) -> frozenset[int]:
+        """Transfer groups (positions) whose every layer is a TP-replicated token-paged
+        page: held whole on every rank (vLLM 0.34 asks it of DCP peers, from MLA
+        classes)."""
+        return frozenset(
+            g.index
+            for g in self.transfer_groups
+            if g.layer_names
+            and all(
+                self.layer_traits[layer].token_paged
+                and self.layer_traits[layer].tp_layout is TPLayout.REPLICATED
+                for layer in g.layer_names
+            )
+        )
 
 
 def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = None) -> LayoutFacts:
@@ -64,17 +183,57 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
     # vLLM leaves groups not addressed by token position out of the transfer block size.
     block_sizes = [k.block_size for k in kinds if k.token_paged]
     ring = has_ring(representative_traits(g.traits) for g in groups)
+    paged = [t for t in layer_traits.values() if t.token_paged]
+    replicated_group = replicated_state_group(groups) if ring else None
     return LayoutFacts(
         transfer_groups=tuple(g.transfer for g in transferred if g.transfer is not None),
         layer_traits=layer_traits,
-        group_is_state=tuple(is_state(k) for k in kinds),
+        group_kinds=tuple(group_kind(k) for k in kinds),
         transfer_block_size=math.lcm(*block_sizes) if block_sizes else None,
         hybrid=any(t.token_scope is not TokenScope.FULL for t in layer_traits.values()),
         has_state=any(is_state(t) for t in layer_traits.values()),
         has_ring=ring,
-        mla=any(t.is_mla and t.token_paged for t in layer_traits.values()),
-        replicated_state_kv_cache_group=replicated_state_group(groups) if ring else None,
+        mla=bool(paged) and all(t.tp_layout is TPLayout.REPLICATED for t in paged),
+        state_split=_model_state_split(layer_traits, ring),
+        replicated_state_kv_cache_group=replicated_group,
     )
+
+
+def _model_state_split(layer_traits: Mapping[str, KVLayoutTraits], ring: bool) -> StateSplit | None:
+    """The one :class:`StateSplit` of the model's TP-sharded states (vLLM's worker keeps
+    one): every such layer must split alike. A TP-replicated state moves only as the
+    replicated cache beside a ring buffer (vLLM's PLE cache), whose descriptors vLLM
+    builds apart; elsewhere it is refused by name (vLLM's descriptors would count it
+    as a sharded state)."""
+    sharded: list[StateSplit] = []
+    for layer, traits in layer_traits.items():
+        if not is_state(traits):
+            continue
+        if traits.tp_layout is TPLayout.REPLICATED:
+            if not ring:
+                raise UnsupportedStateLayoutError(
+                    traits.spec_name,
+                    layer,
+                    "tp_layout",
+                    "vLLM's NIXL descriptors move a TP-replicated recurrent state only "
+                    "as the replicated cache of a ring-buffer (CSA-linear) model; here "
+                    "it would be counted as a TP-sharded state",
+                )
+            continue
+        sharded.append(state_split(layer, traits))
+    if not sharded:
+        return None
+    first = sharded[0]
+    for other in sharded[1:]:
+        if dataclasses.replace(other, layer=first.layer, spec_name=first.spec_name) != first:
+            raise UnsupportedStateLayoutError(
+                other.spec_name,
+                other.layer,
+                "components",
+                f"its state splits otherwise than layer {first.layer!r} "
+                f"({first.spec_name}), and vLLM's worker cuts every state alike",
+            )
+    return first
 
 
 def replicated_state_group(groups: Sequence[CacheGroupTraits]) -> int | None:

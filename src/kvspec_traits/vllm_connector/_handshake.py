@@ -36,8 +36,10 @@ from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
     UnsupportedPipelineParallelError,
     UnsupportedRingTPError,
+    UnsupportedStateTPError,
     UpstreamDisagreesError,
 )
+from kvspec_traits.vllm_connector._facts import StateSplit
 from kvspec_traits.vllm_connector._fields import peer_regions_of
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, REQUIRE_TRAITS_PEER
 
@@ -51,6 +53,7 @@ __all__ = [
     "check_parallel_pair",
     "check_pipeline_parallel",
     "check_ring_tp",
+    "check_state_tp",
     "check_remote_fingerprint",
     "decoding_traits_metadata",
     "handshake_with",
@@ -237,7 +240,17 @@ def check_parallel_pair(worker: Any, remote_tp: int, remote_pp: int) -> None:
     # Workers that vLLM's tests build without register_kv_caches have no plan (and
     # maybe no KV cache config to take layer traits from): nothing to check.
     if plan is not None and worker.world_size != remote_tp:
-        check_ring_tp(plan, worker._layout_facts().layer_traits, worker.world_size, remote_tp)
+        facts = worker._layout_facts()
+        check_ring_tp(plan, facts.layer_traits, worker.world_size, remote_tp)
+        check_state_tp(facts.state_split, worker.world_size, remote_tp)
+
+
+def check_state_tp(split: StateSplit | None, local_tp: int, remote_tp: int) -> None:
+    """Refuse different TP sizes when the TP-sharded recurrent state's traits do not
+    say how it divides across ranks (:class:`UnsupportedStateTPError`): vLLM's reads
+    would slice it by runs the traits never described."""
+    if split is not None and local_tp != remote_tp and not split.tp_movable:
+        raise UnsupportedStateTPError(split.spec_name, split.layer, local_tp, remote_tp)
 
 
 @contextlib.contextmanager

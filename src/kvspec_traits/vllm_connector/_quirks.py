@@ -15,6 +15,7 @@ __all__ = [
     "SeriesQuirks",
     "derive_region_sets",
     "has_packed_cache",
+    "keep_dcp_replicated_groups",
     "keep_dst_region_group_mapping",
     "keep_group_region_indices",
     "metadata_has_layer_group_ids",
@@ -125,3 +126,16 @@ def derive_region_sets(worker: Any, packed_layouts: dict[str, tuple[int, int]]) 
         worker._head_sharded_draft_regions = worker._get_head_sharded_draft_regions()
     if hasattr(worker, "_packed_member_layouts"):
         worker._packed_member_layouts = dict(packed_layouts)
+
+
+def keep_dcp_replicated_groups(
+    worker: Any, replicated: Collection[int], groups: Sequence[Any]
+) -> None:
+    """vLLM 0.34: the transfer groups a DCP peer holds whole on every rank
+    (``_dcp_replicated_groups``, which vLLM derives from MLA classes): here the groups
+    whose layers are all TP-replicated (``replicated``), less those the spec marks as
+    split over DCP ranks (``dcp_sharded``, a field of every vLLM spec)."""
+    if hasattr(worker, "_dcp_replicated_groups"):
+        worker._dcp_replicated_groups = {
+            i for i in replicated if not getattr(groups[i].spec, "dcp_sharded", False)
+        }
