@@ -1,0 +1,566 @@
+"""The next spec class, served with only an adapter (issue 34): spec classes vLLM has
+never seen (``tests/new_class_specs.py``: an MLA-format latent and an RWKV-style state
+deriving from ``KVCacheSpec`` directly, a windowed head-sharded cache deriving from
+``AttentionSpec`` but not ``SlidingWindowSpec``), each with an adapter registered through
+``kvspec_traits.extend`` and nothing else, moved by ``TraitsNixlConnectorWorker`` pairs
+with real NIXL agents, alone and beside vLLM's own classes, at P TP 1 -> D TP 1, P TP 2
+-> D TP 1 and P TP 1 -> D TP 2; and vLLM's own MLA + GQA mix at heterogeneous TP.
+
+How each rank's bytes are known (hand-computed, not read back from a transfer): a
+*model* writes every layer's page of a request from one global tensor per (layer,
+request), and each TP rank holds its share of it, as the model's layers shard it:
+
+- a TP-replicated page (a latent, vLLM's MLA): the whole tensor on every rank;
+- a head-sharded page (``[heads, tokens, K|V]``, heads outermost in vLLM's LBHNC
+  page): rank ``r`` of ``tp`` holds heads ``r * H / tp`` to ``(r + 1) * H / tp``;
+- a TP-sharded state: rank ``r`` holds slice ``r`` of the shift vector, then slice
+  ``r`` of the wkv matrix's heads (the page's padding is never written).
+
+Every prefill rank writes its share into its blocks; each decode rank reads the request
+through vLLM's receive path (handshake, ``start_load_kv``, ``get_finished``); its whole
+allocation must then equal its initial bytes with exactly its own share of each read
+page written in: every page right, and no other byte changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from unittest.mock import patch
+
+import msgspec
+import pytest
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
+    NixlBaseConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvspec_traits import TokenScope, TPLayout
+from kvspec_traits.vllm_connector import (
+    UnsupportedStateLayoutError,
+    UnsupportedStateTPError,
+)
+from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
+from kvspec_traits.vllm_connector._push import TraitsNixlPushConnectorWorker
+from tests.new_class_specs import (
+    REGISTRY,
+    LatentPageSpec,
+    UndescribedWkvStateSpec,
+    WindowedHeadsSpec,
+    WkvStateSpec,
+)
+from tests.nixl_helpers import layouts
+from tests.nixl_helpers.layouts import LLAMA
+from tests.test_connector_differential import _construct, _free_port, _vllm_config, distributed
+from tests.test_push_connector import REQ, _push
+
+pytestmark = [pytest.mark.timeout(600)]
+
+__all__ = ["distributed"]  # a fixture, imported for its name
+
+F32 = torch.float32
+NB = 8
+BLOCK = 32  # vLLM-CPU's attention kernels take multiples of 32 tokens
+LAYOUT = KVCacheLayout.LBHNC
+KV_HEADS = 2  # the tiny Llama's: the TP mapping reads the model's KV-head count
+HEAD = 32
+TP_PAIRS = [(1, 1), (2, 1), (1, 2)]
+
+
+# -- the models: what each layer's page holds on a rank ---------------------------------
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of a test model: its name, its kind of sharding (``"replicated"``,
+    ``"heads"``, ``"state"``) and its spec at a TP size."""
+
+    name: str
+    kind: str
+    spec: Callable[[int], KVCacheSpec]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model's cache groups: per group its layers, wrapped as vLLM's allocator
+    groups them (one spec for the group, or ``uniform``: one
+    ``UniformTypeKVCacheSpecs`` of its layers' specs); per group the request's remote
+    and local block ids (disjoint across groups: vLLM's groups alias their pages)."""
+
+    name: str
+    groups: tuple[tuple[Layer, ...], ...]
+    remote_blocks: tuple[tuple[int, ...], ...]
+    local_blocks: tuple[tuple[int, ...], ...]
+    uniform: bool = False
+
+    def kv_groups(self, tp: int) -> list[KVCacheGroupSpec]:
+        out = []
+        for layers in self.groups:
+            names = [layer.name for layer in layers]
+            specs = {layer.name: layer.spec(tp) for layer in layers}
+            if self.uniform:
+                spec: KVCacheSpec = UniformTypeKVCacheSpecs(
+                    block_size=BLOCK,
+                    kv_cache_specs=specs,
+                )
+            else:
+                (spec,) = set(specs.values())
+            out.append(layers_group(names, spec))
+        return out
+
+    def layers(self) -> Iterator[tuple[int, Layer]]:
+        for index, layers in enumerate(self.groups):
+            for layer in layers:
+                yield index, layer
+
+
+def layers_group(names: list[str], spec: KVCacheSpec) -> KVCacheGroupSpec:
+    return layouts.group(names, spec)
+
+
+def full(tp: int) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=F32
+    )
+
+
+def windowed(tp: int) -> WindowedHeadsSpec:
+    return WindowedHeadsSpec(
+        block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=F32, window=40
+    )
+
+
+def latent(tp: int) -> LatentPageSpec:
+    return LatentPageSpec(block_size=BLOCK, latent_size=64, dtype=F32)
+
+
+def mla(tp: int) -> MLAAttentionSpec:
+    return MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=F32)
+
+
+SHIFT, WKV_HEADS, WKV_DIM = 64, 4, 8  # the model's whole state, split by TP
+
+
+def wkv(tp: int, cls: type[WkvStateSpec] = WkvStateSpec) -> WkvStateSpec:
+    """The state padded to the full-attention page it shares blocks with (vLLM's hybrid
+    allocator gives every group one page size)."""
+    return cls(
+        block_size=BLOCK,
+        dim=SHIFT // tp,
+        heads=WKV_HEADS // tp,
+        head_dim=WKV_DIM,
+        dtype=F32,
+        page_size_padded=full(tp).page_size_bytes,
+    )
+
+
+def undescribed_wkv(tp: int) -> WkvStateSpec:
+    return wkv(tp, UndescribedWkvStateSpec)
+
+
+def replicated_wkv(tp: int) -> WkvStateSpec:
+    return WkvStateSpec(
+        block_size=BLOCK,
+        dim=SHIFT,
+        heads=WKV_HEADS,
+        head_dim=WKV_DIM,
+        dtype=F32,
+        tp_replicated=True,
+        page_size_padded=full(tp).page_size_bytes,
+    )
+
+
+def _layer(i: int, what: str, kind: str, spec: Callable[[int], KVCacheSpec]) -> Layer:
+    return Layer(f"model.layers.{i}.{what}", kind, spec)
+
+
+MODELS = {
+    m.name: m
+    for m in (
+        # A latent class from outside vLLM's trees, alone.
+        Model(
+            "latent",
+            (
+                (
+                    _layer(0, "latent", "replicated", latent),
+                    _layer(1, "latent", "replicated", latent),
+                ),
+            ),
+            ((2, 5),),
+            ((4, 1),),
+        ),
+        # A windowed head-sharded class, alone, and beside vLLM's full attention in a
+        # group of its own (both pages one size at every TP size).
+        Model(
+            "windowed",
+            ((_layer(0, "attn", "heads", windowed), _layer(1, "attn", "heads", windowed)),),
+            ((2, 5),),
+            ((4, 1),),
+        ),
+        Model(
+            "windowed+full",
+            ((_layer(0, "attn", "heads", full),), (_layer(1, "attn", "heads", windowed),)),
+            ((2, 5), (6,)),
+            ((4, 1), (3,)),
+        ),
+        # The latent class beside vLLM's full attention in one group (vLLM groups layers
+        # of one block size but other pages as one UniformTypeKVCacheSpecs).
+        Model(
+            "latent+full uniform",
+            ((_layer(0, "attn", "heads", full), _layer(1, "latent", "replicated", latent)),),
+            ((2, 5),),
+            ((4, 1),),
+            uniform=True,
+        ),
+        # vLLM's own MLA + GQA mix (a GQA model with an MLA draft) in one group.
+        Model(
+            "mla+gqa uniform",
+            ((_layer(0, "attn", "heads", full), _layer(1, "draft", "replicated", mla)),),
+            ((2, 5),),
+            ((4, 1),),
+            uniform=True,
+        ),
+        # The state class beside vLLM's full attention (a hybrid model: state and
+        # attention groups, one page size).
+        Model(
+            "wkv+full",
+            ((_layer(0, "wkv", "state", wkv),), (_layer(1, "attn", "heads", full),)),
+            ((5,), (2, 6)),
+            ((1,), (4, 3)),
+        ),
+        Model(
+            "undescribed wkv+full",
+            ((_layer(0, "wkv", "state", undescribed_wkv),), (_layer(1, "attn", "heads", full),)),
+            ((5,), (2, 6)),
+            ((1,), (4, 3)),
+        ),
+    )
+}
+
+
+def _noise(key: str, nbytes: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(hash(key) & 0x7FFF_FFFF)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+
+
+def rank_share(model: Model, layer: Layer, block: int, tp: int, rank: int) -> torch.Tensor:
+    """The bytes rank ``rank`` of ``tp`` holds of ``layer``'s page for the request whose
+    prefill block is ``block``: its share of the model's one tensor (module docstring)."""
+    key = f"{model.name}/{layer.name}/{block}"
+    if layer.kind == "replicated":
+        return _noise(key, layer.spec(1).page_size_bytes)
+    if layer.kind == "heads":
+        whole = _noise(key, layer.spec(1).page_size_bytes).view(KV_HEADS, -1)
+        per_rank = KV_HEADS // tp
+        return whole[rank * per_rank : (rank + 1) * per_rank].flatten()
+    shift = _noise(key + "/shift", SHIFT * 4).view(SHIFT, 4)
+    matrix = _noise(key + "/wkv", WKV_HEADS * WKV_DIM * WKV_DIM * 4).view(WKV_HEADS, -1)
+    s, h = SHIFT // tp, WKV_HEADS // tp
+    return torch.cat(
+        [shift[rank * s : (rank + 1) * s].flatten(), matrix[rank * h : (rank + 1) * h].flatten()]
+    )
+
+
+# -- workers -----------------------------------------------------------------------------
+
+
+def _page_offset(caches: dict[str, torch.Tensor], layer: str, block: int) -> int:
+    backing = layouts.backing(caches)
+    return caches[layer][block].data_ptr() - backing.data_ptr()
+
+
+def write_share(caches: dict[str, torch.Tensor], offset_of: int, share: torch.Tensor) -> None:
+    layouts.backing(caches)[offset_of : offset_of + share.numel()].copy_(share)
+
+
+@pytest.fixture
+def rank_worker(
+    distributed: None, tiny_models: pathlib.Path
+) -> Iterator[Callable[..., tuple[Any, dict[str, torch.Tensor]]]]:
+    """``rank_worker(model, engine, tp, rank)``: a traits NIXL worker as TP rank
+    ``rank`` of ``tp`` (vLLM's parallel state patched to say so while it is built), over
+    its own allocation of the model's caches (filled with seeded noise), registered."""
+    made: list[Any] = []
+
+    def _make(
+        model: Model, engine: str, tp: int, rank: int, cls: type[Any] = TraitsNixlConnectorWorker
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        vllm_config = _vllm_config(tiny_models / LLAMA, LAYOUT, None)
+        vllm_config.parallel_config.tensor_parallel_size = tp
+        vllm_config.cache_config.block_size = BLOCK
+        config = layouts.kv_cache_config(model.kv_groups(tp), NB, LAYOUT)
+        caches = layouts.allocate(config, LAYOUT)
+        layouts.fill_pattern(caches, seed=hash((engine, rank)) & 0xFFFF)
+        with (
+            set_current_vllm_config(vllm_config),
+            patch.object(base_worker, "get_tensor_model_parallel_rank", return_value=rank),
+            patch.object(base_worker, "get_tensor_model_parallel_world_size", return_value=tp),
+        ):
+            worker = _construct(lambda: cls(vllm_config, engine, config, registry=REGISTRY))
+            made.append(worker)
+            worker.register_kv_caches(caches)
+        return worker, caches
+
+    yield _make
+    for worker in made:
+        worker.shutdown()
+
+
+@contextlib.contextmanager
+def serving(producers: Sequence[Any]) -> Iterator[int]:
+    """vLLM's own side-channel listener serving each prefill rank's handshake payload."""
+    port = _free_port()
+    encoded = {
+        (0, rank): msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)
+        for rank, worker in enumerate(producers)
+    }
+    ready, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=NixlBaseConnectorScheduler._nixl_handshake_listener,
+        args=(encoded, ready, stop, "127.0.0.1", port),
+        daemon=True,
+    )
+    thread.start()
+    ready.wait(10)
+    try:
+        yield port
+    finally:
+        stop.set()
+
+
+def read_request(consumer: Any, model: Model, port: int, remote_tp: int) -> None:
+    """One request through vLLM's receive path: the model's remote blocks into its
+    local blocks, from a prefill engine of ``remote_tp`` ranks."""
+    metadata = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
+    metadata.add_new_req_to_recv(
+        request_id="req",
+        local_block_ids=tuple(list(b) for b in model.local_blocks),
+        kv_transfer_params={
+            "remote_block_ids": [list(b) for b in model.remote_blocks],
+            "remote_engine_id": "prefill",
+            "remote_request_id": "prefill-req",
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "tp_size": remote_tp,
+        },
+    )
+    consumer.start_load_kv(metadata)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        consumer.start_load_kv(NixlConnectorMetadata())  # type: ignore[no-untyped-call]
+        _, done = consumer.get_finished()
+        if "req" in done:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the read did not finish in 120 s")
+    assert consumer.get_block_ids_with_load_errors() == set()
+
+
+def producers_for(
+    rank_worker: Callable[..., tuple[Any, dict[str, torch.Tensor]]],
+    model: Model,
+    tp: int,
+    cls: type[Any] = TraitsNixlConnectorWorker,
+) -> list[Any]:
+    """The prefill ranks, each with its share of every layer's page of each request
+    block written in."""
+    producers = []
+    for rank in range(tp):
+        worker, caches = rank_worker(model, "prefill", tp, rank, cls)
+        for group, layer in model.layers():
+            for block in model.remote_blocks[group]:
+                share = rank_share(model, layer, block, tp, rank)
+                write_share(caches, _page_offset(caches, layer.name, block), share)
+        producers.append(worker)
+    return producers
+
+
+def expected_backing(
+    model: Model, caches: dict[str, torch.Tensor], before: torch.Tensor, tp: int, rank: int
+) -> torch.Tensor:
+    """A decode rank's allocation as it must be after the read: its bytes before, with
+    its own share of each read page written at that page (nothing else)."""
+    want = before.clone()
+    for group, layer in model.layers():
+        for remote, local in zip(
+            model.remote_blocks[group], model.local_blocks[group], strict=True
+        ):
+            share = rank_share(model, layer, remote, tp, rank)
+            offset = _page_offset(caches, layer.name, local)
+            want[offset : offset + share.numel()] = share
+    return want
+
+
+def assert_read_exactly(
+    model: Model,
+    caches: dict[str, torch.Tensor],
+    before: torch.Tensor,
+    tp: int,
+    rank: int,
+    what: str,
+) -> None:
+    got = layouts.backing(caches)
+    want = expected_backing(model, caches, before, tp, rank)
+    if not torch.equal(got, want):
+        wrong = (got != want).nonzero().flatten()
+        raise AssertionError(
+            f"{model.name} {what} rank {rank}: {wrong.numel()} bytes differ, "
+            f"first at {wrong[:4].tolist()}"
+        )
+
+
+def run_pair(
+    rank_worker: Callable[..., tuple[Any, dict[str, torch.Tensor]]],
+    model: Model,
+    prefill_tp: int,
+    decode_tp: int,
+) -> None:
+    producers = producers_for(rank_worker, model, prefill_tp)
+    with serving(producers) as port:
+        for rank in range(decode_tp):
+            consumer, caches = rank_worker(model, f"decode-{rank}", decode_tp, rank)
+            before = layouts.backing(caches).clone()
+            read_request(consumer, model, port, prefill_tp)
+            assert_read_exactly(
+                model, caches, before, decode_tp, rank, f"P{prefill_tp}->D{decode_tp}"
+            )
+            consumer.shutdown()
+
+
+# -- tests -------------------------------------------------------------------------------
+
+
+def test_the_classes_traits_come_from_their_adapters_alone() -> None:
+    """What the connector plans with, hand-computed from each class's own page math
+    (tests/new_class_specs.py): latent 32 tokens x 64 x 4 B = 8192 B, replicated;
+    windowed 2 heads x 32 tokens x (32 + 32) x 4 B = 16384 B at TP 1, head-sharded;
+    state (64 + 4 x 8 x 8) x 4 B = 1280 B of content at TP 1, 640 at TP 2, padded to
+    the full-attention page."""
+    lat, win = REGISTRY.traits_of(latent(1)), REGISTRY.traits_of(windowed(1))
+    state = REGISTRY.traits_of(wkv(2))
+    assert (lat.page_size_bytes, lat.is_mla, lat.tp_layout) == (8192, True, TPLayout.REPLICATED)
+    assert (win.page_size_bytes, win.tp_layout, win.token_scope, win.window_tokens) == (
+        16384,
+        TPLayout.HEAD_SHARDED,
+        TokenScope.SLIDING_WINDOW,
+        40,
+    )
+    assert state.unpadded_page_size_bytes == 640
+    assert state.page_size_bytes == full(2).page_size_bytes == 32 * 1 * 64 * 4
+    assert [c.tp_split for c in state.components] == [(32,), (2,)]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_PAIRS)
+@pytest.mark.parametrize(
+    "name", ["latent", "windowed", "windowed+full", "latent+full uniform", "mla+gqa uniform"]
+)
+def test_new_and_mixed_classes_move_byte_exact(
+    name: str, prefill_tp: int, decode_tp: int, rank_worker: Callable[..., Any]
+) -> None:
+    """Pages of classes vLLM has never seen, alone and beside vLLM's own, and vLLM's
+    MLA + GQA mix in one group: every decode rank holds exactly its share of each read
+    page and nothing else changed, at equal and at different TP sizes (a replicated
+    page read whole from one prefill rank, a head-sharded one gathered or split by
+    heads, each region by its own traits)."""
+    run_pair(rank_worker, MODELS[name], prefill_tp, decode_tp)
+
+
+@pytest.mark.parametrize(
+    "name", ["latent", "windowed+full", "latent+full uniform", "mla+gqa uniform", "wkv+full"]
+)
+def test_push_writes_new_and_mixed_classes_byte_exact(
+    name: str, rank_worker: Callable[..., Any]
+) -> None:
+    """Push mode (vLLM's push path, WRITE from prefill into decode): the same pages,
+    every decode byte as the model's share says and no other byte changed."""
+    model = MODELS[name]
+    (producer,) = producers_for(rank_worker, model, 1, TraitsNixlPushConnectorWorker)
+    consumer, caches = rank_worker(model, "decode-0", 1, 0, TraitsNixlPushConnectorWorker)
+    before = layouts.backing(caches).clone()
+    sent, received = _push(
+        producer,
+        consumer,
+        tuple(list(b) for b in model.local_blocks),
+        tuple(list(b) for b in model.remote_blocks),
+    )
+    assert REQ in sent and REQ in received
+    assert_read_exactly(model, caches, before, 1, 0, "push P1->D1")
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_PAIRS)
+def test_a_state_class_with_a_described_split_moves_byte_exact(
+    prefill_tp: int, decode_tp: int, rank_worker: Callable[..., Any]
+) -> None:
+    """The RWKV-style state (not a MambaSpec) beside full attention: its traits say each
+    part splits by its leading dimension, so vLLM's state descriptors cut its shift
+    vector and its wkv heads per rank, at equal and at different TP sizes."""
+    run_pair(rank_worker, MODELS["wkv+full"], prefill_tp, decode_tp)
+
+
+def test_a_state_class_without_a_described_split_moves_at_equal_tp(
+    rank_worker: Callable[..., Any],
+) -> None:
+    run_pair(rank_worker, MODELS["undescribed wkv+full"], 1, 1)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_a_state_class_without_a_described_split_is_refused_across_tp(
+    prefill_tp: int, decode_tp: int, rank_worker: Callable[..., Any]
+) -> None:
+    """Its traits do not say how the state divides across ranks: refused by name
+    (the class, the layer) before vLLM's handshake, and not one decode byte changes."""
+    model = MODELS["undescribed wkv+full"]
+    producers = producers_for(rank_worker, model, prefill_tp)
+    with serving(producers) as port:
+        consumer, caches = rank_worker(model, "decode-0", decode_tp, 0)
+        before = layouts.backing(caches).clone()
+        with pytest.raises(
+            UnsupportedStateTPError,
+            match=rf"'model.layers.0.wkv' \(UndescribedWkvStateSpec\) between TP "
+            rf"{prefill_tp} and TP {decode_tp}.*tp_split",
+        ) as raised:
+            consumer._nixl_handshake("127.0.0.1", port, prefill_tp, "prefill")
+        assert raised.value.spec_name == "UndescribedWkvStateSpec"
+        assert torch.equal(layouts.backing(caches), before)
+
+
+def test_a_replicated_state_class_outside_a_ring_model_is_refused_before_an_agent(
+    distributed: None, tiny_models: pathlib.Path
+) -> None:
+    """vLLM's descriptors move a TP-replicated state only as a ring model's PLE cache:
+    a replicated state beside plain attention is refused at construction, naming the
+    class, the layer and the trait."""
+    model = Model(
+        "replicated wkv+full",
+        ((_layer(0, "wkv", "state", replicated_wkv),), (_layer(1, "attn", "heads", full),)),
+        ((5,), (2,)),
+        ((1,), (4,)),
+    )
+    vllm_config = _vllm_config(tiny_models / LLAMA, LAYOUT, None)
+    vllm_config.cache_config.block_size = BLOCK
+    config = layouts.kv_cache_config(model.kv_groups(1), NB, LAYOUT)
+    with (
+        set_current_vllm_config(vllm_config),
+        pytest.raises(
+            UnsupportedStateLayoutError, match=r"'model.layers.0.wkv' \(WkvStateSpec\).*tp_layout"
+        ) as raised,
+    ):
+        TraitsNixlConnectorWorker(vllm_config, "d", config, registry=REGISTRY)
+    assert (raised.value.spec_name, raised.value.trait) == ("WkvStateSpec", "tp_layout")
