@@ -25,6 +25,7 @@ page written in: every page right, and no other byte changed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import threading
 import time
@@ -564,3 +565,51 @@ def test_a_replicated_state_class_outside_a_ring_model_is_refused_before_an_agen
     ):
         TraitsNixlConnectorWorker(vllm_config, "d", config, registry=REGISTRY)
     assert (raised.value.spec_name, raised.value.trait) == ("WkvStateSpec", "tp_layout")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["MAMBA1", "MAMBA2", "GDN_ATTN"])
+def test_mamba_state_split_is_vllms_decomposition(
+    kind: str, tp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own Mamba kinds: the built-in adapter's ``tp_split`` and the connector's
+    state split are exactly what vLLM's ``derive_mamba_conv_split`` computes (so a pair
+    with upstream's worker cuts states into the same descriptors). The shapes are the
+    families' (Jamba's Mamba-1 d_inner 8192, Qwen3.5's GDN conv 8192 of [Q, K, V] with
+    32 value heads of 128, a Mamba-2 of 64 heads of 8 and B = C = 128), each split by TP.
+    In vLLM's default SD conv layout no split is described (vLLM's NIXL transfer refuses
+    that layout)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import (
+        derive_mamba_conv_split,
+    )
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvspec_traits import _families, traits_of
+    from kvspec_traits.vllm_connector._facts import state_split
+    from kvspec_traits.vllm_connector._seam import conv_split_info
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    spec: MambaSpec
+    if kind == "MAMBA1":
+        spec = _families.mamba1_state(tp=tp, conv_layout="DS", mamba_type=kind)
+    elif kind == "GDN_ATTN":
+        spec = _families.gdn_state(tp=tp, conv_layout="DS", mamba_type=kind)
+    else:
+        spec = MambaSpec(
+            block_size=16,
+            shapes=(((64 * 8 + 2 * 128) // tp, 3), (64 // tp, 8)),
+            dtypes=(torch.bfloat16, torch.float32),
+        )
+    vllm_split = derive_mamba_conv_split(spec, tp)
+    traits = traits_of(spec)
+    assert traits.components[0].tp_split == vllm_split.local_proj_dims
+    assert traits.components[1].tp_split == (spec.shapes[1][0],)
+    ours = state_split("layer", traits)
+    assert ours.tp_movable
+    assert conv_split_info(ours) == vllm_split
+
+    # The SD layout's spec (conv state transposed, as vLLM builds it there).
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "SD")
+    conv, temporal = spec.shapes
+    sd = dataclasses.replace(spec, shapes=((conv[1], conv[0]), temporal))
+    assert all(c.tp_split is None for c in traits_of(sd).components)

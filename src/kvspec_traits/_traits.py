@@ -278,7 +278,11 @@ class KVLayoutTraits(Protocol):
         Source: ``k`` and ``v`` of ``(heads, states, head_size[_v])``; one ``latent`` for
         MLA; one ``packed`` uint8 cell for ``state_content_bytes`` layouts; ``state0``,
         ``state1``, ... from ``MambaSpec.shapes``/``dtypes``; one ``opaque`` page for
-        HiSparse. Their sizes add up to ``unpadded_page_size_bytes``.
+        HiSparse. Their sizes add up to ``unpadded_page_size_bytes``. A TP-sharded
+        state's components may say how each divides across TP ranks
+        (:attr:`PageComponent.tp_split`; vLLM's Mamba kinds as its NIXL transfer
+        decomposes them), which is what lets a connector move the state between
+        different TP sizes.
         """
         ...
 
