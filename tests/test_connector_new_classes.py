@@ -613,3 +613,67 @@ def test_mamba_state_split_is_vllms_decomposition(
     conv, temporal = spec.shapes
     sd = dataclasses.replace(spec, shapes=((conv[1], conv[0]), temporal))
     assert all(c.tp_split is None for c in traits_of(sd).components)
+
+
+KERNEL_CASES = [
+    # (state group?, window group?, remote kernel blocks per block, logical ids), as
+    # vLLM's test_logical_to_kernel_block_ids_with_remote_ratio: a state group's ids
+    # stay, every other group's block b becomes b * ratio ... b * ratio + ratio - 1.
+    (True, False, 10, ([0], [10]), [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [10]]),
+    (True, False, 6, ([0, 1], [10]), [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [10]]),
+    (True, False, 1, ([0, 1, 2], [5]), [[0, 1, 2], [5]]),
+    (False, False, 4, ([0, 1],), [[0, 1, 2, 3, 4, 5, 6, 7]]),
+    (False, True, 3, ([0, 1], [2, 3]), [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]),
+]
+
+
+def _kernel_config(state: bool, window: bool, spec_state: KVCacheSpec | None = None) -> Any:
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    groups = [layouts.group(["model.layers.0.attn"], full(1))]
+    if window:
+        swa = SlidingWindowSpec(
+            block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=F32, sliding_window=64
+        )
+        groups.append(layouts.group(["model.layers.1.swa"], swa))
+    if state:
+        mamba = spec_state or MambaSpec(
+            block_size=BLOCK, shapes=((16,), (16,)), dtypes=(torch.float16, torch.float16)
+        )
+        groups.append(layouts.group(["model.layers.1.mamba"], mamba))
+    return layouts.kv_cache_config(groups, NB, LAYOUT)
+
+
+@pytest.mark.parametrize(("state", "window", "ratio", "logical", "expected"), KERNEL_CASES)
+def test_kernel_block_ids_follow_the_group_kinds_as_upstream(
+    state: bool, window: bool, ratio: int, logical: tuple[list[int], ...], expected: Any
+) -> None:
+    """The worker's manager-to-kernel block ids, its group kinds from traits, are
+    upstream's (vLLM's own cases: the expected ids hand-written in its test) on a
+    well-formed config. vLLM's own test builds its state group as
+    ``MambaSpec(shapes=((16,), (16,)), dtypes=(float16,))``, one dtype for two states,
+    whose ``page_size_bytes`` counts the first state only: ours refuses it by name
+    (the conformance pass lists those four tests), as its scheduler does."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvspec_traits import InvalidSpecError
+
+    config = _kernel_config(state, window)
+    results = []
+    for cls in (NixlPullConnectorWorker, TraitsNixlConnectorWorker):
+        worker = object.__new__(cls)
+        worker._physical_blocks_per_logical_kv_block = 2
+        worker.kv_cache_config = config
+        results.append([list(g) for g in worker._logical_to_kernel_block_ids(logical, ratio)])
+    upstream, ours = results
+    assert ours == upstream == expected
+
+    if state:
+        bad = MambaSpec(block_size=BLOCK, shapes=((16,), (16,)), dtypes=(torch.float16,))
+        worker = object.__new__(TraitsNixlConnectorWorker)
+        worker.kv_cache_config = _kernel_config(state, window, bad)
+        with pytest.raises(InvalidSpecError, match="dtypes"):
+            worker._logical_to_kernel_block_ids(logical, max(ratio, 2))
