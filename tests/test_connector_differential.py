@@ -63,11 +63,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvspec_traits import _families as families
 from kvspec_traits import traits_of
 from kvspec_traits.transfer import HandshakeMismatchError
-from kvspec_traits.vllm_connector import (
-    CONNECTOR_NAME,
-    REQUIRE_TRAITS_PEER,
-    PeerWithoutTraitsError,
-)
+from kvspec_traits.vllm_connector import CONNECTOR_NAME, PeerWithoutTraitsError
 from kvspec_traits.vllm_connector._connector import (
     TraitsNixlAgentMetadata,
     TraitsNixlConnectorWorker,
@@ -667,21 +663,20 @@ def test_handshake_refuses_another_layout_with_the_named_diff(build: Callable[..
                 handshake(other_port, other.traits)
             # A peer running upstream's NixlConnector sends upstream's metadata (no
             # fingerprint): accepted as upstream accepts it (vLLM's compatibility hash
-            # matched), refused by name when kvspec_require_traits_peer is set.
+            # matched), refused by name when kvspec_require_traits_peer is set (the
+            # option the connector read at construction: tests/test_connector_options.py).
             agents = handshake(upstream_port, gqa.upstream)
             assert isinstance(agents, tuple) and agents[0] == {(0, 0): "agent"}
             assert added.call_count == 2
-            transfer_config = gqa.traits.vllm_config.kv_transfer_config
-            assert transfer_config is not None
-            extra = transfer_config.kv_connector_extra_config
-            extra[REQUIRE_TRAITS_PEER] = True
+            accepting = gqa.traits.options
+            gqa.traits.options = dataclasses.replace(accepting, require_traits_peer=True)
             try:
                 with pytest.raises(
                     PeerWithoutTraitsError, match=f"sent no kvspec-traits.*{CONNECTOR_NAME}"
                 ):
                     handshake(upstream_port, gqa.upstream)
             finally:
-                del extra[REQUIRE_TRAITS_PEER]
+                gqa.traits.options = accepting
             with pytest.raises(RuntimeError, match="compatibility hash mismatch"):
                 handshake(foreign_port, gqa.traits)
             assert added.call_count == 2  # no refused peer was added

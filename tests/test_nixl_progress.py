@@ -21,8 +21,10 @@ from vllm.config import set_current_vllm_config
 
 from kvspec_traits import KVSpecTraitsError
 from kvspec_traits.nixl._progress import MAX_DELAY_US, ProgressDelayError, progress_delay
+from kvspec_traits.vllm_connector import ConnectorOptionError
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
-from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY, nixl_progress_delay
+from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY
+from kvspec_traits.vllm_connector._options import connector_options
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
 from tests.test_connector_differential import LBHNC, _construct, _vllm_config, distributed
@@ -106,13 +108,16 @@ def _config(tiny_models: pathlib.Path, delay: object) -> Any:
 
 
 def test_the_connector_reads_its_key(tiny_models: pathlib.Path) -> None:
-    assert nixl_progress_delay(_config(tiny_models, 150)) == 150
+    assert connector_options(_config(tiny_models, 150)).nixl_progress_delay_us == 150
     plain = _vllm_config(tiny_models / LLAMA, LBHNC, None)
     assert plain.kv_transfer_config is not None
     plain.kv_transfer_config.kv_connector_extra_config.pop(NIXL_PROGRESS_DELAY)
-    assert nixl_progress_delay(plain) == 0  # not set: NIXL's own
-    with pytest.raises(ProgressDelayError, match=NIXL_PROGRESS_DELAY):
-        nixl_progress_delay(_config(tiny_models, "fast"))
+    assert connector_options(plain).nixl_progress_delay_us == 0  # not set: NIXL's own
+    # The shim's error and the connector's option error at once (either may be caught).
+    with pytest.raises(ProgressDelayError, match=NIXL_PROGRESS_DELAY) as err:
+        connector_options(_config(tiny_models, "fast"))
+    assert isinstance(err.value, ConnectorOptionError)
+    assert err.value.key == NIXL_PROGRESS_DELAY and err.value.value == "fast"
 
 
 def test_the_worker_builds_its_agent_under_the_floor(

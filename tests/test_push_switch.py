@@ -30,7 +30,7 @@ from kvspec_traits.vllm_connector import (
     UnsupportedTransferModeError,
     register_with_vllm,
 )
-from kvspec_traits.vllm_connector._gate import transfer_mode
+from kvspec_traits.vllm_connector._options import connector_options
 from kvspec_traits.vllm_connector._push import TraitsNixlPushConnectorWorker
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
@@ -77,7 +77,7 @@ def test_transfer_mode_is_read_where_upstreams_factory_reads_it(
     assert vllm_config.kv_transfer_config is not None
     vllm_config.kv_transfer_config.kv_connector_extra_config.update(extra)
     expected = "push" if upstream is NixlPushConnector else "pull"
-    assert transfer_mode(vllm_config) == expected
+    assert connector_options(vllm_config).transfer_mode == expected
     kv_cache_config = layouts.kv_cache_config(_gqa(1), 4, LBHNC)
     with set_current_vllm_config(vllm_config):
         # __new__ answers the mode: the instance's class is not always the one called.
@@ -109,11 +109,11 @@ def test_an_invalid_transfer_mode_is_refused_where_upstream_refuses_it(
     upstream_refuses = "transfer_mode" in refusal
     if upstream_refuses:  # vLLM 0.34
         with pytest.raises(UnsupportedTransferModeError, match="'write'") as info:
-            transfer_mode(vllm_config)
+            connector_options(vllm_config)
         assert info.value.mode == "write"
         assert isinstance(info.value, ValueError)
     else:  # 0.32, 0.33: the key means nothing to NixlConnector
-        assert transfer_mode(vllm_config) == "pull"
+        assert connector_options(vllm_config).transfer_mode == "pull"
 
 
 def test_push_worker_is_the_pull_workers_traits_half() -> None:

@@ -21,9 +21,15 @@ from vllm.config import set_current_vllm_config
 from vllm.distributed import utils as vllm_utils
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvspec_traits.vllm_connector import TraitsNixlConnector, TraitsNixlPushConnector
+from kvspec_traits.vllm_connector import (
+    ConnectorOptionError,
+    ShmWaitError,
+    TraitsNixlConnector,
+    TraitsNixlPushConnector,
+)
 from kvspec_traits.vllm_connector._names import SHM_WAIT
-from kvspec_traits.vllm_connector._shm_wait import ShmWaitError, apply_shm_wait, shm_wait
+from kvspec_traits.vllm_connector._options import connector_options
+from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
 from tests.test_connector_differential import LBHNC, _gqa, _vllm_config
@@ -86,21 +92,22 @@ def test_sleep_makes_vllms_wait_sleep_and_yield_leaves_it(
 
 
 def test_the_key_is_read_and_checked(tiny_models: pathlib.Path) -> None:
-    assert shm_wait(_config(tiny_models, None)) == "yield"
-    assert shm_wait(_config(tiny_models, "sleep")) == "sleep"
-    for bad in ("spin", "", 0, True, ["sleep"]):
+    assert connector_options(_config(tiny_models, None)).shm_wait == "yield"
+    assert connector_options(_config(tiny_models, "sleep")).shm_wait == "sleep"
+    for bad in ("spin", "", "Sleep", 0, True, ["sleep"]):
         with pytest.raises(ShmWaitError) as err:
-            shm_wait(_config(tiny_models, bad))
-        assert SHM_WAIT in str(err.value) and repr(bad) in str(err.value)
-        assert "'yield'" in str(err.value) and "'sleep'" in str(err.value)
-    with pytest.raises(ShmWaitError, match="'yield' or 'sleep'"):
-        apply_shm_wait("fast")
+            connector_options(_config(tiny_models, bad))
+        assert err.value.key == SHM_WAIT and err.value.value == bad
+        assert isinstance(err.value, ConnectorOptionError) and isinstance(err.value, ValueError)
+        assert repr(SHM_WAIT) in str(err.value) and repr(bad) in str(err.value)
+        assert '"yield"' in str(err.value) and '"sleep"' in str(err.value)
 
 
 def test_a_vllm_without_the_flag_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(vllm_utils, "USE_SCHED_YIELD")
-    with pytest.raises(ShmWaitError, match="USE_SCHED_YIELD"):
+    with pytest.raises(ShmWaitError, match="USE_SCHED_YIELD") as err:
         apply_shm_wait("sleep")
+    assert err.value.key == SHM_WAIT and err.value.value == "sleep"
     assert apply_shm_wait("yield") is False  # the default never needs it
 
 

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
 from kvspec_traits.vllm_connector._errors import (
+    ConnectorOptionError,
     PeerWithoutTraitsError,
+    UnknownConnectorOptionError,
     UnknownStateBlocksError,
     UnsupportedHostBufferError,
     UnsupportedPipelineParallelError,
@@ -28,6 +30,7 @@ from kvspec_traits.vllm_connector._errors import (
     UpstreamDisagreesError,
 )
 from kvspec_traits.vllm_connector._gate import check_vllm_version, register_with_vllm
+from kvspec_traits.vllm_connector._lease import LeaseMarginError
 from kvspec_traits.vllm_connector._names import (
     CONNECTOR_NAME,
     IMPL_MODULE,
@@ -48,7 +51,11 @@ __all__ = [
     "REQUIRE_TRAITS_PEER",
     "SHM_WAIT",
     "SUPPORTED_VLLM_SERIES",
+    "ConnectorOptionError",
+    "ConnectorOptions",
+    "LeaseMarginError",
     "PeerWithoutTraitsError",
+    "ProgressDelayOptionError",
     "ShmWaitError",
     "TraitsNixlAgentMetadata",
     "TraitsNixlConnector",
@@ -57,6 +64,7 @@ __all__ = [
     "TraitsNixlPushConnector",
     "TraitsNixlPushConnectorScheduler",
     "TraitsNixlPushConnectorWorker",
+    "UnknownConnectorOptionError",
     "UnknownStateBlocksError",
     "UnsupportedHostBufferError",
     "UnsupportedPipelineParallelError",
@@ -67,6 +75,7 @@ __all__ = [
     "UnsupportedVllmVersionError",
     "UpstreamDisagreesError",
     "check_vllm_version",
+    "connector_options",
     "register_with_vllm",
 ]
 
@@ -75,6 +84,11 @@ if TYPE_CHECKING:
         TraitsNixlAgentMetadata,
         TraitsNixlConnector,
         TraitsNixlConnectorWorker,
+    )
+    from kvspec_traits.vllm_connector._options import (
+        ConnectorOptions,
+        ProgressDelayOptionError,
+        connector_options,
     )
     from kvspec_traits.vllm_connector._push import (
         TraitsNixlPushConnector,
@@ -86,8 +100,12 @@ if TYPE_CHECKING:
     )
 
 # The classes need vLLM: loaded on first access (vLLM loads general plugins in every
-# process; its factory does getattr(import_module(kv_connector_module_path), name)).
+# process; its factory does getattr(import_module(kv_connector_module_path), name)). The
+# options need no vLLM, but the NIXL shim (its progress-delay check): loaded so too.
 _LAZY: Final = {
+    "ConnectorOptions": f"{MODULE_PATH}._options",
+    "ProgressDelayOptionError": f"{MODULE_PATH}._options",
+    "connector_options": f"{MODULE_PATH}._options",
     "TraitsNixlConnector": IMPL_MODULE,
     "TraitsNixlConnectorWorker": IMPL_MODULE,
     "TraitsNixlAgentMetadata": IMPL_MODULE,

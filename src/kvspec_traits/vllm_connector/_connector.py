@@ -43,7 +43,6 @@ from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._facts import GroupKind, LayoutFacts, layout_facts
 from kvspec_traits.vllm_connector._fields import packed_layouts, worker_fields
-from kvspec_traits.vllm_connector._gate import check_vllm_version, transfer_mode
 from kvspec_traits.vllm_connector._handshake import (
     TraitsNixlAgentMetadata,
     check_decode_stage,
@@ -53,18 +52,14 @@ from kvspec_traits.vllm_connector._handshake import (
     handshake_with,
     logger,
     pipeline_stage,
-    requires_traits_peer,
     stage_view,
 )
 from kvspec_traits.vllm_connector._lease_worker import LeasedPullWorker
-from kvspec_traits.vllm_connector._names import (
-    CONNECTOR_NAME,
-    PUSH_IMPL_MODULE,
-    nixl_progress_delay,
-)
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
+from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
-from kvspec_traits.vllm_connector._shm_wait import apply_from_config
+from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
 from kvspec_traits.vllm_connector._staging import transfer_caches
 
 if TYPE_CHECKING:
@@ -84,6 +79,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
     traits_fingerprint: PlanFingerprint | None = None
     _traits_registry: Registry = default_registry
     _policy: VllmLayoutPolicy = layout_policy()
+    options: ConnectorOptions = ConnectorOptions()
 
     def __init__(
         self,
@@ -92,13 +88,15 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
         kv_cache_config: KVCacheConfig,
         *,
         registry: Registry | None = None,
+        options: ConnectorOptions | None = None,
     ) -> None:
         if registry is not None:  # else the class default (or what a subclass set)
             self._traits_registry = registry
+        self.options = options or vars(self).get("options") or connector_options(vllm_config)
         check_decode_stage(vllm_config, self._policy.quirks.series)  # before an agent exists
         # Before super().__init__: its block-size sync hook (below) needs them.
         self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
-        with progress_delay(nixl_progress_delay(vllm_config)):  # the agent is built here
+        with progress_delay(self.options.nixl_progress_delay_us):  # the agent is built here
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self._own_group_kinds()
 
@@ -384,7 +382,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
         check_remote_fingerprint(
             self.region_plan,
             agent_metadata,
-            require_traits_peer=lambda: requires_traits_peer(self.vllm_config),
+            require_traits_peer=self.options.require_traits_peer,
             stage_of=lambda: pipeline_stage(self),
             stage_view=self.stage_view,
         )
@@ -396,21 +394,23 @@ class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):
 
 class TraitsNixlConnector(NixlPullConnector):
     """vLLM's ``NixlConnector`` whose worker plans regions from traits: a subclass of its
-    pull connector (every method a series adds, e.g. 0.33's sleep mode, is ours too), or,
-    where vLLM reads ``transfer_mode: "push"`` (:func:`_gate.transfer_mode`), a
-    ``TraitsNixlPushConnector``. Refuses on a vLLM outside the supported series."""
+    pull connector (every method a series adds, e.g. 0.33's sleep mode, is ours too), or a
+    ``TraitsNixlPushConnector`` where ``options.transfer_mode`` is ``"push"`` (0.34)."""
+
+    options: ConnectorOptions  # by __new__: the vLLM version checked, then every key read
 
     def __new__(cls, vllm_config: VllmConfig, role: Any, kv_cache_config: Any) -> Any:
-        if cls is TraitsNixlConnector and transfer_mode(vllm_config) == "push":
+        connector = super().__new__(cls)
+        options = connector.options = connector_options(vllm_config)
+        if cls is TraitsNixlConnector and options.transfer_mode == "push":
             push = import_module(PUSH_IMPL_MODULE)  # by name: _push imports this module
-            return push.TraitsNixlPushConnector(vllm_config, role, kv_cache_config)
-        return super().__new__(cls)
+            return push.TraitsNixlPushConnector(vllm_config, role, kv_cache_config, options=options)
+        return connector
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        check_vllm_version()
-        apply_from_config(vllm_config)  # kvspec_shm_wait, before this process waits on a queue
+        apply_shm_wait(self.options.shm_wait)  # before this process waits on a queue
         # Not NixlPullConnector.__init__: it would build upstream's worker (a NIXL agent).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
@@ -419,7 +419,7 @@ class TraitsNixlConnector(NixlPullConnector):
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = TraitsNixlConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config
+                vllm_config, self.engine_id, kv_cache_config, options=self.options
             )
         else:
             raise ValueError(f"{CONNECTOR_NAME}: unknown connector role {role!r}")

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Collection
+
 from kvspec_traits._deps import SUPPORTED_VLLM_SERIES
-from kvspec_traits._errors import KVSpecTraitsError
+from kvspec_traits._errors import KVSpecTraitsError, _short_repr
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 __all__ = [
+    "ConnectorOptionError",
     "PeerWithoutTraitsError",
+    "UnknownConnectorOptionError",
     "UnknownStateBlocksError",
     "UnsupportedHostBufferError",
     "UnsupportedPipelineParallelError",
@@ -130,15 +135,48 @@ class UnsupportedRingTPError(KVSpecTraitsError, NotImplementedError):
         )
 
 
-class UnsupportedTransferModeError(KVSpecTraitsError, ValueError):
+class ConnectorOptionError(KVSpecTraitsError, ValueError):
+    """A ``kv_connector_extra_config`` key the connector reads holds a value it cannot
+    use (the wrong JSON type, or out of range), refused when the connector is built
+    (:class:`~kvspec_traits.vllm_connector.ConnectorOptions`). ``.key``, ``.value`` (as
+    given); the message says what to give instead."""
+
+    def __init__(self, key: str, value: object, instead: str) -> None:
+        self.key = key
+        self.value = value
+        super().__init__(
+            f"{CONNECTOR_NAME}: kv_connector_extra_config {key!r} is {_short_repr(value)}; "
+            f"{instead}"
+        )
+
+
+class UnknownConnectorOptionError(ConnectorOptionError):
+    """A ``kvspec_`` key in ``kv_connector_extra_config`` that the connector does not
+    read (a typo would otherwise be ignored). ``.key``, ``.value``, ``.closest`` (the
+    known key nearest to it, or None)."""
+
+    def __init__(self, key: str, value: object, known: Collection[str]) -> None:
+        matches = difflib.get_close_matches(key, sorted(known), n=1)
+        self.closest = matches[0] if matches else None
+        guess = f"; did you mean {self.closest!r}?" if self.closest else "."
+        super().__init__(
+            key,
+            value,
+            f"{CONNECTOR_NAME} reads no such key{guess} Its keys: "
+            f'{", ".join(sorted(known))} (docs/vllm.md, "Options")',
+        )
+
+
+class UnsupportedTransferModeError(ConnectorOptionError):
     """``kv_connector_extra_config`` ``transfer_mode`` is neither ``"pull"`` nor ``"push"``
     (on a vLLM series whose factory reads it, as ours then does). ``.mode`` is the value."""
 
     def __init__(self, mode: object) -> None:
         self.mode = mode
         super().__init__(
-            f"{CONNECTOR_NAME}: invalid kv_connector_extra_config transfer_mode {mode!r}; "
-            f'set "pull" (the default) or "push", as for vLLM\'s NixlConnector'
+            "transfer_mode",
+            mode,
+            'give "pull" (the default) or "push", as for vLLM\'s NixlConnector',
         )
 
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
 from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
-from kvspec_traits.vllm_connector._errors import (
-    UnsupportedTransferModeError,
-    UnsupportedVllmVersionError,
-)
+from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
 from kvspec_traits.vllm_connector._names import (
     CONNECTOR_NAME,
     IMPL_MODULE,
@@ -20,13 +17,13 @@ __all__ = [
     "check_vllm_version",
     "installed_vllm",
     "register_with_vllm",
-    "transfer_mode",
     "vllm_series",
 ]
 
 # The series whose KVConnectorFactory makes "NixlConnector" its push connector under
 # kv_connector_extra_config {"transfer_mode": "push"} (0.34); 0.32 and 0.33 ignore the
-# key (push is "NixlPushConnector" by name there), and so does ours on them.
+# key (push is "NixlPushConnector" by name there), and so does ours on them
+# (ConnectorOptions.transfer_mode).
 MODE_KEY_SERIES: Final = frozenset({"0.34"})
 
 
@@ -69,17 +66,3 @@ def register_with_vllm() -> None:
     for name, module in ((CONNECTOR_NAME, IMPL_MODULE), (PUSH_CONNECTOR_NAME, PUSH_IMPL_MODULE)):
         if name not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(name, module, name)
-
-
-def transfer_mode(vllm_config: Any) -> str:
-    """The mode ``"kv_connector": "TraitsNixlConnector"`` runs in, as vLLM's factory
-    answers it for ``"NixlConnector"``: ``kv_connector_extra_config`` ``transfer_mode``
-    (``"pull"`` or ``"push"``, else :class:`UnsupportedTransferModeError`) on the series
-    of :data:`MODE_KEY_SERIES`, ``"pull"`` on the others and without a transfer config."""
-    config = getattr(vllm_config, "kv_transfer_config", None)
-    if config is None or vllm_series(check_vllm_version()) not in MODE_KEY_SERIES:
-        return "pull"
-    mode = config.get_from_extra_config("transfer_mode", "pull")
-    if mode not in ("pull", "push"):
-        raise UnsupportedTransferModeError(mode)
-    return str(mode)

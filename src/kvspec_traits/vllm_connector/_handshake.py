@@ -58,7 +58,6 @@ __all__ = [
     "decoding_traits_metadata",
     "handshake_with",
     "pipeline_stage",
-    "requires_traits_peer",
     "stage_view",
 ]
 
@@ -265,12 +264,6 @@ def handshake_with(host: str, port: int) -> Iterator[None]:
         _handshake_peer.name = None
 
 
-def requires_traits_peer(vllm_config: VllmConfig) -> bool:
-    """Whether ``kv_connector_extra_config`` sets :data:`REQUIRE_TRAITS_PEER`."""
-    config = vllm_config.kv_transfer_config
-    return config is not None and bool(config.get_from_extra_config(REQUIRE_TRAITS_PEER, False))
-
-
 def _refuse(peer: str, agent_metadata: Any, err: Exception) -> None:
     logger.error(
         "%s: refusing NIXL peer %s (engine %s): %s",
@@ -285,7 +278,7 @@ def check_remote_fingerprint(
     local: RegionPlan | None,
     agent_metadata: Any,
     *,
-    require_traits_peer: Callable[[], bool],
+    require_traits_peer: bool,
     stage_of: Callable[[], PipelineStage] = PipelineStage,
     stage_view: RegionPlan | None = None,
 ) -> None:
@@ -309,12 +302,11 @@ def check_remote_fingerprint(
     naming the region and every differing trait; a region on another memory type than
     ours (a device-memory peer of a host-memory cache) raises
     :class:`~kvspec_traits.transfer.MemoryTypeMismatchError`; a peer without a
-    fingerprint raises :class:`PeerWithoutTraitsError` when ``require_traits_peer()``
-    (asked only then: the configuration is read for a peer without a fingerprint
-    alone); one that is not a fingerprint, whose region addresses contradict it (block
-    length other than the page it implies at the peer's TP size, overlapping blocks,
-    regions that share bytes where ours do not, past 64 bits), or whose region names
-    and members differ from the fingerprint's,
+    fingerprint raises :class:`PeerWithoutTraitsError` when ``require_traits_peer``
+    (the worker's ``ConnectorOptions``); one that is not a fingerprint, whose region
+    addresses contradict it (block length other than the page it implies at the peer's
+    TP size, overlapping blocks, regions that share bytes where ours do not, past 64
+    bits), or whose region names and members differ from the fingerprint's,
     :class:`~kvspec_traits.transfer.MalformedMetadataError`.
     """
     if local is None:
@@ -326,7 +318,7 @@ def check_remote_fingerprint(
         # which this connector is a drop-in for. vLLM's checks (the compatibility
         # hash, the geometry checks of add_remote_agent) guard the pair, as between
         # two upstream connectors; the opt-in refuses such peers.
-        if require_traits_peer():
+        if require_traits_peer:
             raise PeerWithoutTraitsError(peer)
         # No layout to check its addresses against; they must still address
         # something sane before vLLM builds descriptors from them.

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kvspec_traits._errors import KVSpecTraitsError
+from kvspec_traits.vllm_connector._errors import ConnectorOptionError
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 __all__ = [
@@ -77,9 +78,9 @@ class MalformedLeaseError(KVSpecTraitsError, ValueError):
     "extension": finite number >= 0}`` (the consumer logs it and does not read)."""
 
 
-class LeaseMarginError(KVSpecTraitsError, ValueError):
+class LeaseMarginError(ConnectorOptionError):
     """``kv_connector_extra_config`` :data:`LEASE_MARGIN_KEY` is not a finite number of
-    seconds >= 0."""
+    seconds >= 0 (checked by :class:`~._options.ConnectorOptions`)."""
 
 
 def lease_offer(expiry: float, lease_duration: float) -> dict[str, float]:
@@ -124,17 +125,7 @@ class LeaseBook:
     """
 
     def __init__(self, margin: float = DEFAULT_MARGIN) -> None:
-        if isinstance(margin, bool) or not isinstance(margin, int | float):
-            raise LeaseMarginError(
-                f"{CONNECTOR_NAME}: kv_connector_extra_config {LEASE_MARGIN_KEY} is "
-                f"{margin!r}; give a finite number of seconds >= 0"
-            )
-        if not math.isfinite(margin) or margin < 0:
-            raise LeaseMarginError(
-                f"{CONNECTOR_NAME}: kv_connector_extra_config {LEASE_MARGIN_KEY} is "
-                f"{margin!r}; give a finite number of seconds >= 0"
-            )
-        self.margin = margin
+        self.margin = margin  # a checked option (ConnectorOptions.lease_margin)
         self._tracked: dict[str, _Tracked] = {}
         # (before, after) the heartbeat sends for (engine, remote request), oldest first.
         self._beats: dict[tuple[str, str], list[tuple[float, float]]] = {}

@@ -25,13 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 
 from kvspec_traits.vllm_connector._handshake import logger
-from kvspec_traits.vllm_connector._lease import (
-    DEFAULT_MARGIN,
-    LEASE_MARGIN_KEY,
-    LEASES_ATTR,
-    LeaseBook,
-)
+from kvspec_traits.vllm_connector._lease import LEASES_ATTR, LeaseBook
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
+from kvspec_traits.vllm_connector._options import ConnectorOptions
 
 __all__ = ["LeasedPullWorker"]
 
@@ -39,15 +35,14 @@ __all__ = ["LeasedPullWorker"]
 class LeasedPullWorker(NixlPullConnectorWorker):
     """vLLM's pull worker whose reads fail closed on expired leases."""
 
+    # The connector's options (its lease margin), set by the worker's __init__; the
+    # defaults for workers vLLM's tests build with object.__new__.
+    options: ConnectorOptions = ConnectorOptions()
+
     def _leases(self) -> LeaseBook:
         book: LeaseBook | None = self.__dict__.get("_lease_book")
         if book is None:  # built lazily: vLLM's tests build workers with object.__new__
-            vllm_config = getattr(self, "vllm_config", None)
-            config = None if vllm_config is None else vllm_config.kv_transfer_config
-            margin = DEFAULT_MARGIN
-            if config is not None:
-                margin = config.get_from_extra_config(LEASE_MARGIN_KEY, DEFAULT_MARGIN)
-            book = self.__dict__["_lease_book"] = LeaseBook(margin)
+            book = self.__dict__["_lease_book"] = LeaseBook(self.options.lease_margin)
         return book
 
     def _lease_expired(self, req_id: str, engine_id: str) -> bool:

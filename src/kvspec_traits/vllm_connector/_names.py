@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
-
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+from typing import Final
 
 __all__ = [
     "CONNECTOR_NAME",
@@ -17,7 +14,7 @@ __all__ = [
     "REQUIRE_TRAITS_PEER",
     "SHM_WAIT",
     "SHM_WAITS",
-    "nixl_progress_delay",
+    "TRANSFER_MODE",
 ]
 
 CONNECTOR_NAME: Final = "TraitsNixlConnector"
@@ -34,17 +31,6 @@ NIXL_PROGRESS_DELAY: Final = "kvspec_nixl_progress_delay_us"
 """``kv_connector_extra_config`` key: microseconds NIXL's progress thread sleeps between
 polls in this connector's agents (default 0, NIXL's busy polling; see
 :mod:`kvspec_traits.nixl._progress`)."""
-
-
-def nixl_progress_delay(vllm_config: VllmConfig) -> int:
-    """The :data:`NIXL_PROGRESS_DELAY` of a config, checked (``ProgressDelayError``)."""
-    from kvspec_traits.nixl._progress import check_delay
-
-    config = vllm_config.kv_transfer_config
-    raw = 0 if config is None else config.get_from_extra_config(NIXL_PROGRESS_DELAY, 0)
-    return check_delay(raw, f"kv_connector_extra_config {NIXL_PROGRESS_DELAY}")
-
-
 SHM_WAIT: Final = "kvspec_shm_wait"
 """``kv_connector_extra_config`` key: how vLLM's shared-memory queues (engine core <->
 worker) wait for the next message in the processes that build this connector.
@@ -55,3 +41,7 @@ Python < 3.11.1). On a loaded machine whose kernel schedules with EEVDF, a worke
 spins on ``sched_yield`` was seen runnable and not run for 20-120 s (docs/vllm.md, "Push
 end to end"); push mode spins without pause while the producer holds blocks."""
 SHM_WAITS: Final = ("yield", "sleep")
+"""Its values (``_shm_wait.ShmWait``, the type ``ConnectorOptions.shm_wait`` holds)."""
+TRANSFER_MODE: Final = "transfer_mode"
+"""``kv_connector_extra_config`` key of vLLM's: ``"pull"`` or ``"push"``, read by vLLM
+0.34's factory for ``"NixlConnector"`` (and by this connector as it does)."""

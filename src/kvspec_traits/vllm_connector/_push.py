@@ -33,8 +33,9 @@ from kvspec_traits._registry import Registry
 from kvspec_traits.vllm_connector._connector import TraitsWorkerBase
 from kvspec_traits.vllm_connector._gate import check_vllm_version
 from kvspec_traits.vllm_connector._names import PUSH_CONNECTOR_NAME
+from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
-from kvspec_traits.vllm_connector._shm_wait import apply_from_config
+from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,9 +59,12 @@ class TraitsNixlPushConnectorWorker(NixlPushConnectorWorker, TraitsWorkerBase):
         kv_cache_config: KVCacheConfig,
         *,
         registry: Registry | None = None,
+        options: ConnectorOptions | None = None,
     ) -> None:
-        if registry is not None:  # read by TraitsWorkerBase.__init__, below upstream's
+        # Read by TraitsWorkerBase.__init__, which upstream's calls without them.
+        if registry is not None:
             self._traits_registry = registry
+        self.options = options or connector_options(vllm_config, mode="push")
         super().__init__(vllm_config, engine_id, kv_cache_config)
 
     # vLLM's push worker checks the peer after its super() call (0.34: identical block
@@ -87,14 +91,24 @@ class TraitsNixlPushConnector(NixlPushConnector):
 
     Turned on as upstream's is, by the connector name: ``"kv_connector":
     "TraitsNixlPushConnector"`` where upstream reads ``"NixlPushConnector"``, every other
-    key unchanged. Refuses on a vLLM outside the supported series.
+    key unchanged. Refuses on a vLLM outside the supported series. ``options`` are the
+    ``kv_connector_extra_config`` keys read (``TraitsNixlConnector`` gives them when
+    ``transfer_mode`` makes it build this one); without them, read here, push by name
+    (the key ``transfer_mode`` unread, as by upstream's ``NixlPushConnector``).
     """
 
     def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        *,
+        options: ConnectorOptions | None = None,
     ) -> None:
         check_vllm_version()
-        apply_from_config(vllm_config)  # kvspec_shm_wait, before this process waits on a queue
+        # Every key read and checked at once, before an agent exists.
+        self.options = options or connector_options(vllm_config, mode="push")
+        apply_shm_wait(self.options.shm_wait)  # before this process waits on a queue
         # NixlPushConnector.__init__ would build upstream's worker (a NIXL agent) first:
         # its base's constructor and its one push check, then ours.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
@@ -111,7 +125,7 @@ class TraitsNixlPushConnector(NixlPushConnector):
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = TraitsNixlPushConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config
+                vllm_config, self.engine_id, kv_cache_config, options=self.options
             )
         else:
             raise ValueError(f"{PUSH_CONNECTOR_NAME}: unknown connector role {role!r}")

@@ -16,40 +16,41 @@ scheduler, each worker process for the worker), before anything waits on a queue
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Literal
 
-from kvspec_traits._errors import KVSpecTraitsError
-from kvspec_traits.vllm_connector._names import SHM_WAIT, SHM_WAITS
+from kvspec_traits.vllm_connector._errors import ConnectorOptionError
+from kvspec_traits.vllm_connector._names import SHM_WAIT
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-
-__all__ = ["ShmWaitError", "apply_from_config", "apply_shm_wait", "shm_wait"]
+__all__ = ["ShmWait", "ShmWaitError", "apply_shm_wait"]
 
 # Under "vllm.", so vLLM's own log configuration prints it beside vLLM's lines.
 _LOG = logging.getLogger("vllm.kvspec_traits.connector")
 FLAG = "USE_SCHED_YIELD"
 
+ShmWait = Literal["yield", "sleep"]
+"""The values of :data:`~._names.SHM_WAIT` (checked by :class:`~._options.ConnectorOptions`)."""
 
-class ShmWaitError(KVSpecTraitsError, ValueError):
+
+class ShmWaitError(ConnectorOptionError):
     """A ``kvspec_shm_wait`` that is not ``"yield"`` or ``"sleep"``, or ``"sleep"`` on a
     vLLM whose queues have no such switch."""
 
 
-def apply_shm_wait(mode: str) -> bool:
-    """Apply ``mode`` in this process; True if vLLM's wait was changed. ``"yield"``
-    changes nothing. ``"sleep"`` refuses, naming the module, a vLLM without the flag
-    (its queues would keep yielding while the operator believes otherwise)."""
+def apply_shm_wait(mode: ShmWait) -> bool:
+    """Apply ``mode`` (a checked option) in this process; True if vLLM's wait was
+    changed. ``"yield"`` changes nothing. ``"sleep"`` refuses, naming the module, a vLLM
+    without the flag (its queues would keep yielding while the operator believes
+    otherwise)."""
     if mode == "yield":
         return False
-    if mode != "sleep":
-        raise ShmWaitError(f"kvspec_shm_wait is {mode!r}; give 'yield' or 'sleep'")
     from vllm.distributed import utils
 
     if not isinstance(getattr(utils, FLAG, None), bool):
         raise ShmWaitError(
-            f"kvspec_shm_wait 'sleep': this vLLM's vllm.distributed.utils has no boolean "
-            f"{FLAG}, so its shared-memory queues cannot be told to sleep; remove the key"
+            SHM_WAIT,
+            mode,
+            f"this vLLM's vllm.distributed.utils has no boolean {FLAG}, so its "
+            f"shared-memory queues cannot be told to sleep; remove the key",
         )
     was = getattr(utils, FLAG)
     setattr(utils, FLAG, False)
@@ -59,20 +60,3 @@ def apply_shm_wait(mode: str) -> bool:
         " instead of os.sched_yield()" if was else " (already)",
     )
     return True
-
-
-def shm_wait(vllm_config: VllmConfig) -> str:
-    """The :data:`~._names.SHM_WAIT` of a config, checked (:class:`ShmWaitError`)."""
-    config = vllm_config.kv_transfer_config
-    raw = "yield" if config is None else config.get_from_extra_config(SHM_WAIT, "yield")
-    if raw not in SHM_WAITS:
-        raise ShmWaitError(
-            f"kv_connector_extra_config {SHM_WAIT} is {raw!r}; give one of {list(SHM_WAITS)} "
-            '("yield": vLLM\'s default, "sleep": time.sleep(0) between checks)'
-        )
-    return str(raw)
-
-
-def apply_from_config(vllm_config: VllmConfig) -> bool:
-    """:func:`apply_shm_wait` of the config's ``kvspec_shm_wait`` (checked)."""
-    return apply_shm_wait(shm_wait(vllm_config))
