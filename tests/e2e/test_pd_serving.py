@@ -15,6 +15,13 @@ Push runs on one model (llama, the cheapest pair): the mode changes who moves th
 bytes and how the pair meets (vLLM's ``PUSH_REG`` registration and handshakes both
 ways), not the layout the traits plan, which the pull cases cover per model.
 
+The *patched* cases serve vLLM's own ``NixlConnector`` / ``NixlPushConnector`` (not ours)
+from the installed vLLM with ``make vllm-patch``'s patch applied (issue 35:
+``tests/e2e/patched_vllm.py`` copies the installed ``distributed/kv_transfer``, writes its
+patch with ``scripts/vllm_patch.py`` and applies it with ``git apply``; each server imports
+that copy through ``tests/e2e/overlay/sitecustomize.py`` and says so in its log): Llama and
+DeepSeek-V2, pull and push, held to the same checks.
+
 The MLA model is served once per MLA backend this machine offers (tests/mla_backends.py):
 CPU_MLA requested by name (float32, block 16) everywhere, and AMX_MLA, vLLM's default on
 CPUs with AMX (bfloat16, block 32), where vLLM would select it. Expected byte counts follow
@@ -27,7 +34,7 @@ import math
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +42,7 @@ import pytest
 
 from kvspec_traits.vllm_connector import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
 from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY, SHM_WAIT
+from tests.e2e.patched_vllm import patched_tree
 from tests.e2e.pd_harness import (
     DEFAULT_SERVING,
     RequestFailedError,
@@ -115,13 +123,25 @@ class ModelCase:
     # pairs keep vLLM's default; a read the consumer reaches after it is declined
     # (vllm_connector._lease) and the short soak counts it as such, never as an answer.
     lease_s: int | None = None
+    # vLLM's own connector (NixlConnector, or NixlPushConnector in push mode) from the
+    # installed vLLM patched by `make vllm-patch` (tests/e2e/patched_vllm.py), not ours.
+    patched: bool = False
 
     @property
     def connector(self) -> str:
+        if self.patched:
+            return "NixlPushConnector" if self.mode == "push" else "NixlConnector"
         return PUSH_CONNECTOR_NAME if self.mode == "push" else CONNECTOR_NAME
 
+    @property
+    def built(self) -> str:
+        """The class vLLM's factory logs building (its ``NixlConnector`` is its pull
+        connector, ``NixlPullConnector``, on 0.32)."""
+        return "NixlPullConnector" if self.connector == "NixlConnector" else self.connector
+
     def describe(self) -> str:
-        return f"{self.name} ({self.mode}, {self.serving.describe()})"
+        which = "vLLM's patched connector, " if self.patched else ""
+        return f"{self.name} ({which}{self.mode}, {self.serving.describe()})"
 
 
 def _mla_serving(backend: MLABackend) -> Serving:
@@ -165,11 +185,31 @@ CASES = {
     "llama-swa": ModelCase(
         "llama-swa", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4, windowed_layers=1, window=64
     ),
+    # vLLM's own connectors with the patch applied (issue 35): every layout question of
+    # its kv_transfer asked of traits. The MLA model on CPU_MLA (offered on every x86 CPU).
+    "patched-llama": ModelCase(
+        "llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4, patched=True
+    ),
+    "patched-llama-push": ModelCase(
+        "llama",
+        layers=2,
+        token_bytes_per_layer=2 * 2 * 32 * 4,
+        mode="push",
+        lease_s=120,
+        patched=True,
+    ),
+    "patched-deepseek-v2": replace(_deepseek(CPU_MLA, dtype_bytes=4), patched=True),
+    "patched-deepseek-v2-push": replace(
+        _deepseek(CPU_MLA, dtype_bytes=4), mode="push", lease_s=120, patched=True
+    ),
 }
 
 
 def _case_params() -> list[object]:
     marks = {f"deepseek-v2-{b.name}": skip_unless_offered(b) for b in MLA_BACKENDS}
+    marks |= {
+        key: skip_unless_offered(CPU_MLA) for key in CASES if key.startswith("patched-deepseek")
+    }
     return [pytest.param(key, id=key, marks=marks.get(key, [])) for key in sorted(CASES)]
 
 
@@ -177,6 +217,8 @@ def _kv_config(case: ModelCase, role: str, by_name: bool) -> dict[str, object]:
     # The prefill side names the module path, the decode side relies on the
     # vllm.general_plugins entry point: both ways of turning the connector on are used.
     extra: dict[str, object] = {} if case.lease_s is None else {"kv_lease_duration": case.lease_s}
+    if case.patched:  # vLLM's own connector, by its built-in name; no key of ours
+        return connector_config(role, case.connector, None, kv_connector_extra_config=extra)
     # NIXL's progress threads sleep 100 us between polls instead of spinning (docs/vllm.md
     # "NIXL's progress threads"): two spinning pollers beside two engines on 2 cores.
     extra[NIXL_PROGRESS_DELAY] = E2E_PROGRESS_DELAY_US
@@ -193,6 +235,11 @@ def pair(
     case = CASES[request.param]
     model = tiny_models / case.name
     workdir = tmp_path_factory.mktemp(f"pd-{request.param}")
+    extra_env = None
+    if case.patched:
+        # The patched pairs wait on vLLM's queues as ours do (kvspec_shm_wait "sleep").
+        tree = patched_tree(tmp_path_factory.mktemp(f"patched-{request.param}"))
+        extra_env = tree.environment(shm_sleep=E2E_SHM_WAIT == "sleep")
     started = time.monotonic()
     with running_pair(
         prefill_model=model,
@@ -202,6 +249,7 @@ def pair(
         prefill_kv=_kv_config(case, "kv_producer", by_name=False),
         decode_kv=_kv_config(case, "kv_consumer", by_name=True),
         serving=case.serving,
+        extra_env=extra_env,
     ) as servers:
         print(f"\n{case.describe()}: pair ready in {time.monotonic() - started:.0f} s")
         _warm_up(servers)
@@ -360,10 +408,13 @@ def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair
         # vLLM's factory logs each connector it builds, in the engine core (the
         # scheduler's) and in the worker: both are the case's class, and no other.
         built = set(_CONNECTOR_BUILT.findall(log))
-        assert built == {("EngineCore", case.connector), ("Worker", case.connector)}, (
+        assert built == {("EngineCore", case.built), ("Worker", case.built)}, (
             server.describe(),
             built,
         )
+        if case.patched:
+            _assert_ran_the_patched_tree(server, log)
+            continue
         assert "TraitsNixlConnector: registered" in log, (server.describe(), server.log_path)
         assert "planned from layout traits" in log, server.describe()
         # Upstream's push worker (under ours) starts its writer thread; the pull one has none.
@@ -376,6 +427,24 @@ def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair
         # kvspec_shm_wait "sleep" took effect where the connector was built: engine core
         # (the scheduler's) and worker.
         assert set(_SHM_WAIT_SET.findall(log)) == {"EngineCore", "Worker"}, server.describe()
+
+
+_PATCHED_IMPORT = re.compile(r"kvspec-migrated: vllm\.distributed\.kv_transfer from (\S+) \(pid")
+
+
+def _assert_ran_the_patched_tree(server: VllmServer, log: str) -> None:
+    """A patched pair's server imported vLLM's kv_transfer from the patched copy in its
+    processes (the overlay's line; no other kv_transfer), ran vLLM's own connector
+    (none of ours), and that connector asked traits: the patched files import
+    ``traits_of`` (a server that had imported the installed tree would not have
+    printed the overlay's line)."""
+    origins = set(_PATCHED_IMPORT.findall(log))
+    assert len(origins) == 1, (server.describe(), origins)
+    (origin,) = origins
+    assert "/site-packages/" not in origin, (server.describe(), origin)
+    worker = Path(origin).parent / "kv_connector" / "v1" / "nixl" / "base_worker.py"
+    assert "traits_of(" in worker.read_text(), worker
+    assert "TraitsNixlConnector: registered" not in log, server.describe()
 
 
 # The short form of `make soak` (benchmarks/soak.py, issue 24) on this module's llama pair:

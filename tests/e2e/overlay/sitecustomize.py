@@ -1,0 +1,71 @@
+"""The e2e harness's overlay for servers of a *patched* vLLM (issue 35): every Python
+process a server starts (API server, engine core, workers: ``PYTHONPATH`` and the
+environment are inherited) imports ``vllm.distributed.kv_transfer`` from the patched copy
+at ``KVSPEC_MIGRATED_ROOT`` (the folder holding ``kv_transfer/``: the installed tree with
+``make vllm-patch``'s patch applied), the rest of vLLM from its installation. Python runs
+this module at start-up because its folder is on ``PYTHONPATH``; without
+``KVSPEC_MIGRATED_ROOT`` it does nothing.
+
+The package's import prints one line to stderr, ``kvspec-migrated: ... from <file>``, which
+the e2e tests read in each server's log: the proof that the server ran the patched tree.
+
+``KVSPEC_OVERLAY_SHM_SLEEP=1`` also makes vLLM's shared-memory queue readers wait with
+``time.sleep(0)`` (``vllm.distributed.utils.USE_SCHED_YIELD`` false, set as that module
+loads): what ``kvspec_shm_wait: "sleep"`` does in the traits connector's processes, so a
+patched pair waits as the traits pairs do (docs/vllm.md, "Push end to end"). Test harness
+only: the library never loads it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+_PACKAGE = "vllm.distributed.kv_transfer"
+_UTILS = "vllm.distributed.utils"
+_ROOT = os.environ.get("KVSPEC_MIGRATED_ROOT", "")
+_SHM_SLEEP = os.environ.get("KVSPEC_OVERLAY_SHM_SLEEP") == "1"
+
+
+class _SleepingUtils(importlib.abc.Loader):
+    """vLLM's ``vllm.distributed.utils`` as it is, with ``USE_SCHED_YIELD`` false."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        module.USE_SCHED_YIELD = False  # type: ignore[attr-defined]
+
+
+class _Overlay(importlib.abc.MetaPathFinder):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == _PACKAGE and _ROOT:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, [_ROOT])
+            if spec is None:
+                raise ImportError(f"kvspec-migrated: no kv_transfer package in {_ROOT}")
+            print(
+                f"kvspec-migrated: {_PACKAGE} from {spec.origin} (pid {os.getpid()})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return spec
+        if fullname == _UTILS and _SHM_SLEEP:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _SleepingUtils(spec.loader)
+            return spec
+        return None
+
+
+if _ROOT or _SHM_SLEEP:
+    sys.meta_path.insert(0, _Overlay())
