@@ -25,7 +25,35 @@ from pathlib import Path
 from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
+from fixture_corrections import WHY, Correction, fixture_diff
+
 KV_TRANSFER = Path("vllm") / "distributed" / "kv_transfer"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def release_tests(version: str) -> Path | None:
+    """The tests tree of vLLM ``version``'s sdist (fetched by bootstrap), if here."""
+    tree = REPO / ".cache" / f"vllm-tests-{version.split('+', 1)[0]}"
+    return tree.resolve() if (tree / "tests").is_dir() else None
+
+
+def fixtures_header(corrections: list[Correction]) -> list[str]:
+    """The header's list of test-fixture corrections, by rule with its reason."""
+    if not corrections:
+        return []
+    lines = [
+        "",
+        f"Test fixtures corrected ({len(corrections)}), so that vLLM's own kv_connector "
+        "tests pass on the patched tree:",
+    ]
+    rules = Counter(c.rule for c in corrections)
+    for rule, count in rules.most_common():
+        lines.append(f"  {rule} ({count}): {WHY[rule]}")
+        lines.extend(
+            f"    {c.path}:{c.line}: {c.before} -> {c.after}" for c in corrections if c.rule == rule
+        )
+    return lines
 
 
 def vllm_root() -> Path:
@@ -100,7 +128,14 @@ def vllm_patch(root: Path) -> tuple[str, MigrationPlan]:
     if plan.refused:
         raise SystemExit(f"vllm-patch: files refused: {[r.as_json() for r in plan.refused]}")
     body = "".join(f.diff() for f in plan.files)
-    return header(plan, vllm_version(root)) + body, plan
+    version = vllm_version(root)
+    tests = release_tests(version)
+    fixes, corrections = fixture_diff(tests) if tests is not None else ("", [])
+    head = header(plan, version)
+    extra = "".join(f"# {line}".rstrip() + "\n" for line in fixtures_header(corrections))
+    if extra:
+        head = head.rstrip("\n") + "\n" + extra + "\n"
+    return head + body + fixes, plan
 
 
 def main() -> int:

@@ -42,6 +42,10 @@ def test_the_patch_applies_to_the_release_tree_and_says_what_it_did(tmp_path: Pa
     shutil.copytree(
         root / script.KV_TRANSFER, tree, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
     )
+    # The release's tests, whose fixtures the patch corrects (issue 35), beside it.
+    tests = script.release_tests(vllm.__version__)
+    assert tests is not None, "bootstrap fetches every supported release's tests"
+    shutil.copytree(tests / "tests", tmp_path / "tests")
     patch = tmp_path / "kv.patch"
     patch.write_text(text)
     check = subprocess.run(
@@ -56,6 +60,12 @@ def test_the_patch_applies_to_the_release_tree_and_says_what_it_did(tmp_path: Pa
     assert plan.files, "nothing was rewritten"
     for f in plan.files:
         assert (tmp_path / f.display).read_text() == f.after
+    corrected = script.fixture_corrections(tests)
+    assert corrected, "vLLM's tests of every supported release need fixture corrections"
+    for rel, (_, after, _) in corrected.items():
+        assert (tmp_path / rel).read_text() == after, rel
+    count = sum(len(found) for _, _, found in corrected.values())
+    assert f"# Test fixtures corrected ({count})," in text
 
     head = text[: text.index("\n---")]
     assert all(line.startswith("#") or not line for line in head.splitlines())

@@ -53,6 +53,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from fixture_corrections import write_corrected_tree  # noqa: E402
 from run import (  # noqa: E402
     EXTRA,
     REPO,
@@ -267,6 +268,16 @@ class Runner:
     out_dir: Path
     jobs: int
     port: int
+    corrected_root: Path | None = None
+    """The migrated run's tests: the release's with the patch's fixture corrections
+    (fixture_corrections.py); None: the release's own."""
+
+    def root(self, run: str) -> Path:
+        """The tests tree a ``run`` runs on."""
+        if run == "migrated" and self.corrected_root is not None:
+            return self.corrected_root
+        return self.tests_root
+
     runs: dict[str, Outcomes] = field(default_factory=lambda: {r: Outcomes() for r in RUNS})
     proven: int = 0  # migrated processes whose proof says the copy was imported
     _count: int = 0
@@ -308,10 +319,11 @@ class Runner:
                 for stale in (report, proof):
                     stale.unlink(missing_ok=True)
                 env = self.env(run, report, proof)
-                cmd = pytest_command(PYTHON, self.tests_root, files, ("kvspec_migrated",))
+                root = self.root(run)
+                cmd = pytest_command(PYTHON, root, files, ("kvspec_migrated",))
                 with (self.out_dir / f"{name}.log").open("wb") as log:
                     proc = subprocess.Popen(
-                        cmd, cwd=self.tests_root, env=env, stdout=log, stderr=subprocess.STDOUT
+                        cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT
                     )
                 running.append((run, files, proc, report, proof, time.monotonic()))
             time.sleep(0.5)
@@ -423,7 +435,15 @@ def judge(series: str, tree: Path | None, jobs: int) -> int:
     fresh = bool(os.environ.get("KVSPEC_CONFORMANCE_FRESH"))
     port = int(os.environ.get("KVSPEC_MIGRATED_PORT_BASE", "31600"))
     port += 2000 * list(SERIES).index(series)
-    runner = Runner(series, tests_root, tree, out_dir, jobs, port)
+    # The patch corrects vLLM's test fixtures too (issue 35): the migrated run's tests
+    # are the release's with those corrections, as a maintainer applying it would run.
+    corrected = out_dir / "tests-corrected"
+    corrections = write_corrected_tree(tests_root, corrected)
+    print(
+        f"   {len(corrections)} test-fixture corrections of the patch written to {corrected} "
+        f"({', '.join(f'{r} {n}' for r, n in Counter(c.rule for c in corrections).items())})"
+    )
+    runner = Runner(series, tests_root, tree, out_dir, jobs, port, corrected.resolve())
     uncached = []
     for rel in files:
         if caches[rel].exists() and not fresh:
@@ -479,7 +499,7 @@ def judge(series: str, tree: Path | None, jobs: int) -> int:
 def _alone(runner: Runner, run: str, out_dir: Path, ids: list[str], port: int) -> dict[str, str]:
     """``ids`` rerun in one process on the ``run`` tree, nothing beside it: outcomes."""
     return rerun_alone(
-        runner.tests_root,
+        runner.root(run),
         out_dir,
         runner.env(run, out_dir / "rerun.json", out_dir / "rerun-proof.json"),
         PYTHON,

@@ -65,5 +65,10 @@ def patched_tree(workdir: Path) -> PatchedTree:
     # Outside any repository (git would apply relative to an enclosing one's root).
     git_env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(workdir.parent)}
     for check in (["--check"], []):
-        subprocess.run(["git", "apply", *check, str(patch)], check=True, cwd=workdir, env=git_env)
+        subprocess.run(
+            ["git", "apply", *check, "--include=vllm/*", str(patch)],
+            check=True,
+            cwd=workdir,
+            env=git_env,
+        )
     return PatchedTree(workdir, patch)

@@ -1,0 +1,94 @@
+"""The corrections the vLLM patch makes to vLLM's own kv_connector test fixtures
+(scripts/conformance/fixture_corrections.py, issue 35), on the release's real tests tree
+of the series on the path: each rule finds its fixtures, and each corrected fixture
+states what vLLM's page math already gave the test, or what it should have."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import vllm
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+REPO = Path(__file__).resolve().parents[1]
+SERIES_TESTS = {"0.32": "0.32.0", "0.33": "0.33.0", "0.34": "0.34.0"}
+
+
+def _module() -> ModuleType:
+    path = REPO / "scripts" / "conformance" / "fixture_corrections.py"
+    spec = importlib.util.spec_from_file_location("fixture_corrections", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def corrected() -> dict[str, tuple[str, str, list[Any]]]:
+    series = ".".join(vllm.__version__.split(".")[:2])
+    tree = REPO / ".cache" / f"vllm-tests-{SERIES_TESTS[series]}"
+    sources: dict[str, tuple[str, str, list[Any]]] = _module().corrected_sources(tree.resolve())
+    return sources
+
+
+def test_every_dtype_less_spec_is_given_float32_the_page_it_had(
+    corrected: dict[str, tuple[str, str, list[Any]]],
+) -> None:
+    """vLLM sizes ``dtype=None`` with torch's global default (float32 here):
+    ``FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64)`` is
+    16 x 8 x (64 + 64) x 4 B = 65536 B either way, now stated."""
+    assert torch.get_default_dtype() == torch.float32
+    implicit = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=None)  # type: ignore[arg-type]
+    stated = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=torch.float32)
+    assert implicit.page_size_bytes == stated.page_size_bytes == 16 * 8 * (64 + 64) * 4
+    files = {
+        rel for rel, (_, _, found) in corrected.items() if any(c.rule == "dtype" for c in found)
+    }
+    assert any("mooncake_store" in rel for rel in files)
+    for rel in files:
+        before, after, _ = corrected[rel]
+        assert "dtype=None" in before and "dtype=None" not in after, rel
+        assert re.search(r"^import torch$", after, flags=re.MULTILINE), rel
+
+
+def test_a_state_spec_gets_one_dtype_per_state(
+    corrected: dict[str, tuple[str, str, list[Any]]],
+) -> None:
+    """``MambaSpec(shapes=((16,), (16,)), dtypes=(torch.float16,))``: vLLM's page counts
+    the first state only (16 x 2 B = 32 B); with a dtype per state both (64 B)."""
+    one = MambaSpec(block_size=16, shapes=((16,), (16,)), dtypes=(torch.float16,))
+    two = MambaSpec(block_size=16, shapes=((16,), (16,)), dtypes=(torch.float16,) * 2)
+    assert (one.page_size_bytes, two.page_size_bytes) == (16 * 2, 2 * 16 * 2)
+    before, after, found = corrected["tests/v1/kv_connector/unit/utils.py"]
+    assert "dtypes=(torch.float16,)," in before
+    assert "dtypes=(torch.float16, torch.float16)" in after
+    assert [c.rule for c in found] == ["state dtypes"]
+
+
+def test_the_abstract_base_case_expects_the_refusal(
+    corrected: dict[str, tuple[str, str, list[Any]]],
+) -> None:
+    _, after, _ = corrected[
+        "tests/v1/kv_connector/unit/offloading_connector/test_canonical_mapping.py"
+    ]
+    assert "with pytest.raises(UnsupportedSpecError):" in after
+    assert "from kvspec_traits import UnsupportedSpecError" in after
+    assert "KVCacheSpec(block_size=4), None, _ctx(0, tp=4, total=8)) is None" not in after
+
+
+def test_a_rule_anchored_twice_is_refused(tmp_path: Path) -> None:
+    """An anchor found twice is never guessed at: FixtureError names the file."""
+    module = _module()
+    test = tmp_path / "tests/v1/kv_connector/unit/offloading_connector/test_canonical_mapping.py"
+    test.parent.mkdir(parents=True)
+    test.write_text("import pytest\n\n\ndef f():\n" + module._ABSTRACT_OLD * 2)
+    with pytest.raises(module.FixtureError, match=r"test_canonical_mapping\.py"):
+        module.corrected_sources(tmp_path)
