@@ -92,3 +92,20 @@ def test_a_rule_anchored_twice_is_refused(tmp_path: Path) -> None:
     test.write_text("import pytest\n\n\ndef f():\n" + module._ABSTRACT_OLD * 2)
     with pytest.raises(module.FixtureError, match=r"test_canonical_mapping\.py"):
         module.corrected_sources(tmp_path)
+
+
+def test_a_state_spec_given_a_tuple_of_ints_gets_one_shape(
+    corrected: dict[str, tuple[str, str, list[Any]]],
+) -> None:
+    """``MambaSpec(shapes=(1, 1), dtypes=(float32,))`` has no page even for vLLM (its
+    ``page_size_bytes`` raises TypeError); the fixture is the one (1, 1) state the file's
+    other fixtures give: 1 x 1 x 4 B = 4 B."""
+    flat = MambaSpec(block_size=16, shapes=(1, 1), dtypes=(torch.float32,))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _ = flat.page_size_bytes
+    one = MambaSpec(block_size=16, shapes=((1, 1),), dtypes=(torch.float32,))
+    assert one.page_size_bytes == 1 * 1 * 4
+    before, after, found = corrected["tests/v1/kv_connector/unit/test_mooncake_store_worker.py"]
+    rules = [c.rule for c in found]
+    assert rules.count("state shapes") == before.count("shapes=(1, 1),") == 2
+    assert "shapes=(1, 1)," not in after

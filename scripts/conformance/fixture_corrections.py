@@ -16,6 +16,10 @@ test already relied on; no test is skipped and no assertion is loosened:
   shapes with dtypes, so it counts the first state only (16 x 2 = 32 B of the 64 B two
   fp16 states hold): a worker would register and move half of each state. The fixture
   repeats the last dtype for the states without one.
+- ``state shapes``: a ``MambaSpec`` whose ``shapes`` is a tuple of ints
+  (``shapes=(1, 1)``) instead of a tuple of shapes: vLLM's own ``page_size_bytes`` raises
+  ``TypeError`` on it (no test asked); the fixture becomes the one ``(1, 1)`` state the
+  test file's other fixtures give (``shapes=((1, 1),)``).
 - ``abstract base``: ``test_fail_closed_cases`` asks the offloading connector's canonical
   mapping of a bare ``KVCacheSpec(block_size=4)``, vLLM's abstract base, which no layer has
   and which has no layout fields; the rewritten check refuses it by name
@@ -74,6 +78,9 @@ WHY = {
     "float32, the page the test already had, stated",
     "state dtypes": "one dtype for several state shapes: vLLM's page_size_bytes zips them and "
     "counts the first state only; the last dtype repeated for the others",
+    "state shapes": "shapes=(1, 1) is a tuple of ints, not of shapes: vLLM's own "
+    "page_size_bytes raises TypeError ('int' object is not iterable); the one (1, 1) state "
+    "the test's other fixtures give",
     "abstract base": "vLLM's abstract KVCacheSpec has no layout; traits_of refuses it by name "
     "(UnsupportedSpecError) where the class check answered None",
     "ring flag": "the compressor ring (one KV head, no V) is TP-replicated by its traits: "
@@ -112,8 +119,28 @@ class _Specs(cst.CSTTransformer):
                 args[i] = arg.with_changes(value=value)
                 self._note(line, "dtype", "dtype=None", "dtype=torch.float32")
         if name == "MambaSpec":
+            args = self._state_shapes(args, line)
             args = self._state_dtypes(args, line)
         return updated.with_changes(args=args)
+
+    def _state_shapes(self, args: list[cst.Arg], line: int) -> list[cst.Arg]:
+        by_kw = {a.keyword.value: i for i, a in enumerate(args) if a.keyword is not None}
+        if "shapes" not in by_kw:
+            return args
+        shapes = args[by_kw["shapes"]].value
+        if not isinstance(shapes, cst.Tuple) or not shapes.elements:
+            return args
+        if not all(isinstance(e.value, cst.Integer) for e in shapes.elements):
+            return args
+        fixed = cst.Tuple(elements=[cst.Element(shapes.deep_clone())])
+        args[by_kw["shapes"]] = args[by_kw["shapes"]].with_changes(value=fixed)
+        self._note(
+            line,
+            "state shapes",
+            self.module.code_for_node(shapes),
+            self.module.code_for_node(fixed),
+        )
+        return args
 
     def _state_dtypes(self, args: list[cst.Arg], line: int) -> list[cst.Arg]:
         by_kw = {a.keyword.value: i for i, a in enumerate(args) if a.keyword is not None}
