@@ -63,7 +63,9 @@ def _excluded(path: Path, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatch(path.name, p) or fnmatch.fnmatch(text, p) for p in patterns)
 
 
-def iter_source_files(
+# Over the size bounds (docs/architecture.md, "Size"): 61 statements, the walk and its
+# refusals in one place; to be split along its questions (issue 37).
+def iter_source_files(  # noqa: PLR0915
     targets: Sequence[Path], *, exclude: Sequence[str], errors: list[FileError]
 ) -> Iterator[Path]:
     """Every file to scan: each target file itself, and the ``*.py`` files below each

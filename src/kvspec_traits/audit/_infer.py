@@ -165,7 +165,9 @@ def _refuses_skipped(raw: RawSite) -> str:
     return "its if/elif chain ends in raise" if "chain-raises" in raw.context else ""
 
 
-def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:
+# Over the size bounds (docs/architecture.md, "Size"): one verdict over every reading of a
+# class check, 45 branches; to be split along its questions (issue 37).
+def infer(raw: RawSite, u: Universe, *, path: str = "") -> Site:  # noqa: C901, PLR0915
     """The verdict on one class check against the class sets ``u``."""
     mixed = judged_on_vllm(raw, u, path, infer)
     if mixed is not None:
