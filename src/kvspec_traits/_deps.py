@@ -31,16 +31,22 @@ _NIXL: Final = (
     "CUDA 12 and 13 builds), or on a CPU-only machine `pip install nixl-cu12` and then "
     "`pip install --no-deps nixl` (the `nixl` module vLLM and kvspec-traits import)."
 )
+# The packages themselves, not `pip install 'kvspec-traits[...]'`: kvspec-traits is
+# installed from a checkout (README), so the published name would find nothing.
+_VLLM_EXTRA: Final = (
+    "Install what the vLLM extra (kvspec-traits[vllm]) brings: `pip install numpy msgspec pyzmq`."
+)
 _INSTALL: Final = {
     "vllm": _VLLM,
     "torch": "torch comes with vLLM: install the torch your vLLM was built for. " + _VLLM,
-    "numpy": "Install the NIXL extra: `pip install 'kvspec-traits[nixl]'`.",
+    "numpy": "Install what the NIXL extra (kvspec-traits[nixl]) brings: `pip install numpy`.",
     "nixl": _NIXL,
     "nixl_cu12": _NIXL,
     "nixl_cu13": _NIXL,
-    "msgspec": "Install the vLLM extra: `pip install 'kvspec-traits[vllm]'`.",
-    "zmq": "Install the vLLM extra: `pip install 'kvspec-traits[vllm]'`.",
-    "libcst": "Install the migrate extra: `pip install 'kvspec-traits[migrate]'`.",
+    "msgspec": _VLLM_EXTRA,
+    "zmq": _VLLM_EXTRA,
+    "libcst": "Install what the migrate extra (kvspec-traits[migrate]) brings: "
+    "`pip install libcst`.",
 }
 
 
