@@ -15,6 +15,7 @@ __all__ = [
     "AdapterError",
     "AdapterPluginError",
     "AdapterResultError",
+    "InvalidBlockCountError",
     "InvalidSpecError",
     "KVSpecTraitsError",
     "MissingDependencyError",
@@ -156,6 +157,24 @@ class InvalidSpecError(KVSpecTraitsError, ValueError):
             f"{self.spec_type.__qualname__}.{self.field}={_short_repr(self.value)} "
             f"describes no KV cache layout: {self.field} must be {self.expected}{by}. "
             f"Fix the code that builds the spec (spec: {_short_repr(self.spec)})."
+        )
+
+
+class InvalidBlockCountError(KVSpecTraitsError, ValueError):
+    """A block count given to :func:`kvspec_traits.blocks_to_transfer` is not a
+    non-negative int. ``.argument`` names the parameter, ``.value`` holds what was
+    given."""
+
+    def __init__(self, argument: str, value: object) -> None:
+        self.argument = argument
+        self.value = value
+        super().__init__(
+            f"{argument} must be a count of blocks (an int >= 0), got {_short_repr(value)}; "
+            f"pass len(block_ids) of the group's block list"
+            if argument == "num_blocks"
+            else f"{argument} must be a count of blocks (an int >= 0), got "
+            f"{_short_repr(value)}; pass the spec's num_speculative_blocks (0 without "
+            "speculative decoding)"
         )
 
 
