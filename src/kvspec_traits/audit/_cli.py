@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, TextIO
 
+from kvspec_traits._argparse import SuggestingParser
 from kvspec_traits._errors import KVSpecTraitsError
 from kvspec_traits.audit._audit import AuditResult, audit_paths
 from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES, not_a_file_or_folder
@@ -132,7 +133,7 @@ def class_sets(args: argparse.Namespace, *, refresh: bool = False) -> Universe:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = SuggestingParser(
         prog="kvspec-traits audit",
         description=_DESCRIPTION,
         epilog=_EXIT_STATUS,
