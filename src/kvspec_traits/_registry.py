@@ -41,16 +41,13 @@ from kvspec_traits._errors import (
     KVSpecTraitsError,
     TraitsMismatchError,
     UnsupportedSpecError,
-    not_a_spec_error,
 )
 from kvspec_traits._loading import ENTRY_POINT_GROUP, AdapterLoading
 from kvspec_traits._result_check import check_result as _check_result
 from kvspec_traits._result_check import same as _same
 from kvspec_traits._result_check import snapshot as _snapshot
 from kvspec_traits._result_check import value_types
-from kvspec_traits._traits import (
-    KVLayoutTraits,
-)
+from kvspec_traits._traits import KVLayoutTraits
 from kvspec_traits._verify import first_mismatch, inherited_page_property
 
 if TYPE_CHECKING:
@@ -284,13 +281,7 @@ class Registry(FieldAccounting, AdapterLoading):
         traits: KVLayoutTraits | None = None
         for _ in range(_MAX_ATTEMPTS):
             generation = self._generation
-            try:
-                plan = self._plan(type(spec))
-            except UnsupportedSpecError:
-                mistaken = not_a_spec_error(spec)  # a class, a group, a config: say so
-                if mistaken is None:
-                    raise
-                raise mistaken from None
+            plan = self._plan_of(spec)
             _check_built(spec, plan)
             snapshot: object = None
             key: object = None
@@ -381,14 +372,8 @@ class Registry(FieldAccounting, AdapterLoading):
         if mismatch is not None:
             trait, got, want = mismatch
             if plan.owner is spec_type:
-                raise TraitsMismatchError(
-                    spec,
-                    trait,
-                    got,
-                    want,
-                    plan.adapter_name,
-                    inherited=inherited_page_property(spec, trait, traits),
-                )
+                why = inherited_page_property(spec, trait, traits)  # the spec's fault?
+                raise TraitsMismatchError(spec, trait, got, want, plan.adapter_name, inherited=why)
             raise UnsupportedSpecError(
                 spec_type,
                 f"the nearest adapter, for {plan.owner.__qualname__}, would give "
