@@ -15,10 +15,18 @@ from typing import Final
 
 from kvspec_traits._errors import MissingDependencyError
 
-__all__ = ["SUPPORTED_VLLM_SERIES", "needs"]
+__all__ = ["SUPPORTED_VLLM_SERIES", "needs", "vllm_series"]
 
 SUPPORTED_VLLM_SERIES: Final = ("0.32", "0.33", "0.34")
 """vLLM release series kvspec-traits is tested against (the connector checks it)."""
+
+
+def vllm_series(version: str) -> str:
+    """The release series of a vLLM version: ``"0.33"`` of ``"0.33.1+cpu"`` (for the
+    audit, which imports nothing of the connector; the connector's gate parses alike)."""
+    parts = version.split("+", 1)[0].split(".")
+    return ".".join(parts[:2])
+
 
 _VLLM: Final = (
     "Install vLLM (a supported series: "

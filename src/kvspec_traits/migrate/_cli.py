@@ -96,10 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvspec_traits.audit import ClassSetsUnavailableError
 
     try:
-        universe = class_sets(args)
+        universe, notes = class_sets(args, paths=args.paths)
     except ClassSetsUnavailableError as exc:
         print(f"kvspec-traits migrate: no class sets: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    for note in notes:
+        print(f"kvspec-traits migrate: note: {note}", file=sys.stderr)
     plan = plan_migration(args.paths, universe, exclude=args.exclude, strict=args.strict)
     refused = list(plan.refused)
     if args.write:
