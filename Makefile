@@ -7,7 +7,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help setup report test test-fast typing lint bench soak audit vllm-patch migrate-demo conformance conformance-migrated docs clean
+.PHONY: help setup report test test-fast typing lint bench soak audit audit-class-sets vllm-patch migrate-demo conformance conformance-migrated docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -47,6 +47,11 @@ soak: setup  ## PD soak: real vLLM-CPU servers, 500 requests a model, token-exac
 
 audit: setup  ## audit vLLM's own connectors for branches on spec classes
 	$(PY) -m kvspec_traits audit --installed-vllm kv_transfer
+
+audit-class-sets: setup  ## rewrite the audit's shipped class sets of vLLM 0.32-0.34 (src/kvspec_traits/audit/class_sets)
+	PYTHONPATH=src $(PY) scripts/audit_class_sets.py
+	PYTHONPATH=.cache/vllm-0.33.0:src VLLM_TARGET_DEVICE=cpu $(PY) scripts/audit_class_sets.py
+	PYTHONPATH=.cache/vllm-0.34.0:src VLLM_TARGET_DEVICE=cpu $(PY) scripts/audit_class_sets.py
 
 vllm-patch: setup  ## the migrated kv_transfer as a patch against vLLM's source (VLLM=0.34: that release)
 	$(REPORT_PATH)$(PY) scripts/vllm_patch.py -o .cache/vllm-patch/vllm-$(or $(VLLM),0.32).patch

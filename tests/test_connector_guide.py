@@ -10,13 +10,26 @@ group spec once per layer.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from kvspec_traits import traits_for_layer, traits_of
-from kvspec_traits.catalog import EXAMPLE_CONFIGS, example_config
-from tests.doc_blocks import mypy_strict_on_blocks, python_blocks
+from kvspec_traits import KVSpecTraitsError, traits_for_layer, traits_of
+from kvspec_traits.catalog import (
+    EXAMPLE_CONFIGS,
+    ExampleConfig,
+    UnknownExampleConfigError,
+    example_config,
+    example_config_name,
+)
+from tests import fresh
+from tests.doc_blocks import mypy_strict, mypy_strict_on_blocks, named_block, python_blocks
+
+if TYPE_CHECKING:
+    from typing import assert_type
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "connector-guide.md"
@@ -30,8 +43,62 @@ def test_the_guide_runs() -> None:
 
 
 def test_the_guide_passes_mypy_strict(tmp_path: Path) -> None:
+    """Without a ``# type: ignore``: on main the guide typed ``layer_traits(config)`` with
+    one, for want of an exported name for the config's type (issue 40)."""
+    assert "type: ignore" not in GUIDE.read_text()
     proc = mypy_strict_on_blocks(GUIDE, tmp_path / "connector_guide.py")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def _script(tmp_path: Path) -> Path:
+    script = tmp_path / "connector_blocks.py"
+    script.write_text(named_block(GUIDE.read_text(), script.name))
+    return script
+
+
+def _run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    _script(tmp_path)
+    return fresh.run([sys.executable, "-m", "connector_blocks", *args], cwd=tmp_path, timeout=300)
+
+
+def test_the_guides_script_passes_mypy_strict(tmp_path: Path) -> None:
+    proc = mypy_strict(_script(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_the_guides_script_says_what_each_layer_of_deepseek_v4_moves(tmp_path: Path) -> None:
+    """1000 tokens over 64-token blocks fill cdiv(1000, 64) = 16 blocks: the compressed
+    MLA (17 * 576 = 9792 B pages) and indexer (4 * 576 = 2304 B) layers move all 16, the
+    128-token window the last cdiv(128, 64) + 1 = 3 (37440 B pages), the ring its one
+    32768 B page; 4 layers of each (example_config's default)."""
+    proc = _run_script(tmp_path, "deepseek_v4", "1000")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "model.layers.0.attn.mla: FULL, positions 0-15 of 16, 156672 B" in lines  # 16 * 9792
+    # 16 * 2304 = 36864; 3 * 37440 = 112320
+    assert "model.layers.3.attn.indexer.k_cache: FULL, positions 0-15 of 16, 36864 B" in lines
+    swa = "model.layers.2.attn.compressor.swa: SLIDING_WINDOW, positions 13-15 of 16, 112320 B"
+    assert swa in lines
+    assert "model.layers.1.attn.compressor.ring: RING, positions 0-0 of 1, 32768 B" in lines
+    assert lines[-1] == f"total: {4 * (16 * 9792 + 16 * 2304 + 3 * 37440 + 32768)} B"
+    assert len(lines) == 4 * 4 + 1
+
+
+def test_the_guides_script_on_a_state_model_and_a_bad_name(tmp_path: Path) -> None:
+    """Jamba, 100000 tokens: a Mamba layer moves its one state page whatever the length;
+    the attention layer (16-token blocks of 65536 B) cdiv(100000, 16) = 6250 blocks."""
+    proc = _run_script(tmp_path, "jamba", "100000")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "model.layers.0.mamba: RECURRENT_STATE, positions 0-0 of 1, 65536 B" in lines
+    assert "model.layers.1.attn: FULL, positions 0-6249 of 6250, 409600000 B" in lines  # * 65536
+    # 3 state layers and 1 attention layer of the 4
+    assert lines[-1] == f"total: {3 * 65536 + 6250 * 65536} B"
+    bad = _run_script(tmp_path, "llama", "10")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == (
+        "example_config takes one of 'llama_gqa', 'deepseek_v4', 'jamba', got 'llama'"
+    )
 
 
 def test_the_guide_says_which_blocks_each_token_scope_moves() -> None:
@@ -68,8 +135,19 @@ def test_example_configs_are_real_vllm_configs() -> None:
         assert config.num_blocks == 4
         named = {n for t in config.kv_cache_tensors for n in t.layers}
         assert named == {n for g in config.kv_cache_groups for n in g.layer_names}
-    with pytest.raises(ValueError, match="'llama_gqa', 'deepseek_v4', 'jamba'"):
+    with pytest.raises(UnknownExampleConfigError, match="'llama_gqa', 'deepseek_v4', 'jamba'"):
         example_config("llama")  # type: ignore[arg-type]
+    with pytest.raises(UnknownExampleConfigError, match="got 'llama'") as raised:
+        example_config_name("llama")
+    assert isinstance(raised.value, KVSpecTraitsError) and isinstance(raised.value, ValueError)
+    assert raised.value.name == "llama"
+    assert [example_config_name(str(n)) for n in EXAMPLE_CONFIGS] == list(EXAMPLE_CONFIGS)
+
+
+if TYPE_CHECKING:
+    # A str from a command line is no ExampleConfig until example_config_name says so.
+    example_config(sys.argv[1])  # type: ignore[arg-type]
+    assert_type(example_config_name(sys.argv[1]), ExampleConfig)
 
 
 def test_the_readme_seed_line_is_what_migrate_writes(tmp_path: Path) -> None:

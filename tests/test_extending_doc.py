@@ -100,6 +100,71 @@ def test_the_walkthrough_runs_imported_first_with_decorator_and_entry_point(tmp_
     assert "ScaledFullSpec" in sites["type(spec) is FullAttentionSpec"][1]
 
 
+# docs/extending.md, step 7: checking a package before it is published.
+TARGET_INSTALL = "$ pip install --no-deps --target ./check-site ./my_package"
+TARGET_REPORT = "$ PYTHONPATH=./check-site kvspec-traits report"
+
+
+def test_an_unpublished_package_is_checked_from_a_folder_of_its_own(tmp_path: Path) -> None:
+    """The two commands of step 7 on a package made of this page's blocks (with its
+    entry point in pyproject.toml), which the shared environment does not have: the
+    report finds its entry point, lists its class and verifies its representative. pip
+    runs offline here (--no-index, and --no-build-isolation: the environment's setuptools
+    builds instead of one fetched); the issue-40 author found no doc for this."""
+    text = DOC.read_text()
+    assert TARGET_INSTALL in text and TARGET_REPORT in text
+    package = tmp_path / "my_package"
+    (package / "src" / "scaled_walkthrough").mkdir(parents=True)
+    (package / "src" / "scaled_walkthrough" / "__init__.py").write_text(
+        "\n\n".join(python_blocks(text))
+    )
+    (package / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "scaled-walkthrough"\nversion = "0.1"\n'
+        'dependencies = ["kvspec-traits"]\n'
+        '[project.entry-points."kvspec_traits.adapters"]\n'
+        'scaled_walkthrough = "scaled_walkthrough:register"\n'
+    )
+    assert importlib.util.find_spec("scaled_walkthrough") is None  # not in the shared env
+    install = subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q"),
+            *("--no-deps", "--target", "./check-site", "./my_package"),
+            *("--no-index", "--no-build-isolation"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    # Only the package and its metadata: no second kvspec-traits in the folder.
+    assert sorted(p.name for p in (tmp_path / "check-site").iterdir()) == [
+        "scaled_walkthrough",
+        "scaled_walkthrough-0.1.dist-info",
+    ]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(["./check-site", env.get("PYTHONPATH", "")])
+    report = fresh.run(
+        [sys.executable, "-m", "kvspec_traits", "report"], env=env, cwd=tmp_path, timeout=600
+    )
+    out = report.stdout
+    lines = out.splitlines()
+    (row,) = [line for line in lines if line.startswith("ScaledFullSpec ")]
+    # verified: 16 tokens * 8 heads * (2 * 128 * 2 B + 4 B of scales) = 66048 B a page
+    assert "scaled-walkthrough representative 1" in row and " 66048 " in row, row
+    assert "scaled_walkthrough.ScaledFullSpec" in out.split("extension classes:", 1)[1]
+    # Step 6's two subclasses have no adapter of their own (that is their point): the
+    # report names them and is NOT OK, as it would be once the package is published.
+    (missing,) = [line for line in lines if line.startswith("not covered: ")]
+    assert missing == (
+        "not covered: scaled_walkthrough.DraftFullSpec (no adapter of its own), "
+        "scaled_walkthrough.WindowedFullSpec (no adapter of its own)"
+    )
+    assert (report.returncode, lines[-1]) == (1, "NOT OK")
+
+
 def test_the_walkthrough_passes_mypy_strict(tmp_path: Path) -> None:
     proc = mypy_strict_on_blocks(DOC, tmp_path / "walkthrough.py")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

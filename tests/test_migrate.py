@@ -326,7 +326,7 @@ def test_without_libcst_says_what_to_install() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 2
-    assert "pip install 'kvspec-traits[migrate]'" in done.stderr
+    assert "`pip install libcst`" in done.stderr
     assert "Traceback" not in done.stderr
 
 

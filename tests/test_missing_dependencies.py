@@ -62,7 +62,7 @@ CASES = {
         "import kvspec_traits.nixl",
         "numpy",
         "the NIXL shim",
-        "pip install 'kvspec-traits[nixl]'",
+        "`pip install numpy`",
     ),
     "NIXL agent without NIXL": (
         ("nixl",),

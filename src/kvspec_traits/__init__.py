@@ -5,18 +5,21 @@ Ask ``traits_of(spec).is_mla`` (or ``.tp_layout``, ``.token_scope``, ``.per_toke
 torch; the built-in adapters load the first time a spec is resolved.
 
 ``__all__`` holds what a consumer of traits needs: ``traits_of``, the traits and their
-value types, and the errors resolving a spec can raise. Writing adapters (``Registry``,
-``register_adapter``, the built-ins' building blocks) is :mod:`kvspec_traits.extend`.
+value types, the transfer rule (``blocks_to_transfer``), and the errors resolving a spec
+can raise. Writing adapters (``Registry``, ``register_adapter``, the built-ins' building
+blocks) is :mod:`kvspec_traits.extend`.
 """
 
 from kvspec_traits._errors import (
     AdapterError,
     AdapterPluginError,
     AdapterResultError,
+    InvalidBlockCountError,
     InvalidSpecError,
     KVSpecTraitsError,
     MissingDependencyError,
     MixedGroupTraitsError,
+    NotASpecError,
     SpecPropertyError,
     TraitsMismatchError,
     UnsupportedSpecError,
@@ -31,6 +34,7 @@ from kvspec_traits._traits import (
     trait_names,
     traits_as_dict,
 )
+from kvspec_traits._transfer_rule import blocks_to_transfer
 
 __version__ = "0.1.0"
 
@@ -47,14 +51,18 @@ __all__ = [
     "traits_as_dict",
     "traits_for_layer",
     "traits_of",
+    # which blocks a transfer moves
+    "blocks_to_transfer",
     # the errors resolving a spec can raise
     "AdapterError",
     "AdapterPluginError",
     "AdapterResultError",
+    "InvalidBlockCountError",
     "InvalidSpecError",
     "KVSpecTraitsError",
     "MissingDependencyError",
     "MixedGroupTraitsError",
+    "NotASpecError",
     "SpecPropertyError",
     "TraitsMismatchError",
     "UnsupportedSpecError",

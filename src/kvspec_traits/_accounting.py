@@ -14,7 +14,12 @@ from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from kvspec_traits._caches import MAX_CLASSES, put_bounded
-from kvspec_traits._errors import UnknownFieldNameError, UnsupportedSpecError, describe_adapter
+from kvspec_traits._errors import (
+    UnknownFieldNameError,
+    UnsupportedSpecError,
+    describe_adapter,
+    not_a_spec_error,
+)
 from kvspec_traits._state import RegistryState
 from kvspec_traits._traits import (
     KVLayoutTraits,
@@ -137,6 +142,17 @@ class FieldAccounting(RegistryState):
             members=plan.members,
             adapter=plan.adapter_name,
         )
+
+    def _plan_of(self, spec: object) -> Plan:
+        """The plan of ``spec``'s class; for a spec's look-alike (a class, a cache group,
+        a config) that has none, :class:`NotASpecError` naming the call to make."""
+        try:
+            return self._plan(type(spec))
+        except UnsupportedSpecError:
+            mistaken = not_a_spec_error(spec)
+            if mistaken is None:
+                raise
+            raise mistaken from None
 
     def _plan(self, spec_type: type[Any]) -> Plan:
         plan = self._by_type.get(spec_type)

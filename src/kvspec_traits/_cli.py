@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Final
 
+from kvspec_traits._argparse import SuggestingParser
+
 if TYPE_CHECKING:
     from kvspec_traits.catalog import CatalogEntry
     from kvspec_traits.extend import Registry
@@ -352,7 +354,7 @@ def _parser() -> argparse.ArgumentParser:
     from kvspec_traits import __version__
 
     plain = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="kvspec-traits",
         description=_MAIN_HELP,
         epilog="exit status: that of the command; 2 without one",

@@ -15,10 +15,18 @@ from typing import Final
 
 from kvspec_traits._errors import MissingDependencyError
 
-__all__ = ["SUPPORTED_VLLM_SERIES", "needs"]
+__all__ = ["SUPPORTED_VLLM_SERIES", "needs", "vllm_series"]
 
 SUPPORTED_VLLM_SERIES: Final = ("0.32", "0.33", "0.34")
 """vLLM release series kvspec-traits is tested against (the connector checks it)."""
+
+
+def vllm_series(version: str) -> str:
+    """The release series of a vLLM version: ``"0.33"`` of ``"0.33.1+cpu"`` (for the
+    audit, which imports nothing of the connector; the connector's gate parses alike)."""
+    parts = version.split("+", 1)[0].split(".")
+    return ".".join(parts[:2])
+
 
 _VLLM: Final = (
     "Install vLLM (a supported series: "
@@ -31,16 +39,22 @@ _NIXL: Final = (
     "CUDA 12 and 13 builds), or on a CPU-only machine `pip install nixl-cu12` and then "
     "`pip install --no-deps nixl` (the `nixl` module vLLM and kvspec-traits import)."
 )
+# The packages themselves, not `pip install 'kvspec-traits[...]'`: kvspec-traits is
+# installed from a checkout (README), so the published name would find nothing.
+_VLLM_EXTRA: Final = (
+    "Install what the vLLM extra (kvspec-traits[vllm]) brings: `pip install numpy msgspec pyzmq`."
+)
 _INSTALL: Final = {
     "vllm": _VLLM,
     "torch": "torch comes with vLLM: install the torch your vLLM was built for. " + _VLLM,
-    "numpy": "Install the NIXL extra: `pip install 'kvspec-traits[nixl]'`.",
+    "numpy": "Install what the NIXL extra (kvspec-traits[nixl]) brings: `pip install numpy`.",
     "nixl": _NIXL,
     "nixl_cu12": _NIXL,
     "nixl_cu13": _NIXL,
-    "msgspec": "Install the vLLM extra: `pip install 'kvspec-traits[vllm]'`.",
-    "zmq": "Install the vLLM extra: `pip install 'kvspec-traits[vllm]'`.",
-    "libcst": "Install the migrate extra: `pip install 'kvspec-traits[migrate]'`.",
+    "msgspec": _VLLM_EXTRA,
+    "zmq": _VLLM_EXTRA,
+    "libcst": "Install what the migrate extra (kvspec-traits[migrate]) brings: "
+    "`pip install libcst`.",
 }
 
 

@@ -15,15 +15,18 @@ __all__ = [
     "AdapterError",
     "AdapterPluginError",
     "AdapterResultError",
+    "InvalidBlockCountError",
     "InvalidSpecError",
     "KVSpecTraitsError",
     "MissingDependencyError",
     "MixedGroupTraitsError",
+    "NotASpecError",
     "SpecPropertyError",
     "TraitsMismatchError",
     "UnknownFieldNameError",
     "UnsupportedSpecError",
     "describe_adapter",
+    "not_a_spec_error",
 ]
 
 
@@ -37,6 +40,20 @@ def _short_repr(value: object, limit: int = 300) -> str:
     except Exception as exc:  # a broken __repr__ must not hide the real error
         text = f"<{type(value).__qualname__}: repr raised {type(exc).__name__}>"
     return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def _repr_through(value: object, field: str, limit: int = 300) -> str:
+    """``value``'s repr cut at ``limit`` characters, but never before ``field=...``
+    (the field an error is about)."""
+    text = _short_repr(value, limit=1 << 20)
+    if len(text) <= limit:
+        return text
+    start = text.find(f"{field}=")
+    cut = limit
+    if start >= 0:
+        end = text.find(", ", start)
+        cut = max(limit, len(text) if end < 0 else end)
+    return text if cut >= len(text) else f"{text[:cut]}..."
 
 
 class KVSpecTraitsError(Exception):
@@ -108,6 +125,57 @@ class UnsupportedSpecError(KVSpecTraitsError, TypeError):
         )
 
 
+class NotASpecError(UnsupportedSpecError):
+    """``traits_of`` was given something a spec is easily mistaken for: a spec *class*
+    (``traits_of(MLAAttentionSpec)``), a cache group (vLLM's ``KVCacheGroupSpec``, which
+    holds a spec) or a whole ``KVCacheConfig``. ``.obj`` is what was given,
+    ``.spec_type`` its type; the message gives the call to make instead."""
+
+    def __init__(self, obj: object, what: str, fix: str) -> None:
+        self.obj = obj
+        self.what = what
+        self.fix = fix
+        super().__init__(type(obj), what, fixable=False)
+
+    def _message(self) -> str:
+        return f"traits_of takes one KV cache spec instance, but was given {self.what}: {self.fix}"
+
+
+def _has(obj: object, *names: str) -> bool:
+    try:
+        return all(hasattr(obj, name) for name in names)
+    except Exception:  # a broken __getattr__: not one of the look-alikes
+        return False
+
+
+def not_a_spec_error(obj: object) -> NotASpecError | None:
+    """The :class:`NotASpecError` for ``obj`` when it is a spec's look-alike (read by
+    attribute names, vLLM is not imported), else None."""
+    if isinstance(obj, type):
+        name = obj.__qualname__
+        return NotASpecError(
+            obj,
+            f"the class {_qualname(obj)} itself",
+            f"pass an instance, as vLLM builds it (traits_of({name}(block_size=..., ...))), "
+            "or a layer's spec from the KVCacheConfig (group.kv_cache_spec)",
+        )
+    if _has(obj, "kv_cache_spec", "layer_names"):
+        return NotASpecError(
+            obj,
+            f"a cache group ({_qualname(type(obj))}, which holds one spec for its layers)",
+            "pass group.kv_cache_spec, or use traits_for_layer(traits_of("
+            "group.kv_cache_spec), layer) for one layer's own traits",
+        )
+    if _has(obj, "kv_cache_groups"):
+        return NotASpecError(
+            obj,
+            f"a whole config ({_qualname(type(obj))})",
+            "ask per cache group: for group in config.kv_cache_groups: "
+            "traits_of(group.kv_cache_spec), then traits_for_layer(traits, layer) per layer",
+        )
+    return None
+
+
 class SpecPropertyError(UnsupportedSpecError):
     """The spec's own byte math raised while its traits were checked against it.
 
@@ -159,15 +227,44 @@ class InvalidSpecError(KVSpecTraitsError, ValueError):
         )
 
 
+class InvalidBlockCountError(KVSpecTraitsError, ValueError):
+    """A block count given to :func:`kvspec_traits.blocks_to_transfer` is not a
+    non-negative int. ``.argument`` names the parameter, ``.value`` holds what was
+    given."""
+
+    def __init__(self, argument: str, value: object) -> None:
+        self.argument = argument
+        self.value = value
+        super().__init__(
+            f"{argument} must be a count of blocks (an int >= 0), got {_short_repr(value)}; "
+            f"pass len(block_ids) of the group's block list"
+            if argument == "num_blocks"
+            else f"{argument} must be a count of blocks (an int >= 0), got "
+            f"{_short_repr(value)}; pass the spec's num_speculative_blocks (0 without "
+            "speculative decoding)"
+        )
+
+
 class TraitsMismatchError(KVSpecTraitsError, ValueError):
     """An adapter's traits disagree with the spec's own byte math.
 
     ``.field`` is the trait, ``.traits_value`` and ``.spec_value`` the two values,
-    ``.spec`` the spec instance, ``.adapter`` the adapter.
+    ``.spec`` the spec instance, ``.adapter`` the adapter. When the spec's class overrides
+    one page property but inherits the one that disagrees (and the adapter agrees with the
+    override), the spec is the likelier culprit: ``.inherited_from`` names the class the
+    disagreeing property comes from and ``.overridden`` the property the spec overrides
+    (both None otherwise), and the message says so.
     """
 
     def __init__(
-        self, spec: object, field: str, traits_value: object, spec_value: object, adapter: str
+        self,
+        spec: object,
+        field: str,
+        traits_value: object,
+        spec_value: object,
+        adapter: str,
+        *,
+        inherited: tuple[str, str, str] | None = None,
     ) -> None:
         self.spec = spec
         self.spec_type: type[Any] = type(spec)
@@ -175,11 +272,25 @@ class TraitsMismatchError(KVSpecTraitsError, ValueError):
         self.traits_value = traits_value
         self.spec_value = spec_value
         self.adapter = adapter
+        self.inherited_from = inherited[1] if inherited else None
+        self.overridden = inherited[2] if inherited else None
+        name = type(spec).__qualname__
+        shown = _repr_through(spec, field)
+        if inherited is None:
+            super().__init__(
+                f"{field}: adapter {adapter} gives {field}={traits_value!r} for {name}, but "
+                f"the spec itself says {spec_value!r}. The adapter is wrong for this spec: fix "
+                f"it, or register a dedicated adapter for {name}. (spec: {shown})"
+            )
+            return
+        prop, base, overridden = inherited
         super().__init__(
-            f"traits of {type(spec).__qualname__} from adapter {adapter} give "
-            f"{field}={traits_value!r}, but the spec itself says {spec_value!r} "
-            f"(spec: {_short_repr(spec)}). The adapter is wrong for this spec: fix it, or "
-            f"register a dedicated adapter for {type(spec).__qualname__}."
+            f"{field}: {name} overrides {overridden} but inherits {prop} from {base}, "
+            f"which says {spec_value!r}, while adapter {adapter} gives {field}={traits_value!r} "
+            f"(and agrees with the overridden {overridden}). The spec inherits a page "
+            f"property it should override: define {prop} on {name} as well, so that vLLM "
+            f"and kvspec-traits read one page; if {base}'s {spec_value!r} is right, fix "
+            f"the adapter instead. (spec: {shown})"
         )
 
 

@@ -47,10 +47,8 @@ from kvspec_traits._result_check import check_result as _check_result
 from kvspec_traits._result_check import same as _same
 from kvspec_traits._result_check import snapshot as _snapshot
 from kvspec_traits._result_check import value_types
-from kvspec_traits._traits import (
-    KVLayoutTraits,
-)
-from kvspec_traits._verify import first_mismatch
+from kvspec_traits._traits import KVLayoutTraits
+from kvspec_traits._verify import first_mismatch, inherited_page_property
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheSpec
@@ -283,7 +281,7 @@ class Registry(FieldAccounting, AdapterLoading):
         traits: KVLayoutTraits | None = None
         for _ in range(_MAX_ATTEMPTS):
             generation = self._generation
-            plan = self._plan(type(spec))
+            plan = self._plan_of(spec)
             _check_built(spec, plan)
             snapshot: object = None
             key: object = None
@@ -374,7 +372,8 @@ class Registry(FieldAccounting, AdapterLoading):
         if mismatch is not None:
             trait, got, want = mismatch
             if plan.owner is spec_type:
-                raise TraitsMismatchError(spec, trait, got, want, plan.adapter_name)
+                why = inherited_page_property(spec, trait, traits)  # the spec's fault?
+                raise TraitsMismatchError(spec, trait, got, want, plan.adapter_name, inherited=why)
             raise UnsupportedSpecError(
                 spec_type,
                 f"the nearest adapter, for {plan.owner.__qualname__}, would give "

@@ -18,7 +18,7 @@ from kvspec_traits._caches import MAX_CLASSES
 from kvspec_traits._errors import SpecPropertyError
 from kvspec_traits._traits import KVLayoutTraits
 
-__all__ = ["CHECKED_PROPERTIES", "first_mismatch"]
+__all__ = ["CHECKED_PROPERTIES", "first_mismatch", "inherited_page_property"]
 
 _MISSING: Final = object()
 # Per (class, property name), least recently used dropped first (10 names are checked).
@@ -96,4 +96,43 @@ def first_mismatch(spec: object, traits: KVLayoutTraits) -> tuple[str, object, o
             return trait, got, want
         if got != want:
             return trait, got, want
+    return None
+
+
+def _owner(spec_type: type[Any], name: str) -> int | None:
+    """Position in ``spec_type``'s MRO of the class that defines ``name`` (None: none)."""
+    return next((i for i, k in enumerate(spec_type.__mro__) if name in vars(k)), None)
+
+
+_PAGE_TRAITS: Final = ("page_size_bytes", "unpadded_page_size_bytes")
+
+
+def inherited_page_property(
+    spec: object, trait: str, traits: KVLayoutTraits
+) -> tuple[str, str, str] | None:
+    """Why a page-size mismatch may be the spec's fault, not the adapter's: the spec's
+    class overrides one page property (``page_size_bytes``, say) but inherits the other
+    from a base whose formula no longer describes its page, and the adapter agrees with
+    the overridden one. Returns ``(inherited property, the class it comes from, the
+    overridden property)``, or None."""
+    if trait not in _PAGE_TRAITS:
+        return None
+    spec_type = type(spec)
+    for checked_trait, prop, _ in _CHECKS:
+        if checked_trait != trait:
+            continue
+        want = _spec_value(spec, prop)
+        inherited_at = _owner(spec_type, prop)
+        if want is _MISSING or want == getattr(traits, trait) or not inherited_at:
+            continue  # agrees, or defined by the spec's own class
+        for other_trait, other, _ in _CHECKS:
+            if other_trait not in _PAGE_TRAITS or other_trait == trait:
+                continue
+            other_at = _owner(spec_type, other)
+            if (
+                other_at is not None
+                and other_at < inherited_at
+                and _spec_value(spec, other) == getattr(traits, other_trait)
+            ):
+                return prop, spec_type.__mro__[inherited_at].__qualname__, other
     return None

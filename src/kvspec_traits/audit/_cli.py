@@ -10,12 +10,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, TextIO
 
+from kvspec_traits._argparse import SuggestingParser
+from kvspec_traits._deps import vllm_series
 from kvspec_traits._errors import KVSpecTraitsError
 from kvspec_traits.audit._audit import AuditResult, audit_paths
 from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES, not_a_file_or_folder
 from kvspec_traits.audit._infer import CONFIDENCES
 from kvspec_traits.audit._questions import QUESTIONS
 from kvspec_traits.audit._report import drop_notes, render_json, render_sarif, render_table
+from kvspec_traits.audit._series import (
+    installed_vllm_version,
+    shipped_series,
+    shipped_universe,
+    tree_vllm_version,
+)
 from kvspec_traits.audit._universe import (
     ClassSetsUnavailableError,
     Universe,
@@ -66,8 +74,8 @@ _MAX_CLASSES_BYTES: Final = 64 * 1024 * 1024
 
 
 def add_common_options(p: argparse.ArgumentParser) -> None:
-    """The options ``audit`` and ``migrate`` share: ``--version``, ``--classes FILE``
-    and ``--no-extensions`` (where the class sets come from)."""
+    """The options ``audit`` and ``migrate`` share: ``--version``, ``--classes FILE``,
+    ``--vllm SERIES`` and ``--no-extensions`` (where the class sets come from)."""
     from kvspec_traits import __version__
 
     p.add_argument(
@@ -76,12 +84,21 @@ def add_common_options(p: argparse.ArgumentParser) -> None:
         version=f"kvspec-traits {__version__}",
         help="print the kvspec-traits version and exit",
     )
-    p.add_argument(
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
         "--classes",
         type=Path,
         metavar="FILE",
         help="read the class sets from FILE (written by audit --save-classes) instead "
         "of the installed vLLM",
+    )
+    source.add_argument(
+        "--vllm",
+        metavar="SERIES",
+        help="judge with the class sets of vLLM SERIES (one of "
+        f"{', '.join(shipped_series())}, shipped with kvspec-traits) when the installed "
+        "vLLM is another; default: the series of a scanned vLLM tree (its "
+        "vllm/_version.py), else the installed vLLM",
     )
     p.add_argument(
         "--no-extensions",
@@ -108,14 +125,8 @@ def check_paths(paths: Sequence[Path]) -> str | None:
     return None
 
 
-def class_sets(args: argparse.Namespace, *, refresh: bool = False) -> Universe:
-    """The class sets the common options ask for: ``--classes FILE`` (a regular file of
-    at most 64 MiB, checked before it is opened), else the installed vLLM's (cached),
-    with the installed extensions' classes unless ``--no-extensions``. Raises
-    :class:`ClassSetsUnavailableError` with one sentence."""
-    if args.classes is None:
-        return load_universe(refresh=refresh, extensions=not args.no_extensions)
-    path: Path = args.classes
+def _from_file(path: Path) -> Universe:
+    """``--classes FILE``: a regular file of at most 64 MiB, checked before it is opened."""
     problem = check_paths([path])
     if problem is None and not path.is_file():
         problem = f"{path} is a folder, not a file written by --save-classes"
@@ -131,8 +142,66 @@ def class_sets(args: argparse.Namespace, *, refresh: bool = False) -> Universe:
         ) from exc
 
 
+def class_sets(
+    args: argparse.Namespace, *, refresh: bool = False, paths: Sequence[Path] = ()
+) -> tuple[Universe, tuple[str, ...]]:
+    """The class sets the common options ask for, and the notes to print about them.
+
+    ``--classes FILE``, else ``--vllm SERIES`` (the installed vLLM's when it is of that
+    series, else the shipped ones), else the shipped sets of the series of the vLLM tree
+    ``paths`` lie in when that is not the installed series, else the installed vLLM's
+    (cached), with the installed extensions' classes unless ``--no-extensions``. A note
+    says when the sets are of another series than the installed vLLM, or than the
+    scanned tree. Raises :class:`ClassSetsUnavailableError` with one sentence."""
+    installed = installed_vllm_version()
+    tree = tree_vllm_version(paths)
+    mine = vllm_series(installed) if installed else None
+
+    def from_installed() -> Universe:
+        return load_universe(refresh=refresh, extensions=not args.no_extensions)
+
+    if args.classes is not None:
+        universe, why = _from_file(args.classes), f"from --classes {args.classes}"
+    elif args.vllm is not None:
+        wanted = vllm_series(args.vllm)
+        universe = from_installed() if wanted == mine else shipped_universe(wanted)
+        why = f"as --vllm {args.vllm} asks"
+    elif tree is not None and vllm_series(tree) != mine and vllm_series(tree) in shipped_series():
+        universe = shipped_universe(tree)
+        why = f"the series of the scanned vLLM tree ({tree}, its vllm/_version.py)"
+    else:
+        universe, why = from_installed(), "the installed vLLM's"
+    return universe, _series_notes(universe, installed, tree, why)
+
+
+def _series_notes(
+    universe: Universe, installed: str | None, tree: str | None, why: str
+) -> tuple[str, ...]:
+    judged = vllm_series(universe.vllm_version)
+    notes: list[str] = []
+    if installed is None or vllm_series(installed) != judged:
+        shipped = "" if universe.vllm_path else " (shipped: vLLM's classes alone)"
+        here = f"the installed vLLM is {installed}" if installed else "no vLLM is installed"
+        notes.append(
+            f"judging with the class sets of vLLM {universe.vllm_version}{shipped}, {why}; {here}"
+        )
+    if tree is not None and vllm_series(tree) != judged:
+        series = vllm_series(tree)
+        fix = (
+            f"pass --vllm {series}"
+            if series in shipped_series()
+            else f"kvspec-traits ships none for {series}: pass --classes FILE, saved with "
+            f"--save-classes where vLLM {series} is installed"
+        )
+        notes.append(
+            f"the scanned tree is vLLM {tree} (its vllm/_version.py), judged with the class "
+            f"sets of vLLM {universe.vllm_version}: {fix}"
+        )
+    return tuple(notes)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = SuggestingParser(
         prog="kvspec-traits audit",
         description=_DESCRIPTION,
         epilog=_EXIT_STATUS,
@@ -309,10 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.write(f"kvspec-traits audit: {problem}\n")
         return EXIT_USAGE
     try:
-        universe = class_sets(args, refresh=args.refresh_classes)
+        universe, notes = class_sets(args, refresh=args.refresh_classes, paths=args.paths)
     except (ClassSetsUnavailableError, OSError, ValueError, KeyError) as exc:
         err.write(f"kvspec-traits audit: no class sets: {exc}\n")
         return EXIT_USAGE
+    for note in notes:
+        err.write(f"kvspec-traits audit: note: {note}\n")
     if args.save_classes is not None:
         try:
             args.save_classes.write_text(json.dumps(universe.to_json(), indent=1), encoding="utf-8")

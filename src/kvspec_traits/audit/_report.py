@@ -144,7 +144,8 @@ def render_table(result: AuditResult, out: TextIO, *, hidden_notes: int = 0) -> 
     ``hidden_notes``: how many note sites :func:`drop_notes` left out (said at the end)."""
     u = result.universe
     with_ext = f" and {', '.join(u.extensions)}" if u.extensions else ""
-    out.write(f"{TOOL_NAME}: class sets of vLLM {u.vllm_version}{with_ext}\n")
+    shipped = "" if u.vllm_path else " (shipped with kvspec-traits)"
+    out.write(f"{TOOL_NAME}: class sets of vLLM {u.vllm_version}{shipped}{with_ext}\n")
     by_file: dict[str, list[Site]] = {}
     for site in result.sites:
         by_file.setdefault(site.path, []).append(site)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from kvspec_traits._argparse import SuggestingParser
 from kvspec_traits.audit._cli import add_common_options, check_paths, class_sets
 from kvspec_traits.migrate._migrate import MigrationPlan, plan_migration, write_plan
 
@@ -44,7 +45,7 @@ exit status:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = SuggestingParser(
         prog="kvspec-traits migrate",
         description=_DESCRIPTION,
         epilog=_EXIT_STATUS,
@@ -95,10 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvspec_traits.audit import ClassSetsUnavailableError
 
     try:
-        universe = class_sets(args)
+        universe, notes = class_sets(args, paths=args.paths)
     except ClassSetsUnavailableError as exc:
         print(f"kvspec-traits migrate: no class sets: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    for note in notes:
+        print(f"kvspec-traits migrate: note: {note}", file=sys.stderr)
     plan = plan_migration(args.paths, universe, exclude=args.exclude, strict=args.strict)
     refused = list(plan.refused)
     if args.write:

@@ -5,7 +5,7 @@ Planning, the fingerprint and the peer checks are backend-neutral and live in
 :mod:`kvspec_traits.transfer`; this package holds what is NIXL's: descriptors, the
 handshake wire format and the agent. The descriptor builders and the wire format are
 pure (no NIXL); :class:`TraitsNixlAgent` imports ``nixl._api`` when it is constructed.
-See ``docs/nixl.md``. The shim needs numpy (``pip install 'kvspec-traits[nixl]'``) and,
+See ``docs/nixl.md``. The shim needs numpy (the ``[nixl]`` extra) and,
 for an agent, NIXL's Python package; a missing one is a
 :class:`~kvspec_traits.MissingDependencyError` saying what to install.
 """

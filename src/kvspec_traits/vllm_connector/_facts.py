@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from kvspec_traits._group import representative_traits
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import KVLayoutTraits, PageComponent, TokenScope, TPLayout
+from kvspec_traits._transfer_rule import transfer_rule
 from kvspec_traits.transfer._config import CacheGroupTraits, TransferGroup, cache_group_traits
 from kvspec_traits.transfer._region import has_ring, is_state
 from kvspec_traits.vllm_connector._errors import (
@@ -287,15 +288,18 @@ class SchedulerFacts:
 def scheduler_facts(
     kv_cache_config: KVCacheConfig, registry: Registry | None = None
 ) -> SchedulerFacts:
-    """Answer the NIXL scheduler's per-group questions from traits:
+    """Answer the NIXL scheduler's per-group questions from traits, with the public
+    transfer rule (:func:`kvspec_traits.blocks_to_transfer`, whose numbers
+    :func:`~kvspec_traits._transfer_rule.transfer_rule` gives; upstream's clipping code
+    applies them):
 
     - windowed: ``token_scope`` :attr:`~TokenScope.SLIDING_WINDOW` sends its last
       ``cdiv(window_tokens, block_size) + 1`` blocks (the window may start inside a
       block), as vLLM does for ``SlidingWindowSpec``; every other scope sends every
       block the request holds (a ring's blocks are all live, a chunk or an R-SWA prompt
       is kept whole);
-    - state: :func:`~kvspec_traits.transfer._region.is_state` groups keep only their
-      state-bearing slot, behind the spec's ``num_speculative_blocks`` scratch slots.
+    - state: :attr:`~TokenScope.RECURRENT_STATE` groups keep only their state-bearing
+      slot, behind the spec's ``num_speculative_blocks`` scratch slots.
 
     Raises :class:`UnknownStateBlocksError` for a state group whose spec does not say
     how many scratch slots it allocates.
@@ -305,11 +309,13 @@ def scheduler_facts(
     windows: list[int] = []
     scratch: list[int | None] = []
     for group in cache_group_traits(kv_cache_config, reg):
-        kind = representative_traits(group.traits)
-        window = kind.window_tokens if kind.token_scope is TokenScope.SLIDING_WINDOW else None
-        windows.append(-(-window // kind.block_size) + 1 if window else 0)  # cdiv + 1
-        spec = kv_cache_config.kv_cache_groups[group.kv_cache_group].kv_cache_spec
-        scratch.append(_scratch_blocks(spec, group.kv_cache_group) if is_state(kind) else None)
+        rule = transfer_rule(group.traits)
+        if rule.state_scratch_blocks is not None:  # a state: its spec says how many slots
+            spec = kv_cache_config.kv_cache_groups[group.kv_cache_group].kv_cache_spec
+            slots = _scratch_blocks(spec, group.kv_cache_group)
+            rule = transfer_rule(group.traits, num_speculative_blocks=slots)
+        windows.append(rule.window_blocks)
+        scratch.append(rule.state_scratch_blocks)
     return SchedulerFacts(
         hybrid=facts.hybrid,
         window_blocks=tuple(windows),
