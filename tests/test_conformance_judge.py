@@ -174,13 +174,18 @@ def test_the_verdict_fails_on_a_lost_test_unless_listed_with_a_proof(
 
 
 def test_every_proof_of_the_migrated_list_exists(judge: ModuleType) -> None:
-    """Each ``[[migrated]]`` entry of expected_differences.toml names a test of ours that
-    exists, and has every field the runners read."""
+    """The ``[[migrated]]`` list is empty (issue 35: a patch a maintainer could take
+    leaves no test of vLLM's suite lost; the invalid fixtures it met are corrected in the
+    patch, scripts/conformance/fixture_corrections.py). An entry added again must name a
+    test of ours that exists and have every field the runners read; ``proof_exists``
+    tells an existing proof from an absent one."""
     data = tomllib.loads((CONFORMANCE / "expected_differences.toml").read_text())
+    assert data.get("migrated", []) == []
     run = _load("run")
-    for entry in data.get("migrated", []):
-        assert run.KINDS["migrated"] <= set(entry), entry
-        assert judge.proof_exists(entry["proof"]), entry["proof"]
+    assert judge.proof_exists(
+        "tests/test_fixture_corrections.py::test_a_rule_anchored_twice_is_refused"
+    )
+    assert {"test", "series", "unmigrated", "migrated", "why", "proof"} <= run.KINDS["migrated"]
     assert not judge.proof_exists("tests/test_conformance_judge.py::test_absent")
     assert not judge.proof_exists("scripts/conformance/run.py::main")
 
