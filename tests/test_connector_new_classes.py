@@ -588,7 +588,12 @@ def test_mamba_state_split_is_vllms_decomposition(
     from kvspec_traits.vllm_connector._facts import state_split
     from kvspec_traits.vllm_connector._seam import conv_split_info
 
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    # vLLM caches the layout for the process on first use: start and end uncached.
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    mamba_utils.get_conv_state_layout.cache_clear()
+    request_cleanup = mamba_utils.get_conv_state_layout.cache_clear
     spec: MambaSpec
     if kind == "MAMBA1":
         spec = _families.mamba1_state(tp=tp, conv_layout="DS", mamba_type=kind)
@@ -613,6 +618,7 @@ def test_mamba_state_split_is_vllms_decomposition(
     conv, temporal = spec.shapes
     sd = dataclasses.replace(spec, shapes=((conv[1], conv[0]), temporal))
     assert all(c.tp_split is None for c in traits_of(sd).components)
+    request_cleanup()
 
 
 KERNEL_CASES = [

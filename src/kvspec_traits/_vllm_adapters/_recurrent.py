@@ -67,11 +67,14 @@ def _tp_splits(
     GDN ``(Q, K, V)``), the temporal state by its heads. ``None`` for a kernel family or
     a conv layout (vLLM's default SD, ``(kernel - 1, conv_dim)``) that vLLM does not
     decompose, and for a page of other than two tensors: no split is described."""
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm import envs
 
     unknown: tuple[tuple[int, ...] | None, ...] = (None,) * len(states)
     kind = getattr(spec.mamba_type, "name", None)
-    if len(states) != 2 or not is_conv_state_dim_first():
+    # vLLM's layout rule (mamba_utils.get_conv_state_layout: the env var, else SD), read
+    # here uncached: its answer is cached for the process on first use, which a traits
+    # lookup must not be the one to make.
+    if len(states) != 2 or envs.VLLM_SSM_CONV_STATE_LAYOUT != "DS":
         return unknown
     (conv, _), (temporal, _) = states
     if len(conv) != 2:
