@@ -582,13 +582,12 @@ def test_mamba_state_split_is_vllms_decomposition(
     from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import (
         derive_mamba_conv_split,
     )
+    from vllm.model_executor.layers.mamba import mamba_utils
     from vllm.v1.kv_cache_interface import MambaSpec
 
     from kvspec_traits import _families, traits_of
     from kvspec_traits.vllm_connector._facts import state_split
     from kvspec_traits.vllm_connector._seam import conv_split_info
-
-    from vllm.model_executor.layers.mamba import mamba_utils
 
     # vLLM caches the layout for the process on first use: start and end uncached.
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
