@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest.mock import patch
@@ -34,7 +33,6 @@ import torch
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
@@ -50,6 +48,7 @@ from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import DSV2, LLAMA, Family
+from tests.nixl_helpers.receive import receive
 from tests.test_connector_differential import (
     F32,
     LBHNC,
@@ -236,31 +235,7 @@ def _read(
     """One request through vLLM's receive path: handshake, start_load_kv, poll."""
     port, stop = _serve_handshake(producer)
     try:
-        metadata = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
-        metadata.add_new_req_to_recv(
-            request_id="req",
-            local_block_ids=local,
-            kv_transfer_params={
-                "remote_block_ids": remote,
-                "remote_engine_id": producer.engine_id,
-                "remote_request_id": "prefill-req",
-                "remote_host": "127.0.0.1",
-                "remote_port": port,
-                "tp_size": 1,
-            },
-        )
-        consumer.start_load_kv(metadata)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            # An empty step picks up requests whose handshake finished.
-            consumer.start_load_kv(NixlConnectorMetadata())  # type: ignore[no-untyped-call]
-            _, done = consumer.get_finished()
-            if "req" in done:
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError("the read did not finish in 120 s")
-        assert consumer.get_block_ids_with_load_errors() == set()
+        receive(consumer, port=port, local=local, remote=remote, remote_engine=producer.engine_id)
     finally:
         stop.set()
 

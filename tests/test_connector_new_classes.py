@@ -24,25 +24,17 @@ page written in: every page right, and no other byte changed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import pathlib
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from unittest.mock import patch
 
-import msgspec
 import pytest
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
-    NixlBaseConnectorScheduler,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheGroupSpec,
@@ -68,7 +60,8 @@ from tests.new_class_specs import (
 )
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
-from tests.test_connector_differential import _construct, _free_port, _vllm_config, distributed
+from tests.nixl_helpers.receive import receive, serving
+from tests.test_connector_differential import _construct, _vllm_config, distributed
 from tests.test_push_connector import REQ, _push
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -323,55 +316,16 @@ def rank_worker(
         worker.shutdown()
 
 
-@contextlib.contextmanager
-def serving(producers: Sequence[Any]) -> Iterator[int]:
-    """vLLM's own side-channel listener serving each prefill rank's handshake payload."""
-    port = _free_port()
-    encoded = {
-        (0, rank): msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)
-        for rank, worker in enumerate(producers)
-    }
-    ready, stop = threading.Event(), threading.Event()
-    thread = threading.Thread(
-        target=NixlBaseConnectorScheduler._nixl_handshake_listener,
-        args=(encoded, ready, stop, "127.0.0.1", port),
-        daemon=True,
-    )
-    thread.start()
-    ready.wait(10)
-    try:
-        yield port
-    finally:
-        stop.set()
-
-
 def read_request(consumer: Any, model: Model, port: int, remote_tp: int) -> None:
     """One request through vLLM's receive path: the model's remote blocks into its
     local blocks, from a prefill engine of ``remote_tp`` ranks."""
-    metadata = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
-    metadata.add_new_req_to_recv(
-        request_id="req",
-        local_block_ids=tuple(list(b) for b in model.local_blocks),
-        kv_transfer_params={
-            "remote_block_ids": [list(b) for b in model.remote_blocks],
-            "remote_engine_id": "prefill",
-            "remote_request_id": "prefill-req",
-            "remote_host": "127.0.0.1",
-            "remote_port": port,
-            "tp_size": remote_tp,
-        },
+    receive(
+        consumer,
+        port=port,
+        local=model.local_blocks,
+        remote=model.remote_blocks,
+        remote_tp=remote_tp,
     )
-    consumer.start_load_kv(metadata)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        consumer.start_load_kv(NixlConnectorMetadata())  # type: ignore[no-untyped-call]
-        _, done = consumer.get_finished()
-        if "req" in done:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError("the read did not finish in 120 s")
-    assert consumer.get_block_ids_with_load_errors() == set()
 
 
 def producers_for(

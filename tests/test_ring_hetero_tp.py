@@ -51,11 +51,8 @@ Only on vLLM 0.34 (the models and ``CircularBufferSpec`` of these sizes are 0.34
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import pathlib
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,10 +63,6 @@ import torch
 import vllm
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
-    NixlBaseConnectorScheduler,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
@@ -82,7 +75,8 @@ from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import DSV2, LLAMA
-from tests.test_connector_differential import _construct, _free_port, _vllm_config, distributed
+from tests.nixl_helpers.receive import receive, serving
+from tests.test_connector_differential import _construct, _vllm_config, distributed
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -295,61 +289,13 @@ def rank_worker(
         worker.shutdown()
 
 
-@contextlib.contextmanager
-def serving(producers: list[Any]) -> Iterator[int]:
-    """vLLM's own side-channel listener serving each prefill rank's handshake payload
-    (keyed by (PP rank, TP rank), as a prefill engine's scheduler serves them)."""
-    import msgspec
-
-    port = _free_port()
-    encoded = {
-        (0, rank): msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)
-        for rank, worker in enumerate(producers)
-    }
-    ready, stop = threading.Event(), threading.Event()
-    thread = threading.Thread(
-        target=NixlBaseConnectorScheduler._nixl_handshake_listener,
-        args=(encoded, ready, stop, "127.0.0.1", port),
-        daemon=True,
-    )
-    thread.start()
-    ready.wait(10)
-    try:
-        yield port
-    finally:
-        stop.set()
-
-
 def read_rings(consumer: Any, port: int, remote_tp: int, shared: bool = False) -> None:
     """One request through vLLM's receive path: prefill blocks REMOTE_BLOCKS into
     LOCAL_BLOCKS from a prefill engine of ``remote_tp`` ranks (with ``shared``, the
     ring is the second transfer group; the main attention group moves no block)."""
     local: tuple[list[int], ...] = ([], LOCAL_BLOCKS) if shared else (LOCAL_BLOCKS,)
     remote = [[], REMOTE_BLOCKS] if shared else [REMOTE_BLOCKS]
-    metadata = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
-    metadata.add_new_req_to_recv(
-        request_id="req",
-        local_block_ids=local,
-        kv_transfer_params={
-            "remote_block_ids": remote,
-            "remote_engine_id": "prefill",
-            "remote_request_id": "prefill-req",
-            "remote_host": "127.0.0.1",
-            "remote_port": port,
-            "tp_size": remote_tp,
-        },
-    )
-    consumer.start_load_kv(metadata)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        consumer.start_load_kv(NixlConnectorMetadata())  # type: ignore[no-untyped-call]
-        _, done = consumer.get_finished()
-        if "req" in done:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError("the read did not finish in 120 s")
-    assert consumer.get_block_ids_with_load_errors() == set()
+    receive(consumer, port=port, local=local, remote=remote, remote_tp=remote_tp)
 
 
 def _worker_cls(which: str) -> type:

@@ -1,0 +1,89 @@
+"""vLLM's request path between NIXL worker ranks, for the connector tests: the prefill
+ranks' handshake payloads served on vLLM's own side-channel listener, and one request
+received through vLLM's receive path (handshake, ``start_load_kv``, ``get_finished``)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
+    NixlBaseConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+__all__ = ["receive", "serving"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving(producers: Sequence[Any]) -> Iterator[int]:
+    """vLLM's side-channel listener serving each prefill TP rank's handshake payload
+    (keyed by (PP rank 0, TP rank), as a prefill engine's scheduler serves them)."""
+    port = _free_port()
+    encoded = {
+        (0, rank): msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)
+        for rank, worker in enumerate(producers)
+    }
+    ready, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=NixlBaseConnectorScheduler._nixl_handshake_listener,
+        args=(encoded, ready, stop, "127.0.0.1", port),
+        daemon=True,
+    )
+    thread.start()
+    ready.wait(10)
+    try:
+        yield port
+    finally:
+        stop.set()
+
+
+def receive(
+    consumer: Any,
+    *,
+    port: int,
+    local: Sequence[Sequence[int]],
+    remote: Sequence[Sequence[int]],
+    remote_engine: str = "prefill",
+    remote_tp: int = 1,
+    timeout: float = 120,
+) -> None:
+    """One request (``"req"``) through vLLM's receive path: the prefill engine's blocks
+    ``remote`` (per group) into ``local``; fails unless it finishes within ``timeout``
+    seconds with no block in error."""
+    metadata = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
+    metadata.add_new_req_to_recv(
+        request_id="req",
+        local_block_ids=tuple(list(b) for b in local),
+        kv_transfer_params={
+            "remote_block_ids": [list(b) for b in remote],
+            "remote_engine_id": remote_engine,
+            "remote_request_id": "prefill-req",
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "tp_size": remote_tp,
+        },
+    )
+    consumer.start_load_kv(metadata)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        # An empty step picks up requests whose handshake finished.
+        consumer.start_load_kv(NixlConnectorMetadata())  # type: ignore[no-untyped-call]
+        _, done = consumer.get_finished()
+        if "req" in done:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the read did not finish in {timeout:.0f} s")
+    assert consumer.get_block_ids_with_load_errors() == set()
