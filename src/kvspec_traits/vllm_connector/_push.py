@@ -9,13 +9,12 @@ decode side with the prefill side before it sends its block registration (``PUSH
 the prefill side with the decode side before its first WRITE. Either side refuses a peer
 whose layout differs, so a refused pair writes nothing. The writer thread, the
 registration matching, the WRITE descriptors (ids from the planned regions by vLLM's
-unchanged ``_compute_desc_ids``) and the notifications are upstream's.
+unchanged descriptor-id code) and the notifications are upstream's.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
@@ -35,6 +34,7 @@ from kvspec_traits.vllm_connector._gate import check_vllm_version
 from kvspec_traits.vllm_connector._names import PUSH_CONNECTOR_NAME
 from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
+from kvspec_traits.vllm_connector._seam import SeamPushWorker
 from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
 
 if TYPE_CHECKING:
@@ -44,12 +44,15 @@ if TYPE_CHECKING:
 __all__ = ["TraitsNixlPushConnector", "TraitsNixlPushConnectorWorker"]
 
 
-class TraitsNixlPushConnectorWorker(NixlPushConnectorWorker, TraitsWorkerBase):
+class TraitsNixlPushConnectorWorker(SeamPushWorker, TraitsWorkerBase):
     """vLLM's push-mode NIXL worker with its layout decisions taken from traits.
 
     Upstream's push worker comes first in the MRO, so its ``register_kv_caches`` (the
     writer thread, its mixed-memory refusal) wraps the traits registration, and its
     ``__init__`` runs the traits worker's (layout facts before vLLM's block-size sync).
+    Upstream's peer checks (0.34: identical block sizes, after its ``super()`` call) run
+    before the fingerprint check, as in the pull worker (:class:`~._seam.SeamPushWorker`):
+    a pair upstream refuses is refused with upstream's error.
     """
 
     def __init__(
@@ -66,24 +69,6 @@ class TraitsNixlPushConnectorWorker(NixlPushConnectorWorker, TraitsWorkerBase):
             self._traits_registry = registry
         self.options = options or connector_options(vllm_config, mode="push")
         super().__init__(vllm_config, engine_id, kv_cache_config)
-
-    # vLLM's push worker checks the peer after its super() call (0.34: identical block
-    # sizes), which here runs the traits check first. Upstream's checks go first, the
-    # fingerprint last, as in the pull worker: a pair upstream refuses is refused with
-    # upstream's error. Per thread: handshakes run on vLLM's background executor.
-    _upstream_checks_running = threading.local()
-
-    def _validate_remote_parallel_config(self, agent_metadata: Any) -> None:
-        self._upstream_checks_running.on = True
-        try:
-            super()._validate_remote_parallel_config(agent_metadata)
-        finally:
-            self._upstream_checks_running.on = False
-        TraitsWorkerBase.check_remote_fingerprint(self, agent_metadata)
-
-    def check_remote_fingerprint(self, agent_metadata: Any) -> None:
-        if not getattr(self._upstream_checks_running, "on", False):
-            super().check_remote_fingerprint(agent_metadata)
 
 
 class TraitsNixlPushConnector(NixlPushConnector):
