@@ -15,6 +15,8 @@ the pull worker's read path), so the connector subclasses vLLM's classes. Here:
   ``object.__new__``: an attribute is there exactly when the code reading it can be);
 - the group kind tags and the state split in vLLM's vocabulary.
 
+Cut for a public way: ``KVConnectorFactory._registry`` (``_gate.register_with_vllm``
+registers through ``register_connector``, which refuses a registered name).
 Imports vLLM's NIXL modules: import it only where vLLM is already needed.
 """
 
