@@ -57,7 +57,7 @@ from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
 from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
-from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
+from kvspec_traits.vllm_connector._shm_wait import holding_shm_wait, release_shm_wait
 from kvspec_traits.vllm_connector._staging import transfer_caches
 
 if TYPE_CHECKING:
@@ -405,19 +405,26 @@ class TraitsNixlConnector(NixlPullConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        apply_shm_wait(self.options.shm_wait)  # before this process waits on a queue
-        # Not NixlPullConnector.__init__: it would build upstream's worker (a NIXL agent).
-        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = TraitsNixlConnectorScheduler(
-                vllm_config, self.engine_id, kv_cache_config
-            )
-        elif role == KVConnectorRole.WORKER:
-            self.connector_worker = TraitsNixlConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config, options=self.options
-            )
-        else:
-            raise ValueError(f"{CONNECTOR_NAME}: unknown connector role {role!r}")
+        # Before this process waits on a queue; let go in shutdown (below).
+        with holding_shm_wait(self.options.shm_wait, self):
+            # Not NixlPullConnector.__init__: it would build upstream's worker (an agent).
+            NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+            if role == KVConnectorRole.SCHEDULER:
+                self.connector_scheduler = TraitsNixlConnectorScheduler(
+                    vllm_config, self.engine_id, kv_cache_config
+                )
+            elif role == KVConnectorRole.WORKER:
+                self.connector_worker = TraitsNixlConnectorWorker(
+                    vllm_config, self.engine_id, kv_cache_config, options=self.options
+                )
+            else:
+                raise ValueError(f"{CONNECTOR_NAME}: unknown connector role {role!r}")
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()  # type: ignore[no-untyped-call]  # vLLM's is untyped
+        finally:
+            release_shm_wait(self)  # kvspec_shm_wait: the last connector puts vLLM's back
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         worker = self.connector_worker

@@ -35,7 +35,7 @@ from kvspec_traits.vllm_connector._names import PUSH_CONNECTOR_NAME
 from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
 from kvspec_traits.vllm_connector._seam import SeamPushWorker
-from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
+from kvspec_traits.vllm_connector._shm_wait import holding_shm_wait, release_shm_wait
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,24 +93,31 @@ class TraitsNixlPushConnector(NixlPushConnector):
         check_vllm_version()
         # Every key read and checked at once, before an agent exists.
         self.options = options or connector_options(vllm_config, mode="push")
-        apply_shm_wait(self.options.shm_wait)  # before this process waits on a queue
-        # NixlPushConnector.__init__ would build upstream's worker (a NIXL agent) first:
-        # its base's constructor and its one push check, then ours.
-        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        if vllm_config.parallel_config.decode_context_parallel_size > 1:
-            raise ValueError(
-                f"{PUSH_CONNECTOR_NAME} (as NixlPushConnector) does not support "
-                f"decode_context_parallel_size > 1; run the pull connector for DCP"
-            )
-        self.connector_scheduler: NixlPushConnectorScheduler | None = None
-        self.connector_worker: NixlPushConnectorWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = TraitsNixlPushConnectorScheduler(
-                vllm_config, self.engine_id, kv_cache_config
-            )
-        elif role == KVConnectorRole.WORKER:
-            self.connector_worker = TraitsNixlPushConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config, options=self.options
-            )
-        else:
-            raise ValueError(f"{PUSH_CONNECTOR_NAME}: unknown connector role {role!r}")
+        # Before this process waits on a queue; let go in shutdown (below).
+        with holding_shm_wait(self.options.shm_wait, self):
+            # NixlPushConnector.__init__ would build upstream's worker (a NIXL agent)
+            # first: its base's constructor and its one push check, then ours.
+            NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+            if vllm_config.parallel_config.decode_context_parallel_size > 1:
+                raise ValueError(
+                    f"{PUSH_CONNECTOR_NAME} (as NixlPushConnector) does not support "
+                    f"decode_context_parallel_size > 1; run the pull connector for DCP"
+                )
+            self.connector_scheduler: NixlPushConnectorScheduler | None = None
+            self.connector_worker: NixlPushConnectorWorker | None = None
+            if role == KVConnectorRole.SCHEDULER:
+                self.connector_scheduler = TraitsNixlPushConnectorScheduler(
+                    vllm_config, self.engine_id, kv_cache_config
+                )
+            elif role == KVConnectorRole.WORKER:
+                self.connector_worker = TraitsNixlPushConnectorWorker(
+                    vllm_config, self.engine_id, kv_cache_config, options=self.options
+                )
+            else:
+                raise ValueError(f"{PUSH_CONNECTOR_NAME}: unknown connector role {role!r}")
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()  # type: ignore[no-untyped-call]  # vLLM's is untyped
+        finally:
+            release_shm_wait(self)  # kvspec_shm_wait: the last connector puts vLLM's back

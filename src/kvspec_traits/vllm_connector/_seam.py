@@ -13,7 +13,8 @@ the pull worker's read path), so the connector subclasses vLLM's classes. Here:
   (:class:`_Alias`; the contract test checks vLLM's classes have no such name);
 - what only some series keep is probed on the object (vLLM's tests build workers with
   ``object.__new__``: an attribute is there exactly when the code reading it can be);
-- the group kind tags and the state split in vLLM's vocabulary.
+- the group kind tags and the state split in vLLM's vocabulary;
+- the one process-wide change to vLLM, :class:`QueueWaitSwitch`.
 
 Cut for a public way: ``KVConnectorFactory._registry`` (``_gate.register_with_vllm``
 registers through ``register_connector``, which refuses a registered name).
@@ -29,6 +30,7 @@ import types
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Generic, Self, TypeVar, cast, overload
 
+from vllm.distributed import utils as vllm_utils
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
     NixlBaseConnectorScheduler,
@@ -53,6 +55,7 @@ from kvspec_traits.vllm_connector._fields import replicated_state_region
 __all__ = [
     "NAMES",
     "Kind",
+    "QueueWaitSwitch",
     "SeamPullWorker",
     "SeamPushWorker",
     "SeamScheduler",
@@ -62,6 +65,7 @@ __all__ = [
     "conv_split_info",
     "group_spec_types",
     "kind_tag",
+    "queue_wait_switch",
     "worker_fields",
 ]
 
@@ -217,6 +221,13 @@ NAMES: tuple[VllmName, ...] = (
         _A,
         _ALL,
         "its getter is private too, and asserts",
+    ),
+    VllmName(
+        vllm_utils,
+        "USE_SCHED_YIELD",
+        Kind.MODULE_FLAG,
+        _ALL,
+        "vLLM's own switch; no per-queue or config option",
     ),
 )
 
@@ -567,3 +578,57 @@ def conv_split_info(split: StateSplit) -> Any:
         conv_dtype_size=split.conv_dtype_size,
         ssm_sizes=split.sizes,
     )
+
+
+# -- the one process-wide change --------------------------------------------------------
+
+
+class QueueWaitSwitch:
+    """vLLM's shared-memory queue readers wait between checks with ``sched_yield()``,
+    which is ``os.sched_yield()`` while the module flag ``vllm.distributed.utils.
+    USE_SCHED_YIELD`` is true and ``time.sleep(0)`` while it is false (vLLM's own choice
+    on Python < 3.11.1). A connector built with ``kvspec_shm_wait: "sleep"`` holds the
+    flag false (:meth:`hold_sleep`); the first holder records the value it found, and
+    the last one to let go (:meth:`release`, from the connector's ``shutdown``) puts that
+    value back. A connector never shut down holds it until the process ends (vLLM keeps
+    its connectors until then)."""
+
+    FLAG = "USE_SCHED_YIELD"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: dict[int, object] = {}  # by identity, kept alive until released
+        self.previous: bool | None = None
+        """The flag's value before the first holder set it (``None``: not held)."""
+
+    def available(self) -> bool:
+        """Whether this vLLM has the flag (a boolean ``USE_SCHED_YIELD``)."""
+        return isinstance(getattr(vllm_utils, self.FLAG, None), bool)
+
+    def hold_sleep(self, holder: object) -> bool:
+        """Make the queue readers of this process sleep until ``holder`` (and every
+        other holder) lets go; the value the flag had (True: they yielded)."""
+        with self._lock:
+            was = bool(getattr(vllm_utils, self.FLAG))
+            if not self._holders:
+                self.previous = was
+            self._holders[id(holder)] = holder
+            setattr(vllm_utils, self.FLAG, False)
+            return was
+
+    def release(self, holder: object) -> None:
+        """``holder`` lets go; the last holder puts back the value recorded."""
+        with self._lock:
+            if self._holders.pop(id(holder), None) is None:
+                return
+            if not self._holders and self.previous is not None:
+                setattr(vllm_utils, self.FLAG, self.previous)
+                self.previous = None
+
+
+_QUEUE_WAIT = QueueWaitSwitch()
+
+
+def queue_wait_switch() -> QueueWaitSwitch:
+    """The switch of this process (one: the flag is process-wide)."""
+    return _QUEUE_WAIT
