@@ -29,7 +29,7 @@ from kvspec_traits.transfer import PlanLayout, Rows, plan_regions
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from kvspec_traits.vllm_connector._facts import layout_facts
 from kvspec_traits.vllm_connector._policy import layout_policy
-from kvspec_traits.vllm_connector._quirks import SeriesQuirks, packed_member_layouts, series_quirks
+from kvspec_traits.vllm_connector._quirks import SeriesQuirks, series_quirks
 from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import DSV2, Family
@@ -238,7 +238,8 @@ def test_packed_mla_rows(build: Callable[..., Built], pair: Callable[..., Any]) 
         assert ours.num_regions == 1
         assert ours.block_len_per_layer == [2 * page]
         assert ours.num_descs == built.config.num_blocks
-        assert packed_member_layouts(ours) == {names[0]: (0, page), names[1]: (page, page)}
+        layouts = getattr(ours, "_packed_member_layouts", {})
+        assert layouts == {names[0]: (0, page), names[1]: (page, page)}
     else:
         assert ours.num_regions == 2
         assert ours.block_len_per_layer == [page, page]

@@ -627,7 +627,7 @@ def test_every_decision_follows_the_registry() -> None:
 
 
 def test_vllm_field_view() -> None:
-    from kvspec_traits.vllm_connector._fields import worker_fields
+    from kvspec_traits.vllm_connector._seam import worker_fields
 
     plan, _ = _plan("qwen35")
     fields = worker_fields(plan)

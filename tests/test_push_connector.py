@@ -324,10 +324,11 @@ def test_vllms_mro_patch_replaces_the_method_under_test_in_any_subclass(
     """Why those four of vLLM's tests cannot pass with any subclass bound: they stub the
     base's completions at ``NixlPushConnectorWorker.__mro__[1]``, assuming the class under
     test derives directly from the base worker. For a subclass, ``__mro__[1]`` is
-    upstream's push worker itself, so the patch replaces the very
-    ``get_transfer_results`` under test and nothing is evicted: a subclass that adds
-    nothing fails exactly as ours does."""
-    assert cls.__mro__[1] is NixlPushConnectorWorker
+    upstream's push worker itself (ours: the seam's push worker over it), so the patch
+    replaces the very ``get_transfer_results`` under test and nothing is evicted: a
+    subclass that adds nothing fails exactly as ours does."""
+    assert cls.__mro__[1] is not NixlBaseConnectorWorker
+    assert issubclass(cls.__mro__[1], NixlPushConnectorWorker)
     assert issubclass(TraitsNixlPushConnectorWorker, TraitsWorkerBase)
     w = _bare_push_worker(cls)
     done = KVConnectorTransferResults(finished_sending={"req-done"})

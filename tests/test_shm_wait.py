@@ -26,10 +26,11 @@ from kvspec_traits.vllm_connector import (
     ShmWaitError,
     TraitsNixlConnector,
     TraitsNixlPushConnector,
+    _connector,
 )
 from kvspec_traits.vllm_connector._names import SHM_WAIT
 from kvspec_traits.vllm_connector._options import connector_options
-from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
+from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait, release_shm_wait
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
 from tests.test_connector_differential import LBHNC, _gqa, _vllm_config
@@ -41,6 +42,11 @@ def _restore_the_flag() -> Iterator[None]:
     before = vllm_utils.USE_SCHED_YIELD
     yield
     vllm_utils.USE_SCHED_YIELD = before
+
+
+def _flag() -> bool:
+    """vLLM's flag now (a call: read afresh after each step, not narrowed by mypy)."""
+    return bool(vllm_utils.USE_SCHED_YIELD)
 
 
 def _vllm_sched_yield() -> None:
@@ -79,16 +85,38 @@ def test_sleep_makes_vllms_wait_sleep_and_yield_leaves_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Python 3.11.7 here: vLLM's default is os.sched_yield (USE_SCHED_YIELD true).
-    assert vllm_utils.USE_SCHED_YIELD is True
+    assert _flag() is True
     counts = _calls(monkeypatch)
-    assert apply_shm_wait("yield") is False
+    first, second = object(), object()
+    assert apply_shm_wait("yield", first) is False
     _vllm_sched_yield()
     assert counts == {"yield": 1, "sleep": 0}
-    assert apply_shm_wait("sleep") is True
+    assert apply_shm_wait("sleep", first) is True
     _vllm_sched_yield()
     assert counts == {"yield": 1, "sleep": 1}
-    assert apply_shm_wait("sleep") is True  # twice (two connectors in one process): same
-    assert vllm_utils.USE_SCHED_YIELD is False
+    assert apply_shm_wait("sleep", second) is True  # two connectors in one process: same
+    assert _flag() is False
+    # Undone when the last holder lets go, to the value found by the first.
+    release_shm_wait(first)
+    assert _flag() is False
+    release_shm_wait(second)
+    assert _flag() is True
+    release_shm_wait(second)  # a holder lets go once; one that held nothing changes nothing
+    release_shm_wait(object())
+    assert _flag() is True
+    _vllm_sched_yield()
+    assert counts == {"yield": 2, "sleep": 1}
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_the_flag_returns_to_the_value_found(found: bool) -> None:
+    """Whatever vLLM's value was (False: Python < 3.11.1), the last holder puts it back."""
+    vllm_utils.USE_SCHED_YIELD = found
+    holder = object()
+    apply_shm_wait("sleep", holder)
+    assert _flag() is False
+    release_shm_wait(holder)
+    assert _flag() is found
 
 
 def test_the_key_is_read_and_checked(tiny_models: pathlib.Path) -> None:
@@ -106,9 +134,9 @@ def test_the_key_is_read_and_checked(tiny_models: pathlib.Path) -> None:
 def test_a_vllm_without_the_flag_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(vllm_utils, "USE_SCHED_YIELD")
     with pytest.raises(ShmWaitError, match="USE_SCHED_YIELD") as err:
-        apply_shm_wait("sleep")
+        apply_shm_wait("sleep", object())
     assert err.value.key == SHM_WAIT and err.value.value == "sleep"
-    assert apply_shm_wait("yield") is False  # the default never needs it
+    assert apply_shm_wait("yield", object()) is False  # the default never needs it
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -126,10 +154,49 @@ def test_the_connector_applies_the_key_where_it_is_built(
         if value == "nap":
             with pytest.raises(ShmWaitError, match=SHM_WAIT):
                 cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
-            assert vllm_utils.USE_SCHED_YIELD is True
+            assert _flag() is True
             return
         connector: Any = cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
     try:
-        assert vllm_utils.USE_SCHED_YIELD is (value is None)
+        assert _flag() is (value is None)
     finally:
         cast(Any, connector).shutdown()
+    assert _flag() is True  # vLLM's value again
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_the_last_connector_to_shut_down_puts_vllms_value_back(
+    tiny_models: pathlib.Path, mode: str
+) -> None:
+    """Two connectors of one process hold "sleep": the first shutdown leaves it, the
+    second puts back vLLM's value (the one found before the first was built)."""
+    vllm_config = _config(tiny_models, "sleep")
+    cls = TraitsNixlPushConnector if mode == "push" else TraitsNixlConnector
+    kv_cache_config = layouts.kv_cache_config(_gqa(1), 4, LBHNC)
+    assert _flag() is True
+    with set_current_vllm_config(vllm_config):
+        first: Any = cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+        second: Any = cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    try:
+        assert _flag() is False
+        first.shutdown()
+        assert _flag() is False
+    finally:
+        second.shutdown()
+    assert _flag() is True
+
+
+def test_a_failed_construction_lets_go(
+    tiny_models: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No shutdown follows a constructor that raised: it lets go itself."""
+    vllm_config = _config(tiny_models, "sleep")
+    kv_cache_config = layouts.kv_cache_config(_gqa(1), 4, LBHNC)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no scheduler today")
+
+    monkeypatch.setattr(_connector, "TraitsNixlConnectorScheduler", refuse)
+    with set_current_vllm_config(vllm_config), pytest.raises(RuntimeError, match="today"):
+        TraitsNixlConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    assert _flag() is True

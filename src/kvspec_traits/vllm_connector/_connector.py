@@ -12,15 +12,14 @@ descriptor ids, TP mapping, heartbeats, host copies) is upstream's: docs/vllm.md
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _bw
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
@@ -42,13 +41,12 @@ from kvspec_traits.transfer._region import is_state
 from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._facts import GroupKind, LayoutFacts, layout_facts
-from kvspec_traits.vllm_connector._fields import packed_layouts, worker_fields
+from kvspec_traits.vllm_connector._fields import packed_layouts
 from kvspec_traits.vllm_connector._handshake import (
     TraitsNixlAgentMetadata,
     check_decode_stage,
     check_parallel_pair,
     check_remote_fingerprint,
-    decoding_traits_metadata,
     handshake_with,
     logger,
     pipeline_stage,
@@ -59,7 +57,7 @@ from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
 from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
-from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
+from kvspec_traits.vllm_connector._shm_wait import holding_shm_wait, release_shm_wait
 from kvspec_traits.vllm_connector._staging import transfer_caches
 
 if TYPE_CHECKING:
@@ -68,10 +66,13 @@ if TYPE_CHECKING:
 
 __all__ = ["TraitsNixlAgentMetadata", "TraitsNixlConnector", "TraitsNixlConnectorWorker"]
 
+_T = TypeVar("_T")
 
-class TraitsWorkerBase(NixlBaseConnectorWorker):
+
+class TraitsWorkerBase(seam.SeamWorker):
     """The traits half of both NIXL workers (pull: below; push: ``_push``): every layout
-    decision vLLM's base worker takes, from traits and the region plan."""
+    decision vLLM's base worker takes, from traits and the region plan (vLLM's private
+    names through :mod:`._seam`)."""
 
     # Class defaults: vLLM's tests build workers with object.__new__ (upstream's fields only).
     region_plan: RegionPlan | None = None
@@ -80,6 +81,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
     _traits_registry: Registry = default_registry
     _policy: VllmLayoutPolicy = layout_policy()
     options: ConnectorOptions = ConnectorOptions()
+    peer_metadata_class = TraitsNixlAgentMetadata
 
     def __init__(
         self,
@@ -110,17 +112,17 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
 
     # -- decisions vLLM takes in __init__ ---------------------------------------------
 
-    def _sync_block_size_with_kernel(self) -> None:
-        # vLLM's __init__ calls this after its class-based answers: replace them first.
+    def apply_layout_decisions(self) -> None:
+        # vLLM's __init__ calls this after its class-based answers: replace them.
         facts = self.layout_facts
         if facts.transfer_block_size is not None:
             self.block_size = facts.transfer_block_size
         else:
             self.block_size = int(self.vllm_config.cache_config.block_size)
-        self._is_hma_required = (
+        self.is_hma_required = (
             not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and facts.hybrid
         )
-        self._has_mamba = facts.has_state
+        self.has_mamba = facts.has_state
         # use_mla from the caches, not the model config (else MLA might transfer per head).
         if self.use_mla != facts.mla:
             logger.info(
@@ -130,18 +132,17 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
                 self.use_mla,
             )
         self.use_mla = facts.mla
-        self._is_csa_linear = facts.has_ring
-        self._ple_group_index = facts.replicated_state_kv_cache_group
+        self.is_csa_linear = facts.has_ring
+        self.ple_group_index = facts.replicated_state_kv_cache_group
         # The state split from traits, replacing vLLM's derive_mamba_conv_split (equal
         # for vLLM's Mamba kinds; the only one for a state class vLLM does not know).
         if facts.state_split is not None:
-            self._conv_decomp = seam.conv_split_info(facts.state_split)
-            self._mamba_ssm_size = facts.state_split.sizes
-        super()._sync_block_size_with_kernel()
+            self.conv_decomp = seam.conv_split_info(facts.state_split)
+            self.mamba_ssm_size = facts.state_split.sizes
 
     def _own_group_kinds(self) -> None:
-        """Replace vLLM's class-based group kinds (``_group_spec_types``, set in its
-        ``__init__`` from ``type(spec)``) with the traits' (:mod:`._seam`), and 0.34's
+        """Replace vLLM's class-based group kinds (set in its ``__init__`` from
+        ``type(spec)``) with the traits' (:func:`._seam.group_spec_types`), and 0.34's
         DCP-replicated groups (MLA classes) with the groups whose every layer is
         TP-replicated."""
         facts = self.layout_facts
@@ -151,10 +152,10 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
                 f"{CONNECTOR_NAME}: vLLM transfers cache groups "
                 f"{self.kv_cache_config.transfer_group_ids}, the region planner {planned}"
             )
-        self._group_spec_types = seam.group_spec_types(facts.group_kinds)
-        quirks.keep_dcp_replicated_groups(self, facts.replicated_groups(), facts.transfer_groups)
+        self.group_spec_types = seam.group_spec_types(facts.group_kinds)
+        self.keep_dcp_replicated_groups(facts.replicated_groups(), facts.transfer_groups)
 
-    def _logical_to_kernel_block_ids(self, block_ids: Any, ratio: int) -> Any:
+    def logical_to_kernel_block_ids(self, block_ids: Any, ratio: int) -> Any:
         """Manager blocks to kernel blocks, per transfer group: a state group's blocks
         are indivisible (kept as they are), every other group's block ``b`` is kernel
         blocks ``b * ratio`` to ``b * ratio + ratio - 1`` (vLLM's rule, its group kinds
@@ -199,15 +200,15 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             total_num_kv_heads=1 if self.use_mla else self.model_config.get_total_num_kv_heads(),
             attn_backends=self.attn_backends,
             dcp_size=self.dcp_size,
-            tensor_shape=None if self._has_mamba else next(iter(kv_caches.values())).shape,
-            is_mamba=self._has_mamba,
+            tensor_shape=None if self.has_mamba else next(iter(kv_caches.values())).shape,
+            is_mamba=self.has_mamba,
         )
         # As upstream: a push worker hashes every backend of a packed cache (PP reorders them).
         names = {self.backend_name}
-        if self._supports_pp_hma and quirks.has_packed_cache(self):
+        if self.supports_pp_hma and self.has_packed_cache:
             names = {b.get_name() for b in self.attn_backends}
         self.compat_hash = _bw.compute_nixl_compatibility_hash(  # type: ignore[attr-defined]
-            self.vllm_config, ",".join(sorted(names)), transfer_mode=self._TRANSFER_MODE
+            self.vllm_config, ",".join(sorted(names)), transfer_mode=self.transfer_mode
         )
 
         # The caches, or (kv_buffer_device "cpu" on an accelerator) the host buffer upstream's
@@ -220,15 +221,15 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             self.nixl_wrapper,
             plan.registrations,
             self.nixl_backends,
-            self._registered_descs,
-            skip={"DRAM"} if self._skip_dram_xfer else (),
+            self.registered_descs,
+            skip={"DRAM"} if self.skip_dram_xfer else (),
         )
 
         self.device_kv_caches = kv_caches
         self.dst_num_blocks[self.engine_id] = self.num_blocks
         self.dst_region_num_blocks[self.engine_id] = self._xfer_region_num_blocks()
         self.dst_region_group_ids[self.engine_id] = self.region_group_ids
-        quirks.keep_dst_region_group_mapping(self, self.engine_id, self._uses_region_group_mapping)
+        self.keep_dst_region_group_mapping(self.engine_id, self.uses_region_group_mapping)
         self.dst_region_mem_types[self.engine_id] = self.region_mem_types
 
         self.src_xfer_handles_by_block_size[self.block_size], self.src_blocks_data = (
@@ -244,7 +245,7 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             CONNECTOR_NAME,
             len(plan.regions),
             self.traits_fingerprint.digest[:16],
-            self._region_is_mla,
+            self.region_is_mla,
         )
         agent_metadata = TraitsNixlAgentMetadata(
             engine_id=self.engine_id,
@@ -258,10 +259,10 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             if self.use_host_buffer
             else self.kv_cache_layout,
             block_size=self.block_size,
-            ssm_sizes=self._mamba_ssm_size,
-            ple_block_len=self._ple_block_len,
+            ssm_sizes=self.mamba_ssm_size,
+            ple_block_len=self.ple_block_len,
             attn_backend_name=self.backend_name,
-            physical_blocks_per_logical_kv_block=self._physical_blocks_per_logical_kv_block,
+            physical_blocks_per_logical_kv_block=self.physical_blocks_per_logical_kv_block,
             region_num_blocks=self.region_num_blocks,
             region_group_ids=self.region_group_ids,
             region_names=self.region_names,
@@ -296,24 +297,20 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
             }
         }
 
-    def _xfer_region_num_blocks(self) -> list[int]:  # 0.33+: the transfer layers' regions
-        indices = quirks.transfer_layer_region_indices(self)
+    def _xfer_region_num_blocks(self) -> list[int]:  # 0.32/0.33: the transfer layers' regions
+        indices = self.transfer_layer_region_indices()
         if indices:
             return [self.region_num_blocks[i] for i in indices]
         return list(self.region_num_blocks)
 
     def _apply_plan(self, plan: RegionPlan) -> None:
         """Fill vLLM's per-region bookkeeping from the plan (the fields of
-        :func:`worker_fields`, then what each vLLM series keeps its own way)."""
+        :func:`._seam.worker_fields`, then what each vLLM series keeps its own way)."""
         regions = plan.regions
-        fields = worker_fields(plan)
-        self.kv_caches_base_addr[self.engine_id][self.tp_rank] = fields.pop("kv_caches_base_addr")
-        del fields["region_members"], fields["num_descs"]  # set below, per series
-        for name, value in fields.items():
-            setattr(self, name, value)
-        self._ple_block_len = None
-        if self._ple_region_index is not None:
-            region = regions[self._ple_region_index]
+        self.keep_plan_fields(plan)
+        self.ple_block_len = None
+        if self.ple_region_index is not None:
+            region = regions[self.ple_region_index]
             layer_traits = self._layout_facts().layer_traits
             state_pages = [
                 layer_traits[layer].page_size_bytes
@@ -321,24 +318,23 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
                 if is_state(layer_traits[layer])
             ]
             # Per kernel block, as vLLM keeps it (it reads ratio of them per page).
-            self._ple_block_len = max(state_pages) // self._physical_blocks_per_logical_kv_block
+            self.ple_block_len = max(state_pages) // self.physical_blocks_per_logical_kv_block
         devices = {r.device_id for r in regions if r.mem_type != "DRAM"}
         if devices:
             self.device_id = max(devices)
-        self._uses_region_group_mapping = len(set(self.region_group_ids)) > 1
-        self._mixed_mem_types = len(set(self.region_mem_types)) > 1
-        if self._has_mamba:
+        self.uses_region_group_mapping = len(set(self.region_group_ids)) > 1
+        self.mixed_mem_types = len(set(self.region_mem_types)) > 1
+        if self.has_mamba:
             # vLLM counts state descriptors per logical block in every region.
             self.region_num_blocks = [self.num_blocks] * self.num_regions
-        self._set_region_layers(
-            [list(r.layers) for r in regions] if quirks.tracks_region_layers(self) else []
+        self.set_region_layers(
+            [list(r.layers) for r in regions] if self.tracks_region_layers() else []
         )
-        quirks.keep_group_region_indices(
-            self,
+        self.keep_group_region_indices(
             [(r.index, r.group_ids) for r in regions],
             len(self._layout_facts().transfer_groups),
         )
-        if self.pp_size > 1 and quirks.stage_regions_by_position(self):
+        if self.pp_size > 1 and self.stage_regions_by_position():
             start, end = self.model_config.get_layers_start_end_indices(
                 self.vllm_config.parallel_config
             )
@@ -347,34 +343,33 @@ class TraitsWorkerBase(NixlBaseConnectorWorker):
                     f"{CONNECTOR_NAME}: {self.num_regions} regions do not "
                     f"split over {end - start} local layers"
                 )
-            self._remote_region_offset = self.num_regions // (end - start) * start
+            self.remote_region_offset = self.num_regions // (end - start) * start
         self.num_descs = sum(self._xfer_region_num_blocks())
-        self._skip_dram_xfer = self._leaves_dram_xfer_to_rank0()
-        if self._mixed_mem_types and (not self.use_mla or self._has_mamba):
+        self.skip_dram_xfer = self.leaves_dram_xfer_to_rank0()
+        if self.mixed_mem_types and (not self.use_mla or self.has_mamba):
             raise ValueError(
                 f"{CONNECTOR_NAME}: mixed-device KV registration is only "
                 f"supported for MLA models without recurrent state"
             )
         # vLLM 0.33+ derives these from the regions at the same point.
-        quirks.derive_region_sets(self, packed_layouts(plan))
+        self.derive_region_sets(packed_layouts(plan))
 
     # -- handshake (the checks are vllm_connector._handshake's) --------------------------
 
-    def _nixl_handshake(
-        self, host: str, port: int, remote_tp_size: int, *args: Any, **kwargs: Any
-    ) -> Any:
-        remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
+    def nixl_handshake(
+        self,
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        remote_pp_size: int,
+        handshake: Callable[[], _T],
+    ) -> _T:
         check_parallel_pair(self, remote_tp_size, remote_pp_size)
         # vLLM's handshake (its socket, its order: the compatibility hash, then the
-        # metadata decode, into our class here only) calls _validate_remote_parallel_config
-        # with the decoded metadata, where the peer is checked (its address kept).
+        # metadata decode, into TraitsNixlAgentMetadata) checks the decoded metadata,
+        # then calls check_remote_fingerprint with it (the peer's address kept here).
         with handshake_with(host, port):
-            upstream = decoding_traits_metadata(super()._nixl_handshake)
-            return upstream(host, port, remote_tp_size, *args, **kwargs)
-
-    def _validate_remote_parallel_config(self, agent_metadata: Any) -> None:
-        super()._validate_remote_parallel_config(agent_metadata)
-        self.check_remote_fingerprint(agent_metadata)
+            return handshake()
 
     def check_remote_fingerprint(self, agent_metadata: NixlAgentMetadata) -> None:
         """Compare the peer's per-region traits fingerprint with ours (see
@@ -410,25 +405,32 @@ class TraitsNixlConnector(NixlPullConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        apply_shm_wait(self.options.shm_wait)  # before this process waits on a queue
-        # Not NixlPullConnector.__init__: it would build upstream's worker (a NIXL agent).
-        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = TraitsNixlConnectorScheduler(
-                vllm_config, self.engine_id, kv_cache_config
-            )
-        elif role == KVConnectorRole.WORKER:
-            self.connector_worker = TraitsNixlConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config, options=self.options
-            )
-        else:
-            raise ValueError(f"{CONNECTOR_NAME}: unknown connector role {role!r}")
+        # Before this process waits on a queue; let go in shutdown (below).
+        with holding_shm_wait(self.options.shm_wait, self):
+            # Not NixlPullConnector.__init__: it would build upstream's worker (an agent).
+            NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+            if role == KVConnectorRole.SCHEDULER:
+                self.connector_scheduler = TraitsNixlConnectorScheduler(
+                    vllm_config, self.engine_id, kv_cache_config
+                )
+            elif role == KVConnectorRole.WORKER:
+                self.connector_worker = TraitsNixlConnectorWorker(
+                    vllm_config, self.engine_id, kv_cache_config, options=self.options
+                )
+            else:
+                raise ValueError(f"{CONNECTOR_NAME}: unknown connector role {role!r}")
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()  # type: ignore[no-untyped-call]  # vLLM's is untyped
+        finally:
+            release_shm_wait(self)  # kvspec_shm_wait: the last connector puts vLLM's back
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         worker = self.connector_worker
         if not isinstance(worker, NixlPullConnectorWorker):
             raise RuntimeError(f"{CONNECTOR_NAME}.start_load_kv called without a worker")
-        metadata = self._connector_metadata
+        metadata = seam.connector_metadata(self)
         if not isinstance(metadata, NixlConnectorMetadata):
             raise RuntimeError(
                 f"{CONNECTOR_NAME}: expected NIXL connector metadata, got "

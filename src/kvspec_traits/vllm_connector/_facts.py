@@ -151,8 +151,8 @@ class LayoutFacts:
     mixing head-sharded and replicated pages (a GQA model with an MLA draft) is not:
     its regions carry their own REPLICATE/SPLIT flags."""
     state_split: StateSplit | None
-    """How the TP-sharded recurrent states are cut into descriptors (vLLM:
-    ``_conv_decomp``); None without one."""
+    """How the TP-sharded recurrent states are cut into descriptors (vLLM's conv split,
+    the worker's ``conv_decomp`` in :mod:`._seam`); None without one."""
     replicated_state_kv_cache_group: int | None
     """The cache group whose layers are all TP-replicated states next to a ring (vLLM:
     the CSA-linear PLE group)."""
@@ -240,8 +240,9 @@ def _model_state_split(layer_traits: Mapping[str, KVLayoutTraits], ring: bool) -
 def replicated_state_group(groups: Sequence[CacheGroupTraits]) -> int | None:
     """The cache group (index in ``kv_cache_groups``, transferred or not) whose layers
     are all TP-replicated recurrent states, as vLLM's worker finds its PLE group
-    (``_ple_group_index``) in a ring-buffer (CSA-linear) model; ``groups``: every cache
-    group's traits (:func:`~kvspec_traits.transfer._config.cache_group_traits`).
+    (``ple_group_index`` in :mod:`._seam`) in a ring-buffer (CSA-linear) model;
+    ``groups``: every cache group's traits
+    (:func:`~kvspec_traits.transfer._config.cache_group_traits`).
 
     A question about cache groups, asked before any region exists: raises
     ``ValueError`` for more than one such group, or one of several layers (vLLM keeps
@@ -272,16 +273,16 @@ class SchedulerFacts:
     traits. Per-group tuples are in transfer-group order."""
 
     hybrid: bool
-    """As :attr:`LayoutFacts.hybrid` (vLLM: ``_is_hma_required`` unless the hybrid
-    allocator is disabled): only then are blocks clipped per group."""
+    """As :attr:`LayoutFacts.hybrid` (vLLM: the scheduler's ``is_hma_required`` unless
+    the hybrid allocator is disabled): only then are blocks clipped per group."""
     window_blocks: tuple[int, ...]
     """Per group: the trailing blocks a windowed group sends (vLLM's ``blocks_per_sw``),
     0 for a group whose every block is sent."""
     state_scratch_blocks: tuple[int | None, ...]
     """Per group: for a recurrent-state group, the speculative scratch slots trailing
-    its state (vLLM's ``_ssm_spec_blocks``), ``None`` for any other group."""
+    its state (the scheduler's ``ssm_spec_blocks``), ``None`` for any other group."""
     has_state: bool
-    """A transferred layer holds a recurrent state (vLLM: ``_has_mamba``, which makes the
+    """A transferred layer holds a recurrent state (vLLM: ``has_mamba``, which makes the
     prefiller leave the last prompt token to the decoder)."""
 
 

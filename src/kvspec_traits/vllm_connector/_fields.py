@@ -1,6 +1,7 @@
-"""A region plan as vLLM's NIXL worker keeps it: the one mapping from a
-:class:`~kvspec_traits.transfer.RegionPlan` to the worker's per-region fields, and the
-region geometry a peer's vLLM agent metadata carries (pure: no vLLM import)."""
+"""A region plan as vLLM's NIXL worker keeps it (the mapping to the worker's fields is
+:func:`~._seam.worker_fields`): each layer's place in a packed row, the replicated-state
+region, and the region geometry a peer's vLLM agent metadata carries (pure: no vLLM
+import)."""
 
 from __future__ import annotations
 
@@ -9,35 +10,7 @@ from typing import Any
 from kvspec_traits.transfer import MalformedMetadataError, PeerRegion, RegionPlan
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
-__all__ = ["packed_layouts", "peer_regions_of", "replicated_state_region", "worker_fields"]
-
-
-def worker_fields(plan: RegionPlan) -> dict[str, Any]:
-    """``plan`` under the attribute names of vLLM's NIXL worker (0.32-0.34), as
-    ``register_kv_caches`` keeps them: what the connector's worker sets, and what a
-    test compares field by field with upstream's bookkeeping.
-
-    Raises ``ValueError`` as :func:`replicated_state_region` does.
-    """
-    regions = plan.regions
-    return {
-        "kv_caches_base_addr": [r.base_addr for r in regions],
-        "block_len_per_layer": [r.block_len for r in regions],
-        "block_stride_per_layer": [r.block_stride for r in regions],
-        "region_num_blocks": [r.num_blocks for r in regions],
-        "region_group_ids": plan.region_group_ids,
-        "region_names": plan.region_names,
-        "region_members": [list(r.layers) for r in regions],
-        "region_mem_types": [r.mem_type for r in regions],
-        # REPLICATE (True) or SPLIT (False) per region.
-        "_region_is_mla": [r.replicated for r in regions],
-        "_ssm_region_indices": [r.index for r in regions if r.sharded_state],
-        "_scratch_region_indices": [r.index for r in regions if r.scratch],
-        "_ple_region_index": replicated_state_region(plan),
-        "num_regions": len(regions),
-        # The descriptors of the plan's strided list, expanded.
-        "num_descs": sum(r.num_blocks for r in regions),
-    }
+__all__ = ["packed_layouts", "peer_regions_of", "replicated_state_region"]
 
 
 def packed_layouts(plan: RegionPlan) -> dict[str, tuple[int, int]]:
@@ -52,8 +25,8 @@ def packed_layouts(plan: RegionPlan) -> dict[str, tuple[int, int]]:
 
 
 def replicated_state_region(plan: RegionPlan) -> int | None:
-    """The region holding a TP-replicated recurrent-state member (vLLM's
-    ``_ple_region_index``), or None.
+    """The region holding a TP-replicated recurrent-state member (the worker's
+    ``ple_region_index`` in :mod:`._seam`), or None.
 
     A question about the plan's regions, in any model: raises ``ValueError`` for more
     than one such region (vLLM's worker keeps one index). It differs from

@@ -9,9 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 from vllm.logger import init_logger
@@ -31,7 +30,6 @@ from kvspec_traits.transfer import (
     pair_stages,
 )
 from kvspec_traits.transfer._fingerprint import record_page
-from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
     UnsupportedPipelineParallelError,
@@ -55,7 +53,6 @@ __all__ = [
     "check_ring_tp",
     "check_state_tp",
     "check_remote_fingerprint",
-    "decoding_traits_metadata",
     "handshake_with",
     "pipeline_stage",
     "stage_view",
@@ -70,8 +67,9 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
     """vLLM's agent metadata plus the canonical per-region traits fingerprint.
 
     Upstream decoders ignore the extra field, so the wire stays readable by vLLM. Only
-    this connector's worker decodes into it (:func:`decoding_traits_metadata`); vLLM's
-    ``NixlAgentMetadata`` is left as vLLM defined it.
+    this connector's worker decodes into it (its ``peer_metadata_class``, which
+    :class:`~._seam.SeamWorker` hands vLLM's handshake); vLLM's ``NixlAgentMetadata``
+    is left as vLLM defined it.
     """
 
     kvspec_traits_fingerprint: bytes | None = None
@@ -100,40 +98,6 @@ class TraitsNixlAgentMetadata(NixlAgentMetadata):
     __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it extends
 
 
-_T = TypeVar("_T")
-
-
-def decoding_traits_metadata(handshake: Callable[..., _T]) -> Callable[..., _T]:
-    """vLLM's bound ``_nixl_handshake`` method, run so that the agent metadata it
-    decodes is a :class:`TraitsNixlAgentMetadata` (the peer's fingerprint kept for the
-    check that follows the decode).
-
-    Upstream's handshake decodes with its module's global ``NixlAgentMetadata``. The
-    function runs here with a copy of that module's globals, taken at each call, in
-    which the name is our class: vLLM's module (and upstream's connector, or any other
-    reader in the process) keeps its own class. Raises :class:`UpstreamDisagreesError`
-    when the series' handshake no longer decodes by that name (the fingerprint would be
-    dropped silently otherwise).
-    """
-    func = getattr(handshake, "__func__", None)
-    owner = getattr(handshake, "__self__", None)
-    if not isinstance(func, types.FunctionType) or "NixlAgentMetadata" not in (
-        func.__code__.co_names
-    ):
-        raise UpstreamDisagreesError(
-            "how the handshake decodes the peer's agent metadata",
-            getattr(handshake, "__qualname__", handshake),
-            "a method that decodes with its module's NixlAgentMetadata",
-        )
-    scope = dict(func.__globals__)
-    scope["NixlAgentMetadata"] = TraitsNixlAgentMetadata
-    clone = types.FunctionType(
-        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
-    )
-    clone.__kwdefaults__ = func.__kwdefaults__
-    return cast("Callable[..., _T]", types.MethodType(clone, owner))
-
-
 # The peer address of the handshake running on this thread (handshakes run on vLLM's
 # background executor), for the refusal messages.
 _handshake_peer = threading.local()
@@ -151,7 +115,8 @@ class PipelineStage:
     series: str = ""
     region_offset: int | None = None
     """vLLM 0.32/0.33 pairing by position: the first region of a PP 1 peer that a
-    stage's regions pair with when the peer has more (``_remote_region_offset``);
+    stage's regions pair with when the peer has more (the worker's
+    ``remote_region_offset``);
     ``None`` where vLLM pairs regions by their layers."""
 
 
@@ -159,7 +124,7 @@ def pipeline_stage(worker: Any) -> PipelineStage:
     """A vLLM NIXL worker's pipeline stage: its rank as vLLM places layers on stages
     (``ModelConfig.get_layers_start_end_indices``: ``rank // tp % pp``), its transfer
     mode, and how its series pairs stages."""
-    push = worker._TRANSFER_MODE == "push"
+    push = worker.transfer_mode == "push"
     series = worker._policy.quirks.series
     if worker.pp_size == 1:
         return PipelineStage(push=push, series=series)
@@ -170,17 +135,15 @@ def pipeline_stage(worker: Any) -> PipelineStage:
         size=worker.pp_size,
         push=push,
         series=series,
-        region_offset=(
-            worker._remote_region_offset if quirks.stage_regions_by_position(worker) else None
-        ),
+        region_offset=(worker.remote_region_offset if worker.stage_regions_by_position() else None),
     )
 
 
 def stage_view(worker: Any, kv_caches: Any, plan: RegionPlan) -> RegionPlan | None:
     """A PP 1 push worker's plan as a pipeline stage lays out the same caches, where it
     differs: whole rows of several layers (``Region.packed_members``) are a page per
-    layer for a stage (vLLM's ``_expand_remote_packed_rows``); ``None`` otherwise."""
-    if worker.pp_size > 1 or worker._TRANSFER_MODE != "push":
+    layer for a stage (as vLLM expands a peer's packed rows); ``None`` otherwise."""
+    if worker.pp_size > 1 or worker.transfer_mode != "push":
         return None
     if not any(region.packed_members for region in plan.regions):
         return None

@@ -1,14 +1,15 @@
 """The pull worker's half of :mod:`._lease`: vLLM's receive path, with reads that the
 producer's lease may no longer cover turned into vLLM's failed reads.
 
-Four points of upstream's ``NixlPullConnectorWorker`` (the same in 0.32, 0.33 and 0.34):
+Four points of upstream's ``NixlPullConnectorWorker`` (the same in 0.32, 0.33 and 0.34;
+the private ones forwarded by :class:`~._seam.SeamPullWorker`):
 
 - ``start_load_kv``: each received request's lease starts being tracked;
-- ``_send_heartbeats``: the heartbeats sent (to engines already handshaken) are recorded;
-- ``_read_blocks_for_req``: a read that would start too late is declined, the way
-  upstream declines an expired turn-2 readback (``_handle_failed_transfer`` without a
+- ``send_heartbeats``: the heartbeats sent (to engines already handshaken) are recorded;
+- ``read_blocks_for_req``: a read that would start too late is declined, the way
+  upstream declines an expired turn-2 readback (its failed-read path without a
   transport failure, ``record_kv_expired_req``);
-- ``_pop_done_transfers``: a read seen complete too late joins the failed ones, so
+- ``pop_done_transfers``: a read seen complete too late joins the failed ones, so
   ``get_transfer_results`` reports it in ``failed_recving`` and (without the hybrid
   allocator) its blocks as load errors.
 """
@@ -16,23 +17,21 @@ Four points of upstream's ``NixlPullConnectorWorker`` (the same in 0.32, 0.33 an
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
-    NixlPullConnectorWorker,
-)
 
 from kvspec_traits.vllm_connector._handshake import logger
 from kvspec_traits.vllm_connector._lease import LEASES_ATTR, LeaseBook
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 from kvspec_traits.vllm_connector._options import ConnectorOptions
+from kvspec_traits.vllm_connector._seam import SeamPullWorker
 
 __all__ = ["LeasedPullWorker"]
 
 
-class LeasedPullWorker(NixlPullConnectorWorker):
+class LeasedPullWorker(SeamPullWorker):
     """vLLM's pull worker whose reads fail closed on expired leases."""
 
     # The connector's options (its lease margin), set by the worker's __init__; the
@@ -49,7 +48,7 @@ class LeasedPullWorker(NixlPullConnectorWorker):
         book = self._leases()
         if req_id not in book:
             return False
-        offset = self._engine_clock_offset.get(engine_id)
+        offset = self.engine_clock_offset.get(engine_id)
         return book.expired(req_id, offset, time.perf_counter())
 
     def _decline_expired(self, req_id: str, engine_id: str, when: str) -> None:
@@ -76,33 +75,39 @@ class LeasedPullWorker(NixlPullConnectorWorker):
                     book.track(req_id, remote.engine_id, remote.request_id, offered[req_id])
         super().start_load_kv(metadata)
 
-    def _send_heartbeats(self, metadata: NixlConnectorMetadata) -> None:
+    def send_heartbeats(
+        self, metadata: NixlConnectorMetadata, upstream: Callable[[NixlConnectorMetadata], None]
+    ) -> None:
         before = time.perf_counter()
-        ready = {e for e in metadata.heartbeat_by_engine if e in self._remote_agents}
-        super()._send_heartbeats(metadata)
+        ready = {e for e in metadata.heartbeat_by_engine if e in self.remote_agents}
+        upstream(metadata)
         after = time.perf_counter()
         book = self._leases()
         for engine_id, info in metadata.heartbeat_by_engine.items():
-            if engine_id in ready and engine_id in self._remote_agents:
+            if engine_id in ready and engine_id in self.remote_agents:
                 book.heartbeats_sent(engine_id, info.req_ids, before, after)
 
-    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+    def read_blocks_for_req(
+        self, req_id: str, meta: Any, upstream: Callable[[str, Any], None]
+    ) -> None:
         engine_id = meta.remote.engine_id
         # Checked once the handshake is done (its clock offset places the deadline);
         # before that upstream starts the handshake and calls this again.
-        if engine_id in self._remote_agents and self._lease_expired(req_id, engine_id):
+        if engine_id in self.remote_agents and self._lease_expired(req_id, engine_id):
             self._decline_expired(req_id, engine_id, "before the read")
-            self._handle_failed_transfer(
-                req_id, None, self._recv_failures, record_failed_transfer=False
-            )
+            self.fail_read(req_id)
             return
-        super()._read_blocks_for_req(req_id, meta)
+        upstream(req_id, meta)
 
-    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
-        done, failed = super()._pop_done_transfers(transfers)
-        if transfers is self._recving_transfers and len(self._leases()):
+    def pop_done_transfers(
+        self,
+        transfers: dict[str, list[int]],
+        upstream: Callable[[dict[str, list[int]]], tuple[set[str], set[str]]],
+    ) -> tuple[set[str], set[str]]:
+        done, failed = upstream(transfers)
+        if transfers is self.recving_transfers and len(self._leases()):
             for req_id in done - failed:
-                meta = self._recving_metadata.get(req_id)
+                meta = self.recving_metadata.get(req_id)
                 if meta is None or meta.remote is None:
                     continue
                 if self._lease_expired(req_id, meta.remote.engine_id):
@@ -116,6 +121,6 @@ class LeasedPullWorker(NixlPullConnectorWorker):
         if len(book):
             # Done (or failed) reads left vLLM's receive bookkeeping above; so did any
             # request it dropped otherwise. Their leases are of no further use.
-            for req_id in book.tracked() - self._recving_metadata.keys():
+            for req_id in book.tracked() - self.recving_metadata.keys():
                 book.forget(req_id)
         return results

@@ -36,9 +36,8 @@ class VllmLayoutPolicy:
         push: bool = False,
     ) -> PlanLayout:
         """The plan layout of a worker: ``ring`` and ``state`` as the worker keeps them
-        (``_is_csa_linear``, ``_has_mamba``), ``kernel_ratio`` its kernel blocks per
-        block (``_physical_blocks_per_logical_kv_block``), ``packed_cache`` whether its
-        cache is block-outermost (``_has_packed_cache``), ``pp_size`` its pipeline
+        (CSA-linear, Mamba), ``kernel_ratio`` its kernel blocks per block,
+        ``packed_cache`` whether its cache is block-outermost, ``pp_size`` its pipeline
         parallel size, ``push`` whether it is a push worker.
 
         - vLLM's descriptor ids count kernel blocks: regions are planned in them.
@@ -69,16 +68,17 @@ class VllmLayoutPolicy:
     def worker_layout(
         self, worker: Any, facts: LayoutFacts, *, pp_size: int | None = None
     ) -> PlanLayout:
-        """:meth:`layout` of a vLLM NIXL worker, from the attributes it keeps (with
-        ``pp_size``: as a stage of that pipeline-parallel size would lay it out)."""
+        """:meth:`layout` of a vLLM NIXL worker, from the attributes it keeps (vLLM's,
+        under the names :class:`~._seam.SeamWorker` gives them; with ``pp_size``: as a
+        stage of that pipeline-parallel size would lay it out)."""
         return self.layout(
             facts,
-            ring=bool(worker._is_csa_linear),
-            state=bool(worker._has_mamba),
-            kernel_ratio=worker._physical_blocks_per_logical_kv_block,
-            packed_cache=quirks.has_packed_cache(worker),
+            ring=bool(worker.is_csa_linear),
+            state=bool(worker.has_mamba),
+            kernel_ratio=worker.physical_blocks_per_logical_kv_block,
+            packed_cache=bool(worker.has_packed_cache),
             pp_size=worker.pp_size if pp_size is None else pp_size,
-            push=worker._TRANSFER_MODE == "push",
+            push=worker.transfer_mode == "push",
         )
 
 

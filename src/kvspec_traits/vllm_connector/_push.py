@@ -9,13 +9,12 @@ decode side with the prefill side before it sends its block registration (``PUSH
 the prefill side with the decode side before its first WRITE. Either side refuses a peer
 whose layout differs, so a refused pair writes nothing. The writer thread, the
 registration matching, the WRITE descriptors (ids from the planned regions by vLLM's
-unchanged ``_compute_desc_ids``) and the notifications are upstream's.
+unchanged descriptor-id code) and the notifications are upstream's.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
@@ -35,7 +34,8 @@ from kvspec_traits.vllm_connector._gate import check_vllm_version
 from kvspec_traits.vllm_connector._names import PUSH_CONNECTOR_NAME
 from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
-from kvspec_traits.vllm_connector._shm_wait import apply_shm_wait
+from kvspec_traits.vllm_connector._seam import SeamPushWorker
+from kvspec_traits.vllm_connector._shm_wait import holding_shm_wait, release_shm_wait
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,12 +44,15 @@ if TYPE_CHECKING:
 __all__ = ["TraitsNixlPushConnector", "TraitsNixlPushConnectorWorker"]
 
 
-class TraitsNixlPushConnectorWorker(NixlPushConnectorWorker, TraitsWorkerBase):
+class TraitsNixlPushConnectorWorker(SeamPushWorker, TraitsWorkerBase):
     """vLLM's push-mode NIXL worker with its layout decisions taken from traits.
 
     Upstream's push worker comes first in the MRO, so its ``register_kv_caches`` (the
     writer thread, its mixed-memory refusal) wraps the traits registration, and its
     ``__init__`` runs the traits worker's (layout facts before vLLM's block-size sync).
+    Upstream's peer checks (0.34: identical block sizes, after its ``super()`` call) run
+    before the fingerprint check, as in the pull worker (:class:`~._seam.SeamPushWorker`):
+    a pair upstream refuses is refused with upstream's error.
     """
 
     def __init__(
@@ -66,24 +69,6 @@ class TraitsNixlPushConnectorWorker(NixlPushConnectorWorker, TraitsWorkerBase):
             self._traits_registry = registry
         self.options = options or connector_options(vllm_config, mode="push")
         super().__init__(vllm_config, engine_id, kv_cache_config)
-
-    # vLLM's push worker checks the peer after its super() call (0.34: identical block
-    # sizes), which here runs the traits check first. Upstream's checks go first, the
-    # fingerprint last, as in the pull worker: a pair upstream refuses is refused with
-    # upstream's error. Per thread: handshakes run on vLLM's background executor.
-    _upstream_checks_running = threading.local()
-
-    def _validate_remote_parallel_config(self, agent_metadata: Any) -> None:
-        self._upstream_checks_running.on = True
-        try:
-            super()._validate_remote_parallel_config(agent_metadata)
-        finally:
-            self._upstream_checks_running.on = False
-        TraitsWorkerBase.check_remote_fingerprint(self, agent_metadata)
-
-    def check_remote_fingerprint(self, agent_metadata: Any) -> None:
-        if not getattr(self._upstream_checks_running, "on", False):
-            super().check_remote_fingerprint(agent_metadata)
 
 
 class TraitsNixlPushConnector(NixlPushConnector):
@@ -108,24 +93,31 @@ class TraitsNixlPushConnector(NixlPushConnector):
         check_vllm_version()
         # Every key read and checked at once, before an agent exists.
         self.options = options or connector_options(vllm_config, mode="push")
-        apply_shm_wait(self.options.shm_wait)  # before this process waits on a queue
-        # NixlPushConnector.__init__ would build upstream's worker (a NIXL agent) first:
-        # its base's constructor and its one push check, then ours.
-        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        if vllm_config.parallel_config.decode_context_parallel_size > 1:
-            raise ValueError(
-                f"{PUSH_CONNECTOR_NAME} (as NixlPushConnector) does not support "
-                f"decode_context_parallel_size > 1; run the pull connector for DCP"
-            )
-        self.connector_scheduler: NixlPushConnectorScheduler | None = None
-        self.connector_worker: NixlPushConnectorWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = TraitsNixlPushConnectorScheduler(
-                vllm_config, self.engine_id, kv_cache_config
-            )
-        elif role == KVConnectorRole.WORKER:
-            self.connector_worker = TraitsNixlPushConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config, options=self.options
-            )
-        else:
-            raise ValueError(f"{PUSH_CONNECTOR_NAME}: unknown connector role {role!r}")
+        # Before this process waits on a queue; let go in shutdown (below).
+        with holding_shm_wait(self.options.shm_wait, self):
+            # NixlPushConnector.__init__ would build upstream's worker (a NIXL agent)
+            # first: its base's constructor and its one push check, then ours.
+            NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+            if vllm_config.parallel_config.decode_context_parallel_size > 1:
+                raise ValueError(
+                    f"{PUSH_CONNECTOR_NAME} (as NixlPushConnector) does not support "
+                    f"decode_context_parallel_size > 1; run the pull connector for DCP"
+                )
+            self.connector_scheduler: NixlPushConnectorScheduler | None = None
+            self.connector_worker: NixlPushConnectorWorker | None = None
+            if role == KVConnectorRole.SCHEDULER:
+                self.connector_scheduler = TraitsNixlPushConnectorScheduler(
+                    vllm_config, self.engine_id, kv_cache_config
+                )
+            elif role == KVConnectorRole.WORKER:
+                self.connector_worker = TraitsNixlPushConnectorWorker(
+                    vllm_config, self.engine_id, kv_cache_config, options=self.options
+                )
+            else:
+                raise ValueError(f"{PUSH_CONNECTOR_NAME}: unknown connector role {role!r}")
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()  # type: ignore[no-untyped-call]  # vLLM's is untyped
+        finally:
+            release_shm_wait(self)  # kvspec_shm_wait: the last connector puts vLLM's back

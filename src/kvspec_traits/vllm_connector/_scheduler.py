@@ -18,9 +18,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
-    NixlBaseConnectorScheduler,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
@@ -32,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits.vllm_connector._facts import SchedulerFacts, scheduler_facts
 from kvspec_traits.vllm_connector._lease import LEASE_KEY, LEASES_ATTR, lease_offer
+from kvspec_traits.vllm_connector._seam import SeamScheduler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,10 +44,10 @@ __all__ = [
 ]
 
 
-class TraitsSchedulerBase(NixlBaseConnectorScheduler):
-    """The traits half of both NIXL schedulers: upstream's per-group decisions
-    (``_is_hma_required``, ``blocks_per_sw``, ``_ssm_spec_blocks``, ``_has_mamba``)
-    from :class:`SchedulerFacts`."""
+class TraitsSchedulerBase(SeamScheduler):
+    """The traits half of both NIXL schedulers: upstream's per-group decisions (is the
+    hybrid allocator needed, ``blocks_per_sw``, the state groups' blocks, is there a
+    state) from :class:`SchedulerFacts`."""
 
     _traits_registry: Registry = default_registry
 
@@ -67,12 +65,12 @@ class TraitsSchedulerBase(NixlBaseConnectorScheduler):
         facts = scheduler_facts(kv_cache_config, self._traits_registry)
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.scheduler_facts: SchedulerFacts = facts
-        self._is_hma_required = (
+        self.is_hma_required = (
             not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and facts.hybrid
         )
         self.blocks_per_sw = list(facts.window_blocks)
-        self._ssm_spec_blocks = list(facts.state_scratch_blocks)
-        self._has_mamba = facts.has_state
+        self.ssm_spec_blocks = list(facts.state_scratch_blocks)
+        self.has_mamba = facts.has_state
 
 
 class TraitsNixlConnectorScheduler(TraitsSchedulerBase, NixlPullConnectorScheduler):
@@ -83,18 +81,18 @@ class TraitsNixlConnectorScheduler(TraitsSchedulerBase, NixlPullConnectorSchedul
         self, request: Request, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished(request, block_ids)
-        expiry = self._reqs_need_send.get(request.request_id)
+        expiry = self.reqs_need_send.get(request.request_id)
         if delay and params is not None and params.get("do_remote_prefill") and expiry:
             # The producer's deadline, in this process's perf_counter (the clock the
             # consumer's handshake measured): the consumer reads only before it.
-            params[LEASE_KEY] = lease_offer(expiry, self._kv_lease_duration)
+            params[LEASE_KEY] = lease_offer(expiry, self.kv_lease_duration)
         return delay, params
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         # Upstream's metadata keeps only the fields it knows; the lease rides beside it.
         offered = {
             req_id: (entry[0].kv_transfer_params or {}).get(LEASE_KEY)
-            for req_id, entry in self._reqs_need_recv.items()
+            for req_id, entry in self.reqs_need_recv.items()
         }
         meta = super().build_connector_meta(scheduler_output)
         if not isinstance(meta, NixlConnectorMetadata):

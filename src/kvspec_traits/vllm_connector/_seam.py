@@ -1,32 +1,556 @@
-"""The seam to vLLM's NIXL worker: where the connector's own layout answers are handed
-to the vLLM code it runs, in the vocabulary that code reads.
+"""The seam to vLLM: every private name of vLLM's that the connector reads, writes,
+overrides or calls is here and nowhere else under src/kvspec_traits, listed in
+:data:`NAMES` (owner, kind, the series that have it, why no public way serves) and
+checked against each vLLM series by tests/test_vllm_seam.py.
 
-vLLM's descriptor code (``_compute_desc_ids``, ``_build_fa_remote``, the TP mapping, the
-read planning) classifies each transfer group by a per-group type, ``_group_spec_types``,
-through ``tp_mapping._is_attention_spec`` / ``_is_ssm_spec`` and, in 0.32/0.33,
-``is CircularBufferSpec``. The connector decides each group's kind from traits
-(:class:`~kvspec_traits.vllm_connector._facts.GroupKind`) and gives vLLM's code the one
-vLLM class that stands for that kind (:func:`group_spec_types`): a group of a spec class
-vLLM has never seen is addressed as its traits say, not refused as "Unknown spec
-type". The state split (vLLM's ``_conv_decomp``) is the traits' too
-(:func:`conv_split_info`). Imports vLLM when called, never at import.
+vLLM's NIXL connector has no public hook for what the connector replaces (the layout
+decisions its worker takes from spec classes, the peer metadata its handshake decodes,
+the pull worker's read path), so the connector subclasses vLLM's classes. Here:
+
+- the seam classes override vLLM's private methods and forward to public-named methods
+  the connector's classes override (:meth:`SeamWorker.apply_layout_decisions`, ...),
+  and give the private attributes the connector reads or writes names of ours
+  (:class:`_Alias`; the contract test checks vLLM's classes have no such name);
+- what only some series keep is probed on the object (vLLM's tests build workers with
+  ``object.__new__``: an attribute is there exactly when the code reading it can be);
+- the group kind tags and the state split in vLLM's vocabulary;
+- the one process-wide change to vLLM, :class:`QueueWaitSwitch`.
+
+Cut for a public way: ``KVConnectorFactory._registry`` (``_gate.register_with_vllm``
+registers through ``register_connector``, which refuses a registered name).
+Imports vLLM's NIXL modules: import it only where vLLM is already needed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import dataclasses
+import enum
+import threading
+import types
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Generic, Self, TypeVar, cast, overload
 
+from vllm.distributed import utils as vllm_utils
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
+    NixlBaseConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlAgentMetadata,
+    NixlConnectorMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+    NixlPushConnectorWorker,
+)
+
+from kvspec_traits.transfer import RegionPlan
+from kvspec_traits.vllm_connector._errors import UpstreamDisagreesError
 from kvspec_traits.vllm_connector._facts import GroupKind, StateSplit
+from kvspec_traits.vllm_connector._fields import replicated_state_region
 
-__all__ = ["conv_split_info", "group_spec_types", "kind_tag"]
+__all__ = [
+    "NAMES",
+    "Kind",
+    "QueueWaitSwitch",
+    "SeamPullWorker",
+    "SeamPushWorker",
+    "SeamScheduler",
+    "SeamWorker",
+    "VllmName",
+    "connector_metadata",
+    "conv_split_info",
+    "group_spec_types",
+    "kind_tag",
+    "queue_wait_switch",
+    "worker_fields",
+]
+
+_T = TypeVar("_T")
+_V = TypeVar("_V")
+
+
+class Kind(enum.StrEnum):
+    """What the connector does with a name (the contract test checks each kind its way)."""
+
+    ATTRIBUTE = "attribute"  # set on instances by vLLM's code
+    CLASS_ATTRIBUTE = "class attribute"
+    OVERRIDDEN = "method overridden"
+    CALLED = "method called"
+    FUNCTION_GLOBAL = "function global"  # a module global a vLLM function reads
+    MODULE_FLAG = "module flag"
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmName:
+    """One name of vLLM's the connector uses: ``owner`` (a class, module or function)
+    holds ``name`` in the vLLM ``series`` listed, and ``why`` no public way serves."""
+
+    owner: type | types.ModuleType | Callable[..., Any]
+    name: str
+    kind: Kind
+    series: frozenset[str]
+    why: str
+
+
+_ALL = frozenset({"0.32", "0.33", "0.34"})
+_TO_33 = frozenset({"0.32", "0.33"})
+_FROM_33 = frozenset({"0.33", "0.34"})
+_ONLY_34 = frozenset({"0.34"})
+_W, _PW, _S = NixlBaseConnectorWorker, NixlPullConnectorWorker, NixlBaseConnectorScheduler
+_A, _CA, _O, _C = Kind.ATTRIBUTE, Kind.CLASS_ATTRIBUTE, Kind.OVERRIDDEN, Kind.CALLED
+_CLASS_RULE = "vLLM's decision from spec classes; no hook replaces it"
+_BOOK = "register_kv_caches' bookkeeping, set from our plan; no setter"
+
+NAMES: tuple[VllmName, ...] = (
+    # The worker's decisions from spec classes (its __init__), replaced from traits.
+    VllmName(
+        _W,
+        "_sync_block_size_with_kernel",
+        _O,
+        _ALL,
+        "runs between the constructor's class answers and their use",
+    ),
+    VllmName(_W, "_is_hma_required", _A, _ALL, _CLASS_RULE),
+    VllmName(_W, "_has_mamba", _A, _ALL, _CLASS_RULE),
+    VllmName(_W, "_is_csa_linear", _A, _ALL, _CLASS_RULE),
+    VllmName(_W, "_ple_group_index", _A, _ALL, _CLASS_RULE),
+    VllmName(_W, "_conv_decomp", _A, _ALL, _CLASS_RULE),
+    VllmName(_W, "_mamba_ssm_size", _A, _ALL, _CLASS_RULE),
+    VllmName(_W, "_group_spec_types", _A, _ALL, _CLASS_RULE),
+    VllmName(_W, "_dcp_replicated_groups", _A, _ONLY_34, _CLASS_RULE),
+    VllmName(
+        _W,
+        "_logical_to_kernel_block_ids",
+        _O,
+        _ALL,
+        "expands by spec class; no hook for group kinds",
+    ),
+    # What register_kv_caches keeps (the worker's is replaced, not extended).
+    VllmName(_W, "_region_is_mla", _A, _ALL, _BOOK),
+    VllmName(_W, "_ssm_region_indices", _A, _ALL, _BOOK),
+    VllmName(_W, "_scratch_region_indices", _A, _TO_33, _BOOK),
+    VllmName(_W, "_ple_region_index", _A, _ALL, _BOOK),
+    VllmName(_W, "_ple_block_len", _A, _ALL, _BOOK),
+    VllmName(_W, "_mixed_mem_types", _A, _ALL, _BOOK),
+    VllmName(_W, "_uses_region_group_mapping", _A, _TO_33, _BOOK),
+    VllmName(_W, "dst_uses_region_group_mapping", _A, _TO_33, f"public name, probed: {_BOOK}"),
+    VllmName(_W, "_skip_dram_xfer", _A, _ALL, _BOOK),
+    VllmName(_W, "_remote_region_offset", _A, _TO_33, _BOOK),
+    VllmName(_W, "_group_region_indices", _A, _ONLY_34, _BOOK),
+    VllmName(_W, "_head_sharded_draft_regions", _A, _FROM_33, _BOOK),
+    VllmName(_W, "_packed_member_layouts", _A, _FROM_33, _BOOK),
+    VllmName(_W, "_set_region_layers", _C, _ALL, "no public setter for the per-layer region maps"),
+    VllmName(
+        _W,
+        "_leaves_dram_xfer_to_rank0",
+        _C,
+        _ALL,
+        "vLLM's HiSparse rank-0 rule; private, not re-derived",
+    ),
+    VllmName(
+        _W,
+        "_get_head_sharded_draft_regions",
+        _C,
+        _FROM_33,
+        "vLLM's draft-region rule; private, not re-derived",
+    ),
+    VllmName(
+        _W, "_registered_descs", _A, _ALL, "vLLM deregisters them at shutdown; no register API"
+    ),
+    # What the worker reads of vLLM's state.
+    VllmName(_W, "_TRANSFER_MODE", _CA, _ALL, "the worker's mode; no public attribute"),
+    VllmName(_W, "_supports_pp_hma", _CA, _ALL, "push workers' flag (compat hash); no public one"),
+    VllmName(
+        _W,
+        "_physical_blocks_per_logical_kv_block",
+        _A,
+        _ALL,
+        "kernel blocks per block; no public one",
+    ),
+    VllmName(_W, "_has_packed_cache", _A, _ALL, "vLLM's block-outermost test; no public one"),
+    VllmName(
+        _W, "_transfer_layer_region_indices", _A, _TO_33, "the regions vLLM moves; no public list"
+    ),
+    VllmName(_W, "_tracks_region_layers", _C, _TO_33, "whether vLLM keeps region members; private"),
+    VllmName(
+        _W, "_requires_layer_name_routing", _C, _TO_33, "whether PP stages pair by name; private"
+    ),
+    # The handshake: the peer's metadata decoded into ours, checked after vLLM's checks.
+    VllmName(_W, "_nixl_handshake", _O, _ALL, "the peer checks wrap it; no handshake hook"),
+    VllmName(
+        _W._nixl_handshake,
+        "NixlAgentMetadata",
+        Kind.FUNCTION_GLOBAL,
+        _ALL,
+        "the decode class; no parameter, so ours goes in a copy",
+    ),
+    VllmName(
+        _W,
+        "_validate_remote_parallel_config",
+        _O,
+        _ALL,
+        "the one call given the decoded peer metadata",
+    ),
+    # The pull worker's read path (leases that fail closed).
+    VllmName(_PW, "_send_heartbeats", _O, _ALL, "no hook around the heartbeats sent"),
+    VllmName(_PW, "_read_blocks_for_req", _O, _ALL, "no hook before a read starts"),
+    VllmName(_PW, "_pop_done_transfers", _O, _ALL, "no hook after a read completes"),
+    VllmName(_PW, "_handle_failed_transfer", _C, _ALL, "vLLM's failed-read path; no public one"),
+    VllmName(_PW, "_engine_clock_offset", _A, _ALL, "the handshake's clock offset; no getter"),
+    VllmName(_PW, "_remote_agents", _A, _ALL, "which engines are handshaken; no getter"),
+    VllmName(_PW, "_recving_transfers", _A, _ALL, "tells reads from writes; no getter"),
+    VllmName(_PW, "_recving_metadata", _A, _ALL, "the request of a done read; no getter"),
+    VllmName(_PW, "_recv_failures", _A, _ALL, "where vLLM collects failed reads; no API"),
+    # The scheduler's decisions from spec classes, and the lease it keeps.
+    VllmName(_S, "_is_hma_required", _A, _ALL, _CLASS_RULE),
+    VllmName(_S, "_ssm_spec_blocks", _A, _ALL, _CLASS_RULE),
+    VllmName(_S, "_has_mamba", _A, _ALL, _CLASS_RULE),
+    VllmName(_S, "_reqs_need_send", _A, _ALL, "a finished prefill's lease deadline; no getter"),
+    VllmName(_S, "_reqs_need_recv", _A, _ALL, "a received request's params; no getter"),
+    VllmName(
+        _S, "_kv_lease_duration", _A, _ALL, "the lease vLLM applies (its parse of the config)"
+    ),
+    # The connector.
+    VllmName(
+        KVConnectorBase_V1,
+        "_connector_metadata",
+        _A,
+        _ALL,
+        "its getter is private too, and asserts",
+    ),
+    VllmName(
+        vllm_utils,
+        "USE_SCHED_YIELD",
+        Kind.MODULE_FLAG,
+        _ALL,
+        "vLLM's own switch; no per-queue or config option",
+    ),
+)
+
+
+class _Alias(Generic[_V]):
+    """A name of ours for one of vLLM's private attributes: reads and writes go to
+    vLLM's; ``default`` answers where the object has none (a series without it, or a
+    worker built with ``object.__new__``)."""
+
+    def __init__(self, name: str, *default: _V) -> None:
+        self.name = name
+        self.default = default
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Self: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> _V: ...
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if self.default:
+            return getattr(obj, self.name, self.default[0])
+        return getattr(obj, self.name)
+
+    def __set__(self, obj: object, value: _V) -> None:
+        setattr(obj, self.name, value)
+
+
+# Set on the running thread while vLLM's own peer checks run inside a push worker's.
+_upstream_checks = threading.local()
+
+
+class SeamWorker(NixlBaseConnectorWorker):
+    """vLLM's NIXL worker (both modes): its private hooks forward to the public methods
+    below, which do what vLLM does until the connector's worker overrides them."""
+
+    peer_metadata_class: type[NixlAgentMetadata] = NixlAgentMetadata
+    """The class vLLM's handshake decodes the peer's agent metadata into."""
+
+    is_hma_required = _Alias[bool]("_is_hma_required")
+    has_mamba = _Alias[bool]("_has_mamba")
+    is_csa_linear = _Alias[bool]("_is_csa_linear")
+    ple_group_index = _Alias["int | None"]("_ple_group_index")
+    conv_decomp = _Alias[Any]("_conv_decomp")
+    mamba_ssm_size = _Alias["tuple[int, int]"]("_mamba_ssm_size")
+    group_spec_types = _Alias["tuple[type[Any], ...]"]("_group_spec_types")
+    region_is_mla = _Alias["list[bool]"]("_region_is_mla")
+    ple_region_index = _Alias["int | None"]("_ple_region_index")
+    ple_block_len = _Alias["int | None"]("_ple_block_len")
+    mixed_mem_types = _Alias[bool]("_mixed_mem_types")
+    uses_region_group_mapping = _Alias[bool]("_uses_region_group_mapping")
+    skip_dram_xfer = _Alias[bool]("_skip_dram_xfer")
+    remote_region_offset = _Alias[int]("_remote_region_offset")
+    registered_descs = _Alias["list[Any]"]("_registered_descs")
+    transfer_mode = _Alias[str]("_TRANSFER_MODE")
+    supports_pp_hma = _Alias[bool]("_supports_pp_hma")
+    physical_blocks_per_logical_kv_block = _Alias[int]("_physical_blocks_per_logical_kv_block")
+    has_packed_cache = _Alias[bool]("_has_packed_cache", False)
+
+    # -- vLLM's private hooks, forwarded -------------------------------------------------
+
+    def _sync_block_size_with_kernel(self) -> None:
+        self.apply_layout_decisions()
+        super()._sync_block_size_with_kernel()
+
+    def apply_layout_decisions(self) -> None:
+        """Called from vLLM's ``__init__`` once it has taken its class-based decisions,
+        before its kernel block-size sync reads them."""
+
+    def _logical_to_kernel_block_ids(self, block_ids: Any, ratio: int) -> Any:
+        return self.logical_to_kernel_block_ids(block_ids, ratio)
+
+    def logical_to_kernel_block_ids(self, block_ids: Any, ratio: int) -> Any:
+        """Manager blocks to kernel blocks (``ratio`` per block), per transfer group."""
+        return super()._logical_to_kernel_block_ids(block_ids, ratio)
+
+    def _nixl_handshake(
+        self, host: str, port: int, remote_tp_size: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        remote_pp_size = int(kwargs.get("remote_pp_size", args[2] if len(args) > 2 else 1))
+        upstream = super()._nixl_handshake
+
+        def handshake() -> Any:
+            decoding = _decoding_as(upstream, self.peer_metadata_class)
+            return decoding(host, port, remote_tp_size, *args, **kwargs)
+
+        return self.nixl_handshake(host, port, remote_tp_size, remote_pp_size, handshake)
+
+    def nixl_handshake(
+        self,
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        remote_pp_size: int,
+        handshake: Callable[[], _T],
+    ) -> _T:
+        """vLLM's handshake with ``host:port``: ``handshake()`` runs it, decoding the
+        peer's metadata into :attr:`peer_metadata_class`."""
+        return handshake()
+
+    def _validate_remote_parallel_config(self, agent_metadata: NixlAgentMetadata) -> None:
+        super()._validate_remote_parallel_config(agent_metadata)
+        if not getattr(_upstream_checks, "running", False):
+            self.check_remote_fingerprint(agent_metadata)
+
+    def check_remote_fingerprint(self, agent_metadata: NixlAgentMetadata) -> None:
+        """Called with the peer's decoded metadata after vLLM's checks of it."""
+
+    # -- vLLM's private methods and what each series keeps -------------------------------
+
+    def set_region_layers(self, region_layers: list[list[str]]) -> None:
+        self._set_region_layers(region_layers)
+
+    def leaves_dram_xfer_to_rank0(self) -> bool:
+        return self._leaves_dram_xfer_to_rank0()
+
+    def keep_plan_fields(self, plan: RegionPlan) -> None:
+        """Set :func:`worker_fields` of ``plan`` but the members and descriptor count
+        (which each series keeps its own way)."""
+        fields = worker_fields(plan)
+        self.kv_caches_base_addr[self.engine_id][self.tp_rank] = fields.pop("kv_caches_base_addr")
+        del fields["region_members"], fields["num_descs"]
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def transfer_layer_region_indices(self) -> list[int]:
+        """vLLM 0.32/0.33: the regions of the transfer layers (0.34 keeps no such list)."""
+        return list(getattr(self, "_transfer_layer_region_indices", []))
+
+    def tracks_region_layers(self) -> bool:
+        """Whether the worker keeps each region's member layers: vLLM 0.32/0.33 where it
+        routes by layer name (``_tracks_region_layers()``); 0.34 always."""
+        tracks = getattr(self, "_tracks_region_layers", None)
+        return tracks is None or bool(tracks())
+
+    def stage_regions_by_position(self) -> bool:
+        """Whether a pipeline-parallel stage pairs its regions with its PP 1 peer's by
+        position: vLLM 0.32/0.33 slice the peer's regions from the stage's first layer on
+        (:attr:`remote_region_offset`), unless the worker routes by layer name
+        (``_requires_layer_name_routing()``: push with HMA or packed rows). vLLM 0.34 has
+        neither: ``add_remote_agent`` pairs every region by the layers both sides hold."""
+        routes_by_name = getattr(self, "_requires_layer_name_routing", None)
+        return routes_by_name is not None and not routes_by_name()
+
+    def keep_dst_region_group_mapping(self, engine_id: str, uses_mapping: bool) -> None:
+        """vLLM 0.32/0.33 keep, per engine, whether region group ids route transfers."""
+        if hasattr(self, "dst_uses_region_group_mapping"):
+            self.dst_uses_region_group_mapping[engine_id] = uses_mapping
+
+    def keep_group_region_indices(
+        self, regions: Sequence[tuple[int, Collection[int]]], groups: int
+    ) -> None:
+        """vLLM 0.34: per transfer group (``groups`` of them), its regions in region
+        order (``None`` for a group without one); ``regions``: each (index, group ids)."""
+        if hasattr(self, "_group_region_indices"):
+            self._group_region_indices = [
+                [index for index, ids in regions if group in ids] or None for group in range(groups)
+            ]
+
+    def derive_region_sets(self, packed_layouts: dict[str, tuple[int, int]]) -> None:
+        """What vLLM 0.33+ derives from the regions once they are set: the head-sharded
+        draft regions, and each layer's place in a packed row (``packed_layouts``: layer
+        -> (offset, length), ``_fields.packed_layouts``)."""
+        if hasattr(self, "_get_head_sharded_draft_regions"):
+            self._head_sharded_draft_regions = self._get_head_sharded_draft_regions()
+        if hasattr(self, "_packed_member_layouts"):
+            self._packed_member_layouts = dict(packed_layouts)
+
+    def keep_dcp_replicated_groups(
+        self, replicated: Collection[int], groups: Sequence[Any]
+    ) -> None:
+        """vLLM 0.34: the transfer groups a DCP peer holds whole on every rank (which
+        vLLM derives from MLA classes): the groups whose layers are all TP-replicated
+        (``replicated``), less those the spec marks as split over DCP ranks
+        (``dcp_sharded``, a field of every vLLM spec)."""
+        if hasattr(self, "_dcp_replicated_groups"):
+            self._dcp_replicated_groups = {
+                i for i in replicated if not getattr(groups[i].spec, "dcp_sharded", False)
+            }
+
+
+class SeamPushWorker(NixlPushConnectorWorker, SeamWorker):
+    """vLLM's push worker: vLLM's peer checks (0.34's own, after its ``super()`` call)
+    all run before :meth:`check_remote_fingerprint`, as in the pull worker, so a pair
+    vLLM refuses is refused with vLLM's error."""
+
+    def _validate_remote_parallel_config(self, agent_metadata: NixlAgentMetadata) -> None:
+        _upstream_checks.running = True
+        try:
+            super()._validate_remote_parallel_config(agent_metadata)
+        finally:
+            _upstream_checks.running = False
+        self.check_remote_fingerprint(agent_metadata)
+
+
+class SeamPullWorker(NixlPullConnectorWorker):
+    """vLLM's pull worker: its read path's private steps forward to public methods,
+    each given vLLM's step (``upstream``) to run."""
+
+    engine_clock_offset = _Alias["dict[str, float]"]("_engine_clock_offset")
+    remote_agents = _Alias["dict[str, Any]"]("_remote_agents")
+    recving_transfers = _Alias["dict[str, Any]"]("_recving_transfers")
+    recving_metadata = _Alias["dict[str, Any]"]("_recving_metadata")
+
+    def _send_heartbeats(self, metadata: NixlConnectorMetadata) -> None:
+        self.send_heartbeats(metadata, super()._send_heartbeats)
+
+    def send_heartbeats(
+        self, metadata: NixlConnectorMetadata, upstream: Callable[[NixlConnectorMetadata], None]
+    ) -> None:
+        upstream(metadata)
+
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        self.read_blocks_for_req(req_id, meta, super()._read_blocks_for_req)
+
+    def read_blocks_for_req(
+        self, req_id: str, meta: Any, upstream: Callable[[str, Any], None]
+    ) -> None:
+        upstream(req_id, meta)
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        return self.pop_done_transfers(transfers, super()._pop_done_transfers)
+
+    def pop_done_transfers(
+        self,
+        transfers: dict[str, list[int]],
+        upstream: Callable[[dict[str, list[int]]], tuple[set[str], set[str]]],
+    ) -> tuple[set[str], set[str]]:
+        return upstream(transfers)
+
+    def fail_read(self, req_id: str) -> None:
+        """vLLM's failed read without a transport failure (as its expired readback)."""
+        self._handle_failed_transfer(
+            req_id, None, self._recv_failures, record_failed_transfer=False
+        )
+
+
+class SeamScheduler(NixlBaseConnectorScheduler):
+    """vLLM's NIXL scheduler (both modes), its private decisions and lease state under
+    names of ours."""
+
+    is_hma_required = _Alias[bool]("_is_hma_required")
+    ssm_spec_blocks = _Alias["list[int | None]"]("_ssm_spec_blocks")
+    has_mamba = _Alias[bool]("_has_mamba")
+    reqs_need_send = _Alias["dict[str, float]"]("_reqs_need_send")
+    reqs_need_recv = _Alias["dict[str, Any]"]("_reqs_need_recv")
+    kv_lease_duration = _Alias[float]("_kv_lease_duration")
+
+
+def connector_metadata(connector: KVConnectorBase_V1) -> object:
+    """The metadata bound to ``connector`` for this step (``None`` if none is)."""
+    return connector._connector_metadata
+
+
+def _decoding_as(handshake: Callable[..., _T], metadata_class: type) -> Callable[..., _T]:
+    """vLLM's bound ``_nixl_handshake``, run so that the agent metadata it decodes is a
+    ``metadata_class``: the function with a copy of its module's globals, taken at each
+    call, in which ``NixlAgentMetadata`` is that class (vLLM's module, and any other
+    reader in the process, keeps its own). Raises :class:`UpstreamDisagreesError` when
+    the series' handshake no longer decodes by that name (the class would be dropped)."""
+    if metadata_class is NixlAgentMetadata:
+        return handshake
+    func = getattr(handshake, "__func__", None)
+    owner = getattr(handshake, "__self__", None)
+    if not isinstance(func, types.FunctionType) or "NixlAgentMetadata" not in (
+        func.__code__.co_names
+    ):
+        raise UpstreamDisagreesError(
+            "how the handshake decodes the peer's agent metadata",
+            getattr(handshake, "__qualname__", handshake),
+            "a method that decodes with its module's NixlAgentMetadata",
+        )
+    scope = dict(func.__globals__)
+    scope["NixlAgentMetadata"] = metadata_class
+    clone = types.FunctionType(
+        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+    )
+    clone.__kwdefaults__ = func.__kwdefaults__
+    return cast("Callable[..., _T]", types.MethodType(clone, owner))
+
+
+def worker_fields(plan: RegionPlan) -> dict[str, Any]:
+    """``plan`` under the attribute names of vLLM's NIXL worker (0.32-0.34), as
+    ``register_kv_caches`` keeps them: what the connector's worker sets, and what a
+    test compares field by field with upstream's bookkeeping.
+
+    Raises ``ValueError`` as :func:`~._fields.replicated_state_region` does.
+    """
+    regions = plan.regions
+    return {
+        "kv_caches_base_addr": [r.base_addr for r in regions],
+        "block_len_per_layer": [r.block_len for r in regions],
+        "block_stride_per_layer": [r.block_stride for r in regions],
+        "region_num_blocks": [r.num_blocks for r in regions],
+        "region_group_ids": plan.region_group_ids,
+        "region_names": plan.region_names,
+        "region_members": [list(r.layers) for r in regions],
+        "region_mem_types": [r.mem_type for r in regions],
+        # REPLICATE (True) or SPLIT (False) per region.
+        "_region_is_mla": [r.replicated for r in regions],
+        "_ssm_region_indices": [r.index for r in regions if r.sharded_state],
+        "_scratch_region_indices": [r.index for r in regions if r.scratch],
+        "_ple_region_index": replicated_state_region(plan),
+        "num_regions": len(regions),
+        # The descriptors of the plan's strided list, expanded.
+        "num_descs": sum(r.num_blocks for r in regions),
+    }
+
+
+# -- group kinds and the state split, in vLLM's vocabulary ------------------------------
+# vLLM's descriptor code (descriptor ids, remote build, TP mapping, read planning)
+# classifies each transfer group by its ``_group_spec_types`` entry (through
+# ``tp_mapping``'s ``_is_attention_spec`` / ``_is_ssm_spec`` and, in 0.32/0.33,
+# ``is CircularBufferSpec``). The connector decides each group's kind from traits and
+# gives vLLM the one vLLM class that stands for that kind: a group of a spec class vLLM
+# has never seen is addressed as its traits say, not refused as "Unknown spec type".
 
 
 def kind_tag(kind: GroupKind) -> type[Any]:
     """The vLLM class that vLLM's NIXL worker reads as ``kind``: ``AttentionSpec`` for
-    paged groups (``_is_attention_spec``), ``CircularBufferSpec`` for rings (an
-    ``AttentionSpec`` too, picked out by identity for its scratch regions),
-    ``MambaSpec`` for states (``_is_ssm_spec``). A tag only: never instantiated."""
+    paged groups, ``CircularBufferSpec`` for rings (an ``AttentionSpec`` too, picked out
+    by identity for its scratch regions), ``MambaSpec`` for states. A tag only: never
+    instantiated."""
     from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, MambaSpec
 
     tags: dict[GroupKind, type[Any]] = {
@@ -38,7 +562,7 @@ def kind_tag(kind: GroupKind) -> type[Any]:
 
 
 def group_spec_types(kinds: Sequence[GroupKind]) -> tuple[type[Any], ...]:
-    """vLLM's ``_group_spec_types`` for transfer groups of these kinds."""
+    """vLLM's per-group types for transfer groups of these kinds."""
     return tuple(kind_tag(kind) for kind in kinds)
 
 
@@ -54,3 +578,57 @@ def conv_split_info(split: StateSplit) -> Any:
         conv_dtype_size=split.conv_dtype_size,
         ssm_sizes=split.sizes,
     )
+
+
+# -- the one process-wide change --------------------------------------------------------
+
+
+class QueueWaitSwitch:
+    """vLLM's shared-memory queue readers wait between checks with ``sched_yield()``,
+    which is ``os.sched_yield()`` while the module flag ``vllm.distributed.utils.
+    USE_SCHED_YIELD`` is true and ``time.sleep(0)`` while it is false (vLLM's own choice
+    on Python < 3.11.1). A connector built with ``kvspec_shm_wait: "sleep"`` holds the
+    flag false (:meth:`hold_sleep`); the first holder records the value it found, and
+    the last one to let go (:meth:`release`, from the connector's ``shutdown``) puts that
+    value back. A connector never shut down holds it until the process ends (vLLM keeps
+    its connectors until then)."""
+
+    FLAG = "USE_SCHED_YIELD"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: dict[int, object] = {}  # by identity, kept alive until released
+        self.previous: bool | None = None
+        """The flag's value before the first holder set it (``None``: not held)."""
+
+    def available(self) -> bool:
+        """Whether this vLLM has the flag (a boolean ``USE_SCHED_YIELD``)."""
+        return isinstance(getattr(vllm_utils, self.FLAG, None), bool)
+
+    def hold_sleep(self, holder: object) -> bool:
+        """Make the queue readers of this process sleep until ``holder`` (and every
+        other holder) lets go; the value the flag had (True: they yielded)."""
+        with self._lock:
+            was = bool(getattr(vllm_utils, self.FLAG))
+            if not self._holders:
+                self.previous = was
+            self._holders[id(holder)] = holder
+            setattr(vllm_utils, self.FLAG, False)
+            return was
+
+    def release(self, holder: object) -> None:
+        """``holder`` lets go; the last holder puts back the value recorded."""
+        with self._lock:
+            if self._holders.pop(id(holder), None) is None:
+                return
+            if not self._holders and self.previous is not None:
+                setattr(vllm_utils, self.FLAG, self.previous)
+                self.previous = None
+
+
+_QUEUE_WAIT = QueueWaitSwitch()
+
+
+def queue_wait_switch() -> QueueWaitSwitch:
+    """The switch of this process (one: the flag is process-wide)."""
+    return _QUEUE_WAIT
