@@ -22,8 +22,8 @@ SUPPORTED_VLLM_SERIES: Final = ("0.32", "0.33", "0.34")
 
 
 def vllm_series(version: str) -> str:
-    """The release series of a vLLM version: ``"0.33"`` of ``"0.33.1+cpu"`` (for the
-    audit, which imports nothing of the connector; the connector's gate parses alike)."""
+    """The release series of a vLLM version: ``"0.33"`` of ``"0.33.1+cpu"``: the one
+    parse of a vLLM version (the audit's, and the connector's gate re-exports it)."""
     parts = version.split("+", 1)[0].split(".")
     return ".".join(parts[:2])
 

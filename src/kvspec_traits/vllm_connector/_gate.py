@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Final
 
-from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs
+from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs, vllm_series
 from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
 from kvspec_traits.vllm_connector._names import (
     CONNECTOR_NAME,
@@ -34,13 +34,6 @@ def installed_vllm() -> str:
         import vllm
 
     return str(getattr(vllm, "__version__", "unknown"))
-
-
-def vllm_series(version: str) -> str:
-    """The release series of a vLLM version: ``"0.33"`` of ``"0.33.1+cpu"``. The one
-    parse of a vLLM version (the gate and :func:`series_quirks` ask it)."""
-    parts = version.split("+", 1)[0].split(".")
-    return ".".join(parts[:2])
 
 
 def check_vllm_version(installed: str | None = None) -> str:
