@@ -37,6 +37,7 @@ from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
+    KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     MLAAttentionSpec,
@@ -102,6 +103,29 @@ class Model:
     remote_blocks: tuple[tuple[int, ...], ...]
     local_blocks: tuple[tuple[int, ...], ...]
     uniform: bool = False
+    side_by_side: bool = False
+    """The groups' pages in allocations of their own, one after the other, instead of
+    overlaid from byte 0 (vLLM's hybrid allocator overlays groups of one page size; these
+    groups' pages differ in size, and the test's block ids need not avoid each other)."""
+
+    def config(self, tp: int) -> KVCacheConfig:
+        """The model's ``KVCacheConfig`` at TP size ``tp``, laid out as vLLM does."""
+        groups = self.kv_groups(tp)
+        if not self.side_by_side:
+            return layouts.kv_cache_config(groups, NB, LAYOUT)
+        parts = [layouts.kv_cache_config([g], NB, LAYOUT) for g in groups]
+        total = sum(part.kv_cache_tensors[0].size for part in parts)
+        tensors, offset = [], 0
+        for part in parts:
+            for t in part.kv_cache_tensors:
+                tensors.append(dataclasses.replace(t, size=total, offset=offset + t.offset))
+            offset += part.kv_cache_tensors[0].size
+        return KVCacheConfig(
+            num_blocks=NB,
+            kv_cache_tensors=tensors,
+            kv_cache_groups=groups,
+            kv_cache_layout=LAYOUT.name,
+        )
 
     def kv_groups(self, tp: int) -> list[KVCacheGroupSpec]:
         out = []
@@ -230,6 +254,15 @@ MODELS = {
             ((4, 1),),
             uniform=True,
         ),
+        # vLLM's own MLA + GQA mix in groups of their own (pages of other sizes: side
+        # by side in the allocation).
+        Model(
+            "mla+gqa groups",
+            ((_layer(0, "attn", "heads", full),), (_layer(1, "draft", "replicated", mla),)),
+            ((2, 5), (6,)),
+            ((4, 1), (3,)),
+            side_by_side=True,
+        ),
         # The state class beside vLLM's full attention (a hybrid model: state and
         # attention groups, one page size).
         Model(
@@ -298,7 +331,7 @@ def rank_worker(
         vllm_config = _vllm_config(tiny_models / LLAMA, LAYOUT, None)
         vllm_config.parallel_config.tensor_parallel_size = tp
         vllm_config.cache_config.block_size = BLOCK
-        config = layouts.kv_cache_config(model.kv_groups(tp), NB, LAYOUT)
+        config = model.config(tp)
         caches = layouts.allocate(config, LAYOUT)
         layouts.fill_pattern(caches, seed=hash((engine, rank)) & 0xFFFF)
         with (
@@ -424,7 +457,15 @@ def test_the_classes_traits_come_from_their_adapters_alone() -> None:
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_PAIRS)
 @pytest.mark.parametrize(
-    "name", ["latent", "windowed", "windowed+full", "latent+full uniform", "mla+gqa uniform"]
+    "name",
+    [
+        "latent",
+        "windowed",
+        "windowed+full",
+        "latent+full uniform",
+        "mla+gqa uniform",
+        "mla+gqa groups",
+    ],
 )
 def test_new_and_mixed_classes_move_byte_exact(
     name: str, prefill_tp: int, decode_tp: int, rank_worker: Callable[..., Any]
