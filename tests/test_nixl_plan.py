@@ -30,17 +30,16 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvspec_traits import TokenScope, TPLayout
 from kvspec_traits.extend import LayoutTraits, default_registry
 from kvspec_traits.nixl import (
-    BlockIdError,
     MissingPeerError,
     block_desc_ids,
     build_block_descs,
     build_state_descs,
     merge_runs,
-    peer_regions,
     transfer_items,
 )
 from kvspec_traits.transfer import (
     SHARED_REGION_GROUP_ID,
+    BlockIdError,
     MissingLayerError,
     PlanLayout,
     Read,
@@ -48,6 +47,7 @@ from kvspec_traits.transfer import (
     RegionPlan,
     Rows,
     UnsupportedLayoutError,
+    peer_regions,
     plan_regions,
     tp_reads,
 )

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvspec_traits._registry import Registry, default_registry
+from kvspec_traits._traits import has_ring
 from kvspec_traits.transfer._config import config_facts, transfer_groups
 from kvspec_traits.transfer._errors import MissingLayerError
 from kvspec_traits.transfer._geometry import (
@@ -23,14 +24,8 @@ from kvspec_traits.transfer._geometry import (
     rows_of,
 )
 from kvspec_traits.transfer._merge import merge_region
-from kvspec_traits.transfer._region import (
-    MemoryRange,
-    PlanLayout,
-    RegionPlan,
-    Rows,
-    has_ring,
-    region_sort_key,
-)
+from kvspec_traits.transfer._region import MemoryRange, PlanLayout, Rows, region_sort_key
+from kvspec_traits.transfer._region_plan import RegionPlan
 from kvspec_traits.transfer._tp import shard_count
 
 if TYPE_CHECKING:

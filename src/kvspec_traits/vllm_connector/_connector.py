@@ -34,10 +34,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 
 from kvspec_traits._registry import Registry, default_registry
+from kvspec_traits._traits import is_state
 from kvspec_traits.nixl._progress import progress_delay
 from kvspec_traits.nixl._register import register_ranges
 from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
-from kvspec_traits.transfer._region import is_state
 from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._facts import GroupKind, LayoutFacts, layout_facts

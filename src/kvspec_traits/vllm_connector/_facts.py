@@ -11,10 +11,16 @@ from typing import TYPE_CHECKING
 
 from kvspec_traits._group import representative_traits
 from kvspec_traits._registry import Registry, default_registry
-from kvspec_traits._traits import KVLayoutTraits, PageComponent, TokenScope, TPLayout
+from kvspec_traits._traits import (
+    KVLayoutTraits,
+    PageComponent,
+    TokenScope,
+    TPLayout,
+    has_ring,
+    is_state,
+)
 from kvspec_traits._transfer_rule import transfer_rule
 from kvspec_traits.transfer._config import CacheGroupTraits, TransferGroup, cache_group_traits
-from kvspec_traits.transfer._region import has_ring, is_state
 from kvspec_traits.vllm_connector._errors import (
     UnknownStateBlocksError,
     UnsupportedStateLayoutError,
