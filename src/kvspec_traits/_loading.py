@@ -40,7 +40,7 @@ class Loader:
         builtins: bool,
         entry_points: bool,
     ) -> None:
-        self._registry = registry
+        self._target = registry
         self._accounting = accounting
         self._lock = lock
         self._changed = changed
@@ -130,7 +130,7 @@ class Loader:
                 "`register(registry: kvspec_traits.extend.Registry) -> None`",
             )
         try:
-            hook(self._registry)
+            hook(self._target)
         except Exception as exc:
             raise AdapterPluginError(
                 ep.name, f"{where} raised {exc!r}; fix or uninstall that package"

@@ -115,13 +115,6 @@ class Registry:
     ``Registry()`` loads the built-in vLLM adapters and the entry-point adapters on first
     use; ``Registry(builtins=False, entry_points=False)`` starts empty. :meth:`copy`
     gives an isolated registry for tests.
-
-    A registry owns three parts, each an object of its own: its registrations and the
-    plan of each spec class (``_accounting``, an :class:`~kvspec_traits._accounting.
-    Accounting`), what loads built-ins and entry points into them (``_loader``, a
-    :class:`~kvspec_traits._loading.Loader`) and its per-spec answers (``_answers``, an
-    :class:`~kvspec_traits._caches.Answers`, read by the warm path). One lock guards all
-    three; every change of registrations empties the plans and the answers.
     """
 
     def __init__(
@@ -132,6 +125,10 @@ class Registry:
         # Bumped by every change of adapters: an answer computed under an older
         # generation is never cached.
         self._generation = 0
+        # Its parts, each an object it owns (none inherited, none shared with another
+        # registry): the registrations and each class's plan; what loads built-ins and
+        # entry points into them; the per-spec answers the warm path reads. One lock
+        # guards all three, and every change of registrations empties plans and answers.
         self._accounting = Accounting()
         self._answers = Answers()
         self._loader = Loader(
