@@ -89,10 +89,10 @@ def main() -> int:
     traits_of(gqa)
     traits_of(group)
     env["floor"] = _floor({id(spec): traits_of(spec)})
-    entry = kvspec_traits._registry.default_registry._answers.guarded[id(group)]
-    if not isinstance(entry.guard, Members):
+    held = kvspec_traits._registry.default_registry._answers.guarded[id(group)]
+    if not isinstance(held.guard, Members):
         raise RuntimeError("the group is not guarded by its members' identities here")
-    env["guard"] = entry.guard
+    env["guard"] = held.guard
     base, warm, warm_attr, group_warm, floor, guard = _ns_interleaved(
         [
             "isinstance(spec, (MLAS, SWMLA))",
