@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import torch
 from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec
@@ -227,13 +227,14 @@ def _declared(cls: type[Any], names: Sequence[str]) -> tuple[str, ...]:
     return tuple(n for n in names if n in fields or hasattr(cls, n))
 
 
-def spec_classes() -> dict[str, type[AttentionSpec]]:
-    """The Ascend spec classes of the importable ``vllm_ascend``, by name ({} without it)."""
+def spec_classes() -> dict[str, Any]:
+    """The Ascend spec classes of the importable ``vllm_ascend``, by name ({} without it).
+    Typed ``Any``: they are imported at run time, from a tree mypy does not see."""
     if not vllm_ascend_present():
         return {}
     module = load_spec_module()
     names = ("AscendMLAAttentionSpec", "AscendSlidingWindowMLASpec", "AscendSFAIndexerCacheSpec")
-    return {n: cast(type[AttentionSpec], getattr(module, n)) for n in names if hasattr(module, n)}
+    return {n: getattr(module, n) for n in names if hasattr(module, n)}
 
 
 def register(registry: Registry) -> None:

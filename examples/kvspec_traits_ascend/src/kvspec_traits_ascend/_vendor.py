@@ -47,10 +47,14 @@ def _standin(package_dir: Path) -> types.ModuleType:
     ``get_ascend_device_type()`` that answers ``KVSPEC_ASCEND_DEVICE``."""
     source_path = package_dir / "utils.py"
     tree = ast.parse(source_path.read_text(), filename=str(source_path))
-    found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AscendDeviceType"]
+    found: list[ast.stmt] = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AscendDeviceType"
+    ]
     if len(found) != 1:
         raise AscendImportError(f"{source_path} defines no class AscendDeviceType")
-    module = types.ModuleType(STANDIN_MODULE, f"stand-in for {STANDIN_MODULE} (kvspec_traits_ascend)")
+    module = types.ModuleType(
+        STANDIN_MODULE, f"stand-in for {STANDIN_MODULE} (kvspec_traits_ascend)"
+    )
     namespace = module.__dict__
     namespace["Enum"] = enum.Enum
     exec(compile(ast.Module(body=found, type_ignores=[]), str(source_path), "exec"), namespace)

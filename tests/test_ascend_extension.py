@@ -1,0 +1,257 @@
+"""The vendor extension examples/kvspec_traits_ascend on vllm-ascend's own spec classes.
+
+vllm-ascend's classes come from its pinned sdists (scripts/fetch_vllm_ascend.py, run by
+scripts/bootstrap.sh): the 0.23.0.post1 release and 0.27.1rc1, the first later sdist that
+adds AscendSFAIndexerCacheSpec. They subclass vLLM 0.34's spec classes and are checked on
+the 0.34 modules only: on 0.32 and 0.33 this module is skipped. Each tree is imported in a
+child process (tests/ascend_probe.py, and ``kvspec-traits report`` as a user runs it), so
+no Ascend class joins this process's class tree. Every expected byte count is computed
+by hand below from vllm-ascend's formulas in ``vllm_ascend/core/kv_cache_interface.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm
+
+from kvspec_traits._deps import vllm_series
+from tests import fresh
+
+REPO = Path(__file__).resolve().parents[1]
+RELEASE = REPO / ".cache" / "vllm-ascend-0.23.0.post1"
+NEWER = REPO / ".cache" / "vllm-ascend-0.27.1rc1"
+PACKAGE = REPO / "examples" / "kvspec_traits_ascend"
+
+pytestmark = pytest.mark.skipif(
+    vllm_series(vllm.__version__) != "0.34",
+    reason="vllm-ascend's spec classes subclass vLLM 0.34's (KVCacheSpecRegistry, "
+    "SlidingWindowMLASpec's fields); they are checked in the 0.34 pass only",
+)
+
+
+def _tree(path: Path) -> Path:
+    if not (path / "vllm_ascend" / "core" / "kv_cache_interface.py").is_file():
+        pytest.fail(f"{path} is missing: scripts/bootstrap.sh fetches vllm-ascend's pinned sdists")
+    return path
+
+
+def _env(*first: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, first), *sys.path])
+    return env
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package as pip installs it (its entry point in a dist-info), in a folder of its
+    own: the shared environment is left alone."""
+    target = tmp_path_factory.mktemp("ascend-site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+         "--no-deps", "--no-build-isolation", "--target", str(target), str(PACKAGE)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return target
+
+
+def _probe(tree: Path) -> dict[str, Any]:
+    done = fresh.run(
+        [sys.executable, str(REPO / "tests" / "ascend_probe.py")],
+        env=_env(_tree(tree), PACKAGE / "src"),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+@pytest.fixture(scope="module")
+def release() -> dict[str, Any]:
+    return _probe(RELEASE)
+
+
+@pytest.fixture(scope="module")
+def newer() -> dict[str, Any]:
+    return _probe(NEWER)
+
+
+def _pages(rows: list[dict[str, Any]]) -> list[tuple[str, int, int, int, int]]:
+    return [
+        (
+            r["class"],
+            r["page_size_bytes"],
+            r["real_page_size_bytes"],
+            r["traits"]["page_size_bytes"],
+            r["traits"]["unpadded_page_size_bytes"],
+        )
+        for r in rows
+    ]
+
+
+def test_without_the_adapter_the_release_classes_are_refused(release: dict[str, Any]) -> None:
+    assert release["classes"] == ["AscendMLAAttentionSpec", "AscendSlidingWindowMLASpec"]
+    assert release["without_adapter"]["error"] == "UnsupportedSpecError"
+
+
+def test_release_representatives_match_vllm_ascend_page_math(release: dict[str, Any]) -> None:
+    mla, swa = "AscendMLAAttentionSpec", "AscendSlidingWindowMLASpec"
+    # MLA: block 128 x 1 head x (head_size x dtype bytes); DSA: head_size = sum(sparse_head_dim)
+    # SWA-MLA: storage_block_size (= block_size in 0.23.0.post1) x head_size x dtype,
+    # padded to DSV4_BLOCK_SIZES[128][1] (16640 or 131072) for the compressor states.
+    assert _pages(release["representatives"]) == [
+        (mla, 128 * 576 * 2, 147456, 147456, 147456),
+        (mla, 128 * 576 * 1, 73728, 73728, 73728),
+        (mla, 128 * (512 + 64 + 128) * 2, 180224, 180224, 180224),
+        (mla, 128 * (512 + 64) * 2, 147456, 147456, 147456),
+        (swa, 128 * 512 * 2, 131072, 131072, 131072),
+        (swa, 131072, 8 * 2048 * 4, 131072, 65536),
+        (swa, 16640, 8 * 512 * 4, 16640, 16384),
+        (swa, 131072, 32 * 1024 * 4, 131072, 131072),
+    ]
+    for row in release["representatives"]:
+        t = row["traits"]
+        assert (t["is_mla"], t["tp_layout"]) == (True, "replicated")
+        if row["class"] == swa:
+            assert t["token_scope"] == "sliding_window"
+            assert t["states_per_block"] == row["storage_block_size"]
+    dsa = release["representatives"][2]["traits"]["components"]
+    assert dsa == [
+        ["kv_lora", [1, 128, 512], "bfloat16", 128 * 512 * 2],
+        ["k_rope", [1, 128, 64], "bfloat16", 128 * 64 * 2],
+        ["indexer_k", [1, 128, 128], "bfloat16", 128 * 128 * 2],
+    ]
+
+
+def test_pages_vllm_ascend_counts_two_ways_are_refused(release: dict[str, Any]) -> None:
+    """C8 and the DCP-replicated indexer: AscendMLAAttentionSpec overrides page_size_bytes
+    but inherits real_page_size_bytes from AttentionSpec (heads x block x head_size x
+    dtype), so the class states two page sizes; kvspec-traits names the inherited one."""
+    cases = release["cases"]
+    expected = {
+        # 128 x ((512 + 64) x 2 + 128 x int8 + 1 x float16) vs 128 x 704 x 2
+        "dsa_li_c8": (128 * ((512 + 64) * 2 + 128 * 1 + 2), 128 * 704 * 2),
+        # 128 x (512 + 64 + 2 x 128) x 2 vs 128 x 704 x 2
+        "dsa_replicated_indexer": (128 * (512 + 64 + 2 * 128) * 2, 128 * 704 * 2),
+        # 128 x 656 x int8 + 128 x 128 x bfloat16 vs 128 x 784 x 2
+        "dsa_sfa_c8": (128 * 656 + 128 * 128 * 2, 128 * 784 * 2),
+    }
+    for name, (page, real) in expected.items():
+        case = cases[name]
+        assert (case["page_size_bytes"], case["real_page_size_bytes"]) == (page, real), name
+        assert (case["error"], case["field"], case["inherited_from"]) == (
+            "TraitsMismatchError",
+            "unpadded_page_size_bytes",
+            "AttentionSpec",
+        ), name
+    # vllm-ascend's DeepSeek-V4 indexer passes MLAAttentionSpec.compress_ratio, which vLLM
+    # 0.34 does not have: its own code cannot build that spec on 0.34.
+    assert cases["dsv4_indexer"]["built"] is False
+    assert "compress_ratio" in cases["dsv4_indexer"]["message"]
+    # compress_ratio is outside 0.23.0.post1's SWA page (storage_block_size = block_size)
+    assert cases["swa_compress_4"]["traits"]["page_size_bytes"] == 128 * 512 * 2
+
+
+def test_newer_tree_sfa_indexer_and_its_refusals(newer: dict[str, Any]) -> None:
+    assert newer["classes"] == [
+        "AscendMLAAttentionSpec",
+        "AscendSFAIndexerCacheSpec",
+        "AscendSlidingWindowMLASpec",
+    ]
+    indexer = [r for r in newer["representatives"] if r["class"] == "AscendSFAIndexerCacheSpec"]
+    # 1 replica x 128 tokens x 1 head x 128 bfloat16 key elements
+    assert _pages(indexer) == [("AscendSFAIndexerCacheSpec", 128 * 128 * 2, 32768, 32768, 32768)]
+    assert indexer[0]["traits"]["is_mla"] is True  # a key only: one vector per state
+    cases = newer["cases"]
+    # LI C8: 128 x (128 int8 + 1 float16) overridden, 128 x 128 x 1 inherited
+    assert (cases["indexer_li_c8"]["page_size_bytes"], cases["indexer_li_c8"]["field"]) == (
+        128 * (128 + 2),
+        "unpadded_page_size_bytes",
+    )
+    # The newer MLA page divides by MLAAttentionSpec.compress_ratio, absent from vLLM 0.34
+    assert (cases["mla_plain"]["error"], cases["mla_plain"]["field"]) == (
+        "SpecPropertyError",
+        "page_size_bytes",
+    )
+    assert newer["without_adapter"]["error"] == "SpecPropertyError"
+    # Later trees store block_size // compress_ratio rows; vLLM counts 128 states: refused
+    swa = cases["swa_compress_4"]
+    assert (swa["real_page_size_bytes"], swa["storage_block_size"]) == (32 * 512 * 2, 32)
+    assert (swa["error"], swa["field"]) == ("InvalidSpecError", "compress_ratio")
+
+
+def _report(*path: Path) -> subprocess.CompletedProcess[str]:
+    return fresh.run(
+        [sys.executable, "-m", "kvspec_traits", "report"], env=_env(*path), timeout=300
+    )
+
+
+@pytest.mark.parametrize("tree", [RELEASE, NEWER], ids=["0.23.0.post1", "0.27.1rc1"])
+def test_report_with_the_package_installed_is_ok(site: Path, tree: Path) -> None:
+    done = _report(site, _tree(tree))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [
+        line for line in done.stdout.splitlines() if "kvspec-traits-ascend representative" in line
+    ]
+    # the release: 4 MLA + 4 SWA-MLA; the newer tree: 4 SWA-MLA + 1 SFA indexer (its MLA
+    # page needs MLAAttentionSpec.compress_ratio, which vLLM 0.34 lacks: no representative)
+    assert len(rows) == (5 if tree is NEWER else 8), done.stdout
+    assert "vllm_ascend.core.kv_cache_interface.AscendSlidingWindowMLASpec" in done.stdout
+    assert not any("FAILED" in r for r in rows)
+
+
+WRONG = '''
+"""An Ascend adapter package that forgets the DSA indexer key in the MLA page."""
+from kvspec_traits.extend import ATTENTION_IGNORES, ATTENTION_READS, Registry, attention_traits
+import kvspec_traits_ascend as right
+from kvspec_traits_ascend import representative_specs  # noqa: F401  (the report's hook)
+
+
+def forgets_indexer(spec):
+    dims = spec.sparse_head_dim
+    if dims is None:
+        return attention_traits(spec)
+    cell = [("kv_lora", dims[0], spec.dtype), ("k_rope", dims[1], spec.dtype)]
+    return attention_traits(spec, cell=cell)
+
+
+def register(registry: Registry) -> None:
+    right.register(registry)
+    cls = right.spec_classes()["AscendMLAAttentionSpec"]
+    registry.register(
+        cls, forgets_indexer, reads=(*ATTENTION_READS, "sparse_head_dim"),
+        ignores=ATTENTION_IGNORES, replace=True,
+    )
+'''
+
+
+def test_a_wrong_adapter_fails_the_report(tmp_path: Path) -> None:
+    (tmp_path / "ascend_wrong").mkdir()
+    (tmp_path / "ascend_wrong" / "__init__.py").write_text(WRONG)
+    info = tmp_path / "ascend_wrong-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ascend-wrong\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[kvspec_traits.adapters]\nwrong = ascend_wrong:register\n"
+    )
+    # The right package's modules without its metadata (src/ may hold the egg-info pip
+    # leaves there, which would publish its entry point too): the wrong one is alone.
+    lib = tmp_path / "lib"
+    shutil.copytree(PACKAGE / "src" / "kvspec_traits_ascend", lib / "kvspec_traits_ascend")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvspec_traits", "report"],
+        env=_env(tmp_path, lib, _tree(RELEASE)),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    failed = [line for line in done.stdout.splitlines() if "FAILED" in line]
+    # the DSA representative: 128 x (512 + 64) x 2 = 147456 given, 180224 the spec's
+    assert len(failed) == 1 and "AscendMLAAttentionSpec" in failed[0], done.stdout
+    assert "147456" in failed[0] and "180224" in failed[0], failed[0]
