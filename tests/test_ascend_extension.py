@@ -255,3 +255,37 @@ def test_a_wrong_adapter_fails_the_report(tmp_path: Path) -> None:
     # the DSA representative: 128 x (512 + 64) x 2 = 147456 given, 180224 the spec's
     assert len(failed) == 1 and "AscendMLAAttentionSpec" in failed[0], done.stdout
     assert "147456" in failed[0] and "180224" in failed[0], failed[0]
+
+
+FIXTURE = REPO / "tests" / "fixtures" / "ascend_audit"
+
+
+def _audit(*path: Path, args: tuple[str, ...] = ()) -> str:
+    done = fresh.run(
+        [sys.executable, "-m", "kvspec_traits", "audit", *args, str(FIXTURE)],
+        env=_env(*path),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_audit_a_vendor_subclass_in_a_tuple_covers_only_itself(site: Path) -> None:
+    """`isinstance(spec, (MLAAttentionSpec, AscendSlidingWindowMLASpec))`: vLLM's own
+    SlidingWindowMLASpec is not an instance of the vendor subclass. With the vendor's
+    classes known (the package installed) the site is a miss of it, at high confidence."""
+    out = _audit(site, _tree(RELEASE), args=("--refresh-classes",))
+    assert "kvspec-traits-ascend 0.1.0" in out.splitlines()[0]
+    assert "MISSES SlidingWindowMLASpec" in out
+    assert "verdict: miss (high): asks is_mla = True but leaves out SlidingWindowMLASpec\n" in out
+
+
+def test_audit_without_the_vendor_classes_names_the_unknown_one() -> None:
+    """Without them (vLLM's class sets alone) the unknown class is named and the site is
+    still a miss, never called covered."""
+    out = _audit(args=("--no-extensions",))
+    assert "MISSES SlidingWindowMLASpec" in out
+    assert (
+        "verdict: miss (medium): asks is_mla = True but leaves out SlidingWindowMLASpec; "
+        "also tests AscendSlidingWindowMLASpec, no spec class the audit knows"
+    ) in out
