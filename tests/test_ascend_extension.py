@@ -289,3 +289,14 @@ def test_audit_without_the_vendor_classes_names_the_unknown_one() -> None:
         "verdict: miss (medium): asks is_mla = True but leaves out SlidingWindowMLASpec; "
         "also tests AscendSlidingWindowMLASpec, no spec class the audit knows"
     ) in out
+
+
+def test_audit_with_the_vendor_class_sets_saved(site: Path, tmp_path: Path) -> None:
+    """The vendor's class sets saved where its package is installed (--save-classes), read
+    back where neither the package nor vllm-ascend is (--classes): the same miss."""
+    saved = tmp_path / "ascend-classes.json"
+    _audit(site, _tree(RELEASE), args=("--refresh-classes", "--save-classes", str(saved)))
+    sets = saved.read_text()
+    assert "AscendSlidingWindowMLASpec" in sets and "AscendMLAAttentionSpec" in sets
+    out = _audit(args=("--classes", str(saved)))
+    assert "verdict: miss (high): asks is_mla = True but leaves out SlidingWindowMLASpec\n" in out
