@@ -300,3 +300,40 @@ def test_audit_with_the_vendor_class_sets_saved(site: Path, tmp_path: Path) -> N
     assert "AscendSlidingWindowMLASpec" in sets and "AscendMLAAttentionSpec" in sets
     out = _audit(args=("--classes", str(saved)))
     assert "verdict: miss (high): asks is_mla = True but leaves out SlidingWindowMLASpec\n" in out
+
+
+def test_audit_and_migrate_on_the_release_tree(site: Path) -> None:
+    """The figures docs/audit.md reads by hand ("vllm-ascend 0.23.0.post1"): 105 sites, the
+    two misses, and migrate's 81 rewrites with the 11 class-name strings left alone."""
+    tree = _tree(RELEASE)
+    folders = [
+        str(tree / "vllm_ascend" / "distributed" / "kv_transfer"),
+        str(tree / "vllm_ascend" / "worker"),
+    ]
+    env = _env(site, tree)
+    audit = fresh.run(
+        [sys.executable, "-m", "kvspec_traits", "audit", *folders], env=env, timeout=300
+    )
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert (
+        audit.stdout.rstrip()
+        .splitlines()[-1]
+        .startswith(
+            "105 sites in 13 files; 2 with misses, 0 possible, 0 deliberate, "
+            "0 exact type checks skipping subclasses, 0 group wrappers not unwrapped"
+        )
+    )
+    assert "MISSES AscendSlidingWindowMLASpec, SlidingWindowMLASpec" in audit.stdout
+    assert audit.stdout.count("verdict: miss (high)") == 2, audit.stdout
+    assert "2168  MooncakeConnectorWorker._get_spec_total_num_kv_heads" in audit.stdout
+    assert "479  _reshape_kv_cache_v2" in audit.stdout
+    migrate = fresh.run(
+        [sys.executable, "-m", "kvspec_traits", "migrate", *folders], env=env, timeout=300
+    )
+    assert migrate.returncode == 0, migrate.stderr
+    assert migrate.stderr.rstrip().splitlines()[-1] == (
+        "kvspec-traits migrate: 105 sites; would rewrite 81 in 11 files (2 fixing a miss); "
+        "left 24; refused 0 files"
+    )
+    assert migrate.stderr.count("[type-name: no instance expression to rewrite]") == 11
+    assert migrate.stdout.count("fixes a miss") == 2
