@@ -260,21 +260,22 @@ def test_a_wrong_adapter_fails_the_report(tmp_path: Path) -> None:
 FIXTURE = REPO / "tests" / "fixtures" / "ascend_audit"
 
 
-def _audit(*path: Path, args: tuple[str, ...] = ()) -> str:
+def _audit(*path: Path, args: tuple[str, ...] = (), cache: Path | None = None) -> str:
+    env = _env(*path)
+    if cache is not None:  # the class-set cache of this test, not the user's
+        env["KVSPEC_TRAITS_CACHE_DIR"] = str(cache)
     done = fresh.run(
-        [sys.executable, "-m", "kvspec_traits", "audit", *args, str(FIXTURE)],
-        env=_env(*path),
-        timeout=300,
+        [sys.executable, "-m", "kvspec_traits", "audit", *args, str(FIXTURE)], env=env, timeout=300
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
 
-def test_audit_a_vendor_subclass_in_a_tuple_covers_only_itself(site: Path) -> None:
+def test_audit_a_vendor_subclass_in_a_tuple_covers_only_itself(site: Path, tmp_path: Path) -> None:
     """`isinstance(spec, (MLAAttentionSpec, AscendSlidingWindowMLASpec))`: vLLM's own
     SlidingWindowMLASpec is not an instance of the vendor subclass. With the vendor's
     classes known (the package installed) the site is a miss of it, at high confidence."""
-    out = _audit(site, _tree(RELEASE), args=("--refresh-classes",))
+    out = _audit(site, _tree(RELEASE), cache=tmp_path)
     assert "kvspec-traits-ascend 0.1.0" in out.splitlines()[0]
     assert "MISSES SlidingWindowMLASpec" in out
     assert "verdict: miss (high): asks is_mla = True but leaves out SlidingWindowMLASpec\n" in out
@@ -295,14 +296,14 @@ def test_audit_with_the_vendor_class_sets_saved(site: Path, tmp_path: Path) -> N
     """The vendor's class sets saved where its package is installed (--save-classes), read
     back where neither the package nor vllm-ascend is (--classes): the same miss."""
     saved = tmp_path / "ascend-classes.json"
-    _audit(site, _tree(RELEASE), args=("--refresh-classes", "--save-classes", str(saved)))
+    _audit(site, _tree(RELEASE), args=("--save-classes", str(saved)), cache=tmp_path)
     sets = saved.read_text()
     assert "AscendSlidingWindowMLASpec" in sets and "AscendMLAAttentionSpec" in sets
     out = _audit(args=("--classes", str(saved)))
     assert "verdict: miss (high): asks is_mla = True but leaves out SlidingWindowMLASpec\n" in out
 
 
-def test_audit_and_migrate_on_the_release_tree(site: Path) -> None:
+def test_audit_and_migrate_on_the_release_tree(site: Path, tmp_path: Path) -> None:
     """The figures docs/audit.md reads by hand ("vllm-ascend 0.23.0.post1"): 105 sites, the
     two misses, and migrate's 81 rewrites with the 11 class-name strings left alone."""
     tree = _tree(RELEASE)
@@ -311,6 +312,7 @@ def test_audit_and_migrate_on_the_release_tree(site: Path) -> None:
         str(tree / "vllm_ascend" / "worker"),
     ]
     env = _env(site, tree)
+    env["KVSPEC_TRAITS_CACHE_DIR"] = str(tmp_path)
     audit = fresh.run(
         [sys.executable, "-m", "kvspec_traits", "audit", *folders], env=env, timeout=300
     )
