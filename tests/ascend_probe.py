@@ -105,6 +105,11 @@ def main() -> None:
         ],
         "cases": {name: _outcome(with_adapters, build) for name, build in cases.items()},
         "without_adapter": _outcome(bare, lambda: mla(head_size=576, **kw)),
+        # the defaults the device query decides (the release's C8 cache dtypes)
+        "c8_defaults": [
+            str(getattr(mla(head_size=576, **kw), name, None))
+            for name in ("c8_k_cache_dtype", "c8_k_scale_cache_dtype")
+        ],
     }
     json.dump(result, sys.stdout)
 

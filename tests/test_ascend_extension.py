@@ -63,11 +63,13 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def _probe(tree: Path) -> dict[str, Any]:
+def _probe(tree: Path, device: str | None = None) -> dict[str, Any]:
+    env = _env(_tree(tree), PACKAGE / "src")
+    env.pop("KVSPEC_ASCEND_DEVICE", None)
+    if device is not None:
+        env["KVSPEC_ASCEND_DEVICE"] = device
     done = fresh.run(
-        [sys.executable, str(REPO / "tests" / "ascend_probe.py")],
-        env=_env(_tree(tree), PACKAGE / "src"),
-        timeout=300,
+        [sys.executable, str(REPO / "tests" / "ascend_probe.py")], env=env, timeout=300
     )
     assert done.returncode == 0, done.stderr
     result: dict[str, Any] = json.loads(done.stdout)
@@ -100,6 +102,15 @@ def _pages(rows: list[dict[str, Any]]) -> list[tuple[str, int, int, int, int]]:
 def test_without_the_adapter_the_release_classes_are_refused(release: dict[str, Any]) -> None:
     assert release["classes"] == ["AscendMLAAttentionSpec", "AscendSlidingWindowMLASpec"]
     assert release["without_adapter"]["error"] == "UnsupportedSpecError"
+
+
+def test_the_device_query_stand_in_decides_the_c8_defaults(release: dict[str, Any]) -> None:
+    """Off an NPU the one device query is answered by KVSPEC_ASCEND_DEVICE (default A3):
+    vllm-ascend's own defaults follow, int8/float16 there and float8/float32 on A5."""
+    assert release["c8_defaults"] == ["torch.int8", "torch.float16"]
+    assert _probe(RELEASE, device="A5")["c8_defaults"] == ["torch.float8_e4m3fn", "torch.float32"]
+    # 0.27.1rc1's spec module no longer asks (no such fields): nothing is stood in for
+    assert _probe(NEWER, device="no-such-chip")["c8_defaults"] == ["None", "None"]
 
 
 def test_release_representatives_match_vllm_ascend_page_math(release: dict[str, Any]) -> None:
