@@ -98,6 +98,10 @@ def main() -> None:
             block_size=128, num_kv_heads=1, head_size=128, dtype=torch.int8,
             scale_dim=1, scale_dtype=torch.float16, cache_sparse_li_c8=True,
         )  # fmt: skip
+        cases["indexer_replicated"] = lambda: indexer(
+            block_size=128, num_kv_heads=1, head_size=128, dtype=torch.bfloat16,
+            sfa_dcp_replicated_indexer_size=2,
+        )  # fmt: skip
     result = {
         "classes": sorted(classes),
         "representatives": [

@@ -187,6 +187,12 @@ def test_newer_tree_sfa_indexer_and_its_refusals(newer: dict[str, Any]) -> None:
         128 * (128 + 2),
         "unpadded_page_size_bytes",
     )
+    # two DCP lanes' copies: 2 x 128 x 128 x 2 overridden, 128 x 128 x 2 inherited
+    replicated = cases["indexer_replicated"]
+    assert (replicated["page_size_bytes"], replicated["field"]) == (
+        2 * 128 * 128 * 2,
+        "unpadded_page_size_bytes",
+    )
     # The newer MLA page divides by MLAAttentionSpec.compress_ratio, absent from vLLM 0.34
     assert (cases["mla_plain"]["error"], cases["mla_plain"]["field"]) == (
         "SpecPropertyError",
