@@ -142,22 +142,23 @@ def _mla_cell(spec: MLAAttentionSpec) -> Cell:
     dtype = _dtype(spec, "dtype")
     dims = _sparse_dims(spec)
     replicas = positive_int(spec, "sfa_dcp_replicated_indexer_size") if dims else 1
-    if _flag(spec, "cache_sparse_sfa_c8"):
-        if dims is None or dims[1] != 0:
+    if dims is not None and _flag(spec, "cache_sparse_sfa_c8"):
+        # SFA C8: kv_lora, k_rope and their tile scales packed into one C8 vector (so no
+        # k_rope part); the indexer key in C8 too when LI C8 is on, with its scale.
+        if dims[1] != 0:
             raise InvalidSpecError(
                 spec, "sparse_head_dim", dims, "(packed_kv, 0, index_k) with cache_sparse_sfa_c8"
             )
-        if dims is not None:
-            # SFA C8: kv_lora, k_rope and their tile scales packed into one C8 vector;
-            # the indexer key in C8 too when LI C8 is on, with its scale.
-            c8 = _dtype(spec, "c8_k_cache_dtype")
-            li_c8 = _flag(spec, "cache_sparse_li_c8")
-            cell: Cell = [("packed_kv", dims[0], c8)]
-            if dims[2]:
-                cell.append(("indexer_k", dims[2] * replicas, c8 if li_c8 else dtype))
-                if li_c8:
-                    cell.append(("indexer_scale", replicas, _dtype(spec, "c8_k_scale_cache_dtype")))
-            return cell
+        c8 = _dtype(spec, "c8_k_cache_dtype")
+        li_c8 = _flag(spec, "cache_sparse_li_c8")
+        cell: Cell = [("packed_kv", dims[0], c8)]
+        if dims[2]:
+            cell.append(("indexer_k", dims[2] * replicas, c8 if li_c8 else dtype))
+            if li_c8:
+                cell.append(("indexer_scale", replicas, _dtype(spec, "c8_k_scale_cache_dtype")))
+        return cell
+    # Without sparse_head_dim (later trees, and the release's MLA layers) the latent is
+    # head_size elements of dtype (the packed C8 vector under SFA C8), then any scale.
     if dims is None:
         return [("latent", positive_int(spec, "head_size"), dtype), *_scale(spec)]
     kv_lora, k_rope, index_k = dims
