@@ -24,8 +24,9 @@ from pathlib import Path
 INDEX = os.environ.get("KVSPEC_PYPI_SIMPLE", "https://pypi.org/simple")
 
 # The sources the adapter package examples/kvspec_traits_ascend is checked against:
-# the release (AscendMLAAttentionSpec, AscendSlidingWindowMLASpec) and the first later
-# sdist that adds AscendSFAIndexerCacheSpec. A version not listed here is refused.
+# the release (AscendMLAAttentionSpec, AscendSlidingWindowMLASpec; built from commit
+# 1cdb8c4db, its vllm_ascend/_version.py says) and the first later sdist that adds
+# AscendSFAIndexerCacheSpec (commit 3b3188623). A version not listed here is refused.
 PINNED = {
     "0.23.0.post1": "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1",
     "0.27.1rc1": "6fa8b357b624df4c8810c445da24082a9147009d8fe1db33eff815c8ab9805f0",

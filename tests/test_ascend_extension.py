@@ -44,6 +44,21 @@ def _tree(path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize(
+    ("tree", "sha256", "commit"),
+    [
+        (RELEASE, "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1", "1cdb8c4db"),
+        (NEWER, "6fa8b357b624df4c8810c445da24082a9147009d8fe1db33eff815c8ab9805f0", "3b3188623"),
+    ],
+    ids=["0.23.0.post1", "0.27.1rc1"],
+)
+def test_the_trees_are_the_pinned_sdists(tree: Path, sha256: str, commit: str) -> None:
+    """What the fetch checked (the sdist's sha256) and the commit the sdist was built from."""
+    assert (_tree(tree) / "SHA256").read_text().split()[0] == sha256
+    version = (tree / "vllm_ascend" / "_version.py").read_text()
+    assert f"commit_id = 'g{commit}'" in version
+
+
 def _env(*first: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, first), *sys.path])
