@@ -266,17 +266,20 @@ def register(registry: Registry) -> None:
 
 
 def test_a_wrong_adapter_fails_the_report(tmp_path: Path) -> None:
+    """A wrong build of the package, installed under its name ahead of the right one (which
+    bootstrap installs, and whose egg-info pip leaves in its src/): the first distribution
+    of a name on the path is the one whose entry points load, so the wrong one is alone."""
     (tmp_path / "ascend_wrong").mkdir()
     (tmp_path / "ascend_wrong" / "__init__.py").write_text(WRONG)
-    info = tmp_path / "ascend_wrong-0.1.dist-info"
+    info = tmp_path / "kvspec_traits_ascend-0.1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ascend-wrong\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        "[kvspec_traits.adapters]\nwrong = ascend_wrong:register\n"
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kvspec-traits-ascend\nVersion: 0.1.0\n"
     )
-    # The right package's modules without its metadata (src/ may hold the egg-info pip
-    # leaves there, which would publish its entry point too): the wrong one is alone.
-    lib = tmp_path / "lib"
+    (info / "entry_points.txt").write_text(
+        "[kvspec_traits.adapters]\nascend = ascend_wrong:register\n"
+    )
+    lib = tmp_path / "lib"  # the right package's modules, which the wrong one builds on
     shutil.copytree(PACKAGE / "src" / "kvspec_traits_ascend", lib / "kvspec_traits_ascend")
     done = subprocess.run(
         [sys.executable, "-m", "kvspec_traits", "report"],
