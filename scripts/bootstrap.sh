@@ -84,5 +84,15 @@ for v in 0.32.0 0.33.0 0.34.0; do
       "${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/sdists" ".cache/vllm-tests-$v"
   fi
 done
+# vllm-ascend's Python tree from its pinned sdists (0.23.0.post1, and 0.27.1rc1 which adds
+# AscendSFAIndexerCacheSpec), for the vendor extension examples/kvspec_traits_ascend: the
+# sdist cannot be built here (its metadata build runs CMake for the NPU), so the file is
+# fetched and checked against its sha256 (scripts/fetch_vllm_ascend.py). Kept outside the checkout.
+for v in 0.23.0.post1 0.27.1rc1; do
+  if [ ! -f ".cache/vllm-ascend-$v/SHA256" ]; then
+    "$VENV/bin/python" scripts/fetch_vllm_ascend.py "$v" \
+      "${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/sdists" ".cache/vllm-ascend-$v"
+  fi
+done
 # The package itself (editable) and the dev tools: cheap, so always refreshed.
-$PIP install -q -e '.[dev]' -e examples/kvspec_traits_example $PIN
+$PIP install -q -e '.[dev]' -e examples/kvspec_traits_example -e examples/kvspec_traits_ascend $PIN
