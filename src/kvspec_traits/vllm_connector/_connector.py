@@ -380,7 +380,13 @@ class TraitsWorkerBase(seam.SeamWorker):
             require_traits_peer=self.options.require_traits_peer,
             stage_of=lambda: pipeline_stage(self),
             stage_view=self.stage_view,
+            keep_region_offset=self._keep_region_offset,
         )
+
+    def _keep_region_offset(self, offset: int) -> None:
+        """vLLM 0.32/0.33 slice a PP 1 peer's regions from this offset for a stage:
+        the one the stage's layers pair with (``check_remote_fingerprint``)."""
+        self.remote_region_offset = offset
 
 
 class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):

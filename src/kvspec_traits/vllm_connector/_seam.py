@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 
 from kvspec_traits.transfer import RegionPlan
-from kvspec_traits.vllm_connector._errors import UpstreamDisagreesError
+from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
 from kvspec_traits.vllm_connector._facts import GroupKind, StateSplit
 from kvspec_traits.vllm_connector._fields import replicated_state_region
 
@@ -486,8 +486,10 @@ def _decoding_as(handshake: Callable[..., _T], metadata_class: type) -> Callable
     """vLLM's bound ``_nixl_handshake``, run so that the agent metadata it decodes is a
     ``metadata_class``: the function with a copy of its module's globals, taken at each
     call, in which ``NixlAgentMetadata`` is that class (vLLM's module, and any other
-    reader in the process, keeps its own). Raises :class:`UpstreamDisagreesError` when
-    the series' handshake no longer decodes by that name (the class would be dropped)."""
+    reader in the process, keeps its own). Raises :class:`UnsupportedVllmVersionError`
+    when the installed vLLM's handshake no longer decodes by that name (a series whose
+    handshake the seam does not know: the metadata class would be dropped, and with it
+    the peer's traits fingerprint)."""
     if metadata_class is NixlAgentMetadata:
         return handshake
     func = getattr(handshake, "__func__", None)
@@ -495,10 +497,13 @@ def _decoding_as(handshake: Callable[..., _T], metadata_class: type) -> Callable
     if not isinstance(func, types.FunctionType) or "NixlAgentMetadata" not in (
         func.__code__.co_names
     ):
-        raise UpstreamDisagreesError(
-            "how the handshake decodes the peer's agent metadata",
-            getattr(handshake, "__qualname__", handshake),
-            "a method that decodes with its module's NixlAgentMetadata",
+        import vllm
+
+        raise UnsupportedVllmVersionError(
+            str(getattr(vllm, "__version__", "unknown")),
+            detail=f"its NIXL handshake {getattr(handshake, '__qualname__', handshake)!r} "
+            "does not decode the peer's agent metadata with its module's NixlAgentMetadata, "
+            "which the connector binds to read the peer's traits fingerprint",
         )
     scope = dict(func.__globals__)
     scope["NixlAgentMetadata"] = metadata_class
