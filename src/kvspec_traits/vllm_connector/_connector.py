@@ -40,6 +40,7 @@ from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
 from kvspec_traits.transfer._region import is_state
 from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector import _seam as seam
+from kvspec_traits.vllm_connector._errors import UnsupportedStateLayoutError
 from kvspec_traits.vllm_connector._facts import GroupKind, LayoutFacts, layout_facts
 from kvspec_traits.vllm_connector._fields import packed_layouts
 from kvspec_traits.vllm_connector._handshake import (
@@ -122,7 +123,9 @@ class TraitsWorkerBase(seam.SeamWorker):
         self.is_hma_required = (
             not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and facts.hybrid
         )
-        self.has_mamba = facts.has_state
+        # vLLM's state descriptors: TP-sharded states (and a ring model's PLE cache);
+        # a replicated state elsewhere moves as replicated pages (GroupKind).
+        self.has_mamba = facts.state_descriptors
         # use_mla from the caches, not the model config (else MLA might transfer per head).
         if self.use_mla != facts.mla:
             logger.info(
@@ -165,7 +168,7 @@ class TraitsWorkerBase(seam.SeamWorker):
         kinds = self._layout_facts().group_kinds
         return [
             list(group)
-            if kinds[i] is GroupKind.STATE
+            if kinds[i] in (GroupKind.STATE, GroupKind.REPLICATED_STATE)
             else [b * ratio + k for b in group for k in range(ratio)]
             for i, group in enumerate(block_ids)
         ]
@@ -178,6 +181,17 @@ class TraitsWorkerBase(seam.SeamWorker):
         """The region plan of ``kv_caches`` for this rank (no NIXL calls), laid out as
         this vLLM series registers it (:class:`VllmLayoutPolicy`; with ``pp_size``, as
         a pipeline stage of that size would)."""
+        facts = self._layout_facts()
+        ratio = self.physical_blocks_per_logical_kv_block
+        if facts.replicated_state_layers and ratio != 1:
+            layer = min(facts.replicated_state_layers)
+            raise UnsupportedStateLayoutError(
+                facts.layer_traits[layer].spec_name,
+                layer,
+                "tp_layout",
+                f"a TP-replicated state moves as whole pages of its own regions, and "
+                f"vLLM's worker would address them as {ratio} kernel blocks per block",
+            )
         # HiSparse groups: over the host pool's blocks (hisparse_host_num_blocks), as vLLM.
         return plan_regions(
             kv_caches,
@@ -185,7 +199,7 @@ class TraitsWorkerBase(seam.SeamWorker):
             tp_size=self.transfer_tp_size,
             tp_rank=self.transfer_tp_rank,
             registry=self._traits_registry,
-            layout=self._policy.worker_layout(self, self._layout_facts(), pp_size=pp_size),
+            layout=self._policy.worker_layout(self, facts, pp_size=pp_size),
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
