@@ -824,13 +824,17 @@ def test_mamba_state_split_is_vllms_decomposition(
 
 KERNEL_CASES = [
     # (state group?, window group?, remote kernel blocks per block, logical ids), as
-    # vLLM's test_logical_to_kernel_block_ids_with_remote_ratio: a state group's ids
-    # stay, every other group's block b becomes b * ratio ... b * ratio + ratio - 1.
+    # vLLM's test_logical_to_kernel_block_ids_with_remote_ratio (ids homo_tp and
+    # qwen35_4p2d: the same call; qwen35_2p4d; mamba_remote_physical_per_logical_1;
+    # pure_fa; fa_swa) and test_read_blocks_for_req_expands_remote_ids[mamba_fa_ssm]
+    # (the last): a state group's ids stay, every other group's block b becomes
+    # b * ratio ... b * ratio + ratio - 1.
     (True, False, 10, ([0], [10]), [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [10]]),
     (True, False, 6, ([0, 1], [10]), [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [10]]),
     (True, False, 1, ([0, 1, 2], [5]), [[0, 1, 2], [5]]),
     (False, False, 4, ([0, 1],), [[0, 1, 2, 3, 4, 5, 6, 7]]),
     (False, True, 3, ([0, 1], [2, 3]), [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]),
+    (True, False, 34, ([5, 6], [2]), [list(range(170, 238)), [2]]),
 ]
 
 
