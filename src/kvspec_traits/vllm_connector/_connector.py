@@ -1,13 +1,15 @@
 """The connector and its worker, on vLLM's pull-mode NIXL connector (push: ``_push``, same
 :class:`TraitsWorkerBase`). From traits and the region planner only (no spec class named):
-the worker's layout facts (transfer ``block_size``, hybrid, state, ring, replicated-state
-group), set before vLLM's kernel block-size sync; ``register_kv_caches``' regions (base,
+the worker's layout facts (transfer ``block_size``, hybrid, state descriptors, ring,
+replicated-state group, group kinds, ``use_mla``, the state split), set before vLLM's
+kernel block-size sync; kernel block ids; ``register_kv_caches``' regions (base,
 block length, stride, count, group, name, REPLICATE/SPLIT, state and scratch indices, the
 memory registered) from :func:`kvspec_traits.transfer.plan_regions`; the per-region traits
 fingerprint in the agent metadata, checked against the peer's in vLLM's handshake
 (:mod:`~kvspec_traits.vllm_connector._handshake`). Scheduler: ``_scheduler``; host staging:
 ``_staging``; leases: ``_lease_worker``; queue waits: ``_shm_wait``. The rest (transfers,
-descriptor ids, TP mapping, heartbeats, host copies) is upstream's: docs/vllm.md lists it.
+heartbeats, host copies, and the descriptor arithmetic over the decisions above) is
+upstream's: docs/vllm.md lists it.
 """
 
 from __future__ import annotations
