@@ -87,6 +87,12 @@ class PlanLayout:
     """Pages of other sizes at one base (overlaid groups: a compressor ring over an MLA
     page) are separate regions, each moving its own page; by default they share one
     region that moves the longest page."""
+    replicated_states_apart: frozenset[str] = frozenset()
+    """Layers of TP-replicated recurrent states each planned as a region of its own,
+    also where its pages overlay another layer's (a hybrid allocator's shared
+    tensors), moving the state's content (``unpadded_page_size_bytes``: the same on
+    every rank, the padding to the unified page left out). Their region is REPLICATE
+    whatever the layers it overlays."""
 
     def __post_init__(self) -> None:
         if self.sub_blocks is not None and self.sub_blocks < 1:
