@@ -30,7 +30,7 @@ from pathlib import Path
 from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
+sys.path[:0] = [str(Path(__file__).resolve().parent / d) for d in ("conformance", ".")]
 from fixture_corrections import WHY, Correction, fixture_diff
 from patch_answers import answers_that_change
 

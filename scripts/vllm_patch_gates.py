@@ -22,17 +22,17 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_patch import vllm_patch, vllm_root, vllm_version
+from vllm_patch import vllm_patch, vllm_pyproject, vllm_root, vllm_version
+
+from kvspec_traits.migrate import MigrationPlan
 
 REPO = Path(__file__).resolve().parents[1]
-SDISTS = Path(os.environ.get("KVSPEC_CACHE", Path.home() / ".cache" / "kvspec-traits")) / "sdists"
 
 
 @dataclass(frozen=True, order=True)
@@ -46,18 +46,6 @@ class Finding:
 
     def show(self) -> str:
         return f"{self.tool} {self.path}: {self.rule} {self.message}"
-
-
-def vllm_pyproject(version: str) -> str:
-    """vLLM ``version``'s own ``pyproject.toml``, read from its sdist."""
-    sdist = SDISTS / f"vllm-{version}.tar.gz"
-    if not sdist.is_file():
-        raise SystemExit(f"vllm-patch-gates: no sdist at {sdist}: run scripts/bootstrap.sh")
-    with tarfile.open(sdist) as tar:
-        member = tar.extractfile(f"vllm-{version}/pyproject.toml")
-        if member is None:
-            raise SystemExit(f"vllm-patch-gates: {sdist} has no pyproject.toml")
-        return member.read().decode()
 
 
 def build_tree(dest: Path, root: Path, pyproject: str, patch: Path | None) -> None:
@@ -132,6 +120,33 @@ def mypy_findings(tree: Path, files: list[str], cache: Path) -> list[Finding]:
     if run.returncode not in (0, 1) or (run.returncode == 1 and not found):
         raise SystemExit(f"vllm-patch-gates: mypy failed:\n{run.stdout}\n{run.stderr}")
     return found
+
+
+def write_files(dest: Path, texts: dict[str, str], pyproject: str) -> None:
+    """Only ``texts`` (with their packages' ``__init__.py``) and vLLM's ``pyproject.toml``:
+    all ruff needs to judge them as in vLLM's tree."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "pyproject.toml").write_text(pyproject)
+    for rel, text in texts.items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_text(text)
+        for parent in Path(rel).parents:
+            if parent != Path(".") and not (dest / parent / "__init__.py").exists():
+                (dest / parent / "__init__.py").touch()
+
+
+def ruff_gate(plan: MigrationPlan, version: str) -> tuple[list[Finding], list[Finding]]:
+    """vLLM's ruff (check and format) on the release's and the patched files: the findings
+    on each side."""
+    pyproject = vllm_pyproject(version)
+    sides = []
+    with tempfile.TemporaryDirectory(prefix="vllm-ruff-gate-") as tmp:
+        for side in ("release", "patched"):
+            tree = Path(tmp) / side
+            texts = {f.display: f.before if side == "release" else f.after for f in plan.files}
+            write_files(tree, texts, pyproject)
+            sides.append(ruff_findings(tree, sorted(texts)))
+    return sides[0], sides[1]
 
 
 def new_findings(before: list[Finding], after: list[Finding]) -> list[Finding]:
