@@ -48,7 +48,7 @@ def _run(code: str, *args: Any) -> tuple[object, int]:
     return result, counting.calls
 
 
-HOISTED = {
+HOISTED: dict[str, tuple[str, list[tuple[int, ...]]]] = {
     "two tests in a row": (
         """
         def f(s):

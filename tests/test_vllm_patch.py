@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -28,8 +29,18 @@ def _script() -> ModuleType:
     return module
 
 
+@pytest.fixture(scope="module")
+def patched() -> tuple[str, Any]:
+    """The patch of the vLLM on the path and its plan, written once for the module."""
+    script = _script()
+    text, plan = script.vllm_patch(script.vllm_root())
+    return text, plan
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-def test_the_patch_applies_to_the_release_tree_and_says_what_it_did(tmp_path: Path) -> None:
+def test_the_patch_applies_to_the_release_tree_and_says_what_it_did(
+    tmp_path: Path, patched: tuple[str, Any]
+) -> None:
     """The patch is relative to the folder holding ``vllm/``: ``git apply --check`` takes it
     in a copy of that release's kv_transfer, applying it gives exactly the migrated texts,
     and the header's counts are the plan's (a header that drifts from the diff would
@@ -39,7 +50,7 @@ def test_the_patch_applies_to_the_release_tree_and_says_what_it_did(tmp_path: Pa
     script = _script()
     root = script.vllm_root()
     assert (root / "vllm" / "__init__.py").resolve() == Path(vllm.__file__).resolve()
-    text, plan = script.vllm_patch(root)
+    text, plan = patched
     tree = tmp_path / script.KV_TRANSFER
     shutil.copytree(
         root / script.KV_TRANSFER, tree, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -107,7 +118,9 @@ def _gates() -> ModuleType:
     return module
 
 
-def test_the_patched_files_pass_vllms_own_ruff_as_the_release_does() -> None:
+def test_the_patched_files_pass_vllms_own_ruff_as_the_release_does(
+    patched: tuple[str, Any],
+) -> None:
     """Issue 35 item 4: vLLM's pre-commit (ruff check and ruff format, with the release's
     own pyproject.toml: 88 columns, isort, pyflakes) finds nothing in the patched files that
     it does not find in the release's. Before the patch ran vLLM's fixers, 0.34's files had
@@ -116,9 +129,8 @@ def test_the_patched_files_pass_vllms_own_ruff_as_the_release_does() -> None:
     per function wherever that asks on no new path (tests/test_migrate_hoist.py)."""
     import vllm
 
-    script = _script()
     gates = _gates()
-    _, plan = script.vllm_patch(script.vllm_root())
+    _, plan = patched
     release, patched = gates.ruff_gate(plan, vllm.__version__)
     assert gates.new_findings(release, patched) == []
     # the gate can fail: a call spaced as no formatter leaves it is reported
