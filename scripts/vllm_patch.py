@@ -18,8 +18,10 @@ import argparse
 import ast
 import dataclasses
 import importlib.util
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -30,7 +32,8 @@ from pathlib import Path
 from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration
 
-sys.path[:0] = [str(Path(__file__).resolve().parent / d) for d in ("conformance", ".")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
 from fixture_corrections import WHY, Correction, fixture_diff
 from patch_answers import answers_that_change
 
@@ -257,14 +260,36 @@ def vllm_patch(root: Path) -> tuple[str, MigrationPlan]:
     return head + body + fixes, plan
 
 
+def write_tree(root: Path, plan: MigrationPlan, dest: Path) -> None:
+    """A copy of the release's kv_transfer at ``dest`` with the patched files' text."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(root / KV_TRANSFER, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in plan.files:
+        rel = Path(f.display).relative_to(KV_TRANSFER)
+        (dest / rel).write_text(f.after)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("-o", "--output", type=Path, help="write the patch here (default: stdout)")
+    p.add_argument(
+        "--tree",
+        type=Path,
+        help="also write the patched kv_transfer to TREE/kv_transfer (a copy of the "
+        "release's with the patched files) and its summary as JSON on stdout: the tree "
+        "`make conformance-migrated` runs vLLM's tests on",
+    )
     args = p.parse_args()
     root = vllm_root()
     text, plan = vllm_patch(root)
+    if args.tree:
+        write_tree(root, plan, args.tree / "kv_transfer")
+        json.dump({"edits": [e.as_json() for e in plan.edits], "sites": plan.sites}, sys.stdout)
+        if not args.output:
+            return 0
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text)
