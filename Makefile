@@ -7,7 +7,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help setup report test test-fast typing lint bench soak audit audit-class-sets vllm-patch migrate-demo conformance conformance-migrated docs clean
+.PHONY: help setup report test test-fast typing lint bench soak audit audit-class-sets vllm-patch vllm-patch-gates migrate-demo conformance conformance-migrated docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -55,6 +55,9 @@ audit-class-sets: setup  ## rewrite the audit's shipped class sets of vLLM 0.32-
 
 vllm-patch: setup  ## the migrated kv_transfer as a patch against vLLM's source (VLLM=0.34: that release)
 	$(REPORT_PATH)$(PY) scripts/vllm_patch.py -o .cache/vllm-patch/vllm-$(or $(VLLM),0.32).patch
+
+vllm-patch-gates: setup  ## vLLM's own ruff and mypy on the files the patch changes: findings release vs patched (VLLM=0.34)
+	$(REPORT_PATH)$(PY) scripts/vllm_patch_gates.py
 
 migrate-demo: setup  ## the seed line of NIXL's worker before and after `kvspec-traits migrate`
 	$(PY) scripts/migrate_kv_transfer.py --demo

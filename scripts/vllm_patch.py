@@ -15,21 +15,86 @@ written. A repository tool, not part of the package.
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import importlib.util
+import json
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tarfile
+import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
 from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
 from fixture_corrections import WHY, Correction, fixture_diff
+from patch_answers import answers_that_change
 
 KV_TRANSFER = Path("vllm") / "distributed" / "kv_transfer"
 REPO = Path(__file__).resolve().parents[1]
+SDISTS = Path(os.environ.get("KVSPEC_CACHE", Path.home() / ".cache" / "kvspec-traits")) / "sdists"
+
+
+def vllm_pyproject(version: str) -> str:
+    """vLLM ``version``'s own ``pyproject.toml`` (its ruff and mypy settings), read from the
+    release's sdist (bootstrap fetches it for the tests tree)."""
+    sdist = SDISTS / f"vllm-{version.split('+', 1)[0]}.tar.gz"
+    if not sdist.is_file():
+        raise SystemExit(f"vllm-patch: no sdist at {sdist}: run scripts/bootstrap.sh")
+    with tarfile.open(sdist) as tar:
+        member = tar.extractfile(f"{sdist.name.removesuffix('.tar.gz')}/pyproject.toml")
+        if member is None:
+            raise SystemExit(f"vllm-patch: {sdist} has no pyproject.toml")
+        return member.read().decode()
+
+
+def precommit(texts: dict[str, str], version: str) -> dict[str, str]:
+    """``texts`` (path under the vLLM root -> source) after vLLM's own pre-commit fixers:
+    ``ruff check --fix`` and ``ruff format`` with the release's ``pyproject.toml``, as a
+    contributor's commit runs them. They drop the spec-class imports a rewrite left unused,
+    sort the ``kvspec_traits`` import among the third-party ones and wrap the lines a query
+    made longer than vLLM's 88 columns. This project's pinned ruff runs them; see
+    ``unchanged_by_precommit`` for why its version cannot add churn of its own."""
+    with tempfile.TemporaryDirectory(prefix="vllm-precommit-") as tmp:
+        root = Path(tmp)
+        (root / "pyproject.toml").write_text(vllm_pyproject(version))
+        for rel, text in texts.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+            # Packages, as in vLLM's tree: isort tells first-party `vllm` by them.
+            for parent in Path(rel).parents:
+                if parent != Path(".") and not (root / parent / "__init__.py").exists():
+                    (root / parent / "__init__.py").touch()
+        files = sorted(texts)
+        ruff = [sys.executable, "-m", "ruff"]
+        # Exit 1 = findings left that have no fix: the gates (vllm_patch_gates.py) report them.
+        subprocess.run(
+            [*ruff, "check", "--fix", "--quiet", "--no-cache", *files],
+            cwd=root,
+            check=False,
+            capture_output=True,
+        )
+        subprocess.run([*ruff, "format", "--quiet", "--no-cache", *files], cwd=root, check=True)
+        return {rel: (root / rel).read_text() for rel in files}
+
+
+def unchanged_by_precommit(texts: dict[str, str], version: str) -> None:
+    """Refuse when the fixers would change a release file as vLLM shipped it: then this
+    ruff and vLLM's disagree, and the patch would carry edits that are not the migration's."""
+    changed = [rel for rel, text in precommit(texts, version).items() if text != texts[rel]]
+    if changed:
+        raise SystemExit(
+            f"vllm-patch: vLLM {version}'s pre-commit (ruff with its pyproject.toml) would "
+            f"change these release files as shipped: {changed}. The project's ruff differs "
+            "from vLLM's: pin the version vLLM's .pre-commit-config.yaml names."
+        )
 
 
 def release_tests(version: str) -> Path | None:
@@ -114,11 +179,65 @@ def header(plan: MigrationPlan, version: str) -> str:
     for reason, where in sorted(left.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"  {reason} ({len(where)}):")
         lines.extend(f"    {w}" for w in where)
+    lines += answers_header(plan)
+    lines += per_file_header(plan)
     return "".join(f"# {line}".rstrip() + "\n" for line in lines) + "\n"
 
 
+def answers_header(plan: MigrationPlan) -> list[str]:
+    """Every rewritten check whose answer changes on a spec of the catalog or on a group
+    wrapper of one, with those specs (scripts/patch_answers.py)."""
+    changes, unevaluated = answers_that_change(plan.edits)
+    lines = [
+        "",
+        f"Answers that change ({len(changes)} of {len(plan.edits)} rewritten checks; each "
+        "check and its query evaluated on the catalog's spec of every class and on a "
+        f"two-layer UniformTypeKVCacheSpecs of each; {unevaluated} asked a kind computed "
+        "earlier, not evaluated alone):",
+    ]
+    for change in changes:
+        lines.extend(f"  {line}" for line in change.lines())
+    return lines
+
+
+def _spec_imports(text: str) -> set[str]:
+    """The names a module imports from ``vllm.v1.kv_cache_interface``."""
+    return {
+        alias.asname or alias.name
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.ImportFrom) and node.module == "vllm.v1.kv_cache_interface"
+        for alias in node.names
+    }
+
+
+def per_file_header(plan: MigrationPlan) -> list[str]:
+    """Per file: the checks rewritten by trait, the spec-class imports the rewrite left
+    unused (dropped by vLLM's own ruff), and ``traits_of`` asked once per spec."""
+    lines = ["", "Per file:"]
+    for f in plan.files:
+        where = f.display[f.display.index(KV_TRANSFER.as_posix()) :]
+        traits = Counter(e.trait for e in f.edits)
+        asked = ", ".join(f"{t} {n}" for t, n in sorted(traits.items()))
+        lines.append(f"  {where}: {len(f.edits)} checks -> traits ({asked})")
+        dropped = sorted(_spec_imports(f.before) - _spec_imports(f.after))
+        if dropped:
+            lines.append(f"    imports no longer used, dropped: {', '.join(dropped)}")
+        hoisted = f.after.count("_traits = traits_of(")
+        if hoisted:
+            lines.append(
+                f"    {hoisted} spec(s) asked once per function (`<name>_traits = traits_of(...)`)"
+            )
+    if plan.repeated_traits:
+        lines.append(
+            f"  {plan.repeated_traits} subject(s) still asked more than once in one expression "
+            "(a comprehension or lambda binds it: no statement to ask it once before)"
+        )
+    return lines
+
+
 def vllm_patch(root: Path) -> tuple[str, MigrationPlan]:
-    """The patch text for the tree at ``root`` and the plan it shows."""
+    """The patch text for the tree at ``root`` and the plan it shows (each file's ``after``
+    is its text after vLLM's pre-commit fixers)."""
     cwd = Path.cwd()
     os.chdir(root)  # the plan names files relative to the working folder
     try:
@@ -127,8 +246,11 @@ def vllm_patch(root: Path) -> tuple[str, MigrationPlan]:
         os.chdir(cwd)
     if plan.refused:
         raise SystemExit(f"vllm-patch: files refused: {[r.as_json() for r in plan.refused]}")
-    body = "".join(f.diff() for f in plan.files)
     version = vllm_version(root)
+    unchanged_by_precommit({f.display: f.before for f in plan.files}, version)
+    hooked = precommit({f.display: f.after for f in plan.files}, version)
+    plan.files = [dataclasses.replace(f, after=hooked[f.display]) for f in plan.files]
+    body = "".join(f.diff() for f in plan.files)
     tests = release_tests(version)
     fixes, corrections = fixture_diff(tests) if tests is not None else ("", [])
     head = header(plan, version)
@@ -138,14 +260,36 @@ def vllm_patch(root: Path) -> tuple[str, MigrationPlan]:
     return head + body + fixes, plan
 
 
+def write_tree(root: Path, plan: MigrationPlan, dest: Path) -> None:
+    """A copy of the release's kv_transfer at ``dest`` with the patched files' text."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(root / KV_TRANSFER, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in plan.files:
+        rel = Path(f.display).relative_to(KV_TRANSFER)
+        (dest / rel).write_text(f.after)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("-o", "--output", type=Path, help="write the patch here (default: stdout)")
+    p.add_argument(
+        "--tree",
+        type=Path,
+        help="also write the patched kv_transfer to TREE/kv_transfer (a copy of the "
+        "release's with the patched files) and its summary as JSON on stdout: the tree "
+        "`make conformance-migrated` runs vLLM's tests on",
+    )
     args = p.parse_args()
     root = vllm_root()
     text, plan = vllm_patch(root)
+    if args.tree:
+        write_tree(root, plan, args.tree / "kv_transfer")
+        json.dump({"edits": [e.as_json() for e in plan.edits], "sites": plan.sites}, sys.stdout)
+        if not args.output:
+            return 0
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text)

@@ -36,6 +36,7 @@ SERIES_INDEPENDENT = frozenset(
         "test_audit_readings",
         "test_conformance_judge",
         "test_import_graph",
+        "test_migrate_hoist",
         "test_missing_dependencies",
         "test_pd_harness",
         "test_trait_wiring",

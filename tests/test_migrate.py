@@ -107,14 +107,15 @@ FORMS: list[tuple[str, str, str]] = [
     (
         "sliding_not_mla",
         "        isinstance(spec, kvi.SlidingWindowSpec)",
-        "        traits_of(spec).token_scope is TokenScope.SLIDING_WINDOW",
+        # (the function asks traits_of once: `spec_traits = traits_of(spec)` before it)
+        "        spec_traits.token_scope is TokenScope.SLIDING_WINDOW",
     ),
     # the function names CircularBufferSpec, for which is_mla alone answers otherwise (a
     # ring stores no V): the query also asks the page kind MLA pages share
     (
         "mla_beside_a_ring",
         "    return isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)) and bool(handled)",
-        "    return traits_of(spec).is_mla and traits_of(spec).uses_slot_mapping and bool(handled)",
+        "    return spec_traits.is_mla and spec_traits.uses_slot_mapping and bool(handled)",
     ),
 ]
 
@@ -187,7 +188,7 @@ def test_diff_per_form(universe: Universe, capsys: pytest.CaptureFixture[str]) -
     assert "\n-            and not isinstance(spec, SlidingWindowMLASpec))\n" in out
     # ... unless it is asked by a trait of its own
     assert "\n-        and not isinstance(spec, kvi.SlidingWindowMLASpec)\n" in out
-    assert "\n+        and not traits_of(spec).is_mla\n" in out
+    assert "\n+        and not spec_traits.is_mla\n" in out
     # the miss is named before the diff's `---` line (patch ignores it)
     head = out.split("\n--- a/")[0]
     assert (
@@ -253,12 +254,15 @@ from kvspec_traits import TokenScope, traits_of
 
 def f(spec, flag):
     # keep this comment
-    if   traits_of(spec).token_scope is TokenScope.RECURRENT_STATE :   # and this one
+    spec_traits = traits_of(spec)
+    if   spec_traits.token_scope is TokenScope.RECURRENT_STATE :   # and this one
         pass
-    same = (traits_of(spec).token_scope is TokenScope.RECURRENT_STATE) == flag   # a comparison operand keeps its meaning
-    x = (traits_of(spec).is_mla)
+    same = (spec_traits.token_scope is TokenScope.RECURRENT_STATE) == flag   # a comparison operand keeps its meaning
+    x = (spec_traits.is_mla)
     return [ 1 ,2 ]  # untouched
 """  # noqa: E501
+# (the function asks traits_of once per spec: one line added, before the first use, taking
+# the comments above it)
 
 
 def test_formatting_and_comments_survive(tmp_path: Path, universe: Universe) -> None:

@@ -141,7 +141,12 @@ def test_seed_line_becomes_a_traits_query_true_for_sliding_window_mla(
     assert seed_edit.fixes_miss and seed_edit.missing == ("SlidingWindowMLASpec",)
     assert "fixes a miss (the original leaves out SlidingWindowMLASpec)" in plan.files[0].diff()
     assert write_plan(plan) == []
-    assert f"            is_mla_region = {after}\n" in path.read_text()
+    # register_kv_caches asks layer_spec's traits on several lines: once, in a local
+    # (migrate's _hoist), which the seed line then reads
+    written = path.read_text()
+    assert "layer_spec_traits = traits_of(layer_spec)\n" in written
+    hoisted = after.replace("traits_of(layer_spec)", "layer_spec_traits")
+    assert f"            is_mla_region = {hoisted}\n" in written
     # evaluated on the catalog's real SlidingWindowMLASpec instances (DeepSeek-V4)
     swa = [
         e.spec for e in representative_specs() if type(e.spec).__name__ == "SlidingWindowMLASpec"

@@ -77,9 +77,11 @@ PYTHON = str(REPO / ".venv" / "bin" / "python")
 
 
 def migrate(series: str, out: Path) -> dict[str, Any]:
-    """Migrate a copy of ``series``' kv_transfer into ``out/kv_transfer``; migrate's JSON."""
+    """``series``' kv_transfer as ``make vllm-patch``'s patch leaves it (migrated, vLLM's
+    pre-commit fixers run, the listed hand edits made) in ``out/kv_transfer``; the patch's
+    edits and site count as JSON."""
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "migrate_kv_transfer.py"), "--out", str(out), "--json"],
+        [PYTHON, str(REPO / "scripts" / "vllm_patch.py"), "--tree", str(out)],
         env=series_env(series),
         capture_output=True,
         text=True,

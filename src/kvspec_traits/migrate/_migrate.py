@@ -12,6 +12,7 @@ import libcst as cst
 
 from kvspec_traits.audit import Site, Universe, audit_paths
 from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES
+from kvspec_traits.migrate._hoist import hoist_traits
 from kvspec_traits.migrate._plan import Edit, Skip, keep_context, plan_site
 from kvspec_traits.migrate._rewrite import rewrite_module
 from kvspec_traits.migrate._source import SourceIndex
@@ -78,6 +79,9 @@ class MigrationPlan:
     files: list[FilePlan] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
+    repeated_traits: int = 0
+    """Subjects a function still asks ``traits_of`` more than once, where one call
+    before the first would ask on a path the code did not (``_hoist``)."""
     sites: int = 0
 
     @property
@@ -169,6 +173,11 @@ def plan_migration(
             else:
                 plan.skips.append(planned)
         after, applied = rewrite_module(text, edits)
+        if applied and "traits_of" not in text:
+            # Only the calls the rewrite wrote: a module that asked traits already is its
+            # author's to arrange.
+            after, left = hoist_traits(after)
+            plan.repeated_traits += left
         plan.skips.extend(
             Skip(
                 path=display,
