@@ -806,7 +806,8 @@ def test_a_replicated_state_apart_is_a_replicate_region_moving_its_content() -> 
     plan = plan_regions(
         caches, config, layout=PlanLayout(replicated_states_apart=frozenset({state[0]}))
     )
-    mine, attn = plan.region_of(state[0]), plan.region_of(full[0])
+    (mine,) = (r for r in plan.regions if state[0] in r.layers)
+    (attn,) = (r for r in plan.regions if full[0] in r.layers)
     assert (mine.layers, attn.layers) == ((state[0],), (full[0],))
     assert (mine.base_addr, mine.block_stride) == (attn.base_addr, attn.block_stride)
     assert (mine.replicated, mine.block_len, mine.group_id) == (True, (32 + 16) * 4, 0)
