@@ -217,6 +217,11 @@ class TraitsMooncakeEngine:
         self._peers[session] = peer
         return peer
 
+    def knows(self, session: str) -> bool:
+        """Whether a peer of ``session`` (``host:rpc_port``) is connected, i.e. could be
+        named in a transfer."""
+        return session in self._peers
+
     # -- transfers ---------------------------------------------------------------------
 
     def read_blocks(
