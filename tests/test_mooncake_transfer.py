@@ -318,3 +318,10 @@ def test_no_peer_connects_twice_or_to_itself(
         engine.connect(engine.record(), HOST)
     with pytest.raises(RuntimeError, match="after record"):
         engine.register_plan(engine.plan)
+
+
+def test_the_peer_process_never_loaded_the_nixl_shim(remote: Remote) -> None:
+    """Every rank of this module's peer process planned, registered, served its record
+    and moved bytes with kvspec_traits.transfer and .mooncake alone (run last: after
+    the others)."""
+    assert remote.command("modules")["nixl"] == []

@@ -46,13 +46,13 @@ def _mooncake(header: object, raw: bytes | None = None) -> bytes:
 def _header(plan: RegionPlan) -> Header:
     """The plan record both backends send, with both envelopes' fields."""
     data = encode_record(plan, PORT)
-    header: Header = json.loads(data[14:])
+    header: Header = {**json.loads(data[14:])}
     header["agent"] = "p"
     return header
 
 
 def _forge(header: Header, changes: dict[int, dict[str, int]]) -> Header:
-    forged = json.loads(json.dumps(header))
+    forged: Header = json.loads(json.dumps(header))
     for index, fields in changes.items():
         for key, value in fields.items():
             forged["regions"][index][_FIELDS.index(key)] = value

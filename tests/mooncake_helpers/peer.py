@@ -9,6 +9,7 @@ Commands (each answered by one JSON line on stdout):
 - ``{"op": "build", "key", "family", "nb", "tp", "rank", "seed", "whole"}`` -> ``{"port"}`` (the
   side channel's port; ``seed`` null: zeros);
 - ``{"op": "dump", "key", "path"}``: the rank's whole backing allocation into ``path``;
+- ``{"op": "modules"}`` -> ``{"nixl"}``: the NIXL modules this process has loaded;
 - ``{"op": "close", "key"}``: unregister its memory and stop its side channel;
 - ``{"op": "quit"}``.
 
@@ -52,6 +53,12 @@ def main() -> int:
             elif op == "dump":
                 with open(cmd["path"], "wb") as out:
                     out.write(layouts.backing(held[cmd["key"]][1]).numpy().tobytes())
+            elif op == "modules":
+                reply["nixl"] = sorted(
+                    m
+                    for m in sys.modules
+                    if m.split(".")[0] == "nixl" or m.startswith("kvspec_traits.nixl")
+                )
             elif op == "close":
                 held.pop(cmd["key"])[0].close()
         except Exception as exc:  # reported to the test, which fails on it

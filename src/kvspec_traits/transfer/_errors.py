@@ -154,7 +154,7 @@ class MemoryTypeMismatchError(KVSpecTraitsError, ValueError):
     """Memory types a transfer cannot pair: a plan whose regions span several memory
     types (a NIXL agent registers and describes one), or a peer region on another
     memory type than the local region it would fill (only like to like is moved:
-    host to host for memcopy; a pair of types is refused rather than guessed at).
+    host to host for Mooncake over TCP; a pair of types is refused rather than guessed at).
 
     ``.region`` is the region name (``None`` for a plan-wide mix), ``.mem_types`` the
     types involved (local first for a peer).
