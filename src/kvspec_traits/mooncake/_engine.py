@@ -24,7 +24,7 @@ from kvspec_traits._deps import MOONCAKE_INSTALL, needs
 from kvspec_traits._errors import MissingDependencyError
 from kvspec_traits.mooncake._channel import RecordServer
 from kvspec_traits.mooncake._errors import MissingPeerError, TransferFailedError
-from kvspec_traits.mooncake._moves import Piece, pieces_of, request_moves
+from kvspec_traits.mooncake._moves import Route, pieces_of, request_moves, routes_of
 from kvspec_traits.mooncake._wire import PeerRecord, decode_record, encode_record
 from kvspec_traits.transfer import (
     MalformedMetadataError,
@@ -119,9 +119,7 @@ class TraitsMooncakeEngine:
         self._registered: list[int] = []
         self._published = False
         self._peers: dict[str, MooncakePeer] = {}
-        self._pieces: dict[
-            tuple[bool, tuple[tuple[int, str], ...]], tuple[tuple[Piece, ...], ...]
-        ] = {}
+        self._routes: dict[tuple[bool, tuple[tuple[int, str], ...]], tuple[Route, ...]] = {}
         self._servers: list[RecordServer] = []
 
     # -- registration ------------------------------------------------------------------
@@ -265,9 +263,8 @@ class TraitsMooncakeEngine:
         start = time.perf_counter()
         by_rank = {peers.tp_rank: peers} if isinstance(peers, MooncakePeer) else dict(peers)
         moves = request_moves(
-            self.plan,
-            self._pieces_for(by_rank, write),
-            {rank: peer.regions for rank, peer in by_rank.items()},
+            self._routes_for(by_rank, write),
+            self.plan.num_groups,
             block_ids,
             remote_block_ids,
             write=write,
@@ -293,14 +290,12 @@ class TraitsMooncakeEngine:
             seconds=time.perf_counter() - start,
         )
 
-    def _pieces_for(
-        self, by_rank: Mapping[int, MooncakePeer], write: bool
-    ) -> tuple[tuple[Piece, ...], ...]:
-        """:func:`pieces_of` for these peers, computed once per set of peers."""
+    def _routes_for(self, by_rank: Mapping[int, MooncakePeer], write: bool) -> tuple[Route, ...]:
+        """:func:`routes_of` for these peers, computed once per set of peers."""
         if not by_rank:
             raise ValueError("a transfer needs at least one peer")
         key = (write, tuple(sorted((rank, peer.session) for rank, peer in by_rank.items())))
-        found = self._pieces.get(key)
+        found = self._routes.get(key)
         if found is not None:
             return found
         remote_tp = next(iter(by_rank.values())).tp_size
@@ -317,11 +312,11 @@ class TraitsMooncakeEngine:
                     f": peer {peer.session} is TP rank {peer.tp_rank} of {peer.tp_size}, "
                     f"passed as rank {rank} of {remote_tp}",
                 )
-        pieces = pieces_of(
+        routes = routes_of(
             self.plan, remote_tp, {rank: p.regions for rank, p in by_rank.items()}, write=write
         )
-        self._pieces[key] = pieces
-        return pieces
+        self._routes[key] = routes
+        return routes
 
     # -- teardown ----------------------------------------------------------------------
 
@@ -331,7 +326,7 @@ class TraitsMooncakeEngine:
             server.close()
         self._servers.clear()
         self._peers.clear()
-        self._pieces.clear()
+        self._routes.clear()
         if self._registered:
             self._engine.batch_unregister_memory(self._registered)
             self._registered = []

@@ -24,7 +24,7 @@ from kvspec_traits.transfer._blocks import (
     group_lists,
 )
 
-__all__ = ["Moves", "Piece", "pieces_of", "request_moves"]
+__all__ = ["Moves", "Piece", "Route", "pieces_of", "request_moves", "routes_of"]
 
 Piece = tuple[int, int, int, int]
 """``(remote rank, offset in our block, offset in the peer's block, bytes)``."""
@@ -96,10 +96,60 @@ def pieces_of(
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One region's moves against a set of peers, flattened for the per-request loop:
+    our region's numbers, and per piece the peer rank's region geometry."""
+
+    name: str
+    group_id: int
+    num_blocks: int
+    base: int
+    stride: int
+    pieces: tuple[tuple[int, int, int, int, int, int, int], ...]
+    """``(rank, our offset, peer's offset, bytes, peer's base, peer's stride, peer's
+    block count)`` per piece."""
+
+
+def routes_of(
+    plan: RegionPlan,
+    remote_tp: int,
+    remote_regions: Mapping[int, Sequence[PeerRegion]],
+    *,
+    write: bool,
+) -> tuple[Route, ...]:
+    """:func:`pieces_of` with the geometry of both sides, per region (what a set of
+    peers keeps across requests). :class:`MissingPeerError` names a rank a piece needs
+    that ``remote_regions`` lacks."""
+    routes = []
+    for region, pieces in zip(
+        plan.regions, pieces_of(plan, remote_tp, remote_regions, write=write), strict=True
+    ):
+        flat = []
+        for rank, ours, theirs, length in pieces:
+            if rank not in remote_regions:
+                raise MissingPeerError(region.name, rank, sorted(remote_regions))
+            peer = remote_regions[rank][region.index]
+            flat.append(
+                (rank, ours, theirs, length, peer.base_addr, peer.block_stride, peer.num_blocks)
+            )
+        routes.append(
+            Route(
+                region.name,
+                region.group_id,
+                region.num_blocks,
+                region.base_addr,
+                region.block_stride,
+                tuple(flat),
+            )
+        )
+    return tuple(routes)
+
+
 def _per_group(block_ids: object, groups: int, side: str) -> list[list[int]]:
     """One list of Python ints per group, by the rules every backend shares."""
     return [
-        list(ids.tolist()) if check_id_list(ids, side) else list(ids)
+        ids.tolist() if check_id_list(ids, side) else ids if type(ids) is list else list(ids)
         for ids in group_lists(block_ids, groups, side)
     ]
 
@@ -119,68 +169,68 @@ def _check_distinct(blocks: list[int], group: int | None, side: str) -> None:
 
 
 def request_moves(
-    plan: RegionPlan,
-    pieces: Sequence[Sequence[Piece]],
-    remote_regions: Mapping[int, Sequence[PeerRegion]],
+    routes: Sequence[Route],
+    num_groups: int,
     local_block_ids: IdLists,
     remote_block_ids: IdLists | None,
     *,
     write: bool,
 ) -> list[Moves]:
-    """The moves of one request, one :class:`Moves` per remote rank that takes part.
+    """The moves of one request over ``routes`` (:func:`routes_of`), one
+    :class:`Moves` per remote rank that takes part.
 
     Every id is checked before a list is built: :class:`BlockIdTypeError`,
     :class:`BlockIdShapeError` (not one list per group; local and remote lists of
     different lengths), :class:`BlockIdError` (outside a region, either side),
     :class:`DuplicateBlockIdError` (a destination block named twice: ours for a read,
-    the peer's for a write), :class:`MissingPeerError` (a piece from a rank not given).
+    the peer's for a write).
     """
-    groups = plan.num_groups
-    local = _per_group(local_block_ids, groups, "local")
-    remote = local if remote_block_ids is None else _per_group(remote_block_ids, groups, "remote")
+    local = _per_group(local_block_ids, num_groups, "local")
+    remote = (
+        local if remote_block_ids is None else _per_group(remote_block_ids, num_groups, "remote")
+    )
     check_paired([len(g) for g in local], [len(g) for g in remote])
-    plans: list[tuple[list[int], list[int], Sequence[Piece], int]] = []
-    for region, region_pieces in zip(plan.regions, pieces, strict=True):
-        mine = _blocks_of(local, region.group_id)
-        theirs = _blocks_of(remote, region.group_id)
+    todo: list[tuple[Route, list[int], list[int]]] = []
+    for route in routes:
+        mine = _blocks_of(local, route.group_id)
         if not mine:
             continue
+        theirs = _blocks_of(remote, route.group_id)
         check_block_range(
-            (min(mine), max(mine)), region.num_blocks, [(region.name, region.num_blocks)], "local"
+            (min(mine), max(mine)), route.num_blocks, [(route.name, route.num_blocks)], "local"
         )
-        group = None if region.group_id < 0 or groups == 1 else region.group_id
+        group = None if route.group_id < 0 or num_groups == 1 else route.group_id
         _check_distinct(theirs if write else mine, group, "remote" if write else "local")
         bounds = (min(theirs), max(theirs))
-        for rank in {p[0] for p in region_pieces}:
-            if rank not in remote_regions:
-                raise MissingPeerError(region.name, rank, sorted(remote_regions))
-            source = remote_regions[rank][region.index]
-            check_block_range(
-                bounds, source.num_blocks, [(region.name, source.num_blocks)], "remote"
-            )
-        plans.append((mine, theirs, region_pieces, region.index))
+        for piece in route.pieces:
+            check_block_range(bounds, piece[6], [(route.name, piece[6])], "remote")
+        todo.append((route, mine, theirs))
     by_rank: dict[int, Moves] = {}
-    for mine, theirs, region_pieces, index in plans:
-        region = plan.regions[index]
-        base, stride = region.base_addr, region.block_stride
-        for rank, our_offset, their_offset, length in region_pieces:
+    for route, mine, theirs in todo:
+        base, stride = route.base, route.stride
+        for rank, our_offset, their_offset, length, r_base, r_stride, _ in route.pieces:
             moves = by_rank.get(rank)
             if moves is None:
                 moves = by_rank[rank] = Moves(rank, [], [], [])
-            source = remote_regions[rank][index]
-            r_base, r_stride = source.base_addr, source.block_stride
             local_addrs, remote_addrs, lengths = moves.local, moves.remote, moves.lengths
+            add_local, add_remote, add_length = (
+                local_addrs.append,
+                remote_addrs.append,
+                lengths.append,
+            )
+            end_l = end_r = -1
+            if lengths:
+                end_l = local_addrs[-1] + lengths[-1]
+                end_r = remote_addrs[-1] + lengths[-1]
+            src0, dst0 = base + our_offset, r_base + their_offset
             for block, other in zip(mine, theirs, strict=True):
-                src = base + block * stride + our_offset
-                dst = r_base + other * r_stride + their_offset
-                if (
-                    lengths
-                    and local_addrs[-1] + lengths[-1] == src
-                    and remote_addrs[-1] + lengths[-1] == dst
-                ):
+                src = src0 + block * stride
+                dst = dst0 + other * r_stride
+                if src == end_l and dst == end_r:
                     lengths[-1] += length
                 else:
-                    local_addrs.append(src)
-                    remote_addrs.append(dst)
-                    lengths.append(length)
+                    add_local(src)
+                    add_remote(dst)
+                    add_length(length)
+                end_l, end_r = src + length, dst + length
     return [by_rank[rank] for rank in sorted(by_rank)]
