@@ -24,7 +24,7 @@ from kvspec_traits.mooncake._engine import (
     TransferResult,
 )
 from kvspec_traits.mooncake._errors import MissingPeerError, TransferFailedError
-from kvspec_traits.mooncake._moves import Moves, pieces_of, request_moves
+from kvspec_traits.mooncake._moves import Moves, Route, pieces_of, request_moves, routes_of
 from kvspec_traits.mooncake._wire import PeerRecord, decode_record, encode_record
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "Moves",
     "PeerRecord",
     "RecordServer",
+    "Route",
     "TraitsMooncakeEngine",
     "TransferFailedError",
     "TransferResult",
@@ -42,4 +43,5 @@ __all__ = [
     "fetch_record",
     "pieces_of",
     "request_moves",
+    "routes_of",
 ]
