@@ -93,7 +93,7 @@ if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
   [ "$(id -u)" = 0 ] || SUDO=sudo
   if command -v apt-get >/dev/null; then
     $SUDO apt-get update -q
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends libibverbs1
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libibverbs1
   else
     echo "bootstrap: install libibverbs1 (rdma-core's libibverbs.so.1): Mooncake's engine.so needs it" >&2
     exit 1
