@@ -97,9 +97,10 @@ class TransferResult:
 class TraitsMooncakeEngine:
     """One Mooncake transfer engine with one registered plan.
 
-    ``host`` is the address the engine is reached at (Mooncake's RPC port listens on
-    every interface: reach it on the host you mean, and firewall the rest); ``protocol``
-    Mooncake's transport (``"tcp"``: host memory over TCP, what the non-CUDA wheel moves).
+    ``host`` is the address peers reach the engine at (Mooncake's RPC and TCP ports
+    listen on every interface whatever it is, and authenticate no one: firewall them,
+    ``docs/mooncake.md``); ``protocol`` Mooncake's transport (``"tcp"``: host memory over
+    TCP, what the non-CUDA wheel moves).
     """
 
     def __init__(self, host: str = "127.0.0.1", *, protocol: str = "tcp") -> None:
