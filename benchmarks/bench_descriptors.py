@@ -63,9 +63,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvspec_traits.nixl import PeerMetadata, RemotePeer, peer_regions
+from kvspec_traits.nixl import PeerMetadata, RemotePeer
 from kvspec_traits.nixl._request import RequestDescs, request_descs
-from kvspec_traits.transfer import RegionPlan, plan_regions
+from kvspec_traits.transfer import RegionPlan, peer_regions, plan_regions
 from tests.nixl_helpers import layouts
 
 LAYERS, BLOCKS, TARGET, MEMORY_TARGET, RUN = 60, 10_000, 1.0, 1.0, 8

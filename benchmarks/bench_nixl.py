@@ -63,11 +63,10 @@ from kvspec_traits.nixl import (
     block_desc_ids,
     build_block_descs,
     merge_runs,
-    peer_regions,
     transfer_items,
 )
 from kvspec_traits.nixl._request import RequestDescs, request_descs
-from kvspec_traits.transfer import plan_regions
+from kvspec_traits.transfer import peer_regions, plan_regions
 from tests.nixl_helpers import layouts
 
 TARGET = 1.05

@@ -85,6 +85,16 @@ for v in 0.32.0 0.33.0 0.34.0; do
       "${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/sdists" ".cache/vllm-tests-$v"
   fi
 done
+# vllm-ascend's Python tree from its pinned sdists (0.23.0.post1, and 0.27.1rc1 which adds
+# AscendSFAIndexerCacheSpec), for the vendor extension examples/kvspec_traits_ascend: the
+# sdist cannot be built here (its metadata build runs CMake for the NPU), so the file is
+# fetched and checked against its sha256 (scripts/fetch_vllm_ascend.py). Kept outside the checkout.
+for v in 0.23.0.post1 0.27.1rc1; do
+  if [ ! -f ".cache/vllm-ascend-$v/SHA256" ]; then
+    "$VENV/bin/python" scripts/fetch_vllm_ascend.py "$v" \
+      "${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/sdists" ".cache/vllm-ascend-$v"
+  fi
+done
 # Mooncake's transfer engine (the `mooncake` extra: PyPI's non-CUDA build) links Debian's
 # libibverbs1 (about 1 MB with its two libnl libraries) even when it only speaks TCP.
 # Installed once, as root (CI) or through sudo; without apt-get, say what is missing.
@@ -100,4 +110,4 @@ if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
   fi
 fi
 # The package itself (editable), the dev tools and the Mooncake engine: cheap, so always refreshed.
-$PIP install -q -e '.[dev,mooncake]' -e examples/kvspec_traits_example $PIN
+$PIP install -q -e '.[dev,mooncake]' -e examples/kvspec_traits_example -e examples/kvspec_traits_ascend $PIN

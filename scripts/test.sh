@@ -16,7 +16,7 @@ PY=$PWD/.venv/bin/python
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # This checkout's src (and its example extension's) first, so a clone or worktree is tested
 # as it is, never the copy an editable install points at.
-SRC=$PWD/src:$PWD/examples/kvspec_traits_example/src
+SRC=$PWD/src:$PWD/examples/kvspec_traits_example/src:$PWD/examples/kvspec_traits_ascend/src
 LOGS=$PWD/.cache/test-logs
 rm -rf "$LOGS"
 mkdir -p "$LOGS"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -192,7 +193,10 @@ def undescribed_wkv(tp: int) -> WkvStateSpec:
     return wkv(tp, UndescribedWkvStateSpec)
 
 
-def replicated_wkv(tp: int) -> WkvStateSpec:
+def replicated_wkv(tp: int, *, padded: bool = True) -> WkvStateSpec:
+    """The model's whole state on every rank (1280 B of content at every TP size),
+    padded to the full-attention page where it shares blocks with one (16384 B at TP
+    1, 8192 at TP 2: the padding differs by TP, the state does not)."""
     return WkvStateSpec(
         block_size=BLOCK,
         dim=SHIFT,
@@ -200,8 +204,12 @@ def replicated_wkv(tp: int) -> WkvStateSpec:
         head_dim=WKV_DIM,
         dtype=F32,
         tp_replicated=True,
-        page_size_padded=full(tp).page_size_bytes,
+        page_size_padded=full(tp).page_size_bytes if padded else None,
     )
+
+
+def replicated_wkv_alone(tp: int) -> WkvStateSpec:
+    return replicated_wkv(tp, padded=False)
 
 
 def _layer(i: int, what: str, kind: str, spec: Callable[[int], KVCacheSpec]) -> Layer:
@@ -271,6 +279,29 @@ MODELS = {
             ((5,), (2, 6)),
             ((1,), (4, 3)),
         ),
+        # The state class TP-replicated (every rank holds the model's whole state): alone
+        # (two layers of one group), and beside vLLM's full attention in a group of its
+        # own, its pages overlaying the attention pages (vLLM's hybrid allocator).
+        Model(
+            "replicated wkv",
+            (
+                (
+                    _layer(0, "wkv", "replicated state", replicated_wkv_alone),
+                    _layer(1, "wkv", "replicated state", replicated_wkv_alone),
+                ),
+            ),
+            ((5, 2),),
+            ((1, 6),),
+        ),
+        Model(
+            "replicated wkv+full",
+            (
+                (_layer(0, "wkv", "replicated state", replicated_wkv),),
+                (_layer(1, "attn", "heads", full),),
+            ),
+            ((5,), (2, 6)),
+            ((1,), (4, 3)),
+        ),
         Model(
             "undescribed wkv+full",
             ((_layer(0, "wkv", "state", undescribed_wkv),), (_layer(1, "attn", "heads", full),)),
@@ -292,6 +323,14 @@ def rank_share(model: Model, layer: Layer, block: int, tp: int, rank: int) -> to
     key = f"{model.name}/{layer.name}/{block}"
     if layer.kind == "replicated":
         return _noise(key, layer.spec(1).page_size_bytes)
+    if layer.kind == "replicated state":  # the whole state, on every rank
+        return rank_share(
+            dataclasses.replace(model, name=model.name),
+            dataclasses.replace(layer, kind="state"),
+            block,
+            1,
+            0,
+        )
     if layer.kind == "heads":
         whole = _noise(key, layer.spec(1).page_size_bytes).view(KV_HEADS, -1)
         per_rank = KV_HEADS // tp
@@ -432,6 +471,101 @@ def run_pair(
             consumer.shutdown()
 
 
+def push_request(
+    producers: list[Any],
+    consumers: list[Any],
+    model: Model,
+    *,
+    timeout: float = 120,
+) -> None:
+    """One request (``REQ``) through vLLM's push path between a prefill engine of
+    ``len(producers)`` TP ranks and a decode engine of ``len(consumers)``: each decode
+    rank sends its block registration (vLLM's push scheduler's fields) to the prefill
+    ranks it pairs with, each prefill rank WRITEs its share of the request's blocks
+    into the decode ranks its TP mapping names; fails unless every decode rank reports
+    the request received within ``timeout`` seconds with no block in error."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+    )
+
+    local = tuple(list(b) for b in model.local_blocks)
+    remote = tuple(list(b) for b in model.remote_blocks)
+    with serving(producers) as p_port, serving(consumers) as d_port:
+        for producer in producers:
+            p_meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
+            p_meta.reqs_in_batch.add(REQ)
+            p_meta.reqs_to_send[REQ] = time.perf_counter() + 600
+            p_meta.push_finished_blocks[REQ] = remote
+            producer.start_load_kv(p_meta)
+        for consumer in consumers:
+            d_meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
+            d_meta.add_new_req_to_recv(
+                request_id=REQ,
+                local_block_ids=local,
+                kv_transfer_params={
+                    "remote_block_ids": (),  # push: the decode side does not know them
+                    "remote_engine_id": producers[0].engine_id,
+                    "remote_request_id": REQ,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": p_port,
+                    "tp_size": len(producers),
+                    "pp_size": 1,
+                },
+            )
+            d_meta.push_registrations[REQ] = {
+                "request_id": REQ,
+                "decode_engine_id": consumer.engine_id,
+                "decode_host": "127.0.0.1",
+                "decode_port": d_port,
+                "decode_tp_size": len(consumers),
+                "local_block_ids": local,
+                "remote_engine_id": producers[0].engine_id,
+                "remote_host": "127.0.0.1",
+                "remote_port": p_port,
+                "remote_tp_size": len(producers),
+                "remote_pp_size": 1,
+            }
+            consumer.start_load_kv(d_meta)
+        received: list[set[str]] = [set() for _ in consumers]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(REQ in r for r in received):
+            # Each engine step's get_finished wakes the writer threads.
+            for producer in producers:
+                producer.get_finished()
+            for done, consumer in zip(received, consumers, strict=True):
+                done |= consumer.get_finished()[1]
+            time.sleep(0.02)
+        missing = [rank for rank, r in enumerate(received) if REQ not in r]
+        if missing:
+            raise AssertionError(f"decode ranks {missing} did not receive in {timeout:.0f} s")
+        for consumer in consumers:
+            assert consumer.get_block_ids_with_load_errors() == set()
+
+
+def push_pair(
+    rank_worker: Callable[..., tuple[Any, dict[str, torch.Tensor]]],
+    model: Model,
+    prefill_tp: int,
+    decode_tp: int,
+) -> None:
+    """:func:`run_pair` in push mode: every decode rank's allocation compared with its
+    hand-computed share after the prefill ranks' WRITEs."""
+    push = TraitsNixlPushConnectorWorker
+    producers = producers_for(rank_worker, model, prefill_tp, push)
+    consumers, caches, before = [], [], []
+    for rank in range(decode_tp):
+        # One decode engine (its ranks served together), unlike run_pair's readers.
+        consumer, cache = rank_worker(model, "decode", decode_tp, rank, push)
+        consumers.append(consumer)
+        caches.append(cache)
+        before.append(layouts.backing(cache).clone())
+    push_request(producers, consumers, model)
+    for rank in range(decode_tp):
+        assert_read_exactly(
+            model, caches[rank], before[rank], decode_tp, rank, f"push P{prefill_tp}->D{decode_tp}"
+        )
+
+
 # -- tests -------------------------------------------------------------------------------
 
 
@@ -479,7 +613,16 @@ def test_new_and_mixed_classes_move_byte_exact(
 
 
 @pytest.mark.parametrize(
-    "name", ["latent", "windowed+full", "latent+full uniform", "mla+gqa uniform", "wkv+full"]
+    "name",
+    [
+        "latent",
+        "windowed+full",
+        "latent+full uniform",
+        "mla+gqa uniform",
+        "wkv+full",
+        "replicated wkv",
+        "replicated wkv+full",
+    ],
 )
 def test_push_writes_new_and_mixed_classes_byte_exact(
     name: str, rank_worker: Callable[..., Any]
@@ -498,6 +641,29 @@ def test_push_writes_new_and_mixed_classes_byte_exact(
     )
     assert REQ in sent and REQ in received
     assert_read_exactly(model, caches, before, 1, 0, "push P1->D1")
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "latent",
+        "windowed+full",
+        "latent+full uniform",
+        "mla+gqa uniform",
+        "wkv+full",
+        "replicated wkv",
+        "replicated wkv+full",
+    ],
+)
+def test_push_writes_across_tp_sizes_byte_exact(
+    name: str, prefill_tp: int, decode_tp: int, rank_worker: Callable[..., Any]
+) -> None:
+    """Push at P2->D1 and P1->D2: each prefill rank WRITEs its share into the decode
+    ranks vLLM's TP mapping names (a head-sharded page gathered from two prefill ranks
+    or split over two decode ranks, a replicated one written whole to each decode
+    rank), every decode byte as the model's share says and nothing else changed."""
+    push_pair(rank_worker, MODELS[name], prefill_tp, decode_tp)
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_PAIRS)
@@ -537,17 +703,58 @@ def test_a_state_class_without_a_described_split_is_refused_across_tp(
         assert torch.equal(layouts.backing(caches), before)
 
 
-def test_a_replicated_state_class_outside_a_ring_model_is_refused_before_an_agent(
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_PAIRS)
+@pytest.mark.parametrize("name", ["replicated wkv", "replicated wkv+full"])
+def test_a_replicated_state_class_moves_byte_exact(
+    name: str, prefill_tp: int, decode_tp: int, rank_worker: Callable[..., Any]
+) -> None:
+    """The RWKV-style state TP-replicated (its traits: REPLICATED, RECURRENT_STATE),
+    alone and beside full attention whose pages it overlays: each decode rank holds
+    the model's whole state (1280 B per page, hand-computed in ``rank_share``) read
+    from one prefill rank's identical copy, its padding to the attention page (which
+    differs by TP) untouched, and nothing else changed."""
+    run_pair(rank_worker, MODELS[name], prefill_tp, decode_tp)
+
+
+def test_a_replicated_state_moves_in_a_replicate_region_of_its_own(
+    rank_worker: Callable[..., Any],
+) -> None:
+    """The connector's region decision for it (hand-computed): the state layer a region
+    of its own at the attention layer's base, REPLICATE, moving the 1280 B of content
+    at the 8192 B stride of the TP 2 page; the attention region SPLIT; each group's
+    blocks addressed in its own region (vLLM's region group mapping), the state group
+    as a replicated page group and never as vLLM's state descriptors."""
+    worker, _ = rank_worker(MODELS["replicated wkv+full"], "d", 2, 1)
+    plan = worker.region_plan
+    state, attn = (plan.region_of(f"model.layers.{i}.{w}") for i, w in ((0, "wkv"), (1, "attn")))
+    assert state.index != attn.index and state.base_addr == attn.base_addr
+    assert (state.layers, state.replicated, state.block_len, state.block_stride) == (
+        ("model.layers.0.wkv",),
+        True,
+        (SHIFT + WKV_HEADS * WKV_DIM * WKV_DIM) * 4,
+        full(2).page_size_bytes,
+    )
+    assert (attn.replicated, attn.block_len) == (False, full(2).page_size_bytes)
+    assert (worker.has_mamba, worker.use_mla, worker.ple_region_index) == (False, False, None)
+    assert worker.uses_region_group_mapping
+
+
+def test_a_replicated_state_beside_a_sharded_state_is_refused_before_an_agent(
     distributed: None, tiny_models: pathlib.Path
 ) -> None:
-    """vLLM's descriptors move a TP-replicated state only as a ring model's PLE cache:
-    a replicated state beside plain attention is refused at construction, naming the
-    class, the layer and the trait."""
+    """A replicated state beside a TP-sharded one outside a ring model: vLLM's state
+    descriptors (which the sharded state needs) would address every region but its
+    own as state regions and its pages in every region. Refused at construction,
+    naming the class, the layer and the trait."""
     model = Model(
-        "replicated wkv+full",
-        ((_layer(0, "wkv", "state", replicated_wkv),), (_layer(1, "attn", "heads", full),)),
-        ((5,), (2,)),
-        ((1,), (4,)),
+        "replicated wkv+wkv+full",
+        (
+            (_layer(0, "wkv", "state", wkv),),
+            (_layer(1, "wkv", "replicated state", replicated_wkv),),
+            (_layer(2, "attn", "heads", full),),
+        ),
+        ((5,), (3,), (2,)),
+        ((1,), (6,), (4,)),
     )
     vllm_config = _vllm_config(tiny_models / LLAMA, LAYOUT, None)
     vllm_config.cache_config.block_size = BLOCK
@@ -555,7 +762,7 @@ def test_a_replicated_state_class_outside_a_ring_model_is_refused_before_an_agen
     with (
         set_current_vllm_config(vllm_config),
         pytest.raises(
-            UnsupportedStateLayoutError, match=r"'model.layers.0.wkv' \(WkvStateSpec\).*tp_layout"
+            UnsupportedStateLayoutError, match=r"'model.layers.1.wkv' \(WkvStateSpec\).*tp_layout"
         ) as raised,
     ):
         TraitsNixlConnectorWorker(vllm_config, "d", config, registry=REGISTRY)
@@ -617,13 +824,17 @@ def test_mamba_state_split_is_vllms_decomposition(
 
 KERNEL_CASES = [
     # (state group?, window group?, remote kernel blocks per block, logical ids), as
-    # vLLM's test_logical_to_kernel_block_ids_with_remote_ratio: a state group's ids
-    # stay, every other group's block b becomes b * ratio ... b * ratio + ratio - 1.
+    # vLLM's test_logical_to_kernel_block_ids_with_remote_ratio (ids homo_tp and
+    # qwen35_4p2d: the same call; qwen35_2p4d; mamba_remote_physical_per_logical_1;
+    # pure_fa; fa_swa) and test_read_blocks_for_req_expands_remote_ids[mamba_fa_ssm]
+    # (the last): a state group's ids stay, every other group's block b becomes
+    # b * ratio ... b * ratio + ratio - 1.
     (True, False, 10, ([0], [10]), [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [10]]),
     (True, False, 6, ([0, 1], [10]), [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [10]]),
     (True, False, 1, ([0, 1, 2], [5]), [[0, 1, 2], [5]]),
     (False, False, 4, ([0, 1],), [[0, 1, 2, 3, 4, 5, 6, 7]]),
     (False, True, 3, ([0, 1], [2, 3]), [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]),
+    (True, False, 34, ([5, 6], [2]), [list(range(170, 238)), [2]]),
 ]
 
 
@@ -677,3 +888,31 @@ def test_kernel_block_ids_follow_the_group_kinds_as_upstream(
         worker.kv_cache_config = _kernel_config(state, window, bad)
         with pytest.raises(InvalidSpecError, match="dtypes"):
             worker._logical_to_kernel_block_ids(logical, max(ratio, 2))
+
+
+def test_vllms_one_dtype_state_fixture_is_refused_at_worker_construction(
+    distributed: None, tiny_models: pathlib.Path
+) -> None:
+    """vLLM's kv_connector test fixture ``MambaSpec(shapes=((16,), (16,)),
+    dtypes=(float16,))`` (``utils.make_kv_cache_config``): its ``page_size_bytes``
+    zips shapes with dtypes and is 32 B (16 x 2 B, the first state only) for a state of
+    two 16-element tensors. A worker built over it is refused at construction, before
+    any NIXL agent exists, naming the field; so no read of it ever reaches
+    ``_logical_to_kernel_block_ids``, which vLLM's tests call on a worker built with
+    ``object.__new__`` (the conformance pass lists those four)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvspec_traits import InvalidSpecError
+
+    bad = MambaSpec(block_size=BLOCK, shapes=((16,), (16,)), dtypes=(torch.float16,))
+    assert bad.page_size_bytes == 16 * 2  # vLLM's own page math: one state of two
+    vllm_config = _vllm_config(tiny_models / LLAMA, LAYOUT, None)
+    vllm_config.cache_config.block_size = BLOCK
+    built: list[Any] = []
+    with (
+        set_current_vllm_config(vllm_config),
+        patch.object(base_worker, "NixlWrapper", side_effect=built.append),
+        pytest.raises(InvalidSpecError, match="dtypes"),
+    ):
+        TraitsNixlConnectorWorker(vllm_config, "d", _kernel_config(True, False, bad))
+    assert built == []  # no agent was made

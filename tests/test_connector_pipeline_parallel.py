@@ -169,3 +169,54 @@ def test_a_stage_the_decode_side_cannot_pair_is_refused_before_any_byte(
         stop_d.set()
     assert not stages[1]._sending_transfers
     assert torch.equal(layouts.backing(d_caches), before)
+
+
+@pytest.mark.parametrize(
+    ("pairs", "remote_regions", "offset"),
+    [
+        # Stage 1 of 2 of the tiny Llama (one region per layer): its layer 1 pairs with
+        # the PP 1 peer's region 1 of 2, so vLLM must slice the peer's regions from 1.
+        ([(0, 1)], 2, 1),
+        # Two regions per layer, stage 1 of 2 of a 2-layer model: peer regions 2 and 3.
+        ([(0, 2), (1, 3)], 4, 2),
+        # As many regions on both sides (vLLM does not slice): the peer's from 0.
+        ([(0, 0), (1, 1)], 2, None),
+    ],
+)
+def test_a_stage_sets_vllms_region_offset_from_its_pairs_by_layers(
+    pairs: list[tuple[int, int]], remote_regions: int, offset: int | None
+) -> None:
+    """On 0.32/0.33 (pairing by position) the connector decides the offset vLLM slices
+    a PP 1 peer's regions from: the first peer region the stage's layers pair with
+    (hand-listed above), whatever vLLM's ``regions per layer x first layer`` said."""
+    from kvspec_traits.vllm_connector._handshake import PipelineStage, _check_positions
+
+    kept: list[int] = []
+    stage = PipelineStage(rank=1, size=2, push=True, series="0.33", region_offset=99)
+    _check_positions(stage, pairs, remote_regions, kept.append)
+    assert kept == ([] if offset is None else [offset])
+
+
+@pytest.mark.parametrize(
+    ("pairs", "remote_regions"),
+    [([(0, 1), (1, 0)], 3), ([(0, 0), (1, 2)], 4), ([(0, 1), (1, 0)], 2)],
+)
+def test_a_stage_whose_pairs_are_no_run_of_the_peers_regions_is_refused(
+    pairs: list[tuple[int, int]], remote_regions: int
+) -> None:
+    """Pairs by layers that vLLM 0.32/0.33's slice of the peer's regions cannot address
+    (out of order, a gap, or a reordering with as many regions on both sides): refused
+    by name, naming the stage and the pairs; no offset is set. On 0.34 (pairing by
+    layers, ``region_offset`` None) nothing is asked."""
+    from kvspec_traits.vllm_connector import UnsupportedStagePairingError
+    from kvspec_traits.vllm_connector._handshake import PipelineStage, _check_positions
+
+    kept: list[int] = []
+    stage = PipelineStage(rank=1, size=2, push=True, series="0.32", region_offset=0)
+    with pytest.raises(UnsupportedStagePairingError, match="PP stage 1 of 2") as raised:
+        _check_positions(stage, pairs, remote_regions, kept.append)
+    assert raised.value.peer_regions == [remote for _, remote in pairs]
+    assert (raised.value.stage, raised.value.series, kept) == ((1, 2), "0.32", [])
+    by_layers = PipelineStage(rank=1, size=2, push=True, series="0.34", region_offset=None)
+    _check_positions(by_layers, pairs, remote_regions, kept.append)
+    assert kept == []

@@ -51,7 +51,7 @@ def test_an_unparsable_entry_point_is_named_and_breaks_no_resolution_half_way(
         assert isinstance(info.value, KVSpecTraitsError)
     # Nothing half-registered: the built-ins only, as before loading.
     builtins = Registry(entry_points=False).adapters()
-    assert set(registry._adapters) == set(builtins)
+    assert set(registry._accounting.adapters) == set(builtins)
     # A registry that does not load entry points still answers:
     # 16 tokens * 2 heads * (64 + 64) * 2 B.
     assert Registry(entry_points=False).traits_of(_full()).page_size_bytes == 8192

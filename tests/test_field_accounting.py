@@ -195,7 +195,7 @@ def test_the_accounting_check_is_cached_with_the_answer() -> None:
     spec = TaggedFullSpec(**_full_kwargs())
     first = registry.traits_of(spec)
     assert registry.traits_of(spec) is first
-    assert registry._by_id[id(spec)] is first  # served by the warm path from now on
+    assert registry._answers.by_id[id(spec)] is first  # served by the warm path from now on
 
 
 _REPORT_WITHOUT = """

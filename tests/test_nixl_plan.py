@@ -30,17 +30,16 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvspec_traits import TokenScope, TPLayout
 from kvspec_traits.extend import LayoutTraits, default_registry
 from kvspec_traits.nixl import (
-    BlockIdError,
     MissingPeerError,
     block_desc_ids,
     build_block_descs,
     build_state_descs,
     merge_runs,
-    peer_regions,
     transfer_items,
 )
 from kvspec_traits.transfer import (
     SHARED_REGION_GROUP_ID,
+    BlockIdError,
     MissingLayerError,
     PlanLayout,
     Read,
@@ -48,6 +47,7 @@ from kvspec_traits.transfer import (
     RegionPlan,
     Rows,
     UnsupportedLayoutError,
+    peer_regions,
     plan_regions,
     tp_reads,
 )
@@ -772,3 +772,42 @@ def test_desc_ids_equal_upstream_compute_desc_ids(family: str) -> None:
             uses_region_group_mapping=mapped,
         )
         assert ours.tolist() == upstream.tolist()
+
+
+def test_a_replicated_state_apart_is_a_replicate_region_moving_its_content() -> None:
+    """A TP-replicated Mamba state (vLLM's ``MambaSpec(tp_replicated=True)``: conv 4 x 8
+    and SSM 2 x 8 float32 = 192 B of content) padded to the full-attention page it
+    overlays (2 heads x 32 tokens x (32 + 32) x 4 B = 16384 B, vLLM's hybrid allocator):
+    by default one region of both layers, SPLIT by the attention's heads; named in
+    ``replicated_states_apart``, a region of its own at the same base and stride,
+    REPLICATE, moving the 192 B of content, the attention region SPLIT."""
+    full = (
+        "model.layers.1.attn",
+        kvi.FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32),
+    )
+    state = (
+        "model.layers.0.mamba",
+        kvi.MambaSpec(
+            block_size=32,
+            shapes=((4, 8), (2, 8)),
+            dtypes=(torch.float32, torch.float32),
+            page_size_padded=16384,
+            tp_replicated=True,
+        ),
+    )
+    assert full[1].page_size_bytes == state[1].page_size_bytes == 16384
+    config, caches = _alias_groups(state, full, KVCacheLayout.LBHNC)
+    (shared,) = plan_regions(caches, config).regions
+    assert (shared.layers, shared.replicated, shared.block_len) == (
+        (state[0], full[0]),
+        False,
+        16384,
+    )
+    plan = plan_regions(
+        caches, config, layout=PlanLayout(replicated_states_apart=frozenset({state[0]}))
+    )
+    mine, attn = plan.region_of(state[0]), plan.region_of(full[0])
+    assert (mine.layers, attn.layers) == ((state[0],), (full[0],))
+    assert (mine.base_addr, mine.block_stride) == (attn.base_addr, attn.block_stride)
+    assert (mine.replicated, mine.block_len, mine.group_id) == (True, (32 + 16) * 4, 0)
+    assert (attn.replicated, attn.block_len, attn.group_id) == (False, 16384, 1)

@@ -14,14 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvspec_traits.nixl import (
-    BlockIdTypeError,
-    DuplicateBlockIdError,
-    PeerMetadata,
-    RemotePeer,
-    _request,
-    peer_regions,
-)
+from kvspec_traits.nixl import PeerMetadata, RemotePeer, _request
 from kvspec_traits.nixl._checked import checked_request, transfer_items_of
 from kvspec_traits.nixl._descs import Request
 from kvspec_traits.nixl._items import (
@@ -31,7 +24,14 @@ from kvspec_traits.nixl._items import (
 )
 from kvspec_traits.nixl._request import MERGE_MIN_DESCRIPTORS, MERGE_PAYS, request_descs
 from kvspec_traits.nixl._runs import merged_rows, request_runs
-from kvspec_traits.transfer import PeerRegion, RegionPlan, plan_regions
+from kvspec_traits.transfer import (
+    BlockIdTypeError,
+    DuplicateBlockIdError,
+    PeerRegion,
+    RegionPlan,
+    peer_regions,
+    plan_regions,
+)
 from tests.nixl_helpers import layouts
 
 NB = 16

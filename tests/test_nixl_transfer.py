@@ -18,7 +18,6 @@ import torch
 
 from kvspec_traits.nixl import (
     DescMode,
-    MemoryTypeMismatchError,
     MissingPeerError,
     TraitsNixlAgent,
     TransferFailedError,
@@ -28,6 +27,7 @@ from kvspec_traits.nixl import (
 from kvspec_traits.transfer import (
     HandshakeMismatchError,
     MalformedMetadataError,
+    MemoryTypeMismatchError,
     PlanLayout,
     Rows,
     plan_regions,

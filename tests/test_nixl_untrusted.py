@@ -26,20 +26,19 @@ import pytest
 import torch
 
 from kvspec_traits.nixl import (
-    BlockIdError,
-    BlockIdShapeError,
-    BlockIdTypeError,
-    DuplicateBlockIdError,
     TraitsNixlAgent,
     block_desc_ids,
     check_peer_layout,
     decode_metadata,
     encode_metadata,
-    peer_regions,
     transfer_items,
 )
 from kvspec_traits.nixl._wire import WIRE_VERSION
 from kvspec_traits.transfer import (
+    BlockIdError,
+    BlockIdShapeError,
+    BlockIdTypeError,
+    DuplicateBlockIdError,
     HandshakeMismatchError,
     MalformedMetadataError,
     PlanLayout,
@@ -47,6 +46,7 @@ from kvspec_traits.transfer import (
     Rows,
     check_handshake,
     decode_fingerprint,
+    peer_regions,
     plan_regions,
 )
 from tests.nixl_helpers import checks, layouts

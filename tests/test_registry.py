@@ -187,7 +187,7 @@ def test_a_failing_plugin_leaves_the_registry_as_it_was_and_fails_every_time(
             registry.adapters()
         assert info.value.entry_point == "ep1"
     # nothing half-registered: neither the first plugin's adapter nor the failing one's
-    assert dict(registry._adapters) == {}
+    assert dict(registry._accounting.adapters) == {}
 
 
 def test_a_conflict_with_a_built_in_is_refused_before_first_use() -> None:

@@ -1,5 +1,7 @@
 """The registry's caches: each bounded, none ever answering stale or for another spec, and
-a warm group answered without re-reading its members, yet afresh after any mutation.
+a warm group answered without re-reading its members' fields, yet afresh after any
+mutation of its member dict (guarded by the identities of its members, nothing below the
+language).
 
 Page sizes are hand-computed from vLLM's attention formula, ``block_size * num_kv_heads *
 (head_size + head_size_v) * itemsize``, and compared with the spec's own
@@ -9,7 +11,6 @@ Page sizes are hand-computed from vLLM's attention formula, ``block_size * num_k
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,15 +18,13 @@ import pytest
 import torch
 from vllm.v1 import kv_cache_interface as kvi
 
-import kvspec_traits._caches as caches
 import kvspec_traits._registry as registry_module
 import kvspec_traits._verify as verify_module
 from kvspec_traits import GroupTraits, InvalidSpecError
-from kvspec_traits._accounting import FieldAccounting
-from kvspec_traits._caches import MAX_CLASSES, MAX_SPECS, Watched, watch_of
-from kvspec_traits._loading import AdapterLoading
+from kvspec_traits._accounting import Accounting
+from kvspec_traits._caches import MAX_CLASSES, MAX_SPECS, Answers, Members, Snapshot, member_guard
+from kvspec_traits._loading import Loader
 from kvspec_traits._result_check import snapshot
-from kvspec_traits.catalog import representative_specs
 from kvspec_traits.extend import Registry
 
 
@@ -58,15 +57,16 @@ def test_a_thousand_dynamic_subclasses_stay_within_the_bounds_and_answer_right()
         if i < 3:
             kept.append((cls, block_size))
         del spec, cls, traits
-    assert len(registry._by_type) <= MAX_CLASSES < 1000
-    for cache in (registry._alive, registry._by_id, registry._by_value, registry._mutable):
+    assert len(registry._accounting.plans) <= MAX_CLASSES < 1000
+    answers = registry._answers
+    for cache in (answers.alive, answers.by_id, answers.guarded, answers.by_value):
         assert len(cache) <= MAX_SPECS
     for fact in (verify_module._placeholder, verify_module._defined):
         info = fact.cache_info()
         assert info.maxsize is not None and info.currsize <= info.maxsize
     # The first classes' plans and answers were dropped: asked again, answered again.
     for cls, block_size in kept:
-        assert cls not in registry._by_type
+        assert cls not in registry._accounting.plans
         spec = cls(block_size=block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
         assert registry.traits_of(spec).page_size_bytes == _page(block_size)
 
@@ -74,7 +74,7 @@ def test_a_thousand_dynamic_subclasses_stay_within_the_bounds_and_answer_right()
 def test_a_full_spec_cache_starts_afresh_and_never_answers_for_a_reused_id() -> None:
     """Failure mode (guarded here): the per-spec cache, emptied by its bound, keeping an
     answer by id while releasing its spec (a new spec at the same address would get it),
-    or keeping a group's watched entry (answered from before a mutation).
+    or keeping a group's guarded entry (answered from before a mutation).
 
     Each spec is dropped after its answer, so once the bound empties the cache, new specs
     reuse the ids of old ones with other block sizes: every answer must be its own."""
@@ -82,27 +82,32 @@ def test_a_full_spec_cache_starts_afresh_and_never_answers_for_a_reused_id() -> 
     members: dict[str, kvi.KVCacheSpec] = {"l0": _full()}
     group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
     assert registry.traits_of(group).page_size_bytes == _page()
-    assert id(group) in registry._by_id
+    assert id(group) in registry._answers.guarded
     for i in range(MAX_SPECS + 500):  # 8 values, each spec its own object and entry
         block_size = 16 * (1 + i % 8)
         spec = _full(block_size)
         assert registry.traits_of(spec).page_size_bytes == _page(block_size)
         del spec
-        assert len(registry._alive) <= MAX_SPECS
-    assert id(group) not in registry._by_id
+        assert len(registry._answers.alive) <= MAX_SPECS
+    assert id(group) not in registry._answers.guarded
     members["l1"] = _full(heads=4)
     assert registry.traits_of(group).page_size_bytes == _page() + _page(heads=4)
     assert group.page_size_bytes == _page() + _page(heads=4)
 
 
-def test_the_registry_parts_hold_no_state_of_their_own() -> None:
-    """Failure mode: the mixins redeclared the registry's attributes (issue 21), so the
-    state was described in three places."""
-    for part in (FieldAccounting, AdapterLoading):
-        assert not vars(part).get("__annotations__"), part
-        assert "__init__" not in vars(part), part
-    registry = Registry(builtins=False, entry_points=False)
-    assert registry._by_type == {} and registry._adapters == {}
+def test_the_registry_owns_its_parts_and_inherits_none() -> None:
+    """Failure mode: the registry was two mixins over a shared state class (issue 37),
+    which stubbed its parts' methods for mypy; one class cut across three files. Now it
+    inherits nothing and owns each part as an object, none shared between registries."""
+    assert Registry.__mro__ == (Registry, object)
+    one = Registry(builtins=False, entry_points=False)
+    two = Registry(builtins=False, entry_points=False)
+    assert isinstance(one._accounting, Accounting)
+    assert isinstance(one._loader, Loader)
+    assert isinstance(one._answers, Answers)
+    assert one._accounting is not two._accounting and one._answers is not two._answers
+    one.register(kvi.FullAttentionSpec, lambda spec: registry_module.traits_of(spec))
+    assert list(one.adapters()) == [kvi.FullAttentionSpec] and two.adapters() == {}
 
 
 # -- groups on the warm path ------------------------------------------------------------------
@@ -125,11 +130,8 @@ def test_a_warm_group_is_answered_without_reading_its_members(
 ) -> None:
     """Failure mode: every warm traits_of(group) snapshotted the group's 61 members and
     the types of all their fields (2.07 ms a call, ~35,000x an isinstance, issue 20).
-    Now the dict's version tag says it is unchanged (benchmarks/bench_traits.py times it)."""
-    if sys.implementation.name == "cpython" and sys.version_info < (3, 14):
-        assert caches.watches_dicts()  # 3.11-3.13 keep ma_version_tag where it is read
-    if not caches.watches_dicts():
-        pytest.skip("this interpreter's dicts carry no version tag that can be read")
+    Now the identities of its members say it is unchanged (benchmarks/bench_traits.py
+    times it)."""
     registry = Registry().copy()
     layers: dict[str, kvi.KVCacheSpec] = {f"model.layers.{i}.attn": _full() for i in range(61)}
     group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=layers)
@@ -139,7 +141,7 @@ def test_a_warm_group_is_answered_without_reading_its_members(
     for _ in range(1000):
         assert registry.traits_of(group) is first
     assert calls == []
-    # The same object written back changes nothing (nor the dict's version).
+    # The same object written back changes nothing.
     layers["model.layers.0.attn"] = layers["model.layers.0.attn"]
     assert registry.traits_of(group) is first
     # An equal member in its place: compared once, then warm again with the same answer.
@@ -167,41 +169,52 @@ _MUTATIONS: list[tuple[str, Callable[[dict[str, Any]], object], list[int]]] = [
 ]
 
 
-@pytest.mark.parametrize("watched", [True, False], ids=["version-tag", "snapshot"])
+def _guard_by(members: bool, monkeypatch: pytest.MonkeyPatch) -> type[Members | Snapshot]:
+    """Make the registry guard groups by their members' identities (as it does), or by a
+    snapshot of their fields (what it does for any other unhashable spec)."""
+    if not members:
+        monkeypatch.setattr(registry_module, "member_guard", lambda spec, names: None)
+    return Members if members else Snapshot
+
+
+@pytest.mark.parametrize("members", [True, False], ids=["members", "snapshot"])
 def test_every_kind_of_group_mutation_is_answered_afresh(
-    watched: bool, monkeypatch: pytest.MonkeyPatch
+    members: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Failure mode (guarded here): a warm group answered from before its dict changed
-    (vLLM's group spec is frozen, its dict is not), with or without the version tag."""
-    if watched and not caches.watches_dicts():
-        pytest.skip("this interpreter's dicts carry no version tag that can be read")
-    monkeypatch.setattr(caches, "_watching", watched)
+    (vLLM's group spec is frozen, its dict is not), by either guard."""
+    guard_type = _guard_by(members, monkeypatch)
     registry = Registry().copy()
-    members: dict[str, Any] = {"l0": _F8}
-    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
+    layers: dict[str, Any] = {"l0": _F8}
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=layers)
     assert registry.traits_of(group).page_size_bytes == _page()
     for what, mutate, heads in _MUTATIONS:
-        mutate(members)
+        mutate(layers)
         want = sum(_page(heads=h) for h in heads)
         for _ in range(2):  # the fresh answer, then the same from the warm path
             t = registry.traits_of(group)
             assert isinstance(t, GroupTraits)
-            assert (t.page_size_bytes, list(t.members)) == (want, list(members)), what
+            assert (t.page_size_bytes, list(t.members)) == (want, list(layers)), what
             assert t.page_size_bytes == group.page_size_bytes
-        assert (id(group) in registry._by_id) is watched
-    members.clear()
+        assert type(registry._answers.guarded[id(group)].guard) is guard_type
+    layers.clear()
     with pytest.raises(InvalidSpecError, match="kv_cache_specs"):
         registry.traits_of(group)
 
 
-def test_only_a_frozen_spec_with_one_dict_of_hashable_values_is_watched() -> None:
-    """A dict's version shows its own changes only: a spec whose fields may be rebound
-    (not frozen), or whose dict holds a mutable value, takes the snapshot path."""
+def test_only_a_frozen_spec_whose_dicts_hold_hashable_values_is_guarded_by_members() -> None:
+    """A dict's member identities show its own changes only: a spec whose fields may be
+    rebound (not frozen), or whose dict holds a mutable value, is guarded by a snapshot."""
 
     @dataclasses.dataclass(frozen=True)
     class Pack:
         members: dict[str, Any]
         block_size: int = 16
+
+    @dataclasses.dataclass(frozen=True)
+    class Two:
+        left: dict[str, Any]
+        right: dict[str, Any]
 
     @dataclasses.dataclass
     class Loose:
@@ -209,75 +222,74 @@ def test_only_a_frozen_spec_with_one_dict_of_hashable_values_is_watched() -> Non
 
     names = ("members", "block_size")
     group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": _F8})
-    if not caches.watches_dicts():
-        pytest.skip("this interpreter's dicts carry no version tag that can be read")
-    guard = watch_of(group, tuple(f.name for f in dataclasses.fields(group)))
-    assert guard is not None and guard[2] is group.kv_cache_specs
-    assert watch_of(Pack({"a": _F8}), names) is not None
-    assert watch_of(Pack({"a": [1]}), names) is None  # a list in it can change unseen
-    assert watch_of(Loose({"a": _F8}), ("members",)) is None
-    assert watch_of(Pack({"a": _F8}, block_size=[16]), names) is None  # type: ignore[arg-type]
+    assert member_guard(group, tuple(f.name for f in dataclasses.fields(group))) is not None
+    assert member_guard(Pack({"a": _F8}), names) is not None
+    assert member_guard(Pack({"a": [1]}), names) is None  # a list in it can change unseen
+    assert member_guard(Loose({"a": _F8}), ("members",)) is None
+    assert member_guard(Pack({"a": _F8}, block_size=[16]), names) is None  # type: ignore[arg-type]
+    right = {"b": _F4}
+    two = Two({"a": _F8}, right)
+    guard = member_guard(two, ("left", "right"))
+    assert guard is not None and guard.holds(two)
+    right["b"] = _F8
+    assert not guard.holds(two)  # the second dict is watched too
 
 
-def test_the_guard_keeps_a_copy_of_the_version_and_a_view_of_the_live_one() -> None:
-    """Failure mode (guarded here): the guard's recorded version read through the same
-    memory as the live tag (a view, not a copy), so every mutation would match it."""
-    if not caches.watches_dicts():
-        pytest.skip("this interpreter's dicts carry no version tag that can be read")
-    members: dict[str, Any] = {"l0": _F8}
-    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
-    guard = watch_of(group, tuple(f.name for f in dataclasses.fields(group)))
-    assert guard is not None
-    now, then, held = guard
-    assert held is members and now == then
-    recorded = then.tobytes()
-    members["l0"] = _F4
-    assert now != then and then.tobytes() == recorded
+def test_the_guard_compares_members_by_identity_not_equality() -> None:
+    """Failure mode (guarded here): a guard comparing members with ``==`` keeps a group's
+    answer when a member is replaced by an equal spec, which may differ in a field's
+    type (Python calls ``128 == 128.0``): that member is refused alone, so the group
+    must be too. Put back, the same objects hold again."""
+    layers: dict[str, Any] = {"l0": _F8}
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=layers)
+    guard = member_guard(group, tuple(f.name for f in dataclasses.fields(group)))
+    assert guard is not None and guard.holds(group)
+    layers["l0"] = _full(heads=8)  # equal, another object
+    assert layers["l0"] == _F8 and not guard.holds(group)
+    layers["l0"] = _F8
+    assert guard.holds(group)
+    registry = Registry().copy()
+    assert registry.traits_of(group).page_size_bytes == _page()
+    float_heads = kvi.FullAttentionSpec(
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128.0,  # type: ignore[arg-type]
+        dtype=torch.bfloat16,
+    )
+    assert float_heads == _F8
+    layers["l0"] = float_heads
+    with pytest.raises(InvalidSpecError, match=r"kv_cache_specs\['l0'\]\.head_size"):
+        registry.traits_of(group)
 
 
-@pytest.mark.parametrize("watched", [True, False], ids=["version-tag", "snapshot"])
+@pytest.mark.parametrize("members", [True, False], ids=["members", "snapshot"])
 def test_a_group_mutated_while_it_is_answered_is_answered_again(
-    watched: bool, monkeypatch: pytest.MonkeyPatch
+    members: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Failure mode (issue 20 item 5, found by this test): a group mutated after its
     snapshot but before its adapter read the members was cached with the new members'
     answer under the old snapshot; the dict put back as the snapshot saw it was then
     answered from the cache with the members it no longer held (also shared by value).
-    Now a change seen after the answer (the tag, or the snapshot taken again) answers again."""
-    if watched and not caches.watches_dicts():
-        pytest.skip("this interpreter's dicts carry no version tag that can be read")
-    monkeypatch.setattr(caches, "_watching", watched)
+    Now a change seen after the answer (by the guard taken before it) answers again."""
+    _guard_by(members, monkeypatch)
     registry = Registry().copy()
-    members: dict[str, Any] = {"l0": _F8}
-    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
+    layers: dict[str, Any] = {"l0": _F8}
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=layers)
     real: Callable[..., object] = snapshot
     taken: list[object] = []
 
     def then_mutated(spec: object, field_names: tuple[str, ...]) -> object:
         taken.append(real(spec, field_names))
         if len(taken) == 1:
-            members["l1"] = _F4  # after the first snapshot, before the adapter
+            layers["l1"] = _F4  # after the first snapshot, before the adapter
         return taken[-1]
 
     monkeypatch.setattr(registry_module, "_snapshot", then_mutated)
     both = _page() + _page(heads=4)
     assert registry.traits_of(group).page_size_bytes == both
-    del members["l1"]  # as the first snapshot saw it
+    del layers["l1"]  # as the first snapshot saw it
     for _ in range(2):
         assert registry.traits_of(group).page_size_bytes == _page() == group.page_size_bytes
-    members["l1"] = _F4
+    layers["l1"] = _F4
     assert registry.traits_of(group).page_size_bytes == both
     assert taken[0] != taken[1]  # the first answer was taken again, with its own snapshot
-
-
-def test_every_falsy_value_of_the_warm_cache_is_a_watched() -> None:
-    """The warm path reads a falsy entry as a Watched: every spec of the catalog, and a
-    group, leaves a truthy traits object or a Watched."""
-    registry = Registry().copy()
-    specs: list[object] = [entry.spec for entry in representative_specs()]
-    specs.append(kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": _F8}))
-    for spec in specs:
-        registry.traits_of(spec)  # type: ignore[arg-type]
-    assert registry._by_id
-    for value in registry._by_id.values():
-        assert bool(value) is not isinstance(value, Watched), value

@@ -344,3 +344,31 @@ def test_docs_show_the_table() -> None:
     assert "## The seam to vLLM" in text
     section = text.split("## The seam to vLLM", 1)[1]
     assert seam_section() in section, "docs/architecture.md: rerun tests/test_vllm_seam.py's"
+
+
+def test_a_handshake_that_no_longer_decodes_by_name_is_an_unknown_series() -> None:
+    """The seam binds the peer metadata class by the name vLLM's handshake decodes with
+    (``NixlAgentMetadata``). The installed series' handshake does; a handshake that
+    decodes otherwise (as a later series might) is a vLLM the seam does not know,
+    refused by name (``UnsupportedVllmVersionError`` naming the installed version and
+    the method), never run without the traits fingerprint."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+        NixlBaseConnectorWorker,
+    )
+
+    from kvspec_traits.vllm_connector import (
+        TraitsNixlAgentMetadata,
+        UnsupportedVllmVersionError,
+    )
+
+    worker = object.__new__(NixlBaseConnectorWorker)
+    bound = seam._decoding_as(worker._nixl_handshake, TraitsNixlAgentMetadata)
+    assert bound.__func__.__globals__["NixlAgentMetadata"] is TraitsNixlAgentMetadata  # type: ignore[attr-defined]
+
+    class Renamed:
+        def _nixl_handshake(self, host: str, port: int) -> object:
+            return (host, port)  # decodes no NixlAgentMetadata
+
+    with pytest.raises(UnsupportedVllmVersionError, match=r"Renamed\._nixl_handshake") as raised:
+        seam._decoding_as(Renamed()._nixl_handshake, TraitsNixlAgentMetadata)
+    assert raised.value.installed == installed_vllm()

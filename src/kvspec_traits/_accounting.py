@@ -18,9 +18,7 @@ from kvspec_traits._errors import (
     UnknownFieldNameError,
     UnsupportedSpecError,
     describe_adapter,
-    not_a_spec_error,
 )
-from kvspec_traits._state import RegistryState
 from kvspec_traits._traits import (
     KVLayoutTraits,
 )
@@ -28,11 +26,13 @@ from kvspec_traits._verify import CHECKED_PROPERTIES
 
 __all__ = [
     "LAYOUT_MEMBERS",
-    "FieldAccounting",
+    "Accounting",
+    "Declared",
     "Plan",
     "Registration",
-    "adapter_name",
     "declare_series_names",
+    "field_names_of",
+    "members_error",
 ]
 
 LAYOUT_MEMBERS: Final = frozenset(
@@ -74,8 +74,8 @@ class Registration:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Accounting:
-    """What one registration declares (see :class:`Registration`)."""
+class Declared:
+    """What one registration declares about its class's fields (see :class:`Registration`)."""
 
     reads: frozenset[str]
     ignores: frozenset[str]
@@ -97,75 +97,56 @@ class Plan:
     members: tuple[str, ...]
 
 
-class FieldAccounting(RegistryState):
-    """The questions about classes a :class:`~kvspec_traits.extend.Registry` answers from its
-    registrations (mixed into it; the state is :class:`RegistryState`'s)."""
+class Accounting:
+    """The registrations of one :class:`~kvspec_traits.extend.Registry` (each class's
+    adapter and what it declares about the class's fields) and the :class:`Plan` of each
+    spec class computed from them, bounded by :data:`~kvspec_traits._caches.MAX_CLASSES`.
 
-    # -- questions about classes --------------------------------------------------------
+    Not locked itself: the registry holds its lock around every change and every plan
+    computed, and loads its adapters before it asks for a plan.
+    """
 
-    def owner_of(self, spec_type: type[Any]) -> type[Any]:
-        """The class whose adapter serves ``spec_type`` (itself or an ancestor)."""
-        return self._plan(spec_type).owner
+    def __init__(self) -> None:
+        self.adapters: dict[type[Any], Callable[[Any], KVLayoutTraits]] = {}
+        self.declared: dict[type[Any], Declared] = {}
+        # The resolution plan per class (dropped oldest first past MAX_CLASSES).
+        self.plans: dict[type[Any], Plan] = {}
 
-    def accounted_fields(self, spec_type: type[Any]) -> frozenset[str]:
-        """The names the adapter serving ``spec_type`` accounts for (reads or ignores)."""
-        owner = self._plan(spec_type).owner
-        with self._lock:
-            return self._accounted(owner)
+    def set(
+        self, spec_type: type[Any], adapter: Callable[[Any], KVLayoutTraits], declared: Declared
+    ) -> None:
+        self.adapters[spec_type] = adapter
+        self.declared[spec_type] = declared
+        self.plans.clear()
 
-    def read_fields(self, spec_type: type[Any]) -> frozenset[str]:
-        """The names the adapter serving ``spec_type`` reads (a subset of
-        :meth:`accounted_fields`; the rest it knows do not affect the layout)."""
-        owner = self._plan(spec_type).owner
-        with self._lock:
-            return self._reads(owner)
+    def saved(self) -> tuple[dict[type[Any], Any], dict[type[Any], Declared]]:
+        """A copy of the registrations, for :meth:`restore` (or another registry's)."""
+        return dict(self.adapters), dict(self.declared)
 
-    def unaccounted_fields(self, spec_type: type[Any]) -> tuple[str, ...]:
-        """The dataclass fields of ``spec_type`` (own and inherited) that the adapter
-        serving it does not account for. Each must hold its default, or the spec is
-        refused; a field without a default refuses the class outright."""
-        plan = self._plan(spec_type)
-        return (*(name for name, _ in plan.at_default), *plan.required)
+    def restore(self, saved: tuple[dict[type[Any], Any], dict[type[Any], Declared]]) -> None:
+        self.adapters, self.declared = dict(saved[0]), dict(saved[1])
+        self.plans.clear()
 
-    def overridden_members(self, spec_type: type[Any]) -> tuple[str, ...]:
-        """Layout members that ``spec_type`` or a class between it and the class whose
-        adapter serves it overrides (empty when the class has its own adapter)."""
-        return self._plan(spec_type).members
+    def registrations(self) -> dict[type[Any], Registration]:
+        return {
+            spec_type: Registration(
+                adapter, self.declared[spec_type].reads, self.declared[spec_type].ignores
+            )
+            for spec_type, adapter in self.adapters.items()
+        }
 
-    @staticmethod
-    def _members_error(spec_type: type[Any], plan: Plan) -> UnsupportedSpecError:
-        return UnsupportedSpecError(
-            spec_type,
-            f"it overrides {', '.join(plan.members)}, which the adapter for "
-            f"{plan.owner.__qualname__} relies on, so that adapter's answer may not "
-            "describe it",
-            members=plan.members,
-            adapter=plan.adapter_name,
-        )
-
-    def _plan_of(self, spec: object) -> Plan:
-        """The plan of ``spec``'s class; for a spec's look-alike (a class, a cache group,
-        a config) that has none, :class:`NotASpecError` naming the call to make."""
-        try:
-            return self._plan(type(spec))
-        except UnsupportedSpecError:
-            mistaken = not_a_spec_error(spec)
-            if mistaken is None:
-                raise
-            raise mistaken from None
-
-    def _plan(self, spec_type: type[Any]) -> Plan:
-        plan = self._by_type.get(spec_type)
+    def plan(self, spec_type: type[Any]) -> Plan:
+        """The plan of ``spec_type``: :class:`UnsupportedSpecError` when neither it nor
+        a base has an adapter."""
+        plan = self.plans.get(spec_type)
         if plan is not None:
             return plan
-        self._ensure_loaded()
-        with self._lock:
-            for klass in spec_type.__mro__:
-                adapter = self._adapters.get(klass)
-                if adapter is not None:
-                    plan = self._make_plan(spec_type, klass, adapter)
-                    put_bounded(self._by_type, spec_type, plan, MAX_CLASSES)
-                    return plan
+        for klass in spec_type.__mro__:
+            adapter = self.adapters.get(klass)
+            if adapter is not None:
+                plan = self._make_plan(spec_type, klass, adapter)
+                put_bounded(self.plans, spec_type, plan, MAX_CLASSES)
+                return plan
         raise UnsupportedSpecError(
             spec_type,
             "neither it nor any of its bases has an adapter (is it a vLLM KV cache spec? "
@@ -176,7 +157,7 @@ class FieldAccounting(RegistryState):
     def _make_plan(
         self, spec_type: type[Any], owner: type[Any], adapter: Callable[[Any], KVLayoutTraits]
     ) -> Plan:
-        accounted = self._accounted(owner)
+        accounted = self.accounted(owner)
         fields = dataclasses.fields(spec_type) if dataclasses.is_dataclass(spec_type) else ()
         at_default: list[tuple[str, object]] = []
         required: list[str] = []
@@ -192,7 +173,7 @@ class FieldAccounting(RegistryState):
         field_names = tuple(f.name for f in fields)
         members: list[str] = []
         if owner is not spec_type:
-            relied_on = LAYOUT_MEMBERS | self._reads(owner)
+            relied_on = LAYOUT_MEMBERS | self.reads(owner)
             for klass in spec_type.__mro__:
                 if klass is owner:
                     break
@@ -204,23 +185,36 @@ class FieldAccounting(RegistryState):
         return Plan(
             owner=owner,
             adapter=adapter,
-            adapter_name=adapter_name(adapter, owner),
+            adapter_name=describe_adapter(adapter, owner),
             field_names=field_names,
             at_default=tuple(at_default),
             required=tuple(required),
             members=tuple(sorted(members)),
         )
 
-    def _accounted(self, klass: type[Any]) -> frozenset[str]:
+    def accounted(self, klass: type[Any]) -> frozenset[str]:
         """Names the registration for ``klass`` accounts for (reads and ignores)."""
-        declared = self._accounting.get(klass, _NOTHING)
+        declared = self.declared.get(klass, _NOTHING)
         return declared.reads | declared.ignores
 
-    def _reads(self, klass: type[Any]) -> frozenset[str]:
-        return self._accounting.get(klass, _NOTHING).reads
+    def reads(self, klass: type[Any]) -> frozenset[str]:
+        """Names the registration for ``klass`` reads."""
+        return self.declared.get(klass, _NOTHING).reads
 
 
-_NOTHING: Final = _Accounting(frozenset(), frozenset())
+def members_error(spec_type: type[Any], plan: Plan) -> UnsupportedSpecError:
+    """The refusal of a subclass that overrides members its inherited adapter relies on."""
+    return UnsupportedSpecError(
+        spec_type,
+        f"it overrides {', '.join(plan.members)}, which the adapter for "
+        f"{plan.owner.__qualname__} relies on, so that adapter's answer may not "
+        "describe it",
+        members=plan.members,
+        adapter=plan.adapter_name,
+    )
+
+
+_NOTHING: Final = Declared(frozenset(), frozenset())
 
 # Names of vLLM's spec API that the built-in field lists (ATTENTION_READS, ...) declare:
 # they span the supported vLLM series and several classes, so a name one class or series
@@ -268,8 +262,3 @@ def _all_fields(klass: type[Any]) -> frozenset[str]:
     if not dataclasses.is_dataclass(klass):
         return frozenset()
     return frozenset(f.name for f in dataclasses.fields(klass))
-
-
-def adapter_name(adapter: object, owner: type[Any] | None = None) -> str:
-    """The adapter as errors name it (``.adapter``; see :func:`describe_adapter`)."""
-    return describe_adapter(adapter, owner)

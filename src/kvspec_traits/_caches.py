@@ -1,35 +1,36 @@
-"""The registry's caches, every one bounded, and the warm path that reads them.
+"""The registry's answers, every cache bounded, and the warm path that reads them.
 
-- per class (:data:`MAX_CLASSES` entries): the resolution plan of a spec class, dropped
-  oldest first when full;
-- per spec (:data:`MAX_SPECS` specs): the answers by ``id(spec)`` (the warm path), by
-  value (equal specs share one answer) and the snapshots of unhashable specs, all
-  emptied together when full. An entry keeps its spec alive, so while it exists no other
-  object can have that id.
+- per class (:data:`MAX_CLASSES` entries, held by ``_accounting.Accounting``): the
+  resolution plan of a spec class, dropped oldest first when full;
+- per spec (:data:`MAX_SPECS` specs, an :class:`Answers`): the answers of hashable specs
+  by ``id(spec)`` (the warm path), the guarded answers of unhashable ones by ``id(spec)``,
+  and the answers by value (equal specs share one), all emptied together when full. An
+  entry keeps its spec alive, so while it exists no other object can have that id.
 
 Nothing in a cache outlives a change of registrations (the registry empties them all),
 and dropping an entry only costs a recomputation: no bound can make an answer stale.
 
-A frozen spec whose only unhashable field is a plain dict of hashable values (vLLM's
-``UniformTypeKVCacheSpecs``) is answered on the warm path too, guarded by the dict's
-version: CPython gives every dict a version tag that changes on each mutation (PEP 509,
-``ma_version_tag``), viewed here in place through ``ctypes`` as a one-item memoryview. Its
-warm entry, a :class:`Watched`, holds that view and a copy of it taken before the answer;
-the two are compared per call in C (``now == then``, no int built). A Watched is an empty
-dict, so falsy, while every traits object the warm cache holds is truthy
-(:func:`warm_entry`): one truth test tells a group from a single spec, cheaper than the
-type test it replaces, for singles too. A probe, on the first group, checks that this
-interpreter keeps that tag where it is read and that every kind of mutation makes the
-compare fail; where it does not (PyPy, a free-threaded or future CPython), the dict is not
-watched and such a spec takes the snapshot path, answered afresh after any mutation.
+An unhashable spec (vLLM's group spec, ``UniformTypeKVCacheSpecs``, is frozen but holds a
+plain dict of member specs) is answered on the warm path behind a guard that tells whether
+it still holds what it held when answered. For a frozen spec whose only unhashable fields
+are plain dicts of hashable keys and values, the guard (:class:`Members`) is the identity
+of each dict and of every key and value in it, compared in C (``map(operator.is_, ...)``):
+any mutation of the dict (a member added, removed, replaced by another object, even an
+equal one, or reordered) fails it, and the spec is answered afresh; the members' own
+answers are cached by id like any hashable spec's, so the group's fresh answer reads them
+warm. Any other unhashable spec is guarded by a snapshot of its fields
+(:class:`Snapshot`), taken again on every call. Neither reads anything below the
+language.
 """
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, final
+from operator import is_
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
+from kvspec_traits._result_check import snapshot
 from kvspec_traits._traits import KVLayoutTraits
 
 if TYPE_CHECKING:
@@ -38,12 +39,12 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_CLASSES",
     "MAX_SPECS",
-    "Watched",
+    "Answers",
+    "Guard",
+    "Members",
+    "Snapshot",
+    "member_guard",
     "put_bounded",
-    "warm_entry",
-    "warm_path",
-    "watch_of",
-    "watches_dicts",
 ]
 
 MAX_CLASSES: Final = 256
@@ -63,184 +64,158 @@ def put_bounded(cache: dict[K, V], key: K, value: V, limit: int) -> None:
     cache[key] = value
 
 
-# -- dict versions ------------------------------------------------------------------------
-
-# PyDictObject on CPython 3.11-3.13 (default build): ob_refcnt, ob_type, ma_used, then
-# ma_version_tag, each 8 bytes on a 64-bit build.
-_TYPE_OFFSET: Final = 8
-_USED_OFFSET: Final = 16
-_VERSION_OFFSET: Final = 24
-
-
-def _version_tag(d: dict[Any, Any]) -> memoryview:
-    """``d``'s version tag in place, as a one-item memoryview of native ``Q``."""
-    import ctypes  # (here, not at import: only a group spec needs it)
-
-    cells = (ctypes.c_uint64 * 1).from_address(id(d) + _VERSION_OFFSET)
-    return memoryview(cells).cast("B").cast("Q")
-
-
-def _copy_of(tag: memoryview) -> memoryview:
-    """A frozen copy of ``tag`` in the same format: ``tag == copy`` compares the two
-    native ``Q`` items in C, with no int built per call (``tag[0] == version`` builds one)."""
-    return memoryview(tag.tobytes()).cast("Q")
-
-
-def _probe() -> bool:
-    """Whether this interpreter's dicts carry a version tag where it is read, changed by
-    every mutation the probe tries, as seen by the compare the warm path makes (never read
-    unless the layout checks out first)."""
-    gil_disabled = getattr(sys, "_is_gil_enabled", lambda: True)() is False
-    if sys.implementation.name != "cpython" or gil_disabled or sys.maxsize != 2**63 - 1:
-        return False
-    import ctypes
-
-    d: dict[str, object] = {"a": 1, "b": 2}
-    if ctypes.c_void_p.from_address(id(d) + _TYPE_OFFSET).value != id(
-        dict
-    ) or ctypes.c_ssize_t.from_address(id(d) + _USED_OFFSET).value != len(d):
-        return False
-    tag = _version_tag(d)
-    mutations: tuple[Callable[[dict[str, object]], object], ...] = (
-        lambda m: m.__setitem__("a", 3),  # a value replaced, same size
-        lambda m: m.__setitem__("c", 4),
-        lambda m: m.pop("c"),
-        lambda m: m.update(a=5),
-        lambda m: m.setdefault("d", 6),
-        lambda m: m.popitem(),
-        lambda m: m.__delitem__("a"),
-        lambda m: m.clear(),
-    )
-    for mutate in mutations:
-        then = _copy_of(tag)
-        if tag != then:
-            return False
-        mutate(d)
-        if tag == then:
-            return False
-    return True
-
-
-_watching: bool | None = None
-
-
-def watches_dicts() -> bool:
-    """Whether dict mutations are seen in O(1) here (else groups take the snapshot path);
-    probed once, the first time a group spec is resolved."""
-    global _watching
-    if _watching is None:
-        _watching = _probe()
-    return _watching
+# -- guards of unhashable specs ---------------------------------------------------------------
 
 
 @final
-class Watched(dict[Any, Any]):
-    """A warm answer valid while ``now``, its spec's dict's version tag read in place,
-    equals ``then``, that tag copied when the answer was cached; ``members`` holds the
-    dict alive, so ``now`` reads that dict's memory.
+class Members:
+    """The guard of a frozen spec whose unhashable fields are plain dicts of hashable
+    keys and values: each such field's dict, with its keys and values as they were.
 
-    Always an empty dict, so falsy in C (no ``__bool__`` call): the warm path tells it
-    from a traits object by ``if hit:``, which costs a single spec less than a type test
-    (every other value of the warm cache is truthy, see :func:`warm_entry`).
+    :meth:`holds` is true while every one of those fields is still the same dict holding
+    the same key and value objects in the same order (identity, not equality: an equal
+    member may differ in a field's type, which decides whether it is refused). It keeps
+    the dicts, keys and values alive, so no other object can take their ids.
     """
 
-    __slots__ = ("members", "now", "then", "traits")
-    traits: KVLayoutTraits
-    now: memoryview
-    then: memoryview
-    members: dict[Any, Any] | None
+    __slots__ = ("_fields",)
 
-    def __init__(
-        self,
-        traits: KVLayoutTraits,
-        now: memoryview,
-        then: memoryview,
-        members: dict[Any, Any] | None,
-    ) -> None:
-        super().__init__()
-        self.traits, self.now, self.then, self.members = traits, now, then, members
+    def __init__(self, fields: tuple[tuple[str, dict[Any, Any]], ...]) -> None:
+        self._fields = tuple(
+            (name, held, tuple(held), tuple(held.values())) for name, held in fields
+        )
+
+    def holds(self, spec: object) -> bool:
+        for name, held, keys, values in self._fields:
+            now = getattr(spec, name, None)
+            if (
+                now is not held
+                or len(held) != len(keys)
+                or not all(map(is_, held, keys))
+                or not all(map(is_, held.values(), values))
+            ):
+                return False
+        return True
 
     def __repr__(self) -> str:
-        return f"Watched({self.traits!r}, valid: {self.now == self.then})"
-
-    if TYPE_CHECKING:  # (declared for mypy only: at run time dict's C length answers)
-
-        def __bool__(self) -> Literal[False]: ...
+        return f"Members({', '.join(f'{name}: {len(keys)}' for name, _, keys, _ in self._fields)})"
 
 
-# Two views of one constant: a Watched holding them is always valid.
-_SAME: Final = memoryview(bytes(8)).cast("Q")
+@final
+class Snapshot:
+    """The guard of any other unhashable spec: a snapshot of its fields
+    (``_result_check.snapshot``), taken again and compared on every call."""
+
+    __slots__ = ("_field_names", "_snapshot")
+
+    def __init__(self, field_names: tuple[str, ...], taken: object) -> None:
+        self._field_names, self._snapshot = field_names, taken
+
+    def holds(self, spec: object) -> bool:
+        return bool(snapshot(spec, self._field_names) == self._snapshot)
+
+    def __repr__(self) -> str:
+        return "Snapshot(...)"
 
 
-def warm_entry(traits: KVLayoutTraits) -> KVLayoutTraits | Watched:
-    """What the warm cache holds for a spec answered without a guard: ``traits`` itself
-    when its class cannot make it falsy (no ``__bool__`` or ``__len__`` in its MRO, as for
-    every built-in traits class), else an always-valid :class:`Watched`, so that a falsy
-    value there is always a Watched."""
-    if any("__bool__" in vars(c) or "__len__" in vars(c) for c in type(traits).__mro__):
-        return Watched(traits, _SAME, _SAME, None)
-    return traits
+Guard = Members | Snapshot
 
 
-def watch_of(
-    spec: object, field_names: tuple[str, ...]
-) -> tuple[memoryview, memoryview, dict[Any, Any]] | None:
-    """The guard of a spec whose only unhashable field is one plain dict: that dict's
-    version tag, a copy of it now, and the dict (the arguments of :class:`Watched` after
-    the traits). None unless the spec is a frozen dataclass, every other field value is
-    hashable and so is everything in the dict (a frozen spec's fields are trusted as a
-    hashable spec's are; a mutable member's own changes would not show in the dict's
-    version), or when this interpreter cannot watch dicts."""
+def member_guard(spec: object, field_names: tuple[str, ...]) -> Members | None:
+    """The :class:`Members` guard of ``spec``, taken now; None unless the spec is a
+    frozen dataclass whose field values are all hashable but for plain dicts of hashable
+    keys and values (a frozen spec's fields are trusted as a hashable spec's are; a
+    hashable member's answer is cached by its id like any hashable spec's)."""
     params = getattr(type(spec), "__dataclass_params__", None)
-    if params is None or not params.frozen or not watches_dicts():
+    if params is None or not params.frozen:
         return None
-    found: dict[Any, Any] | None = None
+    found: list[tuple[str, dict[Any, Any]]] = []
     for name in field_names:
         value = getattr(spec, name, None)
         try:
-            if type(value) is dict and found is None:
-                found = value
+            if type(value) is dict:
                 hash(tuple(value.items()))
+                found.append((name, value))
             else:
                 hash(value)
         except Exception:
             return None
-    if found is None:
-        return None
-    tag = _version_tag(found)
-    return tag, _copy_of(tag), found
+    return Members(tuple(found)) if found else None
 
 
-def warm_path(
-    by_id: dict[int, KVLayoutTraits | Watched], resolve: Callable[[KVCacheSpec], KVLayoutTraits]
-) -> Callable[[KVCacheSpec], KVLayoutTraits]:
-    """``traits_of`` as a closure over the per-spec cache: a hit is one frame, one id(),
-    one dict subscript and one truth test (plus, for a watched group, one compare of its
-    dict's version tag with its copy); the wheel is pure Python (py3-none-any), so this
-    is the whole warm path."""
+# -- the per-spec answers ---------------------------------------------------------------------
 
-    def traits_of(spec: KVCacheSpec) -> KVLayoutTraits:
-        """The verified traits of a vLLM KV cache spec.
 
-        Raises :class:`UnsupportedSpecError` when no adapter can answer for its class or
-        one of its fields, :class:`InvalidSpecError` when a field holds a value that
-        describes no layout, and :class:`TraitsMismatchError` when its adapter
-        contradicts the spec's own byte math (all :class:`KVSpecTraitsError`). The first
-        call per distinct spec resolves and verifies; later calls for the same object
-        are one dict lookup.
-        """
-        try:
-            hit = by_id[id(spec)]
-        except KeyError:
-            pass
+@dataclasses.dataclass(eq=False, slots=True)
+class _Guarded:
+    traits: KVLayoutTraits
+    guard: Guard
+
+
+class Answers:
+    """The per-spec answers of one registry, bounded by :data:`MAX_SPECS` and emptied
+    together (callers that change them hold the registry's lock)."""
+
+    def __init__(self) -> None:
+        # id(spec) -> its answer: hashable specs, the warm path's one lookup.
+        self.by_id: dict[int, KVLayoutTraits] = {}
+        # id(spec) -> its answer and the guard that says it still holds: unhashable specs.
+        self.guarded: dict[int, _Guarded] = {}
+        # Equal specs share one verified answer (unhashable ones by their snapshot).
+        self.by_value: dict[object, KVLayoutTraits] = {}
+        # Every spec cached here, kept alive so that no other object has its id.
+        self.alive: list[object] = []
+
+    def __len__(self) -> int:
+        return len(self.alive)
+
+    def clear(self) -> None:
+        self.by_id.clear()
+        self.guarded.clear()
+        self.by_value.clear()
+        self.alive.clear()
+
+    def store(self, spec: object, key: object, traits: KVLayoutTraits, guard: Guard | None) -> None:
+        """Keep ``traits`` as the answer of ``spec`` (of a hashable spec when ``guard`` is
+        None) and, when ``key`` is not None, of every spec of that value."""
+        if len(self.alive) >= MAX_SPECS:
+            self.clear()
+        if key is not None:
+            self.by_value[key] = traits
+        self.alive.append(spec)
+        if guard is None:
+            self.by_id[id(spec)] = traits
         else:
-            if hit:  # traits (warm_entry keeps them truthy); a Watched is falsy
-                return hit
-            # So hit is a Watched, which mypy cannot infer from a truth test on a protocol
-            # (a cast or an annotated local would cost bytecodes on every call).
-            if hit.now == hit.then:  # type: ignore[union-attr]  # its dict is unchanged
-                return hit.traits  # type: ignore[union-attr]
-        # Outside the except block: an error of resolve() is not chained to the KeyError.
-        return resolve(spec)
+            self.guarded[id(spec)] = _Guarded(traits, guard)
 
-    return traits_of
+    def warm_path(
+        self, resolve: Callable[[KVCacheSpec], KVLayoutTraits]
+    ) -> Callable[[KVCacheSpec], KVLayoutTraits]:
+        """``traits_of`` as a closure over these answers: a hashable spec's hit is one
+        frame, one id(), one dict subscript; an unhashable spec's adds a second lookup
+        and its guard's check. The wheel is pure Python (py3-none-any), so this is the
+        whole warm path."""
+        by_id, guarded = self.by_id, self.guarded
+
+        def traits_of(spec: KVCacheSpec) -> KVLayoutTraits:
+            """The verified traits of a vLLM KV cache spec.
+
+            Raises :class:`UnsupportedSpecError` when no adapter can answer for its class
+            or one of its fields, :class:`InvalidSpecError` when a field holds a value
+            that describes no layout, and :class:`TraitsMismatchError` when its adapter
+            contradicts the spec's own byte math (all :class:`KVSpecTraitsError`). The
+            first call per distinct spec resolves and verifies; later calls for the same
+            object are one dict lookup (for a group spec, two and a check that its
+            members are the same objects).
+            """
+            try:
+                return by_id[id(spec)]
+            except KeyError:
+                pass
+            # Outside the except block: an error of resolve() is not chained to the KeyError.
+            entry = guarded.get(id(spec))
+            if entry is not None and entry.guard.holds(spec):
+                return entry.traits
+            return resolve(spec)
+
+        return traits_of

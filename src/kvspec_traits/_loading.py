@@ -7,31 +7,53 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
+from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, Final
+from typing import Any, Final
 
-from kvspec_traits._accounting import _Accounting
+from kvspec_traits._accounting import Accounting, Declared, Registration
 from kvspec_traits._deps import needs
 from kvspec_traits._errors import AdapterPluginError
-from kvspec_traits._state import RegistryState
 
-if TYPE_CHECKING:
-    from kvspec_traits._registry import Registry
-
-
-__all__ = ["ENTRY_POINT_GROUP", "AdapterLoading"]
+__all__ = ["ENTRY_POINT_GROUP", "Loader"]
 
 ENTRY_POINT_GROUP: Final = "kvspec_traits.adapters"
 _BUILTIN_MODULE: Final = "kvspec_traits._vllm_adapters"
 
 
-class AdapterLoading(RegistryState):
-    """Loading built-ins and entry points (mixed into :class:`~kvspec_traits.extend.Registry`;
-    the state is :class:`RegistryState`'s)."""
+class Loader:
+    """Loads the built-in adapters and the entry points into one registry's
+    :class:`~kvspec_traits._accounting.Accounting`, each the first time it is needed.
 
-    # -- loading ------------------------------------------------------------------------
+    ``registry`` is what each entry point's hook is called with; ``changed`` is called
+    (under ``lock``) after every load that may have changed the registrations.
+    """
 
-    def _ensure_builtins(self) -> None:
+    def __init__(
+        self,
+        registry: object,
+        accounting: Accounting,
+        lock: threading.RLock,
+        changed: Callable[[], None],
+        *,
+        builtins: bool,
+        entry_points: bool,
+    ) -> None:
+        self._target = registry
+        self._accounting = accounting
+        self._lock = lock
+        self._changed = changed
+        self._want_entry_points = entry_points
+        self._builtins_loaded = not builtins
+        self._loaded = not (builtins or entry_points)
+        self._loading = False
+        # name=value of each entry point whose hook has run.
+        self._hooks_done: set[str] = set()
+
+    def ensure_builtins(self) -> None:
+        """Copy the built-in adapters in, unless done (a registration asks this first,
+        so that a clash with a built-in is refused when it is made)."""
         if self._builtins_loaded:
             return
         with self._lock:
@@ -42,29 +64,34 @@ class AdapterLoading(RegistryState):
             return
         # The built-in adapters import vLLM and torch, never pinned by us.
         with needs("resolving vLLM KV cache specs (kvspec_traits.traits_of)"):
-            builtins: Registry = importlib.import_module(_BUILTIN_MODULE).BUILTINS
-        for spec_type, registration in builtins.registrations().items():
-            if spec_type not in self._adapters:
-                self._adapters[spec_type] = registration.adapter
-                self._accounting[spec_type] = _Accounting(registration.reads, registration.ignores)
+            builtins = importlib.import_module(_BUILTIN_MODULE).BUILTINS
+        theirs: Mapping[type[Any], Registration] = builtins.registrations()
+        for spec_type, registration in theirs.items():
+            if spec_type not in self._accounting.adapters:
+                self._accounting.set(
+                    spec_type,
+                    registration.adapter,
+                    Declared(registration.reads, registration.ignores),
+                )
         self._builtins_loaded = True
-        self._invalidate()
+        self._changed()
 
-    def _ensure_loaded(self) -> None:
+    def ensure_loaded(self) -> None:
+        """Load the built-ins and the entry points, unless done (or loading now: an entry
+        point's hook registers through the registry, which must not load again)."""
         if not self._loaded and not self._loading:
             self._load()
 
     def _load(self) -> None:
-        self._ensure_builtins()
+        self.ensure_builtins()
         with self._lock:
             if self._loaded or self._loading:
                 return
             if not self._want_entry_points:
                 self._loaded = True
                 return
-            # Entry points call back into register(), which must not load again.
             self._loading = True
-            before = (dict(self._adapters), dict(self._accounting), set(self._hooks_done))
+            before = self._accounting.saved(), set(self._hooks_done)
             deferred = False
             try:
                 for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -81,13 +108,14 @@ class AdapterLoading(RegistryState):
             except BaseException:
                 # All or nothing: a failing plugin leaves the registry as it was, and the
                 # next call tries again (and fails again, naming the plugin).
-                self._adapters, self._accounting, self._hooks_done = before
+                self._accounting.restore(before[0])
+                self._hooks_done = before[1]
                 raise
             else:
                 self._loaded = not deferred
             finally:
                 self._loading = False
-                self._invalidate()
+                self._changed()
 
     def _run_hook(self, ep: EntryPoint) -> None:
         where = _where(ep)
@@ -102,7 +130,7 @@ class AdapterLoading(RegistryState):
                 "`register(registry: kvspec_traits.extend.Registry) -> None`",
             )
         try:
-            hook(self)
+            hook(self._target)
         except Exception as exc:
             raise AdapterPluginError(
                 ep.name, f"{where} raised {exc!r}; fix or uninstall that package"

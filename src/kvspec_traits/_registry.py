@@ -22,18 +22,20 @@ Resolving a spec, once per distinct spec:
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeVar, overload
 
 from kvspec_traits._accounting import (
     LAYOUT_MEMBERS,
-    FieldAccounting,
+    Accounting,
+    Declared,
     Plan,
     Registration,
-    _Accounting,
     field_names_of,
+    members_error,
 )
-from kvspec_traits._caches import MAX_SPECS, Watched, warm_entry, warm_path, watch_of
+from kvspec_traits._caches import Answers, Guard, Snapshot, member_guard
 from kvspec_traits._errors import (
     AdapterConflictError,
     AdapterError,
@@ -41,8 +43,9 @@ from kvspec_traits._errors import (
     KVSpecTraitsError,
     TraitsMismatchError,
     UnsupportedSpecError,
+    not_a_spec_error,
 )
-from kvspec_traits._loading import ENTRY_POINT_GROUP, AdapterLoading
+from kvspec_traits._loading import ENTRY_POINT_GROUP, Loader
 from kvspec_traits._result_check import check_result as _check_result
 from kvspec_traits._result_check import same as _same
 from kvspec_traits._result_check import snapshot as _snapshot
@@ -106,7 +109,7 @@ def _check_built(spec: object, plan: Plan) -> None:
             )
 
 
-class Registry(FieldAccounting, AdapterLoading):
+class Registry:
     """Maps spec classes to adapters and answers :meth:`traits_of`.
 
     ``Registry()`` loads the built-in vLLM adapters and the entry-point adapters on first
@@ -117,25 +120,32 @@ class Registry(FieldAccounting, AdapterLoading):
     def __init__(
         self, *, builtins: bool = True, entry_points: bool = True, name: str = "registry"
     ) -> None:
-        super().__init__(builtins=builtins, entry_points=entry_points)
         self.name = name
-        # The per-spec caches (kvspec_traits._caches), bounded by MAX_SPECS and emptied
-        # together. id(spec) -> traits (truthy: warm_entry) or a group's falsy Watched: the
-        # warm path. `_alive` holds every spec cached here, so no other object has its id.
-        self._by_id: dict[int, KVLayoutTraits | Watched] = {}
-        self._alive: list[object] = []
-        # equal specs share one verified answer (unhashable ones by their snapshot).
-        self._by_value: dict[object, KVLayoutTraits] = {}
-        # Unhashable specs (a group spec holds a dict): id -> (spec, snapshot, traits).
-        # A changed snapshot is answered afresh; an unchanged one is watched again.
-        self._mutable: dict[int, tuple[object, object, KVLayoutTraits]] = {}
-        self.traits_of: Callable[[KVCacheSpec], KVLayoutTraits] = warm_path(
-            self._by_id, self._resolve
+        self._lock = threading.RLock()
+        # Bumped by every change of adapters: an answer computed under an older
+        # generation is never cached.
+        self._generation = 0
+        # Its parts, each an object it owns (none inherited, none shared with another
+        # registry): the registrations and each class's plan; what loads built-ins and
+        # entry points into them; the per-spec answers the warm path reads. One lock
+        # guards all three, and every change of registrations empties plans and answers.
+        self._accounting = Accounting()
+        self._answers = Answers()
+        self._loader = Loader(
+            self,
+            self._accounting,
+            self._lock,
+            self._invalidate,
+            builtins=builtins,
+            entry_points=entry_points,
+        )
+        self.traits_of: Callable[[KVCacheSpec], KVLayoutTraits] = self._answers.warm_path(
+            self._resolve
         )
         """The verified traits of ``spec`` (see :func:`kvspec_traits.traits_of`)."""
 
     def __repr__(self) -> str:
-        return f"<Registry {self.name!r}: {len(self._adapters)} adapters>"
+        return f"<Registry {self.name!r}: {len(self._accounting.adapters)} adapters>"
 
     # -- registration -----------------------------------------------------------------
 
@@ -173,32 +183,29 @@ class Registry(FieldAccounting, AdapterLoading):
             )
         # Without reads= the adapter declares none: each field it does not ignore must
         # hold its default (a field counted as read must be named, never assumed).
-        accounting = _Accounting(
+        declared = Declared(
             field_names_of(spec_type, "reads", () if reads is None else reads),
             field_names_of(spec_type, "ignores", ignores),
         )
         # Built-ins first, so a clash with them is refused now. Entry points are not
         # loaded from here: a module registering by decorator may itself be one.
-        self._ensure_builtins()
+        self._loader.ensure_builtins()
         with self._lock:
-            existing = self._adapters.get(spec_type)
+            existing = self._accounting.adapters.get(spec_type)
+            before = self._accounting.declared.get(spec_type)
             if (
                 existing is adapter
                 and not replace
-                and (
-                    self._accounting.get(spec_type) == accounting
-                    or (reads is None and not accounting.ignores)
-                )
+                and (before == declared or (reads is None and not declared.ignores))
             ):
                 return  # the same registration again (a decorator and an entry point)
             if (
                 existing is not None
                 and not replace
-                and (existing is not adapter or self._accounting.get(spec_type) != accounting)
+                and (existing is not adapter or before != declared)
             ):
                 raise AdapterConflictError(spec_type, existing, adapter)
-            self._adapters[spec_type] = adapter
-            self._accounting[spec_type] = accounting
+            self._accounting.set(spec_type, adapter, declared)
             self._invalidate()
 
     @overload
@@ -240,86 +247,110 @@ class Registry(FieldAccounting, AdapterLoading):
 
     def adapters(self) -> Mapping[type[Any], Callable[[Any], KVLayoutTraits]]:
         """A snapshot of the registered adapters by class (loads built-ins first)."""
-        self._ensure_loaded()
-        return dict(self._adapters)
+        self._loader.ensure_loaded()
+        return dict(self._accounting.adapters)
 
     def registrations(self) -> Mapping[type[Any], Registration]:
         """A snapshot of the registrations by class: each adapter with the fields it
         declared it reads and ignores (loads built-ins first)."""
-        self._ensure_loaded()
+        self._loader.ensure_loaded()
         with self._lock:
-            return {
-                spec_type: Registration(
-                    adapter, self._accounting[spec_type].reads, self._accounting[spec_type].ignores
-                )
-                for spec_type, adapter in self._adapters.items()
-            }
+            return self._accounting.registrations()
 
     def copy(self, *, name: str | None = None) -> Registry:
         """An isolated registry with the same adapters (built-ins loaded)."""
-        self._ensure_loaded()
+        self._loader.ensure_loaded()
         new = Registry(builtins=False, entry_points=False, name=name or f"copy of {self.name}")
         with self._lock:
-            new._adapters = dict(self._adapters)
-            new._accounting = dict(self._accounting)
+            new._accounting.restore(self._accounting.saved())
         return new
+
+    # -- questions about classes --------------------------------------------------------
+
+    def owner_of(self, spec_type: type[Any]) -> type[Any]:
+        """The class whose adapter serves ``spec_type`` (itself or an ancestor)."""
+        return self._plan(spec_type).owner
+
+    def accounted_fields(self, spec_type: type[Any]) -> frozenset[str]:
+        """The names the adapter serving ``spec_type`` accounts for (reads or ignores)."""
+        owner = self._plan(spec_type).owner
+        with self._lock:
+            return self._accounting.accounted(owner)
+
+    def read_fields(self, spec_type: type[Any]) -> frozenset[str]:
+        """The names the adapter serving ``spec_type`` reads (a subset of
+        :meth:`accounted_fields`; the rest it knows do not affect the layout)."""
+        owner = self._plan(spec_type).owner
+        with self._lock:
+            return self._accounting.reads(owner)
+
+    def unaccounted_fields(self, spec_type: type[Any]) -> tuple[str, ...]:
+        """The dataclass fields of ``spec_type`` (own and inherited) that the adapter
+        serving it does not account for. Each must hold its default, or the spec is
+        refused; a field without a default refuses the class outright."""
+        plan = self._plan(spec_type)
+        return (*(name for name, _ in plan.at_default), *plan.required)
+
+    def overridden_members(self, spec_type: type[Any]) -> tuple[str, ...]:
+        """Layout members that ``spec_type`` or a class between it and the class whose
+        adapter serves it overrides (empty when the class has its own adapter)."""
+        return self._plan(spec_type).members
+
+    def _plan(self, spec_type: type[Any]) -> Plan:
+        plan = self._accounting.plans.get(spec_type)
+        if plan is not None:
+            return plan
+        self._loader.ensure_loaded()
+        with self._lock:
+            return self._accounting.plan(spec_type)
+
+    def _plan_of(self, spec: object) -> Plan:
+        """The plan of ``spec``'s class; for a spec's look-alike (a class, a cache group,
+        a config) that has none, :class:`NotASpecError` naming the call to make."""
+        try:
+            return self._plan(type(spec))
+        except UnsupportedSpecError:
+            mistaken = not_a_spec_error(spec)
+            if mistaken is None:
+                raise
+            raise mistaken from None
 
     # -- resolution ---------------------------------------------------------------------
 
     def _resolve(self, spec: KVCacheSpec) -> KVLayoutTraits:
-        hit = self._mutable.get(id(spec))
-        if hit is not None and hit[0] is spec:
-            plan = self._by_type.get(type(spec))
-            if plan is not None:
-                guard = watch_of(spec, plan.field_names)  # its version before the compare
-                if _snapshot(spec, plan.field_names) == hit[1]:
-                    # Unchanged (its dict rewritten with what it held): watched again.
-                    with self._lock:
-                        if guard is not None and self._mutable.get(id(spec)) is hit:
-                            self._by_id[id(spec)] = Watched(hit[2], *guard)
-                    return hit[2]
+        """The answer for a spec the warm path does not hold (or whose guard failed):
+        from an equal spec's answer when there is one, else computed and verified; then
+        kept for the warm path, unless a registration or a mutation of the spec
+        superseded it while it was answered (then answered again)."""
         traits: KVLayoutTraits | None = None
         for _ in range(_MAX_ATTEMPTS):
             generation = self._generation
             plan = self._plan_of(spec)
             _check_built(spec, plan)
-            snapshot: object = None
             key: object = None
-            guard = None
+            guard: Guard | None = None
             try:
                 hash(spec)
                 key = (spec, value_types(spec, plan.field_names))
-            except Exception:  # unhashable: keyed by a snapshot of its fields
-                guard = watch_of(spec, plan.field_names)  # its version before the snapshot
+            except Exception:  # unhashable: guarded, and keyed by a snapshot of its fields
+                guard = member_guard(spec, plan.field_names)  # taken before the snapshot
                 snapshot = _snapshot(spec, plan.field_names)
+                if guard is None:
+                    guard = Snapshot(plan.field_names, snapshot)
                 try:
                     hash(snapshot)
                     key = (type(spec), snapshot)
                 except Exception:
                     key = None
-            traits = self._by_value.get(key) if key is not None else None
+            traits = self._answers.by_value.get(key) if key is not None else None
             if traits is None:
                 traits = self._answer(spec, plan)
-            if snapshot is not None and (  # changed while answered: answer it again
-                guard[0] != guard[1] if guard else _snapshot(spec, plan.field_names) != snapshot
-            ):
-                continue
+            if guard is not None and not guard.holds(spec):
+                continue  # changed while answered: answer it again
             with self._lock:
                 if generation != self._generation:
                     continue  # a registration superseded this adapter: answer again
-                if len(self._alive) >= MAX_SPECS:
-                    self._clear_answers()
-                if key is not None:
-                    self._by_value[key] = traits
-                self._alive.append(spec)
-                if snapshot is None:
-                    self._by_id[id(spec)] = warm_entry(traits)
-                else:
-                    self._mutable[id(spec)] = (spec, snapshot, traits)
-                    if guard is not None:
-                        self._by_id[id(spec)] = Watched(traits, *guard)
-                    else:  # no longer watchable: off the warm path
-                        self._by_id.pop(id(spec), None)
+                self._answers.store(spec, key, traits, guard)
             return traits
         # Registrations kept arriving: the latest answer, not cached.
         if traits is None:  # pragma: no cover - the loop runs at least once
@@ -354,12 +385,12 @@ class Registry(FieldAccounting, AdapterLoading):
             traits = plan.adapter(spec)
         except KVSpecTraitsError as err:
             if plan.members and not isinstance(err, UnsupportedSpecError):
-                raise self._members_error(spec_type, plan) from err
+                raise members_error(spec_type, plan) from err
             err._set_adapter(plan.adapter_name)
             raise
         except Exception as err:
             if plan.members:
-                raise self._members_error(spec_type, plan) from err
+                raise members_error(spec_type, plan) from err
             raise AdapterError(spec, plan.adapter_name, err) from err
         finally:
             _resolving.reset(token)
@@ -383,20 +414,14 @@ class Registry(FieldAccounting, AdapterLoading):
                 adapter=plan.adapter_name,
             )
         if plan.members:
-            raise self._members_error(spec_type, plan)
+            raise members_error(spec_type, plan)
         return traits
 
     def _invalidate(self) -> None:
         # Under self._lock (or before the registry is shared).
         self._generation += 1
-        self._by_type.clear()
-        self._clear_answers()
-
-    def _clear_answers(self) -> None:
-        self._by_id.clear()
-        self._alive.clear()
-        self._by_value.clear()
-        self._mutable.clear()
+        self._accounting.plans.clear()
+        self._answers.clear()
 
 
 default_registry: Final = Registry(name="default")

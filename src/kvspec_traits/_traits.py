@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Annotated, Any, Protocol
@@ -24,6 +24,8 @@ __all__ = [
     "TokenScope",
     "TraitValue",
     "group_rule",
+    "has_ring",
+    "is_state",
     "trait_names",
     "trait_types",
     "traits_as_dict",
@@ -479,3 +481,19 @@ def trait_types() -> dict[str, tuple[tuple[type[Any], ...], bool]]:
         accepted = tuple(typing.get_origin(a) or a for a in args if a is not type(None))
         found[name] = (accepted, type(None) in args)
     return {name: found[name] for name in trait_names()}
+
+
+# -- single-layer predicates asked by the transfer layer and the connector ----------------
+
+
+def is_state(traits: KVLayoutTraits) -> bool:
+    """Whether a layer's cache is a recurrent state (one indivisible page per block,
+    never split into kernel blocks nor by heads), not token-addressed pages."""
+    return traits.token_scope is TokenScope.RECURRENT_STATE
+
+
+def has_ring(traits: Iterable[KVLayoutTraits]) -> bool:
+    """Whether any of these layers' caches is a ring buffer (one page rewritten in
+    place, :attr:`TokenScope.RING`): a transfer region's ``scratch``, a plan's default
+    ``PlanLayout.rows``, the connector's CSA-linear models."""
+    return any(t.token_scope is TokenScope.RING for t in traits)

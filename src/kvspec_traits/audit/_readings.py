@@ -8,14 +8,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from kvspec_traits.audit._names import dedup
 from kvspec_traits.audit._scan import RawSite
+from kvspec_traits.audit._site import Site
 from kvspec_traits.audit._universe import Universe
-
-if TYPE_CHECKING:
-    from kvspec_traits.audit._infer import Site
 
 __all__ = ["defines", "in_test", "judged_on_vllm"]
 

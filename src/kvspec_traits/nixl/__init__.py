@@ -1,12 +1,12 @@
 """NIXL shim: register a :class:`~kvspec_traits.transfer.RegionPlan` with NIXL, exchange
 the handshake, move a request's blocks.
 
-Planning, the fingerprint and the peer checks are backend-neutral and live in
-:mod:`kvspec_traits.transfer`; this package holds what is NIXL's: descriptors, the
-handshake wire format and the agent. The descriptor builders and the wire format are
-pure (no NIXL); :class:`TraitsNixlAgent` imports ``nixl._api`` when it is constructed.
-See ``docs/nixl.md``. The shim needs numpy (the ``[nixl]`` extra) and,
-for an agent, NIXL's Python package; a missing one is a
+Planning, the fingerprint, the peer checks (``peer_regions`` too) and their errors (block
+ids, memory types) are backend-neutral: :mod:`kvspec_traits.transfer`. This package holds
+what is NIXL's: descriptors, the handshake wire format and the agent. The descriptor
+builders and the wire format are pure (no NIXL); :class:`TraitsNixlAgent` imports
+``nixl._api`` when it is constructed. See ``docs/nixl.md``. The shim needs numpy (the
+``[nixl]`` extra) and, for an agent, NIXL's Python package; a missing one is a
 :class:`~kvspec_traits.MissingDependencyError` saying what to install.
 """
 
@@ -18,16 +18,8 @@ with needs("kvspec_traits.nixl (the NIXL shim)"):
 from kvspec_traits.nixl._agent import TraitsNixlAgent
 from kvspec_traits.nixl._checked import transfer_items
 from kvspec_traits.nixl._descs import BlockIds, block_desc_ids, build_block_descs, build_state_descs
-from kvspec_traits.nixl._errors import (
-    BlockIdError,
-    BlockIdShapeError,
-    BlockIdTypeError,
-    DuplicateBlockIdError,
-    MemoryTypeMismatchError,
-    MissingPeerError,
-    TransferFailedError,
-)
-from kvspec_traits.nixl._items import TransferItems, merge_runs, peer_regions
+from kvspec_traits.nixl._errors import MissingPeerError, TransferFailedError
+from kvspec_traits.nixl._items import TransferItems, merge_runs
 from kvspec_traits.nixl._peer import DescMode, RemotePeer, TransferResult, prepped_desc_ids
 from kvspec_traits.nixl._wire import (
     PeerMetadata,
@@ -37,13 +29,8 @@ from kvspec_traits.nixl._wire import (
 )
 
 __all__ = [
-    "BlockIdError",
-    "BlockIdShapeError",
-    "BlockIdTypeError",
     "BlockIds",
     "DescMode",
-    "DuplicateBlockIdError",
-    "MemoryTypeMismatchError",
     "MissingPeerError",
     "PeerMetadata",
     "RemotePeer",
@@ -58,7 +45,6 @@ __all__ = [
     "decode_metadata",
     "encode_metadata",
     "merge_runs",
-    "peer_regions",
     "prepped_desc_ids",
     "transfer_items",
 ]

@@ -20,7 +20,6 @@ from typing import Any, Final, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvspec_traits.nixl._errors import BlockIdTypeError, DuplicateBlockIdError
 from kvspec_traits.transfer import PeerRegion, Region, RegionPlan
 from kvspec_traits.transfer._blocks import (
     INT64_MAX,
@@ -28,6 +27,7 @@ from kvspec_traits.transfer._blocks import (
     check_id_list,
     group_lists,
 )
+from kvspec_traits.transfer._errors import BlockIdTypeError, DuplicateBlockIdError
 from kvspec_traits.transfer._region import desc_offsets
 
 __all__ = [

@@ -1,27 +1,14 @@
 """Named errors of the NIXL shim (descriptors, agent). Each carries the region or
-message it is about. Planning, handshake and block-id errors are backend-neutral:
-kvspec_traits.transfer's (the block-id errors are re-exported here, where the NIXL
-shim's users have always imported them)."""
+message it is about. Planning, handshake, memory-type and block-id errors are
+backend-neutral: import them from :mod:`kvspec_traits.transfer`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from kvspec_traits._errors import KVSpecTraitsError
-from kvspec_traits.transfer._errors import (
-    BlockIdError,
-    BlockIdShapeError,
-    BlockIdTypeError,
-    DuplicateBlockIdError,
-    MemoryTypeMismatchError,
-)
 
 __all__ = [
-    "BlockIdError",
-    "BlockIdShapeError",
-    "BlockIdTypeError",
-    "DuplicateBlockIdError",
-    "MemoryTypeMismatchError",
     "MissingPeerError",
     "TransferFailedError",
 ]

@@ -26,14 +26,12 @@ from kvspec_traits.transfer import (
     tp_reads,
 )
 from kvspec_traits.transfer._blocks import check_paired
-from kvspec_traits.transfer._peer import peer_regions
 
 __all__ = [
     "ReadCache",
     "TransferItems",
     "check_lengths",
     "merge_runs",
-    "peer_regions",
 ]
 
 

@@ -16,10 +16,11 @@ from kvspec_traits.nixl._descs import (
     desc_index,
     request_pair,
 )
-from kvspec_traits.nixl._errors import MemoryTypeMismatchError, MissingPeerError
+from kvspec_traits.nixl._errors import MissingPeerError
 from kvspec_traits.nixl._items import ReadCache, check_lengths
 from kvspec_traits.nixl._wire import PeerMetadata
 from kvspec_traits.transfer import RegionPlan
+from kvspec_traits.transfer._errors import MemoryTypeMismatchError
 from kvspec_traits.transfer._region import desc_offsets
 
 __all__ = [

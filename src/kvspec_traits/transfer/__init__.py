@@ -42,13 +42,8 @@ from kvspec_traits.transfer._peer import (
     peer_registrations,
 )
 from kvspec_traits.transfer._plan import plan_regions
-from kvspec_traits.transfer._region import (
-    SHARED_REGION_GROUP_ID,
-    PlanLayout,
-    Region,
-    RegionPlan,
-    Rows,
-)
+from kvspec_traits.transfer._region import SHARED_REGION_GROUP_ID, PlanLayout, Region, Rows
+from kvspec_traits.transfer._region_plan import RegionPlan
 from kvspec_traits.transfer._tp import Read, shard_count, tp_reads
 
 __all__ = [

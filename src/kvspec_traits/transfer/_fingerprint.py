@@ -14,7 +14,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from kvspec_traits._traits import TPLayout
 from kvspec_traits.transfer._errors import (
@@ -23,16 +23,15 @@ from kvspec_traits.transfer._errors import (
     StageLayersError,
     TraitDiff,
 )
+from kvspec_traits.transfer._region import Region
 from kvspec_traits.transfer._tp import shard_count
-
-if TYPE_CHECKING:
-    from kvspec_traits.transfer._region import Region, RegionPlan
 
 __all__ = [
     "FINGERPRINT_VERSION",
     "NOT_FINGERPRINTED",
     "RECORD_KEYS",
     "PlanFingerprint",
+    "Regions",
     "canonical_json",
     "check_handshake",
     "decode_fingerprint",
@@ -238,7 +237,17 @@ def decode_fingerprint(data: str | bytes | bytearray | memoryview) -> PlanFinger
     return PlanFingerprint.from_payload(load_json(data, "layout fingerprint"))
 
 
-def fingerprint_of(plan: RegionPlan, *, pp: tuple[int, int] = (0, 1)) -> PlanFingerprint:
+class Regions(Protocol):
+    """What a fingerprint is taken of: a plan's regions and its TP size (a
+    :class:`~kvspec_traits.transfer.RegionPlan`)."""
+
+    @property
+    def regions(self) -> tuple[Region, ...]: ...
+    @property
+    def tp_size(self) -> int: ...
+
+
+def fingerprint_of(plan: Regions, *, pp: tuple[int, int] = (0, 1)) -> PlanFingerprint:
     """The fingerprint of a plan (what :meth:`RegionPlan.fingerprint` returns), held by
     pipeline stage ``pp`` (``(pp_rank, pp_size)``)."""
     records = tuple(traits_record(r, plan.tp_size) for r in plan.regions)
@@ -252,7 +261,7 @@ def fingerprint_of(plan: RegionPlan, *, pp: tuple[int, int] = (0, 1)) -> PlanFin
     )
 
 
-def check_handshake(local: PlanFingerprint | RegionPlan, remote: PlanFingerprint) -> None:
+def check_handshake(local: PlanFingerprint | Regions, remote: PlanFingerprint) -> None:
     """Refuse a peer whose layout differs from ours.
 
     Raises :class:`HandshakeMismatchError` naming the first differing region (its index,
@@ -260,7 +269,7 @@ def check_handshake(local: PlanFingerprint | RegionPlan, remote: PlanFingerprint
     ``region=None``, a differing fingerprint version or region count. TP sizes may
     differ: split sizes are normalised to the whole TP group.
     """
-    mine = local if isinstance(local, PlanFingerprint) else local.fingerprint()
+    mine = local if isinstance(local, PlanFingerprint) else fingerprint_of(local)
     if mine.version != remote.version:
         raise HandshakeMismatchError(
             None, "fingerprint version", (), [("version", mine.version, remote.version)]
@@ -304,7 +313,7 @@ def _held(record: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def pair_stages(
-    local: PlanFingerprint | RegionPlan, remote: PlanFingerprint
+    local: PlanFingerprint | Regions, remote: PlanFingerprint
 ) -> tuple[tuple[int, int], ...]:
     """Pair our regions with a peer's, as ``(local index, remote index)``, refusing a
     peer whose layout differs from ours on any region both move.
@@ -320,7 +329,7 @@ def pair_stages(
     layer the peer lacks, or two stages, raise :class:`StageLayersError`. The pairs
     are in the stage's region order.
     """
-    mine = local if isinstance(local, PlanFingerprint) else local.fingerprint()
+    mine = local if isinstance(local, PlanFingerprint) else fingerprint_of(local)
     if mine.pp[1] == 1 and remote.pp[1] == 1:
         check_handshake(mine, remote)
         return tuple((i, i) for i in range(len(mine.regions)))

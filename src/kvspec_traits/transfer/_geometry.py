@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING
 
-from kvspec_traits._traits import KVLayoutTraits, TPLayout
+from kvspec_traits._traits import KVLayoutTraits, TPLayout, is_state
 from kvspec_traits.transfer._errors import UnsupportedLayoutError
-from kvspec_traits.transfer._region import MemoryRange, Rows, is_state
+from kvspec_traits.transfer._region import MemoryRange, Rows
 
 if TYPE_CHECKING:
     import torch

@@ -8,15 +8,13 @@ from collections.abc import Mapping, Sequence
 from math import gcd
 from typing import TypeVar
 
-from kvspec_traits._traits import TPLayout
+from kvspec_traits._traits import TPLayout, has_ring, is_state
 from kvspec_traits.transfer._errors import RegionConflictError
 from kvspec_traits.transfer._geometry import Piece
 from kvspec_traits.transfer._region import (
     SHARED_REGION_GROUP_ID,
     Region,
     StateComponent,
-    has_ring,
-    is_state,
 )
 
 __all__ = ["merge_region"]

@@ -22,7 +22,7 @@ from kvspec_traits.transfer._fingerprint import (
 )
 
 if TYPE_CHECKING:
-    from kvspec_traits.transfer._region import RegionPlan
+    from kvspec_traits.transfer._region_plan import RegionPlan
 
 __all__ = [
     "PeerRegion",

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvspec_traits._registry import Registry, default_registry
+from kvspec_traits._traits import has_ring
 from kvspec_traits.transfer._config import config_facts, transfer_groups
 from kvspec_traits.transfer._errors import MissingLayerError
 from kvspec_traits.transfer._geometry import (
@@ -23,14 +24,8 @@ from kvspec_traits.transfer._geometry import (
     rows_of,
 )
 from kvspec_traits.transfer._merge import merge_region
-from kvspec_traits.transfer._region import (
-    MemoryRange,
-    PlanLayout,
-    RegionPlan,
-    Rows,
-    has_ring,
-    region_sort_key,
-)
+from kvspec_traits.transfer._region import MemoryRange, PlanLayout, Rows, region_sort_key
+from kvspec_traits.transfer._region_plan import RegionPlan
 from kvspec_traits.transfer._tp import shard_count
 
 if TYPE_CHECKING:
@@ -147,11 +142,16 @@ def plan_regions(
         )
         == 1
     )
-    pieces: dict[tuple[int, str, int], list[Piece]] = {}
+    pieces: dict[tuple[int, str, int, str], list[Piece]] = {}
+    apart = layout.replicated_states_apart
     for key, storage_pieces in by_storage.items():
         for piece in rows_of(storage_pieces, registrations[key], rows, one_stride=one_stride):
             size = piece.block_len if layout.separate_page_sizes else 0
-            pieces.setdefault((piece.base, piece.mem_type, size), []).append(piece)
+            if piece.layer in apart:
+                # Its own region, moving the state's content (the same on every rank).
+                piece = replace(piece, block_len=piece.traits.unpadded_page_size_bytes)
+            own = piece.layer if piece.layer in apart else ""
+            pieces.setdefault((piece.base, piece.mem_type, size, own), []).append(piece)
 
     regions = tuple(merge_region(index, members) for index, members in enumerate(pieces.values()))
     for region in regions:

@@ -1,4 +1,5 @@
-"""The value types of a plan: regions, what to register, and a rank's region plan.
+"""The value types of a plan: regions and what to register (a rank's plan of them is
+``_region_plan.RegionPlan``).
 
 Pure: imports neither NIXL, numpy nor vLLM. A region holds every fact vLLM's NIXL worker
 keeps per region (``vllm_connector._fields.worker_fields`` names them as the worker does),
@@ -10,26 +11,21 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import accumulate
-from types import MappingProxyType
-from typing import Any, Final, Literal, TypeVar, cast
+from typing import Final, Literal, TypeVar
 
-from kvspec_traits._traits import KVLayoutTraits, TokenScope, TPLayout
-from kvspec_traits.transfer._fingerprint import PlanFingerprint, fingerprint_of, traits_record
+from kvspec_traits._traits import TokenScope, TPLayout
 
 __all__ = [
     "SHARED_REGION_GROUP_ID",
     "MemoryRange",
     "PlanLayout",
     "Region",
-    "RegionPlan",
-    "StateComponent",
     "Rows",
+    "StateComponent",
     "desc_offsets",
-    "has_ring",
-    "is_state",
     "region_sort_key",
 ]
 
@@ -91,6 +87,12 @@ class PlanLayout:
     """Pages of other sizes at one base (overlaid groups: a compressor ring over an MLA
     page) are separate regions, each moving its own page; by default they share one
     region that moves the longest page."""
+    replicated_states_apart: frozenset[str] = frozenset()
+    """Layers of TP-replicated recurrent states each planned as a region of its own,
+    also where its pages overlay another layer's (a hybrid allocator's shared
+    tensors), moving the state's content (``unpadded_page_size_bytes``: the same on
+    every rank, the padding to the unified page left out). Their region is REPLICATE
+    whatever the layers it overlays."""
 
     def __post_init__(self) -> None:
         if self.sub_blocks is not None and self.sub_blocks < 1:
@@ -191,114 +193,8 @@ class Region:
         own shard, whatever the paged members' replication."""
         return self.state and self.state_tp_layout is not TPLayout.REPLICATED
 
-    def traits_record(self, tp_size: int) -> dict[str, Any]:
-        """The canonical, TP-independent facts of this region (for the fingerprint):
-        :func:`~kvspec_traits.transfer.traits_record`."""
-        return traits_record(self, tp_size)
-
 
 def desc_offsets(region_num_blocks: Sequence[int]) -> tuple[int, ...]:
     """Flat descriptor id of block 0 of each region in a strided list whose regions
     hold ``region_num_blocks`` blocks."""
     return (0, *accumulate(region_num_blocks[:-1])) if region_num_blocks else ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RegionPlan:
-    """The regions of one rank's KV cache, in transfer order, and what to register."""
-
-    regions: tuple[Region, ...]
-    registrations: tuple[MemoryRange, ...]
-    num_blocks: int
-    tp_size: int = 1
-    tp_rank: int = 0
-    skipped_layers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    """Layers with no region, and why (not transferable, no spec), read-only. Layers
-    that are not transferable (by their traits or their group's
-    ``enable_kv_transfer``) get no region, so region indices match vLLM's, which never
-    registers them."""
-    num_groups: int = 0
-    """Transfer (KV cache) groups a request names: one block-id list each. ``0`` (the
-    default) derives it from the regions' group ids."""
-
-    # Asked for every region of every request: answered once, when the plan is built.
-    _group_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    _desc_offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    _memo: dict[tuple[object, ...], Any] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # A copy behind a read-only view: the plan is frozen, so is what it says.
-        object.__setattr__(self, "skipped_layers", MappingProxyType(dict(self.skipped_layers)))
-        object.__setattr__(self, "_group_ids", tuple(r.group_id for r in self.regions))
-        object.__setattr__(
-            self, "_desc_offsets", desc_offsets([r.num_blocks for r in self.regions])
-        )
-        if self.num_groups < 1:
-            derived = max((g for r in self.regions for g in r.group_ids if g >= 0), default=0) + 1
-            object.__setattr__(self, "num_groups", derived)
-        # Per-request index arrays of descriptor ids, built once per offsets list.
-        object.__setattr__(self, "_memo", {})
-
-    def memo(self, key: tuple[object, ...], build: Callable[[], _T]) -> _T:
-        """``build()``, computed once per ``key`` for this plan and kept with it (what a
-        transfer backend derives from the plan once, not once per request: descriptor
-        indices, the regions that overlap)."""
-        if key not in self._memo:
-            self._memo[key] = build()
-        return cast("_T", self._memo[key])
-
-    @property
-    def desc_offsets(self) -> tuple[int, ...]:
-        """Flat descriptor id of block 0 of each region in the plan's strided list."""
-        return self._desc_offsets
-
-    @property
-    def region_group_ids(self) -> list[int]:
-        """Each region's group id (:data:`SHARED_REGION_GROUP_ID` for a shared one)."""
-        return list(self._group_ids)
-
-    @property
-    def region_names(self) -> list[str]:
-        """Each region's name (its first member layer)."""
-        return [r.name for r in self.regions]
-
-    def region_of(self, layer: str) -> Region:
-        """The (first) region holding ``layer``; ``KeyError`` if it has none."""
-        for region in self.regions:
-            if layer in region.layers:
-                return region
-        raise KeyError(
-            f"layer {layer!r} has no region (skipped: "
-            f"{self.skipped_layers.get(layer, 'unknown layer')})"
-        )
-
-    def fingerprint(self, *, pp: tuple[int, int] = (0, 1)) -> PlanFingerprint:
-        """The canonical, versioned per-region traits fingerprint for the handshake, of
-        pipeline stage ``pp`` (``(pp_rank, pp_size)``; ``(0, 1)``: every layer)."""
-        return fingerprint_of(self, pp=pp)
-
-    def subset(self, indices: Sequence[int]) -> RegionPlan:
-        """The plan of the regions at ``indices`` (in that order) over the same
-        registrations: what a pipeline stage's peer moves of this plan."""
-        return RegionPlan(
-            regions=tuple(self.regions[i] for i in indices),
-            registrations=self.registrations,
-            num_blocks=self.num_blocks,
-            tp_size=self.tp_size,
-            tp_rank=self.tp_rank,
-            skipped_layers=self.skipped_layers,
-            num_groups=self.num_groups,
-        )
-
-
-def is_state(traits: KVLayoutTraits) -> bool:
-    """Whether a layer's cache is a recurrent state (one indivisible page per block,
-    never split into kernel blocks nor by heads), not token-addressed pages."""
-    return traits.token_scope is TokenScope.RECURRENT_STATE
-
-
-def has_ring(traits: Iterable[KVLayoutTraits]) -> bool:
-    """Whether any of these layers' caches is a ring buffer (one page rewritten in
-    place, :attr:`TokenScope.RING`): a region's :attr:`Region.scratch`, a plan's
-    default :attr:`PlanLayout.rows`, the connector's CSA-linear models."""
-    return any(t.token_scope is TokenScope.RING for t in traits)

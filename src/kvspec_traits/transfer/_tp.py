@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
 from kvspec_traits._traits import TPLayout
 from kvspec_traits.transfer._errors import UnsupportedLayoutError
-
-if TYPE_CHECKING:
-    from kvspec_traits.transfer._region import Region
+from kvspec_traits.transfer._region import Region
 
 __all__ = ["Read", "shard_count", "tp_reads"]
 

@@ -23,11 +23,11 @@ from kvspec_traits.vllm_connector._errors import (
     UnsupportedHostBufferError,
     UnsupportedPipelineParallelError,
     UnsupportedRingTPError,
+    UnsupportedStagePairingError,
     UnsupportedStateLayoutError,
     UnsupportedStateTPError,
     UnsupportedTransferModeError,
     UnsupportedVllmVersionError,
-    UpstreamDisagreesError,
 )
 from kvspec_traits.vllm_connector._gate import check_vllm_version, register_with_vllm
 from kvspec_traits.vllm_connector._lease import LeaseMarginError
@@ -69,11 +69,11 @@ __all__ = [
     "UnsupportedHostBufferError",
     "UnsupportedPipelineParallelError",
     "UnsupportedRingTPError",
+    "UnsupportedStagePairingError",
     "UnsupportedStateLayoutError",
     "UnsupportedStateTPError",
     "UnsupportedTransferModeError",
     "UnsupportedVllmVersionError",
-    "UpstreamDisagreesError",
     "check_vllm_version",
     "connector_options",
     "register_with_vllm",

@@ -1,13 +1,15 @@
 """The connector and its worker, on vLLM's pull-mode NIXL connector (push: ``_push``, same
 :class:`TraitsWorkerBase`). From traits and the region planner only (no spec class named):
-the worker's layout facts (transfer ``block_size``, hybrid, state, ring, replicated-state
-group), set before vLLM's kernel block-size sync; ``register_kv_caches``' regions (base,
+the worker's layout facts (transfer ``block_size``, hybrid, state descriptors, ring,
+replicated-state group, group kinds, ``use_mla``, the state split), set before vLLM's
+kernel block-size sync; kernel block ids; ``register_kv_caches``' regions (base,
 block length, stride, count, group, name, REPLICATE/SPLIT, state and scratch indices, the
 memory registered) from :func:`kvspec_traits.transfer.plan_regions`; the per-region traits
 fingerprint in the agent metadata, checked against the peer's in vLLM's handshake
 (:mod:`~kvspec_traits.vllm_connector._handshake`). Scheduler: ``_scheduler``; host staging:
 ``_staging``; leases: ``_lease_worker``; queue waits: ``_shm_wait``. The rest (transfers,
-descriptor ids, TP mapping, heartbeats, host copies) is upstream's: docs/vllm.md lists it.
+heartbeats, host copies, and the descriptor arithmetic over the decisions above) is
+upstream's: docs/vllm.md lists it.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 
 from kvspec_traits._registry import Registry, default_registry
+from kvspec_traits._traits import is_state
 from kvspec_traits.nixl._progress import progress_delay
 from kvspec_traits.nixl._register import register_ranges
 from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
-from kvspec_traits.transfer._region import is_state
 from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector import _seam as seam
+from kvspec_traits.vllm_connector._errors import UnsupportedStateLayoutError
 from kvspec_traits.vllm_connector._facts import GroupKind, LayoutFacts, layout_facts
 from kvspec_traits.vllm_connector._fields import packed_layouts
 from kvspec_traits.vllm_connector._handshake import (
@@ -122,7 +125,9 @@ class TraitsWorkerBase(seam.SeamWorker):
         self.is_hma_required = (
             not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and facts.hybrid
         )
-        self.has_mamba = facts.has_state
+        # vLLM's state descriptors: TP-sharded states (and a ring model's PLE cache);
+        # a replicated state elsewhere moves as replicated pages (GroupKind).
+        self.has_mamba = facts.state_descriptors
         # use_mla from the caches, not the model config (else MLA might transfer per head).
         if self.use_mla != facts.mla:
             logger.info(
@@ -165,7 +170,7 @@ class TraitsWorkerBase(seam.SeamWorker):
         kinds = self._layout_facts().group_kinds
         return [
             list(group)
-            if kinds[i] is GroupKind.STATE
+            if kinds[i] in (GroupKind.STATE, GroupKind.REPLICATED_STATE)
             else [b * ratio + k for b in group for k in range(ratio)]
             for i, group in enumerate(block_ids)
         ]
@@ -178,6 +183,17 @@ class TraitsWorkerBase(seam.SeamWorker):
         """The region plan of ``kv_caches`` for this rank (no NIXL calls), laid out as
         this vLLM series registers it (:class:`VllmLayoutPolicy`; with ``pp_size``, as
         a pipeline stage of that size would)."""
+        facts = self._layout_facts()
+        ratio = self.physical_blocks_per_logical_kv_block
+        if facts.replicated_state_layers and ratio != 1:
+            layer = min(facts.replicated_state_layers)
+            raise UnsupportedStateLayoutError(
+                facts.layer_traits[layer].spec_name,
+                layer,
+                "tp_layout",
+                f"a TP-replicated state moves as whole pages of its own regions, and "
+                f"vLLM's worker would address them as {ratio} kernel blocks per block",
+            )
         # HiSparse groups: over the host pool's blocks (hisparse_host_num_blocks), as vLLM.
         return plan_regions(
             kv_caches,
@@ -185,7 +201,7 @@ class TraitsWorkerBase(seam.SeamWorker):
             tp_size=self.transfer_tp_size,
             tp_rank=self.transfer_tp_rank,
             registry=self._traits_registry,
-            layout=self._policy.worker_layout(self, self._layout_facts(), pp_size=pp_size),
+            layout=self._policy.worker_layout(self, facts, pp_size=pp_size),
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -380,7 +396,13 @@ class TraitsWorkerBase(seam.SeamWorker):
             require_traits_peer=self.options.require_traits_peer,
             stage_of=lambda: pipeline_stage(self),
             stage_view=self.stage_view,
+            keep_region_offset=self._keep_region_offset,
         )
+
+    def _keep_region_offset(self, offset: int) -> None:
+        """vLLM 0.32/0.33 slice a PP 1 peer's regions from this offset for a stage:
+        the one the stage's layers pair with (``check_remote_fingerprint``)."""
+        self.remote_region_offset = offset
 
 
 class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):

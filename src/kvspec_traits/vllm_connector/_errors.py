@@ -18,11 +18,11 @@ __all__ = [
     "UnsupportedHostBufferError",
     "UnsupportedPipelineParallelError",
     "UnsupportedRingTPError",
+    "UnsupportedStagePairingError",
     "UnsupportedStateLayoutError",
     "UnsupportedStateTPError",
     "UnsupportedTransferModeError",
     "UnsupportedVllmVersionError",
-    "UpstreamDisagreesError",
 ]
 
 
@@ -97,19 +97,25 @@ class UnsupportedPipelineParallelError(KVSpecTraitsError, NotImplementedError):
         super().__init__(f"{CONNECTOR_NAME} on vLLM {series} {what}")
 
 
-class UpstreamDisagreesError(KVSpecTraitsError, RuntimeError):
-    """A decision that upstream code still takes from spec classes contradicts the
-    traits, so the transfer would be wrong. ``.what`` names the decision."""
+class UnsupportedStagePairingError(KVSpecTraitsError, NotImplementedError):
+    """A pipeline stage whose regions pair with its PP 1 peer's (by the layers both
+    hold) otherwise than as one run of the peer's regions, in order: vLLM 0.32/0.33
+    address a stage's regions by position, as the peer's regions from one offset on
+    (the connector sets that offset from the pairing), so no other pairing can be
+    written. ``.stage`` (``(pp_rank, pp_size)``), ``.peer_regions`` (the peer's
+    region paired with each of the stage's, in order), ``.series``."""
 
-    def __init__(self, what: str, upstream: object, traits: object) -> None:
-        self.what = what
-        self.upstream = upstream
-        self.traits = traits
+    def __init__(self, stage: tuple[int, int], peer_regions: list[int], series: str) -> None:
+        self.stage = stage
+        self.peer_regions = peer_regions
+        self.series = series
         super().__init__(
-            f"{CONNECTOR_NAME}: vLLM's NIXL worker decides {what} from spec classes as "
-            f"{upstream!r}, but the layout traits say {traits!r}; refusing to run with "
-            f"a descriptor layout that would not match the registered regions. Report "
-            f"the spec class, or register an adapter that describes it."
+            f"{CONNECTOR_NAME} on vLLM {series}: PP stage {stage[0]} of {stage[1]} pairs "
+            f"its regions with the peer's regions {peer_regions[:8]} by their layers, "
+            f"which is not one run of the peer's regions in order; vLLM {series} "
+            f"addresses a stage's regions only as such a run. Pair stages of the same "
+            f"model whose decode side registers its layers in model order, or use "
+            f"vLLM 0.34 (it pairs regions by layer on every pair)."
         )
 
 

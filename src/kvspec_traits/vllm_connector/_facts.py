@@ -11,10 +11,16 @@ from typing import TYPE_CHECKING
 
 from kvspec_traits._group import representative_traits
 from kvspec_traits._registry import Registry, default_registry
-from kvspec_traits._traits import KVLayoutTraits, PageComponent, TokenScope, TPLayout
+from kvspec_traits._traits import (
+    KVLayoutTraits,
+    PageComponent,
+    TokenScope,
+    TPLayout,
+    has_ring,
+    is_state,
+)
 from kvspec_traits._transfer_rule import transfer_rule
 from kvspec_traits.transfer._config import CacheGroupTraits, TransferGroup, cache_group_traits
-from kvspec_traits.transfer._region import has_ring, is_state
 from kvspec_traits.vllm_connector._errors import (
     UnknownStateBlocksError,
     UnsupportedStateLayoutError,
@@ -50,11 +56,23 @@ class GroupKind(enum.Enum):
     STATE = "state"
     """Recurrent states (:attr:`TokenScope.RECURRENT_STATE`): one indivisible page per
     block, addressed by state descriptors (never kernel blocks, never head slices)."""
+    REPLICATED_STATE = "replicated state"
+    """TP-replicated recurrent states outside a ring-buffer model: one indivisible page
+    per block, the same bytes on every rank, in regions of their own flagged
+    REPLICATE, each moving the state's content (not a hybrid allocator's padding).
+    vLLM's descriptor code addresses them as it addresses a replicated (MLA) page
+    group: whole blocks of the group's own regions, each read from one remote rank
+    (never kernel blocks, never head slices, never the state descriptors, which
+    count every state as TP-sharded)."""
 
 
-def group_kind(traits: KVLayoutTraits) -> GroupKind:
-    """The :class:`GroupKind` of a group from its (representative) traits."""
+def group_kind(traits: KVLayoutTraits, *, ring_model: bool = False) -> GroupKind:
+    """The :class:`GroupKind` of a group from its (representative) traits; in a
+    ring-buffer model (``ring_model``) a replicated state is vLLM's PLE cache, moved by
+    the state descriptors (:attr:`GroupKind.STATE`)."""
     if is_state(traits):
+        if traits.tp_layout is TPLayout.REPLICATED and not ring_model:
+            return GroupKind.REPLICATED_STATE
         return GroupKind.STATE
     if has_ring((traits,)):
         return GroupKind.RING
@@ -144,12 +162,24 @@ class LayoutFacts:
     hybrid: bool
     """Some layer does not keep every token (vLLM: the hybrid allocator is needed)."""
     has_state: bool
+    """A transferred layer holds a recurrent state, of any TP layout (the scheduler's
+    ``has_mamba``)."""
+    state_descriptors: bool
+    """Some state is moved by vLLM's state descriptors (the worker's ``has_mamba``): a
+    TP-sharded state, or a ring model's replicated (PLE) state. A model whose only
+    states are :attr:`GroupKind.REPLICATED_STATE` has none: its states move as
+    replicated pages."""
     has_ring: bool
     mla: bool
-    """Every transferred token-paged layer is TP-replicated (vLLM: ``use_mla``, which
+    """Every transferred layer addressed as pages (token-paged, and
+    :attr:`GroupKind.REPLICATED_STATE`) is TP-replicated (vLLM: ``use_mla``, which
     makes its TP mapping read every attention region from one remote rank). A model
-    mixing head-sharded and replicated pages (a GQA model with an MLA draft) is not:
-    its regions carry their own REPLICATE/SPLIT flags."""
+    mixing head-sharded and replicated pages (a GQA model with an MLA draft, a
+    replicated state beside head-sharded attention) is not: its regions carry their
+    own REPLICATE/SPLIT flags."""
+    replicated_state_layers: frozenset[str]
+    """The layers of :attr:`GroupKind.REPLICATED_STATE` groups: each a region of its
+    own, moving its content (``unpadded_page_size_bytes``)."""
     state_split: StateSplit | None
     """How the TP-sharded recurrent states are cut into descriptors (vLLM's conv split,
     the worker's ``conv_decomp`` in :mod:`._seam`); None without one."""
@@ -184,44 +214,60 @@ def layout_facts(kv_cache_config: KVCacheConfig, registry: Registry | None = Non
     # vLLM leaves groups not addressed by token position out of the transfer block size.
     block_sizes = [k.block_size for k in kinds if k.token_paged]
     ring = has_ring(representative_traits(g.traits) for g in groups)
-    paged = [t for t in layer_traits.values() if t.token_paged]
     replicated_group = replicated_state_group(groups) if ring else None
+    group_kinds = tuple(group_kind(k, ring_model=ring) for k in kinds)
+    replicated_states = frozenset(
+        layer
+        for g, kind in zip(transferred, group_kinds, strict=True)
+        if kind is GroupKind.REPLICATED_STATE
+        for layer in g.layers
+    )
+    pages = [t for layer, t in layer_traits.items() if t.token_paged or layer in replicated_states]
+    split = _model_state_split(layer_traits, ring)
     return LayoutFacts(
         transfer_groups=tuple(g.transfer for g in transferred if g.transfer is not None),
         layer_traits=layer_traits,
-        group_kinds=tuple(group_kind(k) for k in kinds),
+        group_kinds=group_kinds,
         transfer_block_size=math.lcm(*block_sizes) if block_sizes else None,
         hybrid=any(t.token_scope is not TokenScope.FULL for t in layer_traits.values()),
         has_state=any(is_state(t) for t in layer_traits.values()),
+        state_descriptors=split is not None or replicated_group is not None,
         has_ring=ring,
-        mla=bool(paged) and all(t.tp_layout is TPLayout.REPLICATED for t in paged),
-        state_split=_model_state_split(layer_traits, ring),
+        mla=bool(pages) and all(t.tp_layout is TPLayout.REPLICATED for t in pages),
+        state_split=split,
         replicated_state_kv_cache_group=replicated_group,
+        replicated_state_layers=replicated_states,
     )
 
 
 def _model_state_split(layer_traits: Mapping[str, KVLayoutTraits], ring: bool) -> StateSplit | None:
     """The one :class:`StateSplit` of the model's TP-sharded states (vLLM's worker keeps
-    one): every such layer must split alike. A TP-replicated state moves only as the
-    replicated cache beside a ring buffer (vLLM's PLE cache), whose descriptors vLLM
-    builds apart; elsewhere it is refused by name (vLLM's descriptors would count it
-    as a sharded state)."""
+    one): every such layer must split alike. A TP-replicated state is no part of it: in
+    a ring-buffer (CSA-linear) model it is vLLM's PLE cache, whose descriptors vLLM
+    builds apart; elsewhere a :attr:`GroupKind.REPLICATED_STATE`, moved as replicated
+    pages, which cannot be beside TP-sharded states (vLLM's state descriptors would
+    then address every region but the replicated state's as state regions, and its
+    page groups in every region): refused by name."""
     sharded: list[StateSplit] = []
+    replicated: list[tuple[str, KVLayoutTraits]] = []
     for layer, traits in layer_traits.items():
         if not is_state(traits):
             continue
         if traits.tp_layout is TPLayout.REPLICATED:
-            if not ring:
-                raise UnsupportedStateLayoutError(
-                    traits.spec_name,
-                    layer,
-                    "tp_layout",
-                    "vLLM's NIXL descriptors move a TP-replicated recurrent state only "
-                    "as the replicated cache of a ring-buffer (CSA-linear) model; here "
-                    "it would be counted as a TP-sharded state",
-                )
+            replicated.append((layer, traits))
             continue
         sharded.append(state_split(layer, traits))
+    if replicated and sharded and not ring:
+        layer, traits = replicated[0]
+        raise UnsupportedStateLayoutError(
+            traits.spec_name,
+            layer,
+            "tp_layout",
+            "a TP-replicated recurrent state moves as replicated pages of its own "
+            f"regions, and cannot be beside TP-sharded states ({sharded[0].layer!r}, "
+            f"{sharded[0].spec_name}) outside a ring-buffer model: vLLM's state "
+            "descriptors would count it as a TP-sharded state",
+        )
     if not sharded:
         return None
     first = sharded[0]

@@ -34,8 +34,8 @@ from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
     UnsupportedPipelineParallelError,
     UnsupportedRingTPError,
+    UnsupportedStagePairingError,
     UnsupportedStateTPError,
-    UpstreamDisagreesError,
 )
 from kvspec_traits.vllm_connector._facts import StateSplit
 from kvspec_traits.vllm_connector._fields import peer_regions_of
@@ -244,6 +244,7 @@ def check_remote_fingerprint(
     require_traits_peer: bool,
     stage_of: Callable[[], PipelineStage] = PipelineStage,
     stage_view: RegionPlan | None = None,
+    keep_region_offset: Callable[[int], None] | None = None,
 ) -> None:
     """Check the peer's per-region traits fingerprint and regions against ``local``
     (this rank's plan, held by pipeline stage ``stage_of()``, asked once the peer's
@@ -256,8 +257,10 @@ def check_remote_fingerprint(
     peer's by the layers they hold: a stage layer the peer lacks raises
     :class:`~kvspec_traits.transfer.StageLayersError`, a paired region laid out
     otherwise :class:`~kvspec_traits.transfer.HandshakeMismatchError`; where vLLM pairs
-    them by position (0.32/0.33 without layer-name routing), a pairing by layers that
-    is not vLLM's raises :class:`UpstreamDisagreesError`. A PP 1 side registering
+    them by position (0.32/0.33 without layer-name routing), the first peer region
+    paired is the offset vLLM slices the peer's regions from (``keep_region_offset``
+    is called with it), and a pairing that is not one run of the peer's regions raises
+    :class:`UnsupportedStagePairingError`. A PP 1 side registering
     whole rows of several layers pairs by its ``stage_view`` (ours) or the peer's
     ``kvspec_traits_stage_view``: its layers' pages as the stage lays them out.
 
@@ -327,7 +330,7 @@ def check_remote_fingerprint(
                 peer=f"peer {peer}",
                 pp=(stage.rank, stage.size),
             )
-        _check_positions(stage, pairs, len(remote.regions))
+        _check_positions(stage, pairs, len(remote.regions), keep_region_offset)
         _check_members(remote, agent_metadata)
     except (HandshakeMismatchError, MemoryTypeMismatchError, StageLayersError) as err:
         _refuse(peer, agent_metadata, err)
@@ -373,23 +376,26 @@ def _check_packed_pages(view: PlanFingerprint, agent_metadata: Any) -> None:
 
 
 def _check_positions(
-    stage: PipelineStage, pairs: Sequence[tuple[int, int]], remote_regions: int
+    stage: PipelineStage,
+    pairs: Sequence[tuple[int, int]],
+    remote_regions: int,
+    keep_region_offset: Callable[[int], None] | None,
 ) -> None:
-    """Where vLLM pairs a stage's regions with its peer's by position (0.32/0.33), the
-    pairs by layers must be those positions: the stage's regions in order, from
-    ``region_offset`` on when the peer has more regions (vLLM's slice), else from 0."""
+    """Where vLLM pairs a stage's regions with its peer's by position (0.32/0.33: the
+    peer's regions from ``region_offset`` on when the peer has more, else from 0), the
+    connector decides that offset from the pairs by layers (``keep_region_offset``
+    sets the worker's): the first peer region paired. Pairs that are not one run of
+    the peer's regions in the stage's order (or, with as many regions on both sides,
+    not the peer's regions from 0) cannot be addressed by position:
+    :class:`UnsupportedStagePairingError`."""
     if stage.size == 1 or stage.region_offset is None:
         return
-    start = stage.region_offset if remote_regions > len(pairs) else 0
-    upstream = list(range(start, start + len(pairs)))
     ours = [remote for _, remote in pairs]
-    if ours != upstream:
-        raise UpstreamDisagreesError(
-            f"which of the peer's regions PP stage {stage.rank} writes (vLLM {stage.series} "
-            f"pairs them by position)",
-            upstream,
-            ours,
-        )
+    start = ours[0] if ours and remote_regions > len(pairs) else 0
+    if ours != list(range(start, start + len(pairs))):
+        raise UnsupportedStagePairingError((stage.rank, stage.size), ours, stage.series)
+    if keep_region_offset is not None and remote_regions > len(pairs):
+        keep_region_offset(start)
 
 
 def _check_members(remote: PlanFingerprint, agent_metadata: Any) -> None:

@@ -52,6 +52,8 @@ class VllmLayoutPolicy:
           overlaid pages of other sizes apart.
         - 0.34: regions keyed by base and block length (overlaid pages of other sizes
           are separate regions).
+        - A TP-replicated state outside a ring model (``facts.replicated_state_layers``)
+          is a REPLICATE region of its own, moving its content.
         """
         rows = Rows.NONE if ring or state else Rows.SCATTERED
         packed_mla = facts.mla and not facts.has_state and packed_cache
@@ -63,6 +65,7 @@ class VllmLayoutPolicy:
             rows=rows,
             separate_page_sizes=self.quirks.regions_keyed_by_block_len
             or (packed_mla and push and pp_size > 1),
+            replicated_states_apart=facts.replicated_state_layers,
         )
 
     def worker_layout(

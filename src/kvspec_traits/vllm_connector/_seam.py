@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 
 from kvspec_traits.transfer import RegionPlan
-from kvspec_traits.vllm_connector._errors import UpstreamDisagreesError
+from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
 from kvspec_traits.vllm_connector._facts import GroupKind, StateSplit
 from kvspec_traits.vllm_connector._fields import replicated_state_region
 
@@ -346,8 +346,10 @@ class SeamWorker(NixlBaseConnectorWorker):
 
     def keep_plan_fields(self, plan: RegionPlan) -> None:
         """Set :func:`worker_fields` of ``plan`` but the members and descriptor count
-        (which each series keeps its own way)."""
-        fields = worker_fields(plan)
+        (which each series keeps its own way); a PLE region only in a ring-buffer
+        (CSA-linear) model (a replicated state elsewhere moves in REPLICATE regions of
+        its own)."""
+        fields = worker_fields(plan, ple=bool(self.is_csa_linear))
         self.kv_caches_base_addr[self.engine_id][self.tp_rank] = fields.pop("kv_caches_base_addr")
         del fields["region_members"], fields["num_descs"]
         for name, value in fields.items():
@@ -486,8 +488,10 @@ def _decoding_as(handshake: Callable[..., _T], metadata_class: type) -> Callable
     """vLLM's bound ``_nixl_handshake``, run so that the agent metadata it decodes is a
     ``metadata_class``: the function with a copy of its module's globals, taken at each
     call, in which ``NixlAgentMetadata`` is that class (vLLM's module, and any other
-    reader in the process, keeps its own). Raises :class:`UpstreamDisagreesError` when
-    the series' handshake no longer decodes by that name (the class would be dropped)."""
+    reader in the process, keeps its own). Raises :class:`UnsupportedVllmVersionError`
+    when the installed vLLM's handshake no longer decodes by that name (a series whose
+    handshake the seam does not know: the metadata class would be dropped, and with it
+    the peer's traits fingerprint)."""
     if metadata_class is NixlAgentMetadata:
         return handshake
     func = getattr(handshake, "__func__", None)
@@ -495,10 +499,13 @@ def _decoding_as(handshake: Callable[..., _T], metadata_class: type) -> Callable
     if not isinstance(func, types.FunctionType) or "NixlAgentMetadata" not in (
         func.__code__.co_names
     ):
-        raise UpstreamDisagreesError(
-            "how the handshake decodes the peer's agent metadata",
-            getattr(handshake, "__qualname__", handshake),
-            "a method that decodes with its module's NixlAgentMetadata",
+        import vllm
+
+        raise UnsupportedVllmVersionError(
+            str(getattr(vllm, "__version__", "unknown")),
+            detail=f"its NIXL handshake {getattr(handshake, '__qualname__', handshake)!r} "
+            "does not decode the peer's agent metadata with its module's NixlAgentMetadata, "
+            "which the connector binds to read the peer's traits fingerprint",
         )
     scope = dict(func.__globals__)
     scope["NixlAgentMetadata"] = metadata_class
@@ -509,10 +516,11 @@ def _decoding_as(handshake: Callable[..., _T], metadata_class: type) -> Callable
     return cast("Callable[..., _T]", types.MethodType(clone, owner))
 
 
-def worker_fields(plan: RegionPlan) -> dict[str, Any]:
+def worker_fields(plan: RegionPlan, *, ple: bool = True) -> dict[str, Any]:
     """``plan`` under the attribute names of vLLM's NIXL worker (0.32-0.34), as
     ``register_kv_caches`` keeps them: what the connector's worker sets, and what a
-    test compares field by field with upstream's bookkeeping.
+    test compares field by field with upstream's bookkeeping. ``ple``: whether a
+    replicated-state region is vLLM's PLE region (a ring model's), else none is.
 
     Raises ``ValueError`` as :func:`~._fields.replicated_state_region` does.
     """
@@ -530,7 +538,7 @@ def worker_fields(plan: RegionPlan) -> dict[str, Any]:
         "_region_is_mla": [r.replicated for r in regions],
         "_ssm_region_indices": [r.index for r in regions if r.sharded_state],
         "_scratch_region_indices": [r.index for r in regions if r.scratch],
-        "_ple_region_index": replicated_state_region(plan),
+        "_ple_region_index": replicated_state_region(plan) if ple else None,
         "num_regions": len(regions),
         # The descriptors of the plan's strided list, expanded.
         "num_descs": sum(r.num_blocks for r in regions),
@@ -549,7 +557,9 @@ def worker_fields(plan: RegionPlan) -> dict[str, Any]:
 def kind_tag(kind: GroupKind) -> type[Any]:
     """The vLLM class that vLLM's NIXL worker reads as ``kind``: ``AttentionSpec`` for
     paged groups, ``CircularBufferSpec`` for rings (an ``AttentionSpec`` too, picked out
-    by identity for its scratch regions), ``MambaSpec`` for states. A tag only: never
+    by identity for its scratch regions), ``MambaSpec`` for states moved by vLLM's
+    state descriptors, ``AttentionSpec`` for replicated states outside a ring model
+    (their REPLICATE regions read whole, as an MLA page group's). A tag only: never
     instantiated."""
     from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, MambaSpec
 
@@ -557,6 +567,8 @@ def kind_tag(kind: GroupKind) -> type[Any]:
         GroupKind.PAGED: AttentionSpec,
         GroupKind.RING: CircularBufferSpec,
         GroupKind.STATE: MambaSpec,
+        # Addressed as a replicated page group: whole blocks of its own regions.
+        GroupKind.REPLICATED_STATE: AttentionSpec,
     }
     return tags[kind]
 
