@@ -22,7 +22,7 @@ from kvspec_traits.transfer._fingerprint import PlanFingerprint
 from kvspec_traits.transfer._peer import PeerRegion, PeerRegistration, check_peer_geometry
 
 if TYPE_CHECKING:
-    from kvspec_traits.transfer._region import RegionPlan
+    from kvspec_traits.transfer._region_plan import RegionPlan
 
 __all__ = ["PlanRecord", "decode_plan_record", "int_field", "plan_record"]
 
