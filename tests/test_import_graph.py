@@ -122,12 +122,13 @@ def test_type_only_imports_are_seen() -> None:
     assert "kvspec_traits._vllm_adapters" not in runtime["kvspec_traits.extend"]
 
 
-@pytest.mark.parametrize("package", ["transfer", "memcopy"])
+@pytest.mark.parametrize("package", ["transfer", "mooncake"])
 def test_the_transfer_layer_and_its_second_backend_import_no_nixl_and_no_vllm(
     package: str,
 ) -> None:
-    # transfer/ is the backend-neutral layer; memcopy/ the backend that proves it: it
-    # moves bytes with what transfer/ offers and never touches the NIXL shim.
+    # transfer/ is the backend-neutral layer; mooncake/ the second production backend
+    # that proves it: it moves bytes with what transfer/ offers and never touches the
+    # NIXL shim.
     modules = [p for p in PACKAGE.rglob("*.py") if package in p.relative_to(PACKAGE).parts]
     assert modules, f"src/kvspec_traits/{package}/ is missing"
     forbidden = ("kvspec_traits.nixl", "kvspec_traits.vllm_connector", "vllm", "nixl", "numpy")
@@ -141,7 +142,7 @@ def test_the_transfer_layer_and_its_second_backend_import_no_nixl_and_no_vllm(
 
 
 # The packages of docs/architecture.md's picture; every other module is "core".
-PACKAGES = ("_vllm_adapters", "transfer", "nixl", "memcopy", "vllm_connector", "audit", "migrate")
+PACKAGES = ("_vllm_adapters", "transfer", "nixl", "mooncake", "vllm_connector", "audit", "migrate")
 
 
 def _package_edges() -> dict[str, set[str]]:

@@ -71,6 +71,13 @@ CASES = {
         "TraitsNixlAgent",
         "pip install --no-deps nixl",
     ),
+    "Mooncake engine without Mooncake": (
+        ("mooncake",),
+        "from kvspec_traits.mooncake import TraitsMooncakeEngine\nTraitsMooncakeEngine()",
+        "mooncake",
+        "TraitsMooncakeEngine",
+        "`pip install mooncake-transfer-engine-non-cuda`",
+    ),
     "plugin without vLLM": (
         ("vllm",),
         "from kvspec_traits.vllm_connector import register_with_vllm\nregister_with_vllm()",
@@ -141,3 +148,45 @@ def test_a_missing_module_of_ours_is_not_disguised() -> None:
     with pytest.raises(ModuleNotFoundError) as raised, needs("a feature"):
         import kvspec_traits._no_such_module  # type: ignore[import-not-found]  # noqa: F401
     assert not isinstance(raised.value, MissingDependencyError)
+
+
+# Mooncake's engine.so links libibverbs.so.1 (Debian's libibverbs1) even for TCP: without
+# it, `import mooncake.engine` is a plain ImportError from the dynamic loader.
+_NO_IBVERBS = """
+import importlib.abc, sys
+class NoIbverbs(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "mooncake.engine":
+            raise ImportError(
+                "libibverbs.so.1: cannot open shared object file: No such file or directory"
+            )
+        return None
+sys.meta_path.insert(0, NoIbverbs())
+from kvspec_traits.mooncake import TraitsMooncakeEngine
+TraitsMooncakeEngine()
+"""
+
+
+@pytest.mark.parametrize(
+    ("hidden", "body"),
+    [
+        (
+            ("mooncake",),
+            "from kvspec_traits.mooncake import TraitsMooncakeEngine\nTraitsMooncakeEngine()",
+        ),
+        ((), _NO_IBVERBS),
+    ],
+    ids=["no wheel", "no libibverbs1"],
+)
+def test_a_missing_mooncake_engine_names_the_wheel_and_libibverbs1(
+    hidden: tuple[str, ...], body: str
+) -> None:
+    """Either half missing (the wheel, or the system library its engine.so loads) is one
+    MissingDependencyError naming both installs; importing the backend needs neither."""
+    out = _run(hidden, body)
+    assert out.startswith("NAMED mooncake | TraitsMooncakeEngine"), out
+    named = out.splitlines()[0]
+    assert "`pip install mooncake-transfer-engine-non-cuda`" in named, named
+    assert "`apt-get install libibverbs1`" in named, named
+    assert ("libibverbs.so.1: cannot open" in named) == (not hidden), named
+    assert "IS_MODULE_NOT_FOUND True" in out

@@ -1,7 +1,7 @@
 """One set of peer checks for every backend (issue 21 item 2, issue 24 items 1-3 and 6).
 
 ``kvspec_traits.transfer.check_peer`` (handshake, geometry, memory type, placement with
-each region bound to its own layers' memory) runs for the NIXL agent, the memcopy
+each region bound to its own layers' memory) runs for the NIXL agent, the Mooncake
 backend and the vLLM connector alike; block ids are parsed and bounded by one set of
 functions. Real NIXL agents (UCX, DRAM, no progress thread) and real vLLM cache
 allocations (tests/nixl_helpers/layouts.py: vLLM's allocate_kv_cache on CPU).
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvspec_traits.memcopy import MemcopyBackend, NotConnectedError
+from kvspec_traits.mooncake import TraitsMooncakeEngine, encode_record
 from kvspec_traits.nixl import (
     MissingPeerError,
     TraitsNixlAgent,
@@ -141,17 +141,33 @@ def test_a_region_outside_its_registered_memory_is_refused(
     assert not consumer.knows(producer.name)
 
 
-# -- item 2: memcopy trusts the producer's plan no longer -------------------------------
+# -- item 2: the second backend trusts the producer's plan no more than NIXL does -------
+# (issue 24 found these in memcopy, the in-process copy Mooncake replaced: its connect
+# checked only the consumer's plan; every backend now runs check_peer on the peer.)
 
 
-def _memcopy_pair(
-    family: str = "llama_gqa",
-) -> tuple[MemcopyBackend, RegionPlan, RegionPlan, Any]:
+@pytest.fixture
+def engines() -> Iterator[list[TraitsMooncakeEngine]]:
+    made: list[TraitsMooncakeEngine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def _mooncake_pair(
+    engines: list[TraitsMooncakeEngine], family: str = "llama_gqa"
+) -> tuple[TraitsMooncakeEngine, TraitsMooncakeEngine, RegionPlan, RegionPlan, Any]:
+    """A seeded producer engine and a zeroed consumer engine (two Mooncake engines of
+    this process, over loopback TCP)."""
     config_p, caches_p = layouts.build(family, NB)
     config_d, caches_d = layouts.build(family, NB)
     layouts.fill_pattern(caches_p, seed=7)
-    plan_d = plan_regions(caches_d, config_d)
-    return MemcopyBackend(plan_d), plan_regions(caches_p, config_p), plan_d, caches_d
+    plan_p, plan_d = plan_regions(caches_p, config_p), plan_regions(caches_d, config_d)
+    producer, consumer = TraitsMooncakeEngine(), TraitsMooncakeEngine()
+    engines += [producer, consumer]
+    producer.register_plan(plan_p)
+    consumer.register_plan(plan_d)
+    return consumer, producer, plan_p, plan_d, (caches_p, caches_d)
 
 
 def _edit(plan: RegionPlan, index: int, **changes: object) -> RegionPlan:
@@ -161,16 +177,17 @@ def _edit(plan: RegionPlan, index: int, **changes: object) -> RegionPlan:
 
 
 @pytest.mark.parametrize("mem_type", ["VRAM", "", "garbage"])
-def test_memcopy_refuses_a_producer_off_host_memory(mem_type: str) -> None:
-    """Failure mode (issue 21 item 2, issue 24 item 2): ``connect`` checked only the
-    consumer's own plan; a producer region on "VRAM" (a device address), "" or garbage
-    passed, and ``ctypes.memmove`` then read device addresses as host memory. Now
-    :class:`MemoryTypeMismatchError` at ``connect``, as the NIXL agent raises."""
-    consumer, plan_p, _, caches_d = _memcopy_pair()
-    with pytest.raises(MemoryTypeMismatchError, match=f"producer rank 0 holds it in {mem_type!r}"):
-        consumer.connect([_edit(plan_p, 1, mem_type=mem_type)])
-    with pytest.raises(NotConnectedError):
-        consumer.read_blocks([1])
+def test_mooncake_refuses_a_producer_off_host_memory(
+    mem_type: str, engines: list[TraitsMooncakeEngine]
+) -> None:
+    """A producer region on "VRAM" (a device address), "" or garbage: Mooncake's TCP
+    transport would read it as host memory. :class:`MemoryTypeMismatchError` at
+    ``connect``, as the NIXL agent raises; the peer is not kept."""
+    consumer, producer, plan_p, _, (_, caches_d) = _mooncake_pair(engines)
+    record = encode_record(_edit(plan_p, 1, mem_type=mem_type), producer.rpc_port)
+    with pytest.raises(MemoryTypeMismatchError, match=f"holds it in {mem_type!r}"):
+        consumer.connect(record, "127.0.0.1")
+    assert not consumer.knows(producer.session)
     assert not bool(layouts.backing(caches_d).any())
 
 
@@ -203,41 +220,42 @@ def _placement_forgeries(plan: RegionPlan, plan_d: RegionPlan) -> dict[str, tupl
 @pytest.mark.parametrize(
     "case", ["shifted", "overlapping", "swapped", "foreign", "num_blocks beyond the allocation"]
 )
-def test_memcopy_refuses_a_producer_plan_that_misplaces_its_regions(case: str) -> None:
-    """Failure mode (issue 24 item 2): ``memcopy`` accepted shifted, overlapping,
-    swapped or foreign bases and ``num_blocks`` beyond the allocation, then reported
-    success with wrong bytes or died with SIGSEGV. The NIXL path refused the same
-    edits; now both run :func:`~kvspec_traits.transfer.check_peer` at ``connect``."""
-    consumer, plan_p, plan_d, caches_d = _memcopy_pair()
+def test_mooncake_refuses_a_producer_plan_that_misplaces_its_regions(
+    case: str, engines: list[TraitsMooncakeEngine]
+) -> None:
+    """Shifted, overlapping, swapped or foreign bases and ``num_blocks`` beyond the
+    allocation (memcopy once reported success with wrong bytes, or died with SIGSEGV):
+    refused by :func:`~kvspec_traits.transfer.check_peer` at ``connect``; the true
+    record then connects and moves the right bytes."""
+    consumer, producer, plan_p, plan_d, (caches_p, caches_d) = _mooncake_pair(engines)
     forged, message = _placement_forgeries(plan_p, plan_d)[case]
     with pytest.raises(MalformedMetadataError, match=message):
-        consumer.connect([forged])
-    with pytest.raises(NotConnectedError):
-        consumer.read_blocks([1])
+        consumer.connect(encode_record(forged, producer.rpc_port), "127.0.0.1")
+    assert not consumer.knows(producer.session)
     assert not bool(layouts.backing(caches_d).any())
-    consumer.connect([plan_p])  # the true plan still connects
+    peer = consumer.connect(producer.record(), "127.0.0.1")
     # Two blocks of one page in every region (one region per layer).
-    assert consumer.read_blocks([1, 2]) == 2 * PAGE * len(plan_p.regions)
+    assert consumer.read_blocks(peer, [1, 2]).nbytes == 2 * PAGE * len(plan_p.regions)
+    config = layouts.build("llama_gqa", NB)[0]
+    assert checks.assert_transferred(caches_p, caches_d, config, [[1, 2]]) > 0
 
 
 # -- block ids: one parser, one bounds check ---------------------------------------------
 
 
-def test_memcopy_takes_the_1d_integer_array_its_message_recommends() -> None:
-    """Failure mode (issue 24 item 6): memcopy refused a 1-D numpy array with a message
-    that recommends "a 1-D integer numpy array". Both backends now parse ids with
-    the same functions, so the array moves the same bytes as the list."""
-    config_p, caches_p = layouts.build("llama_gqa", NB)
-    config_d, caches_d = layouts.build("llama_gqa", NB)
-    layouts.fill_pattern(caches_p, seed=7)
-    consumer = MemcopyBackend(plan_regions(caches_d, config_d))
-    plan_p = plan_regions(caches_p, config_p)
-    consumer.connect([plan_p])
-    moved = consumer.read_blocks([np.array([1, 3], dtype=np.int32)])
-    assert moved == 2 * PAGE * len(plan_p.regions)
-    assert checks.assert_transferred(caches_p, caches_d, config_d, [[1, 3]]) > 0
+def test_mooncake_takes_the_1d_integer_array_its_message_recommends(
+    engines: list[TraitsMooncakeEngine],
+) -> None:
+    """Both backends parse ids with the same functions, so an integer array moves the
+    same bytes as the list (memcopy once refused the array its message recommended)."""
+    consumer, producer, plan_p, _, (caches_p, caches_d) = _mooncake_pair(engines)
+    peer = consumer.connect(producer.record(), "127.0.0.1")
+    moved = consumer.read_blocks(peer, [np.array([1, 3], dtype=np.int32)])
+    assert moved.nbytes == 2 * PAGE * len(plan_p.regions)
+    config = layouts.build("llama_gqa", NB)[0]
+    assert checks.assert_transferred(caches_p, caches_d, config, [[1, 3]]) > 0
     with pytest.raises(BlockIdTypeError, match="dtype float64 is not block ids"):
-        consumer.read_blocks([np.array([1.0])])
+        consumer.read_blocks(peer, [np.array([1.0])])
 
 
 @pytest.mark.parametrize(
@@ -252,17 +270,19 @@ def test_memcopy_takes_the_1d_integer_array_its_message_recommends() -> None:
         ("12", BlockIdTypeError, "a str is not block ids"),
     ],
 )
-def test_both_backends_refuse_block_ids_alike(ids: Any, error: type, match: str) -> None:
-    """Failure mode (issue 21 item 2): parsing and bounds were written twice (NIXL's
-    descriptor ids, memcopy) with copied messages; now one set of functions in
-    ``transfer``: the same error type and message on both."""
-    consumer, plan_p, plan_d, _ = _memcopy_pair()
-    consumer.connect([plan_p])
-    with pytest.raises(error, match=match) as by_memcopy:
-        consumer.read_blocks(ids)
+def test_both_backends_refuse_block_ids_alike(
+    ids: Any, error: type, match: str, engines: list[TraitsMooncakeEngine]
+) -> None:
+    """Parsing and bounds were written twice once (NIXL's descriptor ids, memcopy) with
+    copied messages; now one set of functions in ``transfer``: the same error type and
+    message from NIXL's descriptor ids and Mooncake's reads."""
+    consumer, producer, _, plan_d, _ = _mooncake_pair(engines)
+    peer = consumer.connect(producer.record(), "127.0.0.1")
+    with pytest.raises(error, match=match) as by_mooncake:
+        consumer.read_blocks(peer, ids)
     with pytest.raises(error, match=match) as by_nixl:
         block_desc_ids(plan_d, ids)
-    assert str(by_memcopy.value) == str(by_nixl.value)
+    assert str(by_mooncake.value) == str(by_nixl.value)
 
 
 # -- item 6: loose errors -----------------------------------------------------------------

@@ -26,7 +26,13 @@ says why a file cannot run on this machine.
 
 Stubs, only for what cannot exist on a CPU machine without a network: ``ray`` (when not
 installed) and the hub's model configs (``config.json`` of the few models the tests name,
-served from a local hub cache with ``HF_HUB_OFFLINE=1``). Nothing else is replaced.
+served from a local hub cache with ``HF_HUB_OFFLINE=1``). One shim, for vLLM's Mooncake
+connector tests alone (``test_mooncake_connector*.py``, whichever subject): vLLM's
+``MooncakeConnectorWorker.__init__`` asks ``torch.accelerator.current_device_index()``,
+which raises on a CPU-only torch ("Cannot access accelerator device when none is
+available"); while such a test runs, and only when torch has no accelerator, it answers
+0, the index of the one device a CPU process has (``_cpu_device_index``), and is put back
+after the test. Nothing else is replaced.
 
 Speed, the same for both subjects: vLLM's autouse cleanup runs a full ``gc.collect()`` after
 every test, which walks the whole import-time heap (vLLM, torch, transformers: ~600k
@@ -296,6 +302,38 @@ def _upstream_id(nodeid: str) -> str:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _current_file[0] = item.nodeid.split("::", 1)[0]
+
+
+MOONCAKE_TESTS = "test_mooncake_connector*.py"
+"""vLLM's test files whose worker needs a device index (the CPU shim's scope)."""
+
+
+def _cpu_device_index() -> int:
+    """``torch.accelerator.current_device_index()`` of a CPU-only process: device 0."""
+    return 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """vLLM's Mooncake worker tests with the CPU shim (module docstring), set up, run and
+    torn down with it; every other test untouched."""
+    import fnmatch
+
+    if not fnmatch.fnmatchcase(Path(str(item.path)).name, MOONCAKE_TESTS):
+        yield
+        return
+    import torch
+
+    accelerator = torch.accelerator
+    if accelerator.is_available():
+        yield
+        return
+    original = accelerator.current_device_index
+    accelerator.current_device_index = _cpu_device_index
+    try:
+        yield
+    finally:
+        accelerator.current_device_index = original
 
 
 def _why(report: pytest.CollectReport | pytest.TestReport) -> str:

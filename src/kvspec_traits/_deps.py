@@ -15,7 +15,7 @@ from typing import Final
 
 from kvspec_traits._errors import MissingDependencyError
 
-__all__ = ["SUPPORTED_VLLM_SERIES", "needs", "vllm_series"]
+__all__ = ["MOONCAKE_INSTALL", "SUPPORTED_VLLM_SERIES", "needs", "vllm_series"]
 
 SUPPORTED_VLLM_SERIES: Final = ("0.32", "0.33", "0.34")
 """vLLM release series kvspec-traits is tested against (the connector checks it)."""
@@ -39,11 +39,20 @@ _NIXL: Final = (
     "CUDA 12 and 13 builds), or on a CPU-only machine `pip install nixl-cu12` and then "
     "`pip install --no-deps nixl` (the `nixl` module vLLM and kvspec-traits import)."
 )
+_MOONCAKE: Final = (
+    "Install Mooncake's transfer engine, `pip install mooncake-transfer-engine-non-cuda` "
+    "(what the mooncake extra, kvspec-traits[mooncake], brings; on a GPU machine "
+    "Mooncake's CUDA build, `mooncake-transfer-engine`), and the system library its "
+    "engine.so links even for TCP, libibverbs1 (Debian/Ubuntu: `apt-get install "
+    "libibverbs1`)."
+)
 # The packages themselves, not `pip install 'kvspec-traits[...]'`: kvspec-traits is
 # installed from a checkout (README), so the published name would find nothing.
 _VLLM_EXTRA: Final = (
     "Install what the vLLM extra (kvspec-traits[vllm]) brings: `pip install numpy msgspec pyzmq`."
 )
+MOONCAKE_INSTALL: Final = _MOONCAKE
+"""What to install for the Mooncake backend: the engine's wheel and libibverbs1."""
 _INSTALL: Final = {
     "vllm": _VLLM,
     "torch": "torch comes with vLLM: install the torch your vLLM was built for. " + _VLLM,
@@ -51,6 +60,7 @@ _INSTALL: Final = {
     "nixl": _NIXL,
     "nixl_cu12": _NIXL,
     "nixl_cu13": _NIXL,
+    "mooncake": _MOONCAKE,
     "msgspec": _VLLM_EXTRA,
     "zmq": _VLLM_EXTRA,
     "libcst": "Install what the migrate extra (kvspec-traits[migrate]) brings: "

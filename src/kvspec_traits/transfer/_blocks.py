@@ -3,7 +3,7 @@ group, each list Python ints (not ``bool``) or a 1-D integer array, checked agai
 blocks a region holds.
 
 Pure (no numpy import: an array is recognised by its ``dtype`` and ``ndim``): the NIXL
-shim converts the lists this module accepts to numpy, the memcopy backend to Python
+shim converts the lists this module accepts to numpy, the Mooncake backend to Python
 lists; both ask these functions, so both take and refuse the same ids with the same
 errors.
 """

@@ -154,7 +154,7 @@ class MemoryTypeMismatchError(KVSpecTraitsError, ValueError):
     """Memory types a transfer cannot pair: a plan whose regions span several memory
     types (a NIXL agent registers and describes one), or a peer region on another
     memory type than the local region it would fill (only like to like is moved:
-    host to host for memcopy; a pair of types is refused rather than guessed at).
+    host to host for Mooncake over TCP; a pair of types is refused rather than guessed at).
 
     ``.region`` is the region name (``None`` for a plan-wide mix), ``.mem_types`` the
     types involved (local first for a peer).
@@ -223,13 +223,15 @@ class DuplicateBlockIdError(KVSpecTraitsError, ValueError):
     """A destination block named twice in one request: two reads would write one block
     (which source wins is up to the network). ``.block_id`` is a repeated id,
     ``.group`` its cache group (``None`` for a flat list or a region every group
-    shares)."""
+    shares), ``.side`` the side the blocks are written on (``"local"`` for a read,
+    ``"remote"`` for a write)."""
 
-    def __init__(self, block_id: int, group: int | None) -> None:
+    def __init__(self, block_id: int, group: int | None, side: str = "local") -> None:
         self.block_id = block_id
         self.group = group
+        self.side = side
         where = "the request" if group is None else f"cache group {group}"
         super().__init__(
-            f"local block id {block_id} appears more than once in {where}; every "
+            f"{side} block id {block_id} appears more than once in {where}; every "
             f"destination block of a request must be distinct (one read per block)"
         )

@@ -3,7 +3,7 @@ before it builds a descriptor or copies a byte (:func:`check_peer`): the layout
 handshake, the geometry the peer's fingerprint implies, the memory type, and where
 each region lies (inside its own registration, not overlapping where ours do not).
 
-Pure (no NIXL, numpy or vLLM). The NIXL agent, the vLLM connector and the memcopy
+Pure (no NIXL, numpy or vLLM). The NIXL agent, the vLLM connector and the Mooncake
 backend call these functions; none has a check of its own.
 """
 

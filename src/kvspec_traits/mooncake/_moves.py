@@ -1,0 +1,236 @@
+"""What one request moves, as Mooncake's batch calls take it: per remote rank, three
+lists (our addresses, the peer's, lengths), validated before any is built.
+
+Pure (no Mooncake, numpy or vLLM). Where a block comes from is
+:func:`~kvspec_traits.transfer.tp_reads`, computed once per connection
+(:func:`pieces_of`); the block ids are parsed and bounded by ``transfer/_blocks.py``,
+as every backend's are. Moves contiguous on both sides are merged, so a run of
+consecutive blocks of a dense region is one entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvspec_traits.mooncake._errors import MissingPeerError
+from kvspec_traits.transfer import DuplicateBlockIdError, PeerRegion, RegionPlan, tp_reads
+from kvspec_traits.transfer._blocks import (
+    IdLists,
+    check_block_range,
+    check_id_list,
+    check_paired,
+    group_lists,
+)
+
+__all__ = ["Moves", "Piece", "Route", "pieces_of", "request_moves", "routes_of"]
+
+Piece = tuple[int, int, int, int]
+"""``(remote rank, offset in our block, offset in the peer's block, bytes)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Moves:
+    """One batch call's lists for one remote rank: entry ``i`` of ``local`` and
+    ``remote`` move ``lengths[i]`` bytes."""
+
+    remote_rank: int
+    local: list[int]
+    remote: list[int]
+    lengths: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lengths)
+
+
+def pieces_of(
+    plan: RegionPlan,
+    remote_tp: int,
+    remote_regions: Mapping[int, Sequence[PeerRegion]],
+    *,
+    write: bool,
+) -> tuple[tuple[Piece, ...], ...]:
+    """Per region of ``plan``, the pieces a block moves between our block and the
+    peers' (``remote_regions``: each given remote rank's regions).
+
+    A read fills our block from the ranks :func:`tp_reads` names. A write is the
+    consumer's read seen from this (producer) side: for each consumer rank, its reads of
+    our region from our rank, with the offsets swapped; the consumer's region is ours
+    with the consumer's block length (the handshake proved every other trait equal).
+    Raises :class:`~kvspec_traits.transfer.UnsupportedLayoutError` for a region that
+    cannot move between the two TP sizes.
+    """
+    out: list[tuple[Piece, ...]] = []
+    some = next(iter(remote_regions.values()))
+    for index, region in enumerate(plan.regions):
+        if not write:
+            reads = tp_reads(
+                region,
+                local_tp=plan.tp_size,
+                local_rank=plan.tp_rank,
+                remote_tp=remote_tp,
+                remote_block_len=some[index].block_len,
+            )
+            out.append(
+                tuple((r.remote_rank, r.local_offset, r.remote_offset, r.length) for r in reads)
+            )
+            continue
+        pieces: list[Piece] = []
+        for rank, regions in sorted(remote_regions.items()):
+            theirs = dataclasses.replace(region, block_len=regions[index].block_len)
+            reads = tp_reads(
+                theirs,
+                local_tp=remote_tp,
+                local_rank=rank,
+                remote_tp=plan.tp_size,
+                remote_block_len=region.block_len,
+            )
+            pieces += [
+                (rank, r.remote_offset, r.local_offset, r.length)
+                for r in reads
+                if r.remote_rank == plan.tp_rank
+            ]
+        out.append(tuple(pieces))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One region's moves against a set of peers, flattened for the per-request loop:
+    our region's numbers, and per piece the peer rank's region geometry."""
+
+    name: str
+    group_id: int
+    num_blocks: int
+    base: int
+    stride: int
+    pieces: tuple[tuple[int, int, int, int, int, int, int], ...]
+    """``(rank, our offset, peer's offset, bytes, peer's base, peer's stride, peer's
+    block count)`` per piece."""
+
+
+def routes_of(
+    plan: RegionPlan,
+    remote_tp: int,
+    remote_regions: Mapping[int, Sequence[PeerRegion]],
+    *,
+    write: bool,
+) -> tuple[Route, ...]:
+    """:func:`pieces_of` with the geometry of both sides, per region (what a set of
+    peers keeps across requests). :class:`MissingPeerError` names a rank a piece needs
+    that ``remote_regions`` lacks."""
+    routes = []
+    for region, pieces in zip(
+        plan.regions, pieces_of(plan, remote_tp, remote_regions, write=write), strict=True
+    ):
+        flat = []
+        for rank, ours, theirs, length in pieces:
+            if rank not in remote_regions:
+                raise MissingPeerError(region.name, rank, sorted(remote_regions))
+            peer = remote_regions[rank][region.index]
+            flat.append(
+                (rank, ours, theirs, length, peer.base_addr, peer.block_stride, peer.num_blocks)
+            )
+        routes.append(
+            Route(
+                region.name,
+                region.group_id,
+                region.num_blocks,
+                region.base_addr,
+                region.block_stride,
+                tuple(flat),
+            )
+        )
+    return tuple(routes)
+
+
+def _per_group(block_ids: object, groups: int, side: str) -> list[list[int]]:
+    """One list of Python ints per group, by the rules every backend shares."""
+    return [
+        ids.tolist() if check_id_list(ids, side) else ids if type(ids) is list else list(ids)
+        for ids in group_lists(block_ids, groups, side)
+    ]
+
+
+def _blocks_of(per_group: list[list[int]], group_id: int) -> list[int]:
+    # A region shared by several groups (group id < 0) serves every group's blocks.
+    return per_group[group_id] if group_id >= 0 else [b for ids in per_group for b in ids]
+
+
+def _check_distinct(blocks: list[int], group: int | None, side: str) -> None:
+    if len(set(blocks)) != len(blocks):
+        seen: set[int] = set()
+        for block in blocks:
+            if block in seen:
+                raise DuplicateBlockIdError(block, group, side)
+            seen.add(block)
+
+
+def request_moves(
+    routes: Sequence[Route],
+    num_groups: int,
+    local_block_ids: IdLists,
+    remote_block_ids: IdLists | None,
+    *,
+    write: bool,
+) -> list[Moves]:
+    """The moves of one request over ``routes`` (:func:`routes_of`), one
+    :class:`Moves` per remote rank that takes part.
+
+    Every id is checked before a list is built: :class:`BlockIdTypeError`,
+    :class:`BlockIdShapeError` (not one list per group; local and remote lists of
+    different lengths), :class:`BlockIdError` (outside a region, either side),
+    :class:`DuplicateBlockIdError` (a destination block named twice: ours for a read,
+    the peer's for a write).
+    """
+    local = _per_group(local_block_ids, num_groups, "local")
+    remote = (
+        local if remote_block_ids is None else _per_group(remote_block_ids, num_groups, "remote")
+    )
+    check_paired([len(g) for g in local], [len(g) for g in remote])
+    todo: list[tuple[Route, list[int], list[int]]] = []
+    for route in routes:
+        mine = _blocks_of(local, route.group_id)
+        if not mine:
+            continue
+        theirs = _blocks_of(remote, route.group_id)
+        check_block_range(
+            (min(mine), max(mine)), route.num_blocks, [(route.name, route.num_blocks)], "local"
+        )
+        group = None if route.group_id < 0 or num_groups == 1 else route.group_id
+        _check_distinct(theirs if write else mine, group, "remote" if write else "local")
+        bounds = (min(theirs), max(theirs))
+        for piece in route.pieces:
+            check_block_range(bounds, piece[6], [(route.name, piece[6])], "remote")
+        todo.append((route, mine, theirs))
+    by_rank: dict[int, Moves] = {}
+    for route, mine, theirs in todo:
+        base, stride = route.base, route.stride
+        for rank, our_offset, their_offset, length, r_base, r_stride, _ in route.pieces:
+            moves = by_rank.get(rank)
+            if moves is None:
+                moves = by_rank[rank] = Moves(rank, [], [], [])
+            local_addrs, remote_addrs, lengths = moves.local, moves.remote, moves.lengths
+            add_local, add_remote, add_length = (
+                local_addrs.append,
+                remote_addrs.append,
+                lengths.append,
+            )
+            end_l = end_r = -1
+            if lengths:
+                end_l = local_addrs[-1] + lengths[-1]
+                end_r = remote_addrs[-1] + lengths[-1]
+            src0, dst0 = base + our_offset, r_base + their_offset
+            for block, other in zip(mine, theirs, strict=True):
+                src = src0 + block * stride
+                dst = dst0 + other * r_stride
+                if src == end_l and dst == end_r:
+                    lengths[-1] += length
+                else:
+                    add_local(src)
+                    add_remote(dst)
+                    add_length(length)
+                end_l, end_r = src + length, dst + length
+    return [by_rank[rank] for rank in sorted(by_rank)]
