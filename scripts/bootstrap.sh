@@ -109,5 +109,15 @@ if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
     exit 1
   fi
 fi
+# Never Debian's ibverbs-providers (libibverbs1 only recommends it): NIXL's wheel bundles its
+# own libibverbs and libnl, which would load those providers and, through them, Debian's
+# libnl; two libnl copies crash every NIXL process at exit (SIGSEGV in rtnl_tc_unregister,
+# pytest's exit status 139 after every test passed). Seen here on 2026-12-05.
+if command -v dpkg-query >/dev/null &&
+  [ "$(dpkg-query -W -f='${Status}' ibverbs-providers 2>/dev/null)" = "install ok installed" ]; then
+  echo "bootstrap: Debian's ibverbs-providers is installed: NIXL processes would crash at exit;" \
+    "remove it (apt-get remove ibverbs-providers); Mooncake over TCP does not need it" >&2
+  exit 1
+fi
 # The package itself (editable), the dev tools and the Mooncake engine: cheap, so always refreshed.
 $PIP install -q -e '.[dev,mooncake]' -e examples/kvspec_traits_example -e examples/kvspec_traits_ascend $PIN
