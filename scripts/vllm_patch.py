@@ -31,6 +31,7 @@ from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture_corrections import WHY, Correction, fixture_diff
 from hand_edits import HandEdit, apply_hand_edits
 from patch_answers import answers_that_change, probe_changes
