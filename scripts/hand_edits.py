@@ -207,7 +207,129 @@ _CERTIFY_PROBE = (
     "traits_of(spec).token_scope is TokenScope.SLIDING_WINDOW))",
 )
 
+# -- NIXL: the kind of each transfer group (every series) --------------------------------------
+# The worker kept the class of each group's first member (`_group_spec_types`) and asked
+# issubclass of it; it now keeps that member's traits and asks them. The names stay (a
+# smaller diff); vLLM's tests that inject classes get them as traits (fixture rule
+# "group traits", scripts/conformance/fixture_corrections.py).
+
+_TP_HELPERS_BEFORE = """\
+def _is_attention_spec(spec_type: type[KVCacheSpec]) -> bool:
+    return issubclass(spec_type, AttentionSpec)
+
+
+def _is_ssm_spec(spec_type: type[KVCacheSpec]) -> bool:
+    return issubclass(spec_type, MambaSpec)
+"""
+_TP_HELPERS_AFTER = """\
+def _is_attention_spec(spec_traits: KVLayoutTraits) -> bool:
+    return spec_traits.attention_page
+
+
+def _is_ssm_spec(spec_traits: KVLayoutTraits) -> bool:
+    return spec_traits.token_scope is TokenScope.RECURRENT_STATE
+"""
+_TP_PARAM_BEFORE = "    group_spec_types: tuple[type[KVCacheSpec], ...],\n"
+_TP_PARAM_AFTER = "    group_spec_types: tuple[KVLayoutTraits, ...],\n"
+_GROUP_KINDS_BEFORE = """\
+        self._group_spec_types = tuple(
+            get_representative_spec_type(g.kv_cache_spec)
+            for g in self.kv_cache_config.transfer_groups
+        )
+"""
+_GROUP_KINDS_AFTER = """\
+        self._group_spec_types = tuple(
+            representative_traits(traits_of(g.kv_cache_spec))
+            for g in self.kv_cache_config.transfer_groups
+        )
+"""
+_SSM_GROUP_BEFORE = "            if _is_ssm_spec(get_representative_spec_type(spec)):\n"
+_SSM_GROUP_AFTER = "            if _is_ssm_spec(representative_traits(traits_of(spec))):\n"
+_SCRATCH_BEFORE = "                    if spec_type is CircularBufferSpec\n"
+_SCRATCH_AFTER = "                    if spec_type.token_scope is TokenScope.RING\n"
+_NIXL_REASON = (
+    "the worker kept each transfer group's class (its first member's, "
+    "get_representative_spec_type) in _group_spec_types and asked issubclass of it in "
+    "tp_mapping's helpers, with no spec to ask; it now keeps that member's traits "
+    "(representative_traits) and the helpers ask attention_page and the recurrent-state "
+    "scope"
+)
+_NIXL_PROBES = (
+    (
+        "issubclass(get_representative_spec_type(spec), AttentionSpec)",
+        "representative_traits(traits_of(spec)).attention_page",
+    ),
+    (
+        "issubclass(get_representative_spec_type(spec), MambaSpec)",
+        "representative_traits(traits_of(spec)).token_scope is TokenScope.RECURRENT_STATE",
+    ),
+)
+
+
+def _nixl_edits(series: str) -> tuple[HandEdit, ...]:
+    edits = [
+        HandEdit(
+            series=(series,),
+            path=f"{V1}/nixl/tp_mapping.py",
+            before=_TP_HELPERS_BEFORE,
+            after=_TP_HELPERS_AFTER,
+            reason=_NIXL_REASON,
+            sites=("issubclass(spec_type, AttentionSpec)", "issubclass(spec_type, MambaSpec)"),
+            imports=("KVLayoutTraits", "TokenScope"),
+            probes=_NIXL_PROBES,
+        ),
+        HandEdit(
+            series=(series,),
+            path=f"{V1}/nixl/tp_mapping.py",
+            before=_TP_PARAM_BEFORE,
+            after=_TP_PARAM_AFTER,
+            reason="compute_tp_mapping takes what _group_spec_types now holds",
+            sites=(),
+            imports=("KVLayoutTraits",),
+        ),
+        HandEdit(
+            series=(series,),
+            path=f"{V1}/nixl/base_worker.py",
+            before=_GROUP_KINDS_BEFORE,
+            after=_GROUP_KINDS_AFTER,
+            reason="_group_spec_types holds each group's representative traits",
+            sites=(),
+            imports=("representative_traits", "traits_of"),
+        ),
+        HandEdit(
+            series=(series,),
+            path=f"{V1}/nixl/base_worker.py",
+            before=_SSM_GROUP_BEFORE,
+            after=_SSM_GROUP_AFTER,
+            reason="the one caller of _is_ssm_spec that passed a class computed on the spot",
+            sites=(),
+            imports=("representative_traits", "traits_of"),
+        ),
+    ]
+    if series in ("0.32", "0.33"):
+        edits.append(
+            HandEdit(
+                series=(series,),
+                path=f"{V1}/nixl/base_worker.py",
+                before=_SCRATCH_BEFORE,
+                after=_SCRATCH_AFTER,
+                reason="the scratch (ring) group compared the class held in "
+                "_group_spec_types; the ring is its own scope",
+                sites=("spec_type is CircularBufferSpec",),
+                imports=("TokenScope",),
+                probes=(
+                    (
+                        "get_representative_spec_type(spec) is CircularBufferSpec",
+                        "representative_traits(traits_of(spec)).token_scope is TokenScope.RING",
+                    ),
+                ),
+            )
+        )
+    return tuple(edits)
+
+
 HAND_EDITS: tuple[HandEdit, ...] = (
+    *(edit for series in ("0.32", "0.33", "0.34") for edit in _nixl_edits(series)),
     HandEdit(
         series=("0.34",),
         path=f"{V1}/moriio/moriio_connector.py",
