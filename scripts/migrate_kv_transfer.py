@@ -98,9 +98,10 @@ class Measured:
         }
 
 
-def migrate_copy(out: Path, *, seed: bool = False) -> Measured:
+def migrate_copy(out: Path, *, seed: bool = False, hand_edits: bool = False) -> Measured:
     """Copy the installed tree into ``out``, optionally restore the seed, migrate it with
-    ``--write`` and measure."""
+    ``--write`` (with the patch's hand edits, scripts/hand_edits.py, if ``hand_edits``:
+    the copy is then the patch's code) and measure."""
     root = out / "kv_transfer"
     if root.exists():
         shutil.rmtree(root)
@@ -108,8 +109,8 @@ def migrate_copy(out: Path, *, seed: bool = False) -> Measured:
     if seed and restore_seed(root) == 0:
         raise SystemExit(f"the fixed is_mla_region line is not in {SEED_FILE}")
     plan = plan_migration([root], load_universe())
-    # The patch's hand edits too (scripts/hand_edits.py): the copy is the patch's code.
-    plan, _ = apply_hand_edits(plan, root, _version(installed_tree().parents[2]))
+    if hand_edits:
+        plan, _ = apply_hand_edits(plan, root, _version(installed_tree().parents[2]))
     refused = write_plan(plan)
     if refused or plan.refused:
         raise SystemExit(f"refused: {[*plan.refused, *refused]}")
@@ -184,10 +185,15 @@ def main() -> int:
     p.add_argument("--seed", action="store_true", help="restore the seed line first")
     p.add_argument("--demo", action="store_true", help="show the seed line before/after")
     p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.add_argument(
+        "--hand-edits",
+        action="store_true",
+        help="apply the patch's hand edits too (scripts/hand_edits.py): the patch's code",
+    )
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="kvspec-migrate-"))
     out.mkdir(parents=True, exist_ok=True)
-    m = migrate_copy(out, seed=args.seed or args.demo)
+    m = migrate_copy(out, seed=args.seed or args.demo, hand_edits=args.hand_edits)
     if args.json:
         json.dump(m.as_json(), sys.stdout, indent=2)
         print()
