@@ -41,6 +41,11 @@ test already relied on; no test is skipped and no assertion is loosened:
   the same groups, asked as the worker now asks them. A test that builds the tuple from a
   config's groups asks their traits directly.
 
+- ``stand-in spec``: MoRIIO's scheduler tests give the attention groups of a fake config
+  ``kv_cache_spec=object()``, which ``isinstance(spec, MambaSpec)`` called "not Mamba";
+  the rewritten check asks its traits and refuses a non-spec by name. The stand-in
+  becomes a full-attention spec (the kind the tests mean: not a Mamba group).
+
 A rule's anchor found more than once raises ``FixtureError`` (a correction is never
 guessed); one found nowhere corrects nothing, and the judge then shows the test that
 needs it. Pure: LibCST and the standard library.
@@ -95,6 +100,8 @@ WHY = {
     "group traits": "NIXL's _group_spec_types holds each group's traits (the patch's hand "
     "edit), not its class: the classes a test injects become the traits of one spec of "
     "each (group_traits in the suite's utils.py)",
+    "stand-in spec": "object() stood for an attention group; traits_of refuses a non-spec "
+    "by name, so the group gets a full-attention spec (not Mamba, as the test meant)",
     "ring flag": "the compressor ring (one KV head, no V) is TP-replicated by its traits: "
     "REPLICATE, not the SPLIT its class gave it (same bytes at TP 1)",
 }
@@ -311,7 +318,36 @@ def _group_traits(path: str, text: str) -> tuple[str, list[Correction]]:
     return text, found
 
 
+_STAND_IN_OLD = "kv_cache_spec=object()"
+_STAND_IN_NEW = (
+    "kv_cache_spec=FullAttentionSpec(\n"
+    "{indent}    block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32\n"
+    "{indent})"
+)
+
+
+def _stand_in_specs(path: str, text: str) -> tuple[str, list[Correction]]:
+    """The ``stand-in spec`` rule (MoRIIO's scheduler tests)."""
+    if not path.endswith("unit/test_moriio_hma_scheduler.py") or _STAND_IN_OLD not in text:
+        return text, []
+    found: list[Correction] = []
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if _STAND_IN_OLD in line:
+            indent = line[: len(line) - len(line.lstrip())]
+            lines[i] = line.replace(_STAND_IN_OLD, _STAND_IN_NEW.format(indent=indent))
+            found.append(
+                Correction(path, i + 1, "stand-in spec", "object()", "FullAttentionSpec(...)")
+            )
+    text = "".join(lines)
+    text = _with_import(text, "import torch")
+    if not re.search(r"^    FullAttentionSpec,$|import .*\bFullAttentionSpec\b", text, re.M):
+        text = _with_import(text, "from vllm.v1.kv_cache_interface import FullAttentionSpec")
+    return text, found
+
+
 _ANCHORS = (
+    _STAND_IN_OLD,
     "dtype=None",
     "MambaSpec(",
     _ABSTRACT_OLD,
@@ -343,7 +379,8 @@ def _corrected(path: str, text: str) -> tuple[str, list[Correction]]:
         new = new[:start] + fixed + new[start + len(body) :]
         found.append(Correction(path, line, "ring flag", "[True, False]", "[True, True]"))
     new, grouped = _group_traits(path, new)
-    return new, found + grouped
+    new, stand_ins = _stand_in_specs(path, new)
+    return new, found + grouped + stand_ins
 
 
 def corrected_sources(tests_root: Path) -> dict[str, tuple[str, str, list[Correction]]]:
