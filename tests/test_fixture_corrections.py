@@ -151,3 +151,26 @@ def test_classes_injected_into_group_spec_types_become_their_traits(
     for cls, t in zip((*classes, MambaSpec), traits, strict=True):
         assert t.attention_page == issubclass(cls, AttentionSpec), cls
         assert (t.token_scope is TokenScope.RECURRENT_STATE) == issubclass(cls, MambaSpec), cls
+
+
+def test_moriio_stand_in_group_specs_become_full_attention(
+    corrected: dict[str, tuple[str, str, list[Any]]],
+) -> None:
+    """MoRIIO's scheduler tests give attention groups ``kv_cache_spec=object()``;
+    ``isinstance(object(), MambaSpec)`` said "not Mamba", and the rewritten check asks
+    traits, which refuse a non-spec. The stand-in becomes a full-attention spec, whose
+    traits say "not Mamba" too."""
+    from kvspec_traits import TokenScope, UnsupportedSpecError, traits_of
+
+    with pytest.raises(UnsupportedSpecError):
+        traits_of(object())  # type: ignore[arg-type]
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    assert traits_of(spec).token_scope is not TokenScope.RECURRENT_STATE
+    assert not isinstance(object(), MambaSpec) and not isinstance(spec, MambaSpec)
+    before, after, found = corrected["tests/v1/kv_connector/unit/test_moriio_hma_scheduler.py"]
+    stand_ins = [c for c in found if c.rule == "stand-in spec"]
+    assert len(stand_ins) == before.count("kv_cache_spec=object()") > 0
+    assert "kv_cache_spec=object()" not in after
+    assert after.count("block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32") >= len(
+        stand_ins
+    )
