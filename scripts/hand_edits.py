@@ -156,27 +156,37 @@ _CERTIFY_BEFORE = """\
                 return False
             if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
                 return False
+            return (
+                total_kv_heads % tp_size == 0 or tp_size % total_kv_heads == 0
+            ) and spec.num_kv_heads == max(1, total_kv_heads // tp_size)
 """
 _CERTIFY_AFTER = """\
             spec_traits = traits_of(spec)
             if not spec_traits.attention_page:
                 return False
-            if spec.kv_quant_mode.is_per_token_head:
+            # An attention page: the layout fields every AttentionSpec has.
+            attention = cast(AttentionSpec, spec)
+            if attention.kv_quant_mode.is_per_token_head:
                 return False
             if spec_traits.is_mla:
                 # A full-scope latent, one row per token; windowed and ring latents
                 # are not certified.
                 return (
                     spec_traits.token_scope is TokenScope.FULL
-                    and spec.tokens_per_state == 1
-                    and spec.real_page_size_bytes % spec.block_size == 0
+                    and attention.tokens_per_state == 1
+                    and attention.real_page_size_bytes % attention.block_size == 0
                 )
             if not (
                 spec_traits.keeps_prompt
                 or spec_traits.token_scope is TokenScope.SLIDING_WINDOW
             ):
                 return False
+            return (
+                total_kv_heads % tp_size == 0 or tp_size % total_kv_heads == 0
+            ) and attention.num_kv_heads == max(1, total_kv_heads // tp_size)
 """
+_TYPING_BEFORE = "from typing import TYPE_CHECKING\n"
+_TYPING_AFTER = "from typing import TYPE_CHECKING, cast\n"
 _REPLICATED_BEFORE = """\
             and all(
                 type(spec) is MLAAttentionSpec
@@ -428,6 +438,7 @@ HAND_EDITS: tuple[HandEdit, ...] = (
                     ),
                 ),
             ),
+            (_TYPING_BEFORE, _TYPING_AFTER, (), ()),
         )
     ),
 )
