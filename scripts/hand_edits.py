@@ -483,6 +483,8 @@ def apply_hand_edits(
     texts: dict[Path, str] = {}
     for h in edits:
         path = (kv_transfer / h.path).resolve()
+        if path not in texts and path not in files and not path.is_file():
+            raise HandEditError(f"hand edit of {h.path} ({version}): no such file in {kv_transfer}")
         if path not in texts:
             texts[path] = files[path].after if path in files else path.read_text()
         count = texts[path].count(h.before)
