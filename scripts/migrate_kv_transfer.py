@@ -30,6 +30,9 @@ from pathlib import Path
 from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration, write_plan
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hand_edits import apply_hand_edits
+
 __all__ = ["SEED_FILE", "SEED_LINE", "Measured", "installed_tree", "migrate_copy", "restore_seed"]
 
 SEED_FILE = "kv_connector/v1/nixl/base_worker.py"
@@ -45,6 +48,18 @@ def installed_tree() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("vLLM is not installed")
     return Path(next(iter(spec.submodule_search_locations))) / "distributed" / "kv_transfer"
+
+
+def _version(vllm_root: Path) -> str:
+    """The release of the vLLM tree at ``vllm_root`` (its ``vllm/_version.py``)."""
+    found = re.search(
+        r"^__version__ = (?:version = )?['\"]([^'\"]+)['\"]",
+        (vllm_root / "vllm" / "_version.py").read_text(),
+        flags=re.M,
+    )
+    if found is None:
+        raise SystemExit(f"no __version__ in {vllm_root / 'vllm' / '_version.py'}")
+    return found.group(1)
 
 
 def restore_seed(root: Path) -> int:
@@ -83,9 +98,10 @@ class Measured:
         }
 
 
-def migrate_copy(out: Path, *, seed: bool = False) -> Measured:
+def migrate_copy(out: Path, *, seed: bool = False, hand_edits: bool = False) -> Measured:
     """Copy the installed tree into ``out``, optionally restore the seed, migrate it with
-    ``--write`` and measure."""
+    ``--write`` (with the patch's hand edits, scripts/hand_edits.py, if ``hand_edits``:
+    the copy is then the patch's code) and measure."""
     root = out / "kv_transfer"
     if root.exists():
         shutil.rmtree(root)
@@ -93,6 +109,8 @@ def migrate_copy(out: Path, *, seed: bool = False) -> Measured:
     if seed and restore_seed(root) == 0:
         raise SystemExit(f"the fixed is_mla_region line is not in {SEED_FILE}")
     plan = plan_migration([root], load_universe())
+    if hand_edits:
+        plan, _ = apply_hand_edits(plan, root, _version(installed_tree().parents[2]))
     refused = write_plan(plan)
     if refused or plan.refused:
         raise SystemExit(f"refused: {[*plan.refused, *refused]}")
@@ -167,10 +185,15 @@ def main() -> int:
     p.add_argument("--seed", action="store_true", help="restore the seed line first")
     p.add_argument("--demo", action="store_true", help="show the seed line before/after")
     p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.add_argument(
+        "--hand-edits",
+        action="store_true",
+        help="apply the patch's hand edits too (scripts/hand_edits.py): the patch's code",
+    )
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="kvspec-migrate-"))
     out.mkdir(parents=True, exist_ok=True)
-    m = migrate_copy(out, seed=args.seed or args.demo)
+    m = migrate_copy(out, seed=args.seed or args.demo, hand_edits=args.hand_edits)
     if args.json:
         json.dump(m.as_json(), sys.stdout, indent=2)
         print()

@@ -21,7 +21,7 @@ from kvspec_traits import TokenScope, TPLayout, representative_traits, traits_of
 from kvspec_traits.catalog import representative_specs
 from kvspec_traits.migrate._plan import Edit
 
-__all__ = ["Change", "answers_that_change"]
+__all__ = ["Change", "answers_that_change", "probe_changes"]
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,9 @@ def _answer(code: CodeType, env: dict[str, Any], spec: object) -> object:
         return f"raises {type(exc).__name__}"
 
 
-def answers_that_change(edits: list[Edit]) -> tuple[list[Change], int]:
-    """The edits whose query answers otherwise on some catalog spec or group wrapper, and
-    how many edits could not be evaluated alone (a kind variable computed earlier in the
-    function: no spec in the expression)."""
+def _universe() -> tuple[dict[str, Any], list[object], list[object]]:
+    """The names a check or query reads, the catalog's spec of every class (no group
+    wrapper), and a two-layer group wrapper of each."""
     from vllm.v1 import kv_cache_interface as kvi
 
     env: dict[str, Any] = {
@@ -115,6 +114,39 @@ def answers_that_change(edits: list[Edit]) -> tuple[list[Change], int]:
         kvi.UniformTypeKVCacheSpecs(block_size=s.block_size, kv_cache_specs={"l0": s, "l1": s})
         for s in singles
     ]
+    return env, singles, groups
+
+
+def probe_changes(
+    probes: tuple[tuple[str, str], ...],
+) -> list[tuple[str, str, tuple[str, ...], tuple[str, ...]]]:
+    """Each (class check, traits query) pair over one spec ``spec`` (a hand edit's probes,
+    scripts/hand_edits.py) that answers otherwise on some catalog spec or group wrapper:
+    (check, query, spec classes, member classes of the wrappers)."""
+    env, singles, groups = _universe()
+    out = []
+    for before_text, after_text in probes:
+        before, after = _compiled(before_text, "spec"), _compiled(after_text, "spec")
+        differ = sorted(
+            {type(s).__name__ for s in singles if _answer(before, env, s) != _answer(after, env, s)}
+        )
+        on_groups = sorted(
+            {
+                type(member).__name__
+                for group, member in zip(groups, singles, strict=True)
+                if _answer(before, env, group) != _answer(after, env, group)
+            }
+        )
+        if differ or on_groups:
+            out.append((before_text, after_text, tuple(differ), tuple(on_groups)))
+    return out
+
+
+def answers_that_change(edits: list[Edit]) -> tuple[list[Change], int]:
+    """The edits whose query answers otherwise on some catalog spec or group wrapper, and
+    how many edits could not be evaluated alone (a kind variable computed earlier in the
+    function: no spec in the expression)."""
+    env, singles, groups = _universe()
     changes: list[Change] = []
     unevaluated = 0
     for edit in edits:

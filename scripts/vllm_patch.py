@@ -34,8 +34,10 @@ from kvspec_traits.migrate import MigrationPlan, plan_migration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture_corrections import WHY, Correction, fixture_diff
-from patch_answers import answers_that_change
+from hand_edits import HandEdit, apply_hand_edits
+from patch_answers import answers_that_change, probe_changes
 
 KV_TRANSFER = Path("vllm") / "distributed" / "kv_transfer"
 REPO = Path(__file__).resolve().parents[1]
@@ -145,8 +147,9 @@ def _connector(display: str) -> str:
     return Path(*parts).with_suffix("").as_posix()
 
 
-def header(plan: MigrationPlan, version: str) -> str:
-    """The patch's summary: rewritten per connector, left by reason, misses fixed."""
+def header(plan: MigrationPlan, version: str, hand: list[HandEdit]) -> str:
+    """The patch's summary: rewritten per connector, by hand, left by reason, misses
+    fixed."""
     rewritten: Counter[str] = Counter()
     for f in plan.files:
         rewritten[_connector(f.display)] += len(f.edits)
@@ -156,14 +159,16 @@ def header(plan: MigrationPlan, version: str) -> str:
         where = display[display.index(KV_TRANSFER.as_posix()) :]
         left[s.reason.partition(" (")[0].partition(":")[0]].append(f"{where}:{s.line}: {s.text}")
     misses = [e for e in plan.edits if e.fixes_miss]
-    share = len(plan.edits) / plan.sites if plan.sites else 1.0
+    by_hand = sum(len(h.sites) for h in hand)
+    share = (len(plan.edits) + by_hand) / plan.sites if plan.sites else 1.0
     lines = [
         f"kvspec-traits: vLLM {version} distributed/kv_transfer, branches on KV cache spec "
         "classes rewritten into traits queries (kvspec-traits migrate)",
         "",
-        f"{plan.sites} spec-class sites; {len(plan.edits)} rewritten ({100 * share:.0f}%) in "
-        f"{len(plan.files)} files; {len(misses)} {'miss' if len(misses) == 1 else 'misses'} "
-        f"fixed; {len(plan.skips)} left.",
+        f"{plan.sites} spec-class sites; {len(plan.edits) + by_hand} rewritten "
+        f"({100 * share:.0f}%: {len(plan.edits)} by migrate, {by_hand} by {len(hand)} hand "
+        f"edits) in {len(plan.files)} files; {len(misses)} "
+        f"{'miss' if len(misses) == 1 else 'misses'} fixed; {len(plan.skips)} left.",
         "",
         "Rewritten, per connector:",
         *(f"  {name:40} {count}" for name, count in sorted(rewritten.items())),
@@ -179,9 +184,36 @@ def header(plan: MigrationPlan, version: str) -> str:
     for reason, where in sorted(left.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"  {reason} ({len(where)}):")
         lines.extend(f"    {w}" for w in where)
+    lines += hand_header(hand)
     lines += answers_header(plan)
     lines += per_file_header(plan)
     return "".join(f"# {line}".rstrip() + "\n" for line in lines) + "\n"
+
+
+def hand_header(hand: list[HandEdit]) -> list[str]:
+    """Each hand edit (scripts/hand_edits.py): its file, the sites it rewrites, why no
+    migrate rule does, and every catalog spec on which its query answers otherwise."""
+    if not hand:
+        return []
+    lines = [
+        "",
+        f"Rewritten by hand ({len(hand)} edits, {sum(len(h.sites) for h in hand)} sites; "
+        "no migrate rule fits every series; scripts/hand_edits.py):",
+    ]
+    for h in hand:
+        sites = "; ".join(h.sites) or "no site of its own: goes with the edits above"
+        lines.append(f"  {KV_TRANSFER.as_posix()}/{h.path}: {sites}")
+        lines.append(f"    why: {h.reason}")
+        for before, after, singles, groups in probe_changes(h.probes):
+            lines.append(f"    answers otherwise: {before} -> {after}")
+            if singles:
+                lines.append(f"      differs on {', '.join(singles)}")
+            if groups:
+                lines.append(
+                    f"      differs on a UniformTypeKVCacheSpecs of {', '.join(groups)}: "
+                    "the class check asked the wrapper, the query asks its members"
+                )
+    return lines
 
 
 def answers_header(plan: MigrationPlan) -> list[str]:
@@ -239,21 +271,23 @@ def vllm_patch(root: Path) -> tuple[str, MigrationPlan]:
     """The patch text for the tree at ``root`` and the plan it shows (each file's ``after``
     is its text after vLLM's pre-commit fixers)."""
     cwd = Path.cwd()
+    version = vllm_version(root)
     os.chdir(root)  # the plan names files relative to the working folder
     try:
         plan = plan_migration([KV_TRANSFER], load_universe())
+        if plan.refused:
+            raise SystemExit(f"vllm-patch: files refused: {[r.as_json() for r in plan.refused]}")
+        # Applied before vLLM's pre-commit fixers, which then format them like the rest.
+        plan, hand = apply_hand_edits(plan, root / KV_TRANSFER, version)
     finally:
         os.chdir(cwd)
-    if plan.refused:
-        raise SystemExit(f"vllm-patch: files refused: {[r.as_json() for r in plan.refused]}")
-    version = vllm_version(root)
     unchanged_by_precommit({f.display: f.before for f in plan.files}, version)
     hooked = precommit({f.display: f.after for f in plan.files}, version)
     plan.files = [dataclasses.replace(f, after=hooked[f.display]) for f in plan.files]
     body = "".join(f.diff() for f in plan.files)
     tests = release_tests(version)
     fixes, corrections = fixture_diff(tests) if tests is not None else ("", [])
-    head = header(plan, version)
+    head = header(plan, version, hand)
     extra = "".join(f"# {line}".rstrip() + "\n" for line in fixtures_header(corrections))
     if extra:
         head = head.rstrip("\n") + "\n" + extra + "\n"
@@ -294,7 +328,8 @@ def main() -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text)
         print(
-            f"vllm-patch: {args.output}: {len(plan.edits)} of {plan.sites} sites rewritten in "
+            f"vllm-patch: {args.output}: {plan.sites - len(plan.skips)} of {plan.sites} sites "
+            "rewritten in "
             f"{len(plan.files)} files (vLLM {vllm_version(root)} at {root}); apply with "
             f"`git apply {args.output}` in a vLLM checkout of that release"
         )

@@ -70,7 +70,7 @@ def test_a_state_spec_gets_one_dtype_per_state(
     before, after, found = corrected["tests/v1/kv_connector/unit/utils.py"]
     assert "dtypes=(torch.float16,)," in before
     assert "dtypes=(torch.float16, torch.float16)" in after
-    assert [c.rule for c in found] == ["state dtypes"]
+    assert [c.rule for c in found] == ["state dtypes", "group traits"]
 
 
 def test_the_abstract_base_case_expects_the_refusal(
@@ -109,3 +109,68 @@ def test_a_state_spec_given_a_tuple_of_ints_gets_one_shape(
     rules = [c.rule for c in found]
     assert rules.count("state shapes") == before.count("shapes=(1, 1),") == 2
     assert "shapes=(1, 1)," not in after
+
+
+def test_classes_injected_into_group_spec_types_become_their_traits(
+    corrected: dict[str, tuple[str, str, list[Any]]],
+) -> None:
+    """The patch's NIXL worker keeps each group's traits in ``_group_spec_types`` (hand
+    edit, scripts/hand_edits.py). Every test that injects classes there, or passes them to
+    ``compute_tp_mapping``, gets ``group_traits(...)``; the helper the rule adds to the
+    suite's utils.py, run here on vLLM's classes, answers the patched helpers' questions
+    as ``issubclass`` answered them on the class."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+
+    from kvspec_traits import TokenScope
+
+    unit = "tests/v1/kv_connector/unit/"
+    found = [c for _, _, cs in corrected.values() for c in cs if c.rule == "group traits"]
+    files = {c.path for c in found}
+    assert files >= {unit + "utils.py", unit + "test_tp_mapping.py"}
+    assert unit + "test_nixl_connector_hma.py" in files
+    for rel in files - {unit + "utils.py"}:
+        before, after, _ = corrected[rel]
+        # every injection is corrected: none left assigning classes
+        injected = re.findall(r"\._group_spec_types = (.+)$", before, flags=re.M)
+        assert injected, rel
+        for value in re.findall(r"\._group_spec_types = (.+)$", after, flags=re.M):
+            assert value.startswith("group_traits") or value == "tuple(", (rel, value)
+        assert "from tests.v1.kv_connector.unit.utils import group_traits" in after, rel
+    _, helper_module, _ = corrected[unit + "utils.py"]
+    helper = helper_module[helper_module.index("\ndef group_traits(") :]
+    namespace: dict[str, Any] = {"torch": torch, "Any": Any}
+    exec(compile(helper, "group_traits", "exec"), namespace)
+    classes = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, SlidingWindowMLASpec)
+    traits = namespace["group_traits"](*classes, MambaSpec)
+    assert [t.spec_name for t in traits] == [c.__name__ for c in (*classes, MambaSpec)]
+    for cls, t in zip((*classes, MambaSpec), traits, strict=True):
+        assert t.attention_page == issubclass(cls, AttentionSpec), cls
+        assert (t.token_scope is TokenScope.RECURRENT_STATE) == issubclass(cls, MambaSpec), cls
+
+
+def test_moriio_stand_in_group_specs_become_full_attention(
+    corrected: dict[str, tuple[str, str, list[Any]]],
+) -> None:
+    """MoRIIO's scheduler tests give attention groups ``kv_cache_spec=object()``;
+    ``isinstance(object(), MambaSpec)`` said "not Mamba", and the rewritten check asks
+    traits, which refuse a non-spec. The stand-in becomes a full-attention spec, whose
+    traits say "not Mamba" too."""
+    from kvspec_traits import TokenScope, UnsupportedSpecError, traits_of
+
+    with pytest.raises(UnsupportedSpecError):
+        traits_of(object())  # type: ignore[arg-type]
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    assert traits_of(spec).token_scope is not TokenScope.RECURRENT_STATE
+    assert not isinstance(object(), MambaSpec) and not isinstance(spec, MambaSpec)
+    before, after, found = corrected["tests/v1/kv_connector/unit/test_moriio_hma_scheduler.py"]
+    stand_ins = [c for c in found if c.rule == "stand-in spec"]
+    assert len(stand_ins) == before.count("kv_cache_spec=object()") > 0
+    assert "kv_cache_spec=object()" not in after
+    assert after.count("block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32") >= len(
+        stand_ins
+    )

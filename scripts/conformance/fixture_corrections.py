@@ -33,6 +33,19 @@ test already relied on; no test is skipped and no assertion is loosened:
   heterogeneous TP SPLIT would cut the ring's single head. The test expects ``[True,
   True]``.
 
+- ``group traits``: NIXL's worker keeps, per transfer group, the traits of its first member
+  in ``_group_spec_types`` (the patch's hand edit, scripts/hand_edits.py), where it kept
+  that member's class. Tests that inject classes there (``worker._group_spec_types =
+  (FullAttentionSpec, MambaSpec)``) or pass them to ``compute_tp_mapping`` get the traits of
+  one spec of each class instead (``group_traits``, added to the suite's ``utils.py``):
+  the same groups, asked as the worker now asks them. A test that builds the tuple from a
+  config's groups asks their traits directly.
+
+- ``stand-in spec``: MoRIIO's scheduler tests give the attention groups of a fake config
+  ``kv_cache_spec=object()``, which ``isinstance(spec, MambaSpec)`` called "not Mamba";
+  the rewritten check asks its traits and refuses a non-spec by name. The stand-in
+  becomes a full-attention spec (the kind the tests mean: not a Mamba group).
+
 A rule's anchor found more than once raises ``FixtureError`` (a correction is never
 guessed); one found nowhere corrects nothing, and the judge then shows the test that
 needs it. Pure: LibCST and the standard library.
@@ -41,6 +54,7 @@ needs it. Pure: LibCST and the standard library.
 from __future__ import annotations
 
 import difflib
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +97,11 @@ WHY = {
     "the test's other fixtures give",
     "abstract base": "vLLM's abstract KVCacheSpec has no layout; traits_of refuses it by name "
     "(UnsupportedSpecError) where the class check answered None",
+    "group traits": "NIXL's _group_spec_types holds each group's traits (the patch's hand "
+    "edit), not its class: the classes a test injects become the traits of one spec of "
+    "each (group_traits in the suite's utils.py)",
+    "stand-in spec": "object() stood for an attention group; traits_of refuses a non-spec "
+    "by name, so the group gets a full-attention spec (not Mamba, as the test meant)",
     "ring flag": "the compressor ring (one KV head, no V) is TP-replicated by its traits: "
     "REPLICATE, not the SPLIT its class gave it (same bytes at TP 1)",
 }
@@ -217,7 +236,126 @@ _RING_NEW = (
 _RING_TEST = "def test_shared_base_regions_with_distinct_block_lens_stay_separate():"
 
 
-_ANCHORS = ("dtype=None", "MambaSpec(", _ABSTRACT_OLD, _RING_TEST)
+_GROUP_TRAITS_HELPER = '''
+
+def group_traits(*spec_types: type) -> tuple:
+    """What a NIXL worker's ``_group_spec_types`` holds for transfer groups of these spec
+    classes: the traits of one spec of each (the worker asks traits, not classes)."""
+    from kvspec_traits import traits_of
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    def spec_of(spec_type: type):
+        if issubclass(spec_type, MambaSpec):
+            return spec_type(block_size=16, shapes=((16,),), dtypes=(torch.float32,))
+        layout: dict[str, Any] = dict(
+            block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32
+        )
+        if issubclass(spec_type, SlidingWindowSpec):
+            layout["sliding_window"] = 128
+        return spec_type(**layout)
+
+    return tuple(traits_of(spec_of(spec_type)) for spec_type in spec_types)
+'''
+_GROUP_ASSIGN = re.compile(r"^( +)(\w+)\._group_spec_types = (.+)$", flags=re.M)
+_GROUP_FROM_CONFIG_OLD = (
+    "        type(g.kv_cache_spec) for g in worker.kv_cache_config.kv_cache_groups\n"
+)
+_GROUP_FROM_CONFIG_NEW = (
+    "        representative_traits(traits_of(g.kv_cache_spec))\n"
+    "        for g in worker.kv_cache_config.kv_cache_groups\n"
+)
+_TP_KEYWORD_OLD = "        group_spec_types=group_spec_types,\n"
+_TP_KEYWORD_NEW = "        group_spec_types=group_traits(*group_spec_types),\n"
+_UNIT = "tests/v1/kv_connector/unit/"
+
+
+def _group_traits(path: str, text: str) -> tuple[str, list[Correction]]:
+    """The ``group traits`` rule on one file of the unit suite."""
+    found: list[Correction] = []
+    if path == _UNIT + "utils.py":
+        if "def group_traits(" in text:
+            raise FixtureError(f"{path}: already has a group_traits")
+        line = text.count("\n") + 2
+        found.append(Correction(path, line, "group traits", "-", "def group_traits(...)"))
+        return text.rstrip("\n") + "\n" + _GROUP_TRAITS_HELPER, found
+    if "_group_spec_types = " not in text and _TP_KEYWORD_OLD not in text:
+        return text, found
+    if path == _UNIT + "test_tp_mapping.py" and _TP_KEYWORD_OLD in text:
+        text, line = _replace_once(text, path, _TP_KEYWORD_OLD, _TP_KEYWORD_NEW)
+        found.append(
+            Correction(path, line, "group traits", _TP_KEYWORD_OLD.strip(), _TP_KEYWORD_NEW.strip())
+        )
+
+    def wrap(match: re.Match[str]) -> str:
+        indent, owner, value = match.groups()
+        if value == "tuple(":  # built from a config's groups: asked directly above
+            return match.group(0)
+        if value.startswith("(") and value.endswith(")"):
+            new = f"group_traits{value}"
+        elif value.isidentifier():
+            new = f"group_traits(*{value})"
+        else:
+            raise FixtureError(f"{path}: no group_traits rule for `{match.group(0).strip()}`")
+        line = text[: match.start()].count("\n") + 1
+        found.append(Correction(path, line, "group traits", value, new))
+        return f"{indent}{owner}._group_spec_types = {new}"
+
+    text = _GROUP_ASSIGN.sub(wrap, text)
+    if _GROUP_FROM_CONFIG_OLD in text:
+        text, line = _replace_once(text, path, _GROUP_FROM_CONFIG_OLD, _GROUP_FROM_CONFIG_NEW)
+        text = _with_import(text, "from kvspec_traits import representative_traits, traits_of")
+        found.append(
+            Correction(
+                path,
+                line,
+                "group traits",
+                _GROUP_FROM_CONFIG_OLD.strip(),
+                " ".join(_GROUP_FROM_CONFIG_NEW.split()),
+            )
+        )
+    if any(c.after.startswith("group_traits") for c in found):
+        text = _with_import(text, "from tests.v1.kv_connector.unit.utils import group_traits")
+    return text, found
+
+
+_STAND_IN_OLD = "kv_cache_spec=object()"
+_STAND_IN_NEW = (
+    "kv_cache_spec=FullAttentionSpec(\n"
+    "{indent}    block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float32\n"
+    "{indent})"
+)
+
+
+def _stand_in_specs(path: str, text: str) -> tuple[str, list[Correction]]:
+    """The ``stand-in spec`` rule (MoRIIO's scheduler tests)."""
+    if not path.endswith("unit/test_moriio_hma_scheduler.py") or _STAND_IN_OLD not in text:
+        return text, []
+    found: list[Correction] = []
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if _STAND_IN_OLD in line:
+            indent = line[: len(line) - len(line.lstrip())]
+            lines[i] = line.replace(_STAND_IN_OLD, _STAND_IN_NEW.format(indent=indent))
+            found.append(
+                Correction(path, i + 1, "stand-in spec", "object()", "FullAttentionSpec(...)")
+            )
+    text = "".join(lines)
+    text = _with_import(text, "import torch")
+    if not re.search(r"^    FullAttentionSpec,$|import .*\bFullAttentionSpec\b", text, re.M):
+        text = _with_import(text, "from vllm.v1.kv_cache_interface import FullAttentionSpec")
+    return text, found
+
+
+_ANCHORS = (
+    _STAND_IN_OLD,
+    "dtype=None",
+    "MambaSpec(",
+    _ABSTRACT_OLD,
+    _RING_TEST,
+    "_group_spec_types = ",
+    _TP_KEYWORD_OLD,
+    "def make_kv_cache_config(",
+)
 
 
 def _corrected(path: str, text: str) -> tuple[str, list[Correction]]:
@@ -240,7 +378,9 @@ def _corrected(path: str, text: str) -> tuple[str, list[Correction]]:
         line = new[:start].count("\n") + body[: body.index(_RING_OLD)].count("\n") + 1
         new = new[:start] + fixed + new[start + len(body) :]
         found.append(Correction(path, line, "ring flag", "[True, False]", "[True, True]"))
-    return new, found
+    new, grouped = _group_traits(path, new)
+    new, stand_ins = _stand_in_specs(path, new)
+    return new, found + grouped + stand_ins
 
 
 def corrected_sources(tests_root: Path) -> dict[str, tuple[str, str, list[Correction]]]:

@@ -7,8 +7,9 @@ the migrated one.
     run_migrated.py 0.34 --tree DIR        # DIR/kv_transfer: a copy migrated beforehand
     run_migrated.py 0.34 --summarize       # the verdict of a run in progress, so far
 
-Per series: ``scripts/migrate_kv_transfer.py --out`` migrates a copy of that release's
-kv_transfer (``kvspec-traits migrate --write``, whatever its rules rewrite today); the
+Per series: ``scripts/migrate_kv_transfer.py --out --hand-edits`` migrates a copy of that
+release's kv_transfer (``kvspec-traits migrate --write``, whatever its rules rewrite today,
+then the patch's hand edits, scripts/hand_edits.py); the
 modules whose text changed are the migrated modules. A test file outside the unit folder
 is judged when it imports one by name (``ImportGraph``: not through kv_transfer's own
 imports nor the tests' helpers, which would take in every test that touches the
