@@ -167,34 +167,21 @@ def _function_text(path: Path, name: str) -> str:
     return ast.unparse(found)
 
 
-def _representative_type(spec: object) -> type[Any]:
-    # vLLM's get_representative_spec_type (nixl/utils.py), copied: the connector package
-    # imports NIXL. A group's class is its first member's.
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        return type(next(iter(spec.kv_cache_specs.values())))
-    return type(spec)
-
-
-class _Subject(ast.NodeTransformer):
-    """Replaces every occurrence of the edit's subject expression with ``__s``."""
-
-    def __init__(self, subject: str) -> None:
-        self.subject = subject
-
-    def visit(self, node: ast.AST) -> ast.AST:
-        if isinstance(node, ast.expr) and ast.unparse(node) == self.subject:
-            return ast.copy_location(ast.Name("__s", ast.Load()), node)
-        visited: ast.AST = super().visit(node)
-        return visited
+def _answers() -> ModuleType:
+    """scripts/patch_answers.py: the evaluator the patch header's "Answers that change"
+    comes from (an edit's check and its query compiled over one subject)."""
+    path = SCRIPT.parent / "patch_answers.py"
+    spec = importlib.util.spec_from_file_location("patch_answers", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def _on_subject(text: str, subject: str) -> Any:
-    tree = _Subject(subject).visit(ast.parse(text.strip(), mode="eval"))
-    if not isinstance(tree, ast.Expression):
-        raise TypeError(tree)
-    return compile(ast.fix_missing_locations(tree), "<edit>", "eval")
+_representative_type = _answers()._representative_type
+_on_subject = _answers()._compiled
 
 
 def _asked(after: str) -> str:
