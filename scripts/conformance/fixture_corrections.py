@@ -358,7 +358,13 @@ _ANCHORS = (
 )
 
 
-def _corrected(path: str, text: str) -> tuple[str, list[Correction]]:
+# The rules that adapt vLLM's tests to the patched code (its hand edits), not to the specs'
+# page math: left out where the tests run against the release's own code (the conformance
+# pass of TraitsNixlConnector).
+PATCHED_CODE_RULES = ("group traits", "stand-in spec")
+
+
+def _corrected(path: str, text: str, *, patched: bool = True) -> tuple[str, list[Correction]]:
     module = cst.parse_module(text)
     specs = _Specs(path, module)
     new = MetadataWrapper(module).visit(specs).code
@@ -378,21 +384,26 @@ def _corrected(path: str, text: str) -> tuple[str, list[Correction]]:
         line = new[:start].count("\n") + body[: body.index(_RING_OLD)].count("\n") + 1
         new = new[:start] + fixed + new[start + len(body) :]
         found.append(Correction(path, line, "ring flag", "[True, False]", "[True, True]"))
+    if not patched:
+        return new, found
     new, grouped = _group_traits(path, new)
     new, stand_ins = _stand_in_specs(path, new)
     return new, found + grouped + stand_ins
 
 
-def corrected_sources(tests_root: Path) -> dict[str, tuple[str, str, list[Correction]]]:
+def corrected_sources(
+    tests_root: Path, *, patched: bool = True
+) -> dict[str, tuple[str, str, list[Correction]]]:
     """Each test file of vLLM's kv_connector suite under ``tests_root`` that a rule
-    corrects: its path from the root -> (text, corrected text, corrections)."""
+    corrects: its path from the root -> (text, corrected text, corrections). ``patched``
+    False: only the rules about the specs themselves (not PATCHED_CODE_RULES)."""
     out: dict[str, tuple[str, str, list[Correction]]] = {}
     for file in sorted((tests_root / SUITE).rglob("*.py")):
         rel = file.relative_to(tests_root).as_posix()
         text = file.read_text()
         if not any(anchor in text for anchor in _ANCHORS):
             continue  # nothing a rule looks for: not parsed (most of the suite)
-        new, found = _corrected(rel, text)
+        new, found = _corrected(rel, text, patched=patched)
         if found:
             out[rel] = (text, new, found)
     return out
@@ -416,13 +427,14 @@ def fixture_diff(tests_root: Path) -> tuple[str, list[Correction]]:
     return "".join(parts), every
 
 
-def write_corrected_tree(tests_root: Path, dest: Path) -> list[Correction]:
-    """A copy of ``tests_root`` at ``dest`` (replaced) with the corrections written."""
+def write_corrected_tree(tests_root: Path, dest: Path, *, patched: bool = True) -> list[Correction]:
+    """A copy of ``tests_root`` at ``dest`` (replaced) with the corrections written
+    (``patched`` False: the spec rules only, see ``corrected_sources``)."""
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(tests_root, dest, symlinks=True)
     every: list[Correction] = []
-    for rel, (_, new, found) in corrected_sources(tests_root).items():
+    for rel, (_, new, found) in corrected_sources(tests_root, patched=patched).items():
         (dest / rel).write_text(new)
         every.extend(found)
     return every
