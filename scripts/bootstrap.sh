@@ -115,9 +115,15 @@ fi
 # pytest's exit status 139 after every test passed). Seen here on 2026-12-05.
 if command -v dpkg-query >/dev/null &&
   [ "$(dpkg-query -W -f='${Status}' ibverbs-providers 2>/dev/null)" = "install ok installed" ]; then
-  echo "bootstrap: Debian's ibverbs-providers is installed: NIXL processes would crash at exit;" \
-    "remove it (apt-get remove ibverbs-providers); Mooncake over TCP does not need it" >&2
-  exit 1
+  SUDO=
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  echo "bootstrap: removing Debian's ibverbs-providers (NIXL processes crash at exit beside it;" \
+    "Mooncake over TCP does not need it)" >&2
+  if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get remove -y -q ibverbs-providers; then
+    echo "bootstrap: could not remove ibverbs-providers: remove it by hand" \
+      "(apt-get remove ibverbs-providers)" >&2
+    exit 1
+  fi
 fi
 # The package itself (editable), the dev tools and the Mooncake engine: cheap, so always refreshed.
 $PIP install -q -e '.[dev,mooncake]' -e examples/kvspec_traits_example -e examples/kvspec_traits_ascend $PIN
