@@ -42,7 +42,7 @@ import pytest
 
 from kvspec_traits.vllm_connector import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
 from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY, SHM_WAIT
-from tests.e2e.patched_vllm import patched_tree
+from tests.e2e.patched_vllm import PatchedTree
 from tests.e2e.pd_harness import (
     DEFAULT_SERVING,
     RequestFailedError,
@@ -238,7 +238,7 @@ def pair(
     extra_env = None
     if case.patched:
         # The patched pairs wait on vLLM's queues as ours do (kvspec_shm_wait "sleep").
-        tree = patched_tree(tmp_path_factory.mktemp(f"patched-{request.param}"))
+        tree: PatchedTree = request.getfixturevalue("patched_kv_transfer")
         extra_env = tree.environment(shm_sleep=E2E_SHM_WAIT == "sleep")
     started = time.monotonic()
     with running_pair(
