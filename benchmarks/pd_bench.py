@@ -51,6 +51,7 @@ import math
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -330,8 +331,10 @@ def running_pairs(
         start_pairs(pairs, harness.START_TIMEOUT_S)
         yield pairs
     finally:
+        # SIGKILL ends a stopped process too; no shutdown is measured, so none is waited for.
         for pair in pairs:
-            pair.thaw()  # a stopped process ignores SIGTERM until continued
+            pair.signal(signal.SIGKILL)
+        for pair in pairs:
             for server in pair.servers.servers():
                 server.stop()
 
@@ -408,6 +411,76 @@ def batch(pair: Pair, name: str, prompts: Sequence[Prompt], args: argparse.Names
     )
 
 
+@dataclass(frozen=True)
+class Profile:
+    """py-spy's samples of one server (its API server, engine core and worker): how many,
+    how many inside the KV connector (vLLM's ``kv_transfer`` package or ours), and how
+    many inside kvspec_traits' code."""
+
+    server: str
+    samples: int
+    connector: int
+    traits: int
+
+    def describe(self) -> str:
+        def share(n: int) -> str:
+            return f"{n / self.samples:.1%}" if self.samples else "-"
+
+        return (
+            f"{self.server}: {self.samples} samples, {share(self.connector)} in the connector, "
+            f"{share(self.traits)} in kvspec_traits"
+        )
+
+
+def read_profile(server: str, raw: str) -> Profile:
+    """py-spy's raw format: one ``frame;frame;... count`` line per distinct stack."""
+    samples = connector = traits = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        samples += n
+        if "kvspec_traits" in stack:
+            traits += n
+            connector += n
+        elif "kv_transfer" in stack:
+            connector += n
+    return Profile(server, samples, connector, traits)
+
+
+def profiled_batch(
+    pair: Pair, prompts: Sequence[Prompt], args: argparse.Namespace, workdir: Path
+) -> list[Profile]:
+    """One more batch with py-spy sampling each server's processes (not a measured batch:
+    the sampler takes CPU too)."""
+    spy = harness._py_spy()
+    if spy is None:
+        return []
+    recorders = []
+    for server in pair.servers.servers():
+        if server.proc is None:
+            continue
+        out = workdir / f"{pair.contender.key}-{server.name}.pyspy.txt"
+        command = [spy, "record", "--pid", str(server.proc.pid), "--subprocesses"]
+        command += ["--nonblocking", "--rate", "50", "--format", "raw", "--output", str(out)]
+        sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        recorders.append((server.name, out, sampler))
+    time.sleep(2.0)  # the samplers attach
+    batch(pair, f"{pair.contender.key} profiled", prompts, args)
+    profiles = []
+    for name, out, sampler in recorders:
+        sampler.send_signal(signal.SIGINT)
+        with suppress(subprocess.TimeoutExpired):
+            sampler.wait(timeout=30)
+        if sampler.poll() is None:
+            sampler.kill()
+            sampler.wait()
+        raw = out.read_text() if out.exists() else ""
+        profiles.append(read_profile(f"{pair.contender.key} {name}", raw))
+    return profiles
+
+
 @dataclass
 class Group:
     model: str
@@ -417,42 +490,139 @@ class Group:
     disturbed: LoadResult | None = None
     moved: dict[str, float] = field(default_factory=dict)
     failed: dict[str, float] = field(default_factory=dict)
+    profiles: list[Profile] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PromptSets:
+    runs: list[list[Prompt]]  # one set per run, then the disturbance batch's
+    probe: list[Prompt]  # the handshake's: a warm-up, the first request, the next ones
+    profile: list[Prompt]
+
+
+def prompt_sets(model: str, args: argparse.Namespace) -> PromptSets:
+    """Every batch its own prompts (no batch hits the prefix cache of another), each
+    prompt's index unique in the model and mode (the baseline is looked up by it)."""
+    block = BLOCK_SIZE[model]
+    seeds = [PROMPT_SEED + r for r in range(args.runs)]
+    if args.disturbance:
+        seeds.append(PROMPT_SEED - 2)
+    runs = [
+        [
+            Prompt(r * 100_000 + p.index, p.kind, p.token_ids)
+            for p in make_prompts(args.requests, block, args.max_tokens, seed=seed)
+        ]
+        for r, seed in enumerate(seeds)
+    ]
+    probe = make_prompts(4 * (HANDSHAKE_STEADY + 2), block, args.max_tokens, seed=PROMPT_SEED - 1)
+    return PromptSets(
+        runs,
+        [p for p in probe if p.kind == "one+"][: HANDSHAKE_STEADY + 2],
+        make_prompts(args.requests, block, args.max_tokens, seed=PROMPT_SEED - 3),
+    )
+
+
+def measured_runs(group: Group, prompts: PromptSets, args: argparse.Namespace) -> None:
+    """``args.runs`` rounds, each pair thawed for its batch, the order rotated by round."""
+    pairs = group.pairs
+    for r in range(args.runs):
+        for pair in pairs[r % len(pairs) :] + pairs[: r % len(pairs)]:
+            pair.thaw()
+            result = batch(pair, f"{pair.contender.key} run {r + 1}", prompts.runs[r], args)
+            pair.freeze()
+            pair.results.append(result)
+            print(f"  {result.summary()}, ITL p50 {result.itl(50) * 1e3:.0f} ms", flush=True)
+
+
+def side_batches(
+    group: Group, prompts: PromptSets, args: argparse.Namespace, workdir: Path
+) -> None:
+    """Unmeasured batches: the like-for-like pair with the others running idle (how much
+    an idle pair disturbs), and upstream and ours under py-spy."""
+    by_key = {p.contender.key: p for p in group.pairs}
+    if args.disturbance:
+        for pair in group.pairs:
+            pair.thaw()
+        group.disturbed = batch(
+            by_key[LIKE_FOR_LIKE], f"{LIKE_FOR_LIKE}, others idle", prompts.runs[-1], args
+        )
+        for pair in group.pairs:
+            pair.freeze()
+        print(f"  {group.disturbed.summary()}", flush=True)
+    if args.profile:
+        for key in ("upstream", LIKE_FOR_LIKE):
+            by_key[key].thaw()
+            group.profiles += profiled_batch(by_key[key], prompts.profile, args, workdir)
+            by_key[key].freeze()
+        for profile in group.profiles:
+            print(f"  profile {profile.describe()}", flush=True)
+
+
+def single_answers(
+    server: harness.VllmServer, prompts: PromptSets, args: argparse.Namespace
+) -> tuple[dict[int, tuple[int, ...]], bool]:
+    """Every measured prompt's answer from one server alone; whether all were answered."""
+    baseline: dict[int, tuple[int, ...]] = {}
+    clean = True
+    for batch_prompts in prompts.runs:
+        base = run_load(
+            "single", lambda p: single_request(server, p, args.max_tokens), batch_prompts, 8
+        )
+        clean = clean and base.clean
+        baseline.update({o.prompt: o.token_ids for o in base.outcomes if o.status == "ok"})
+    return baseline, clean
+
+
+def check_group(group: Group, baseline: Mapping[int, tuple[int, ...]]) -> list[str]:
+    """Every answer against the baseline; NIXL moved bytes and failed none."""
+    what = f"{group.model} {group.mode}"
+    problems = []
+    for pair in group.pairs:
+        pair.results = [LoadResult(r.name, r.outcomes, r.wall_s, baseline) for r in pair.results]
+        for result in pair.results:
+            if not result.clean:
+                problems.append(
+                    f"{what} {result.name}: {result.answered}/{len(result.outcomes)} "
+                    f"answered, {result.token_differences} token differences"
+                )
+        key = pair.contender.key
+        if group.moved.get(key, 0) <= 0:
+            problems.append(f"{what} {key}: NIXL moved no bytes")
+        if group.failed.get(key, 0) > 0:
+            problems.append(f"{what} {key}: {group.failed[key]:.0f} failed NIXL transfers")
+    if group.disturbed is not None:
+        d = group.disturbed
+        group.disturbed = LoadResult(d.name, d.outcomes, d.wall_s, baseline)
+        if not group.disturbed.clean:
+            problems.append(f"{what} {d.name}: not every answer exact")
+    return problems
 
 
 def measure(
-    model: str, mode: str, models_dir: Path, workdir: Path, args: argparse.Namespace
+    model: str, mode: str, models_dir: Path, workdir: Path, args: argparse.Namespace, index: int
 ) -> tuple[Group, list[str]]:
+    """One model and mode; ``index`` (its place in the invocation) rotates which pair
+    handshakes first, since the first pair thawed after the start may pay for it."""
     problems: list[str] = []
     t0 = time.monotonic()
-    print(f"\n=== {model}, {mode} ({_serving(model).describe()}) ===", flush=True)
-    block = BLOCK_SIZE[model]
-    run_prompts = [
-        make_prompts(args.requests, block, args.max_tokens, seed=PROMPT_SEED + r)
-        for r in range(args.runs)
-    ]
-    if args.disturbance:  # the extra batch's own prompts (no prefix hit on a run's)
-        run_prompts.append(
-            make_prompts(args.requests, block, args.max_tokens, seed=PROMPT_SEED - 2)
-        )
-    # Distinct prompts per run: the index says which run (baseline lookup).
-    for r, prompts in enumerate(run_prompts):
-        run_prompts[r] = [Prompt(r * 100_000 + p.index, p.kind, p.token_ids) for p in prompts]
-    probe = [
-        p
-        for p in make_prompts(
-            4 * (HANDSHAKE_STEADY + 2), block, args.max_tokens, seed=PROMPT_SEED - 1
-        )
-        if p.kind == "one+"
-    ][: HANDSHAKE_STEADY + 2]
-    with running_pairs(model, mode, models_dir, workdir / f"{model}-{mode}", args) as pairs:
+    print(
+        f"\n=== {model}, {mode} ({_serving(model).describe()}), "
+        f"{time.strftime('%H:%M:%S UTC', time.gmtime())}, load {os.getloadavg()[0]:.2f} ===",
+        flush=True,
+    )
+    prompts = prompt_sets(model, args)
+    where = workdir / f"{model}-{mode}"
+    with running_pairs(model, mode, models_dir, where, args) as pairs:
         print(f"  pairs up in {time.monotonic() - t0:.0f} s", flush=True)
         group = Group(model, mode, pairs)
         by_key = {p.contender.key: p for p in pairs}
         group.idle_cores = idle_cpu(by_key[LIKE_FOR_LIKE], 2.0)
         print(f"  an idle pair (ours), running: {group.idle_cores:.2f} cores", flush=True)
-        for pair in pairs:
+        before = {}
+        for pair in pairs[index % len(pairs) :] + pairs[: index % len(pairs)]:
             pair.thaw()
-            problems += handshake(pair, probe, args.max_tokens)
+            problems += handshake(pair, prompts.probe, args.max_tokens)
+            before[pair.contender.key] = (nixl_bytes(pair), failed_transfers(pair))
             pair.freeze()
             print(
                 f"  {pair.contender.key}: first decode request {_ms(pair.handshake_first)} ms "
@@ -460,29 +630,8 @@ def measure(
                 f"{_ms(pair.handshake_steady)} ms",
                 flush=True,
             )
-        before = {}
-        for pair in pairs:
-            pair.thaw()
-            before[pair.contender.key] = (nixl_bytes(pair), failed_transfers(pair))
-            pair.freeze()
-        for r in range(args.runs):
-            order = pairs[r % len(pairs) :] + pairs[: r % len(pairs)]
-            for pair in order:
-                pair.thaw()
-                result = batch(pair, f"{pair.contender.key} run {r + 1}", run_prompts[r], args)
-                pair.freeze()
-                pair.results.append(result)
-                print(f"  {result.summary()}, ITL p50 {result.itl(50) * 1e3:.0f} ms", flush=True)
-        if args.disturbance:
-            # The like-for-like batch once more with the two other pairs running idle.
-            for pair in pairs:
-                pair.thaw()
-            group.disturbed = batch(
-                by_key[LIKE_FOR_LIKE], f"{LIKE_FOR_LIKE}, others idle", run_prompts[-1], args
-            )
-            for pair in pairs:
-                pair.freeze()
-            print(f"  {group.disturbed.summary()}", flush=True)
+        measured_runs(group, prompts, args)
+        side_batches(group, prompts, args, where)
         for pair in pairs:
             pair.thaw()
             moved, failed = nixl_bytes(pair), failed_transfers(pair)
@@ -490,33 +639,11 @@ def measure(
             group.failed[pair.contender.key] = failed - before[pair.contender.key][1]
             pair.freeze()
         # The single-server answers, last (a baseline run first would warm one prefix cache).
-        single = by_key["upstream"].servers.prefill
         by_key["upstream"].thaw()
-        baseline: dict[int, tuple[int, ...]] = {}
-        for prompts in run_prompts:
-            base = run_load(
-                "single", lambda p: single_request(single, p, args.max_tokens), prompts, 8
-            )
-            if not base.clean:
-                problems.append(f"{model} {mode}: the single server left requests unanswered")
-            baseline.update({o.prompt: o.token_ids for o in base.outcomes if o.status == "ok"})
-    for pair in pairs:
-        pair.results = [LoadResult(r.name, r.outcomes, r.wall_s, baseline) for r in pair.results]
-        for result in pair.results:
-            if not result.clean:
-                problems.append(
-                    f"{model} {mode} {result.name}: {result.answered}/{len(result.outcomes)} "
-                    f"answered, {result.token_differences} token differences"
-                )
-        key = pair.contender.key
-        if group.moved.get(key, 0) <= 0:
-            problems.append(f"{model} {mode} {key}: NIXL moved no bytes")
-        if group.failed.get(key, 0) > 0:
-            problems.append(f"{model} {mode} {key}: {group.failed[key]:.0f} failed NIXL transfers")
-    if group.disturbed is not None:
-        group.disturbed = LoadResult(
-            group.disturbed.name, group.disturbed.outcomes, group.disturbed.wall_s, baseline
-        )
+        baseline, clean = single_answers(by_key["upstream"].servers.prefill, prompts, args)
+        if not clean:
+            problems.append(f"{model} {mode}: the single server left requests unanswered")
+    problems += check_group(group, baseline)
     print(f"  {model} {mode} took {time.monotonic() - t0:.0f} s", flush=True)
     return group, problems
 
@@ -601,6 +728,10 @@ def report(groups: Sequence[Group], judged: bool) -> tuple[list[str], list[str]]
                 f"{_ms(ref.ttft(50))} ms with them frozen"
             )
         lines.append(text)
+    profiles = [f"- {g.model} {g.mode}, {p.describe()}" for g in groups for p in g.profiles]
+    if profiles:
+        lines += ["", "Where the time goes (py-spy, one extra batch each, not measured):", ""]
+        lines += profiles
     lines += ["", "Like-for-like verdicts:", *(f"- {v}" for v in verdicts)]
     return lines, missed
 
@@ -637,6 +768,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="skip the batch with the idle pairs running (first model and mode only)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more batch of upstream and ours each under py-spy: the connector's share",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.modes, args.runs, args.requests = "llama", "pull", 1, 8
@@ -670,7 +806,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 saved = args.disturbance
                 args.disturbance = saved and first
                 try:
-                    group, found = measure(model, mode, models_dir, workdir, args)
+                    group, found = measure(model, mode, models_dir, workdir, args, len(groups))
                 except harness.ServerFailedError as err:
                     problems.append(f"{model} {mode}: {str(err).splitlines()[0]}")
                     print(err, flush=True)

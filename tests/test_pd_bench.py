@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.pd_bench import LIKE_FOR_LIKE, Contender, Pair, Verdict, contenders, judge, pool
+from benchmarks.pd_bench import (
+    LIKE_FOR_LIKE,
+    Contender,
+    Pair,
+    Verdict,
+    contenders,
+    judge,
+    pool,
+    read_profile,
+)
 from tests.e2e.pd_harness import ServerPair, VllmServer
 from tests.e2e.pd_soak import LoadResult, Outcome
 
@@ -128,3 +137,19 @@ def test_a_frozen_pair_takes_no_cpu_and_runs_again_when_thawed(tmp_path: Path) -
         pair.thaw()
         for server in servers.servers():
             server.stop()
+
+
+def test_a_profile_counts_the_samples_inside_the_connector_and_inside_ours() -> None:
+    # py-spy's raw format: a stack per line, then its sample count. 7 + 2 + 1 = 10
+    # samples; the connector's are the 2 in vLLM's kv_transfer and the 1 in ours: 3.
+    raw = "\n".join(
+        (
+            "run (vllm/v1/engine/core.py:10);step (vllm/v1/engine/core.py:20) 7",
+            "step (core.py:20);start_load_kv (vllm/distributed/kv_transfer/nixl.py:5) 2",
+            "step (core.py:20);start_load_kv (kvspec_traits/vllm_connector/_lease_worker.py:65) 1",
+            "",
+        )
+    )
+    profile = read_profile("ours decode", raw)
+    assert (profile.samples, profile.connector, profile.traits) == (10, 3, 1)
+    assert "30.0% in the connector, 10.0% in kvspec_traits" in profile.describe()
