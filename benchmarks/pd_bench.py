@@ -26,8 +26,8 @@ Before the batches, each pair serves one plain request per server (first-forward
 then its first disaggregated request: the decode server meets this producer for the
 first time, so the time from the start of that decode request to its first token holds the
 NIXL handshake (ours: with the traits fingerprint both ways in push mode, and the lease
-check); three more requests of the same length give the same time without it. Their
-difference is the handshake's cost ("handshake" table).
+check); three more requests of the same length give the same time without it (the fastest of
+them). The difference is the handshake's cost ("handshake" table).
 
 Printed per model and mode: req/s, TTFT p50/p99 (client side: from the prefill request's
 start to the decode server's first token), inter-token latency p50, token differences, and
@@ -50,7 +50,6 @@ import importlib.util
 import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -378,7 +377,8 @@ def handshake(pair: Pair, prompts: Sequence[Prompt], max_tokens: int) -> list[st
     times = [o.decode_ttft for o in steady if o.decode_ttft is not None]
     if len(times) < len(steady):
         problems.append(f"{pair.contender.key}: a request after the handshake was not answered")
-    pair.handshake_steady = statistics.median(times) if times else math.nan
+    # The fastest: one of them stalling on a loaded machine must not read as the handshake.
+    pair.handshake_steady = min(times) if times else math.nan
     return problems
 
 
@@ -648,6 +648,48 @@ def measure(
     return group, problems
 
 
+def lease_cost(repeat: int = 5, number: int = 20_000) -> tuple[float, float]:
+    """Seconds of ours' per-request lease bookkeeping in the consumer's worker (track, two
+    expiry checks, forget), and of its per-step work with 8 requests guarded (heartbeats
+    recorded, finished leases found): the Python the pull path adds beside upstream's."""
+    import timeit
+
+    from kvspec_traits.vllm_connector._lease import LeaseBook, lease_offer
+
+    book = LeaseBook()
+    offer = lease_offer(1000.0, 30)
+    counter = iter(range(1 << 62))
+
+    def one_request() -> None:
+        req = f"req-{next(counter)}"
+        book.track(req, "engine", f"remote-{req}", offer)
+        book.expired(req, 0.0, 10.0)
+        book.expired(req, 0.0, 11.0)
+        book.forget(req)
+
+    per_request = min(timeit.repeat(one_request, number=number, repeat=repeat)) / number
+    for i in range(8):
+        book.track(f"guarded-{i}", "engine", f"remote-{i}", offer)
+    live = [f"remote-{i}" for i in range(8)]
+    running: dict[str, object] = {}
+
+    def one_step() -> None:
+        book.heartbeats_sent("engine", live, 1.0, 1.1)
+        book.tracked() - running.keys()
+
+    per_step = min(timeit.repeat(one_step, number=number, repeat=repeat)) / number
+    return per_request, per_step
+
+
+def _print_lease_cost() -> None:
+    per_request, per_step = lease_cost()
+    print(
+        f"ours' lease bookkeeping: {per_request * 1e6:.1f} us a request, "
+        f"{per_step * 1e6:.1f} us an engine step with 8 requests guarded",
+        flush=True,
+    )
+
+
 # --- report -------------------------------------------------------------------------------
 
 
@@ -700,7 +742,7 @@ def report(groups: Sequence[Group], judged: bool) -> tuple[list[str], list[str]]
         "",
     ]
     lines += [
-        "| model | mode | connector | first request ms | next ones ms (median) | handshake ms |",
+        "| model | mode | connector | first request ms | next ones ms (fastest) | handshake ms |",
         "|---|---|---|---|---|---|",
     ]
     for group in groups:
@@ -797,6 +839,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"requests at concurrency {args.concurrency}, {args.max_tokens} tokens; logs in {workdir}",
         flush=True,
     )
+    _print_lease_cost()
     groups: list[Group] = []
     problems: list[str] = []
     with harness._machine_wide_pair_lock():
