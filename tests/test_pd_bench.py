@@ -140,16 +140,24 @@ def test_a_frozen_pair_takes_no_cpu_and_runs_again_when_thawed(tmp_path: Path) -
 
 
 def test_a_profile_counts_the_samples_inside_the_connector_and_inside_ours() -> None:
-    # py-spy's raw format: a stack per line, then its sample count. 7 + 2 + 1 = 10
-    # samples; the connector's are the 2 in vLLM's kv_transfer and the 1 in ours: 3.
+    # py-spy's raw format: a stack per line, then its sample count. 7 + 2 + 1 + 4 = 14
+    # samples; inside the connector: the 2 in vLLM's kv_transfer, the 1 in ours, and the
+    # 4 in vLLM's read called from ours' lease check (7). Ours' own: only the 1 whose
+    # innermost connector frame is ours (it called logging, outside the connector).
+    # With --subprocesses each stack starts with its process's command line, which names
+    # our module for every sample of ours: it must not count.
+    ours = 'process 7:"python -m vllm.entrypoints.openai.api_server --kv-transfer-config '
+    ours += '{\\"kv_connector_module_path\\": \\"kvspec_traits.vllm_connector\\"}";'
+    lease = "read_blocks_for_req (kvspec_traits/vllm_connector/_lease_worker.py:90)"
     raw = "\n".join(
         (
-            "run (vllm/v1/engine/core.py:10);step (vllm/v1/engine/core.py:20) 7",
+            ours + "run (vllm/v1/engine/core.py:10);step (vllm/v1/engine/core.py:20) 7",
             "step (core.py:20);start_load_kv (vllm/distributed/kv_transfer/nixl.py:5) 2",
-            "step (core.py:20);start_load_kv (kvspec_traits/vllm_connector/_lease_worker.py:65) 1",
+            f"step (core.py:20);{lease};warning (logging/__init__.py:1) 1",
+            f"{ours}step (core.py:20);{lease};_read_blocks (vllm/distributed/kv_transfer/w.py:5) 4",
             "",
         )
     )
     profile = read_profile("ours decode", raw)
-    assert (profile.samples, profile.connector, profile.traits) == (10, 3, 1)
-    assert "30.0% in the connector, 10.0% in kvspec_traits" in profile.describe()
+    assert (profile.samples, profile.connector, profile.traits) == (14, 7, 1)
+    assert "50.0% in the connector, 7.1% in kvspec_traits" in profile.describe()
