@@ -7,7 +7,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help setup report test test-fast typing lint bench soak audit audit-class-sets vllm-patch vllm-patch-gates migrate-demo conformance conformance-migrated docs clean
+.PHONY: help setup report test test-fast typing lint bench pd-bench soak audit audit-class-sets vllm-patch vllm-patch-gates migrate-demo conformance conformance-migrated docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -41,6 +41,9 @@ lint: setup  ## ruff check and ruff format --check
 bench: setup  ## benchmarks: ratios against a baseline measured in the same run (every one runs; fails if a target is not met)
 	@status=0; for b in bench_traits bench_audit bench_nixl bench_descriptors bench_mooncake; do \
 		$(PY) benchmarks/$$b.py || status=1; done; exit $$status
+
+pd-bench: setup  ## ours vs upstream's NIXL connector on real vLLM-CPU pairs, alternating; fails if a target is missed (PD_BENCH_ARGS=--quick)
+	$(PY) benchmarks/pd_bench.py $(PD_BENCH_ARGS)
 
 soak: setup  ## PD soak: real vLLM-CPU servers, 500 requests a model, token-exact, faults (SOAK_ARGS=--help)
 	$(PY) benchmarks/soak.py $(SOAK_ARGS)

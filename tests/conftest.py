@@ -39,6 +39,7 @@ SERIES_INDEPENDENT = frozenset(
         "test_migrate_hoist",
         "test_hand_edits",
         "test_missing_dependencies",
+        "test_pd_bench",
         "test_pd_harness",
         "test_trait_wiring",
         "test_transfer_rule",

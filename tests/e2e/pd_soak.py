@@ -20,6 +20,7 @@ timeout.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import math
 import random
@@ -116,6 +117,11 @@ class Outcome:
     latency: float = 0.0
     detail: str = ""
     finished_at: float = 0.0
+    # Seconds between consecutive streamed chunks that carried tokens (inter-token
+    # latency, as vLLM's serving benchmark counts it), and for a disaggregated request
+    # the seconds from the start of its decode request to its first token.
+    itl: tuple[float, ...] = ()
+    decode_ttft: float | None = None
 
 
 class _RequestError(Exception):
@@ -191,12 +197,12 @@ def _stream(
     params: Mapping[str, Any] | None,
     deadline: float,
     request_id: str | None = None,
-) -> tuple[tuple[int, ...], float]:
-    """The answer's token ids and the time its first token arrived."""
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The answer's token ids and the arrival time of each chunk that carried tokens."""
     body = _payload(server, prompt, max_tokens, params)
     body["stream"] = True
     tokens: list[int] = []
-    first: float | None = None
+    arrivals: list[float] = []
     finish: str | None = None
     with _open(server, body, deadline, request_id) as resp:
         while True:
@@ -214,37 +220,55 @@ def _stream(
                 raise _RequestError("vllm-error", f"{server.name}: stream error {chunk['error']}")
             for choice in chunk.get("choices", ()):
                 ids = choice.get("token_ids") or ()
-                if ids and first is None:
-                    first = time.monotonic()
+                if ids:
+                    arrivals.append(time.monotonic())
                 tokens.extend(int(t) for t in ids)
                 finish = choice.get("finish_reason") or finish
     if finish is not None and finish != "length":
         raise _RequestError("vllm-error", f"{server.name}: finish_reason {finish!r}")
     if finish is None:
         raise _RequestError("unreachable", f"{server.name}: stream ended without finishing")
-    if first is None:
+    if not arrivals:
         raise _RequestError("protocol", f"{server.name}: no token in the answer")
-    return tuple(tokens), first
+    return tuple(tokens), tuple(arrivals)
 
 
-def _timed(prompt: Prompt, answer: Callable[[float], tuple[tuple[int, ...], float]]) -> Outcome:
-    """``answer(deadline)``'s token ids and first-token time as an Outcome, or its
-    request error's, with the latency from now."""
+# An answer: its token ids, its chunks' arrival times, and when its decode request started
+# (None when one server answered alone).
+_Answer = tuple[tuple[int, ...], tuple[float, ...], float | None]
+
+
+def _timed(prompt: Prompt, answer: Callable[[float], _Answer]) -> Outcome:
+    """``answer(deadline)``'s token ids and timings as an Outcome, or its request error's,
+    with the latency from now."""
     start = time.monotonic()
     try:
-        tokens, first = answer(start + REQUEST_TIMEOUT_S)
+        tokens, arrivals, decode_start = answer(start + REQUEST_TIMEOUT_S)
     except _RequestError as err:
         end = time.monotonic()
         return Outcome(
             prompt.index, err.status, latency=end - start, detail=err.detail, finished_at=end
         )
     end = time.monotonic()
-    return Outcome(prompt.index, "ok", tokens, first - start, end - start, finished_at=end)
+    return Outcome(
+        prompt.index,
+        "ok",
+        tokens,
+        arrivals[0] - start,
+        end - start,
+        finished_at=end,
+        itl=tuple(b - a for a, b in itertools.pairwise(arrivals)),
+        decode_ttft=None if decode_start is None else arrivals[0] - decode_start,
+    )
 
 
 def single_request(server: VllmServer, prompt: Prompt, max_tokens: int) -> Outcome:
     """The prompt served by one server alone."""
-    return _timed(prompt, lambda deadline: _stream(server, prompt, max_tokens, None, deadline))
+
+    def answer(deadline: float) -> _Answer:
+        return (*_stream(server, prompt, max_tokens, None, deadline), None)
+
+    return _timed(prompt, answer)
 
 
 def disaggregated_request(pair: ServerPair, prompt: Prompt, max_tokens: int) -> Outcome:
@@ -252,10 +276,12 @@ def disaggregated_request(pair: ServerPair, prompt: Prompt, max_tokens: int) -> 
     the consumer with the producer's ``kv_transfer_params``, both under one
     ``X-Request-Id`` (vLLM's toy proxy's flow; push mode matches the two by it)."""
 
-    def answer(deadline: float) -> tuple[tuple[int, ...], float]:
+    def answer(deadline: float) -> _Answer:
         request_id = uuid.uuid4().hex
         params = _prefill(pair.prefill, prompt, deadline, request_id)
-        return _stream(pair.decode, prompt, max_tokens, params, deadline, request_id)
+        decode_start = time.monotonic()
+        tokens, arrivals = _stream(pair.decode, prompt, max_tokens, params, deadline, request_id)
+        return tokens, arrivals, decode_start
 
     return _timed(prompt, answer)
 
@@ -305,6 +331,10 @@ class LoadResult:
 
     def ttft(self, q: float) -> float:
         return _percentile([o.ttft for o in self.outcomes if o.ttft is not None], q)
+
+    def itl(self, q: float) -> float:
+        """Inter-token latency: the ``q`` percentile of every answer's chunk gaps."""
+        return _percentile([gap for o in self.outcomes for gap in o.itl], q)
 
     @property
     def clean(self) -> bool:
