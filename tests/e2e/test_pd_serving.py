@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -57,7 +57,7 @@ import pytest
 
 from kvspec_traits.vllm_connector import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
 from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY, SHM_WAIT
-from tests.e2e.patched_vllm import overlay_environment, patched_tree
+from tests.e2e.patched_vllm import PatchedTree, overlay_environment, patched_tree
 from tests.e2e.pd_harness import (
     DEFAULT_SERVING,
     MOONCAKE_BOOTSTRAP_PORT,
@@ -294,9 +294,28 @@ def _mooncake_config(role: str) -> dict[str, object]:
     return config
 
 
+@pytest.fixture(scope="module")
+def patched_kv_transfer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], PatchedTree]:
+    """The patched kv_transfer, built on first use and then shared by every patched pair:
+    the same patch of the same installed vLLM (a build costs 10-40 s on this machine)."""
+    built: list[PatchedTree] = []
+
+    def tree() -> PatchedTree:
+        if not built:
+            started = time.monotonic()
+            built.append(patched_tree(tmp_path_factory.mktemp("patched")))
+            print(f"\npatched kv_transfer built in {time.monotonic() - started:.0f} s")
+        return built[0]
+
+    return tree
+
+
 @pytest.fixture(scope="module", params=_case_params())
 def pair(
-    request: pytest.FixtureRequest, tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tiny_models: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    patched_kv_transfer: Callable[[], PatchedTree],
 ) -> Iterator[tuple[ModelCase, ServerPair]]:
     case = CASES[request.param]
     model = tiny_models / case.name
@@ -305,8 +324,7 @@ def pair(
     mooncake = case.transport == "mooncake"
     if case.patched:
         # The patched pairs wait on vLLM's queues as ours do (kvspec_shm_wait "sleep").
-        tree = patched_tree(tmp_path_factory.mktemp(f"patched-{request.param}"))
-        extra_env = tree.environment(
+        extra_env = patched_kv_transfer().environment(
             shm_sleep=E2E_SHM_WAIT == "sleep", mooncake_cpu_device=mooncake
         )
     elif mooncake:  # the baseline: the installed vLLM, through the same overlay
