@@ -613,7 +613,9 @@ def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair
     TraitsNixlPushConnector, whose scheduler is TraitsNixlPushConnectorScheduler), and
     the worker that served the requests above is the traits worker: both registered
     regions planned from traits, and each side that handshakes (the decode side in pull
-    mode, both sides in push mode) checked its peer's fingerprint."""
+    mode, both sides in push mode) checked its peer's fingerprint. The patched pairs ran
+    vLLM's own connector from the patched copy instead, and the Mooncake pairs vLLM's
+    MooncakeConnector from the tree their case names (``_assert_ran_vllm_mooncake``)."""
     case, servers = pair
     for server in servers.servers():
         log = server.log_tail(5000)
