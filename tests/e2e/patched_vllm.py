@@ -13,11 +13,25 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["OVERLAY", "PatchedTree", "patched_tree"]
+__all__ = ["OVERLAY", "PatchedTree", "overlay_environment", "patched_tree"]
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAY = Path(__file__).resolve().parent / "overlay"
 """The folder holding the harness's ``sitecustomize.py``, first on a server's path."""
+
+
+def overlay_environment(*, shm_sleep: bool, mooncake_cpu_device: bool = False) -> dict[str, str]:
+    """A server's extra environment with the overlay first on the path (then the
+    checkout's ``src``) and the overlay's switches: ``shm_sleep`` (vLLM's queue readers
+    sleep), ``mooncake_cpu_device`` (the CPU-only shim for vLLM's Mooncake worker). Without
+    :meth:`PatchedTree.environment`'s ``KVSPEC_MIGRATED_ROOT`` the server imports the
+    installed vLLM whole: the unpatched baseline of a patched pair."""
+    env = {"PYTHONPATH": f"{OVERLAY}:{REPO / 'src'}"}
+    if shm_sleep:
+        env["KVSPEC_OVERLAY_SHM_SLEEP"] = "1"
+    if mooncake_cpu_device:
+        env["KVSPEC_OVERLAY_MOONCAKE_CPU_DEVICE"] = "1"
+    return env
 
 
 class PatchedTree:
@@ -32,15 +46,11 @@ class PatchedTree:
         """The folder holding the patched ``kv_transfer/`` (``KVSPEC_MIGRATED_ROOT``)."""
         return self.root / "vllm" / "distributed"
 
-    def environment(self, *, shm_sleep: bool) -> dict[str, str]:
-        """A server's extra environment: the overlay first on the path, then the
-        checkout's ``src`` (the patched code imports ``kvspec_traits``)."""
-        env = {
-            "PYTHONPATH": f"{OVERLAY}:{REPO / 'src'}",
-            "KVSPEC_MIGRATED_ROOT": str(self.package_root),
-        }
-        if shm_sleep:
-            env["KVSPEC_OVERLAY_SHM_SLEEP"] = "1"
+    def environment(self, *, shm_sleep: bool, mooncake_cpu_device: bool = False) -> dict[str, str]:
+        """A server's extra environment: :func:`overlay_environment` (the patched code
+        imports ``kvspec_traits`` from the checkout's ``src``) and the patched tree."""
+        env = overlay_environment(shm_sleep=shm_sleep, mooncake_cpu_device=mooncake_cpu_device)
+        env["KVSPEC_MIGRATED_ROOT"] = str(self.package_root)
         return env
 
 

@@ -8,7 +8,8 @@ the group by the server's process id; :func:`running_pair` does so on every exit
 process itself is killed. Requests follow vLLM's toy disaggregation proxy
 (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py, the same for pull and push):
 prefill with ``max_tokens=1`` and ``do_remote_decode``, then decode with the returned
-``kv_transfer_params``, both with the same ``X-Request-Id``.
+``kv_transfer_params``, both with the same ``X-Request-Id``. vLLM's ``MooncakeConnector``
+meets its peer otherwise (:func:`mooncake_disaggregated_complete`).
 
 A pair serves with one :class:`Serving` (attention backend, dtype and the flags that
 select them); every failure the harness raises names the server, its model, backend and
@@ -40,6 +41,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_SERVING",
+    "MOONCAKE_BOOTSTRAP_PORT",
     "PREFILL_PARAMS",
     "PromptResult",
     "RequestFailedError",
@@ -53,6 +55,7 @@ __all__ = [
     "free_port",
     "metric_total",
     "machine_snapshot",
+    "mooncake_disaggregated_complete",
     "process_group_usage",
     "proxy_headers",
     "running_server",
@@ -688,6 +691,50 @@ def disaggregated_complete(pair: ServerPair, prompt: str, max_tokens: int) -> Pr
         raise AssertionError(
             f"{pair.prefill.describe()} answered without kv_transfer_params: {first}"
         )
+    second = complete(pair.decode, prompt, max_tokens, params, request_id)
+    return PromptResult(
+        text=str(second["choices"][0]["text"]), prefill_response=first, decode_response=second
+    )
+
+
+MOONCAKE_BOOTSTRAP_PORT = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+"""The environment variable naming the port of a prefill server's Mooncake bootstrap server."""
+
+
+def mooncake_disaggregated_complete(pair: ServerPair, prompt: str, max_tokens: int) -> PromptResult:
+    """Prefill on the producer (one token), then decode on the consumer, as vLLM 0.32's
+    ``MooncakeConnector`` wants them: the producer's answer carries no
+    ``kv_transfer_params``; the proxy names one ``transfer_id`` to both servers, and tells
+    the consumer the producer's engine id (its ``kv_transfer_config`` ``engine_id``) and the
+    address of its bootstrap server (``VLLM_MOONCAKE_BOOTSTRAP_PORT`` in its environment,
+    on 127.0.0.1). The consumer's worker asks that server where the producer's worker
+    listens, sends it its block ids, and the producer WRITEs its blocks with Mooncake's
+    ``batch_transfer_sync_write``. The producer's finished request holds its blocks until
+    then (at most ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``, 480 s), so the two requests go
+    one after the other, as in :func:`disaggregated_complete`."""
+    config = pair.prefill.kv_transfer_config or {}
+    engine_id = config.get("engine_id")
+    port = pair.prefill.extra_env.get(MOONCAKE_BOOTSTRAP_PORT)
+    if not engine_id or not port:
+        raise RuntimeError(
+            f"{pair.prefill.describe()} names no Mooncake engine_id ({engine_id!r}) or "
+            f"{MOONCAKE_BOOTSTRAP_PORT} ({port!r})"
+        )
+    request_id = uuid.uuid4().hex
+    transfer_id = f"xfer-{request_id}"
+    first = complete(
+        pair.prefill,
+        prompt,
+        1,
+        {"do_remote_decode": True, "transfer_id": transfer_id},
+        request_id,
+    )
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": engine_id,
+        "remote_bootstrap_addr": f"http://127.0.0.1:{port}",
+        "transfer_id": transfer_id,
+    }
     second = complete(pair.decode, prompt, max_tokens, params, request_id)
     return PromptResult(
         text=str(second["choices"][0]["text"]), prefill_response=first, decode_response=second

@@ -22,6 +22,21 @@ patch with ``scripts/vllm_patch.py`` and applies it with ``git apply``; each ser
 that copy through ``tests/e2e/overlay/sitecustomize.py`` and says so in its log): Llama and
 DeepSeek-V2, pull and push, held to the same checks.
 
+The *Mooncake* cases (issue 36) serve vLLM's own ``MooncakeConnector``, the producer
+WRITEing its blocks into the consumer's over Mooncake's transfer engine on loopback TCP
+(``mooncake_protocol`` "tcp", ``VLLM_HOST_IP`` 127.0.0.1), for Llama and DeepSeek-V2
+(CPU_MLA): from the patched tree, and from the installed vLLM unpatched through the same
+harness (the baseline: a difference between them is the migration's). The requests follow
+Mooncake's flow (``mooncake_disaggregated_complete``: a ``transfer_id`` and the prefill
+server's bootstrap address, no returned ``kv_transfer_params``), and the overlay answers the
+worker's ``torch.accelerator`` question on this CPU-only torch
+(``KVSPEC_OVERLAY_MOONCAKE_CPU_DEVICE``). vLLM 0.32's Mooncake connector publishes no
+Prometheus metrics, so the evidence that KV moved is the decode server's: every prompt token
+it did not hold counted as an external hit of the connector's source (``p2p``), nothing
+recomputed, under vLLM's ``kv_load_failure_policy`` "fail" (a failed load is an error, never
+a silent recompute); and each server's log: no failed send or pull, the producer's
+connector stats (``KV Transfer metrics``) counting the successful writes.
+
 The MLA model is served once per MLA backend this machine offers (tests/mla_backends.py):
 CPU_MLA requested by name (float32, block 16) everywhere, and AMX_MLA, vLLM's default on
 CPUs with AMX (bfloat16, block 32), where vLLM would select it. Expected byte counts follow
@@ -33,7 +48,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -42,9 +57,10 @@ import pytest
 
 from kvspec_traits.vllm_connector import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
 from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY, SHM_WAIT
-from tests.e2e.patched_vllm import PatchedTree
+from tests.e2e.patched_vllm import PatchedTree, overlay_environment, patched_tree
 from tests.e2e.pd_harness import (
     DEFAULT_SERVING,
+    MOONCAKE_BOOTSTRAP_PORT,
     RequestFailedError,
     ServerNotReadyError,
     ServerPair,
@@ -53,7 +69,9 @@ from tests.e2e.pd_harness import (
     complete,
     connector_config,
     disaggregated_complete,
+    free_port,
     metric_total,
+    mooncake_disaggregated_complete,
     running_pair,
     scrape_metrics,
 )
@@ -126,9 +144,14 @@ class ModelCase:
     # vLLM's own connector (NixlConnector, or NixlPushConnector in push mode) from the
     # installed vLLM patched by `make vllm-patch` (tests/e2e/patched_vllm.py), not ours.
     patched: bool = False
+    # "mooncake": vLLM's own MooncakeConnector (the producer writes over Mooncake's
+    # transfer engine), patched or, as the baseline, not.
+    transport: Literal["nixl", "mooncake"] = "nixl"
 
     @property
     def connector(self) -> str:
+        if self.transport == "mooncake":
+            return MOONCAKE_CONNECTOR
         if self.patched:
             return "NixlPushConnector" if self.mode == "push" else "NixlConnector"
         return PUSH_CONNECTOR_NAME if self.mode == "push" else CONNECTOR_NAME
@@ -140,6 +163,9 @@ class ModelCase:
         return "NixlPullConnector" if self.connector == "NixlConnector" else self.connector
 
     def describe(self) -> str:
+        if self.transport == "mooncake":
+            which = "vLLM's patched" if self.patched else "the installed vLLM's unpatched"
+            return f"{self.name} ({which} {MOONCAKE_CONNECTOR}, {self.serving.describe()})"
         which = "vLLM's patched connector, " if self.patched else ""
         return f"{self.name} ({which}{self.mode}, {self.serving.describe()})"
 
@@ -202,18 +228,37 @@ CASES = {
     "patched-deepseek-v2-push": replace(
         _deepseek(CPU_MLA, dtype_bytes=4), mode="push", lease_s=120, patched=True
     ),
+    # vLLM's own MooncakeConnector (issue 36), patched and the unpatched baseline.
+    "mooncake-llama": ModelCase(
+        "llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4, transport="mooncake"
+    ),
+    "mooncake-deepseek-v2": replace(_deepseek(CPU_MLA, dtype_bytes=4), transport="mooncake"),
+    "patched-mooncake-llama": ModelCase(
+        "llama",
+        layers=2,
+        token_bytes_per_layer=2 * 2 * 32 * 4,
+        patched=True,
+        transport="mooncake",
+    ),
+    "patched-mooncake-deepseek-v2": replace(
+        _deepseek(CPU_MLA, dtype_bytes=4), patched=True, transport="mooncake"
+    ),
 }
 
 
 def _case_params() -> list[object]:
     marks = {f"deepseek-v2-{b.name}": skip_unless_offered(b) for b in MLA_BACKENDS}
     marks |= {
-        key: skip_unless_offered(CPU_MLA) for key in CASES if key.startswith("patched-deepseek")
+        key: skip_unless_offered(CPU_MLA)
+        for key, case in CASES.items()
+        if key not in marks and case.serving.backend == CPU_MLA.name
     }
     return [pytest.param(key, id=key, marks=marks.get(key, [])) for key in sorted(CASES)]
 
 
 def _kv_config(case: ModelCase, role: str, by_name: bool) -> dict[str, object]:
+    if case.transport == "mooncake":
+        return _mooncake_config(role)
     # The prefill side names the module path, the decode side relies on the
     # vllm.general_plugins entry point: both ways of turning the connector on are used.
     extra: dict[str, object] = {} if case.lease_s is None else {"kv_lease_duration": case.lease_s}
@@ -228,18 +273,72 @@ def _kv_config(case: ModelCase, role: str, by_name: bool) -> dict[str, object]:
     )
 
 
+MOONCAKE_CONNECTOR = "MooncakeConnector"
+# The prefill server's engine id, which the proxy names to the decode server (vLLM's
+# Mooncake producer returns no kv_transfer_params).
+MOONCAKE_PREFILL_ENGINE_ID = "kvspec-e2e-prefill"
+
+
+def _mooncake_config(role: str) -> dict[str, object]:
+    """vLLM's MooncakeConnector over TCP (the non-CUDA engine's one transport here), by its
+    built-in name; the decode side keeps vLLM's default load-failure policy, "fail", named
+    so that the evidence below may rely on it: a pull that fails ends the request in an
+    error, it is never recomputed silently."""
+    config = connector_config(
+        role, MOONCAKE_CONNECTOR, kv_connector_extra_config={"mooncake_protocol": "tcp"}
+    )
+    if role == "kv_producer":
+        config["engine_id"] = MOONCAKE_PREFILL_ENGINE_ID
+    else:
+        config["kv_load_failure_policy"] = "fail"
+    return config
+
+
+@pytest.fixture(scope="module")
+def patched_kv_transfer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], PatchedTree]:
+    """The patched kv_transfer, built on first use and then shared by every patched pair:
+    the same patch of the same installed vLLM (a build costs 10-40 s on this machine)."""
+    built: list[PatchedTree] = []
+
+    def tree() -> PatchedTree:
+        if not built:
+            started = time.monotonic()
+            built.append(patched_tree(tmp_path_factory.mktemp("patched")))
+            print(f"\npatched kv_transfer built in {time.monotonic() - started:.0f} s")
+        return built[0]
+
+    return tree
+
+
 @pytest.fixture(scope="module", params=_case_params())
 def pair(
-    request: pytest.FixtureRequest, tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tiny_models: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    patched_kv_transfer: Callable[[], PatchedTree],
 ) -> Iterator[tuple[ModelCase, ServerPair]]:
     case = CASES[request.param]
     model = tiny_models / case.name
     workdir = tmp_path_factory.mktemp(f"pd-{request.param}")
-    extra_env = None
+    extra_env: dict[str, str] | None = None
+    mooncake = case.transport == "mooncake"
     if case.patched:
         # The patched pairs wait on vLLM's queues as ours do (kvspec_shm_wait "sleep").
-        tree: PatchedTree = request.getfixturevalue("patched_kv_transfer")
-        extra_env = tree.environment(shm_sleep=E2E_SHM_WAIT == "sleep")
+        extra_env = patched_kv_transfer().environment(
+            shm_sleep=E2E_SHM_WAIT == "sleep", mooncake_cpu_device=mooncake
+        )
+    elif mooncake:  # the baseline: the installed vLLM, through the same overlay
+        extra_env = overlay_environment(shm_sleep=E2E_SHM_WAIT == "sleep", mooncake_cpu_device=True)
+    if mooncake:
+        assert extra_env is not None
+        # The prefill worker's bootstrap server (vLLM binds it on 0.0.0.0; the decode
+        # server is told 127.0.0.1); vLLM's stats logged every second (the producer's
+        # Mooncake writes are read there); Mooncake's own logging at ERROR only.
+        extra_env |= {
+            MOONCAKE_BOOTSTRAP_PORT: str(free_port()),
+            "VLLM_LOG_STATS_INTERVAL": "1",
+            "MC_LOG_LEVEL": "ERROR",
+        }
     started = time.monotonic()
     with running_pair(
         prefill_model=model,
@@ -252,8 +351,10 @@ def pair(
         extra_env=extra_env,
     ) as servers:
         print(f"\n{case.describe()}: pair ready in {time.monotonic() - started:.0f} s")
-        _warm_up(servers)
+        if not mooncake:  # Mooncake's first handshake has vLLM's 30 s timeouts: no warm-up
+            _warm_up(servers)
         yield case, servers
+    print(f"\n{case.describe()}: pair used for {time.monotonic() - started:.0f} s in all")
 
 
 def _warm_up(servers: ServerPair) -> None:
@@ -307,6 +408,8 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     pair: tuple[ModelCase, ServerPair], prompt_name: str
 ) -> None:
     case, servers = pair
+    if case.transport != "nixl":
+        pytest.skip("a Mooncake pair: test_..._moves_kv_through_mooncake")
     prompt = PROMPTS[prompt_name]
     baseline = complete(servers.prefill, prompt, MAX_TOKENS)
     expected = baseline["choices"][0]["text"]
@@ -388,6 +491,115 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
             assert local_hits == 0, what
 
 
+# vLLM's log line of the connector's own stats (KVConnectorLogging; MooncakeKVConnectorStats
+# counts the producer's successful batch_transfer_sync_write calls and their bytes).
+_MOONCAKE_STATS = re.compile(
+    r"KV Transfer metrics: Num successful transfers=(\d+), .*"
+    r"Avg MB per transfer=([\d.]+), .*Num failed transfers=(\d+), Num failed recvs=(\d+)"
+)
+# How long the producer's stats may take to reach its log: they leave its worker with its
+# next engine step and are logged every VLLM_LOG_STATS_INTERVAL (1 s on these pairs).
+MOONCAKE_STATS_WAIT_S = 30.0
+
+
+def _mooncake_stats(server: VllmServer) -> list[tuple[int, float, int, int]]:
+    """Every ``KV Transfer metrics`` line of ``server``'s log: (successful transfers, MB
+    per transfer, failed transfers, failed pulls)."""
+    text = server.log_path.read_text(errors="replace")
+    return [
+        (int(ok), float(mb), int(failed), int(failed_recvs))
+        for ok, mb, failed, failed_recvs in _MOONCAKE_STATS.findall(text)
+    ]
+
+
+def _producer_writes(servers: ServerPair, seen: int) -> list[tuple[int, float, int, int]]:
+    """The producer's ``KV Transfer metrics`` lines after its first ``seen``: one plain
+    request makes its engine step (which carries its worker's stats out), then its log is
+    read until a new line appears (at most :data:`MOONCAKE_STATS_WAIT_S`)."""
+    complete(servers.prefill, "stats", 1)
+    deadline = time.monotonic() + MOONCAKE_STATS_WAIT_S
+    while True:
+        lines = _mooncake_stats(servers.prefill)[seen:]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
+def _p2p_hits(samples: dict[str, float]) -> float:
+    """Prompt tokens cached from the connector's ``p2p`` source (vLLM's
+    ``prompt_tokens_cached_by_source``; MooncakeConnector's cache-hit source is P2P)."""
+    return sum(
+        value
+        for key, value in samples.items()
+        if key.startswith("vllm:prompt_tokens_cached_by_source_total{") and 'source="p2p"' in key
+    )
+
+
+@pytest.mark.parametrize("prompt_name", list(PROMPTS))
+def test_disaggregated_equals_baseline_and_moves_kv_through_mooncake(
+    pair: tuple[ModelCase, ServerPair], prompt_name: str
+) -> None:
+    """vLLM's MooncakeConnector, patched or the unpatched baseline: the decode server's
+    answer equals the prefill server's alone, token for token, and it computed no prompt
+    token itself: every one it did not hold came through the connector (an external
+    ``p2p`` hit; under "fail" a failed pull would have ended the request in an error).
+    The producer's own stats count one successful Mooncake write of exactly the blocks
+    the consumer lacked, every layer's page of each, and nothing failed."""
+    case, servers = pair
+    if case.transport != "mooncake":
+        pytest.skip("a NIXL pair: test_..._moves_kv_through_nixl")
+    prompt = PROMPTS[prompt_name]
+    expected = complete(servers.prefill, prompt, MAX_TOKENS)["choices"][0]["text"]
+    before = scrape_metrics(servers.decode)
+    seen = len(_mooncake_stats(servers.prefill))
+    got = mooncake_disaggregated_complete(servers, prompt, MAX_TOKENS)
+    after = scrape_metrics(servers.decode)
+    writes = _producer_writes(servers, seen)
+
+    def delta(name: str) -> float:
+        return metric_total(after, name) - metric_total(before, name)
+
+    what = f"{case.describe()}, prompt {prompt_name!r}"
+    assert got.text == expected, (what, got.text, expected)
+    assert got.decode_response["usage"]["completion_tokens"] == MAX_TOKENS, what
+    # vLLM's Mooncake producer returns nothing for the proxy (its request_finished).
+    assert got.kv_transfer_params is None, (what, got.kv_transfer_params)
+
+    prompt_tokens = int(got.decode_response["usage"]["prompt_tokens"])
+    local_hits = delta("vllm:prefix_cache_hits_total")
+    external_hits = delta("vllm:external_prefix_cache_hits_total")
+    p2p_hits = _p2p_hits(after) - _p2p_hits(before)
+    block_size = int(_cache_info(after, "block_size"))
+    if case.block_size is not None:
+        assert block_size == case.block_size, what
+    # The consumer's blocks that came through Mooncake: those it did not hold.
+    missing_blocks = math.ceil((prompt_tokens - local_hits) / block_size)
+    page_bytes = case.layers * block_size * case.token_bytes_per_layer
+    print(
+        f"\n{what}: block {block_size}, {prompt_tokens} prompt tokens, {local_hits:.0f} "
+        f"local + {external_hits:.0f} external ({p2p_hits:.0f} p2p) prefix hits; "
+        f"the producer's stats: {writes}"
+    )
+    # Nothing recomputed: every prompt token came from the local cache or the producer.
+    assert local_hits + external_hits == prompt_tokens, what
+    assert external_hits > 0, what
+    assert p2p_hits == external_hits, what
+    # The producer wrote once, exactly the missing blocks (vLLM logs MB per transfer
+    # rounded to 3 places), and no write or pull failed.
+    assert [(ok, failed, failed_recvs) for ok, _mb, failed, failed_recvs in writes] == [
+        (1, 0, 0)
+    ], (what, writes)
+    assert writes[0][1] == round(missing_blocks * page_bytes / 2**20, 3), (what, writes)
+    if prompt_name == "prefix hit":
+        if _cache_info(after, "enable_prefix_caching") == "True":
+            # The consumer holds the shared prefix from "many blocks": the producer
+            # wrote only the blocks after it.
+            assert local_hits >= block_size, what
+        else:  # vLLM-CPU turns prefix caching off for CPU_MLA (see the NIXL test)
+            assert case.serving.backend == CPU_MLA.name, what
+            assert local_hits == 0, what
+
+
 _CONNECTOR_BUILT = re.compile(
     r"^\((EngineCore|Worker) pid=\d+\) .*Creating v1 connector with name: (\w+) and", re.M
 )
@@ -401,7 +613,9 @@ def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair
     TraitsNixlPushConnector, whose scheduler is TraitsNixlPushConnectorScheduler), and
     the worker that served the requests above is the traits worker: both registered
     regions planned from traits, and each side that handshakes (the decode side in pull
-    mode, both sides in push mode) checked its peer's fingerprint."""
+    mode, both sides in push mode) checked its peer's fingerprint. The patched pairs ran
+    vLLM's own connector from the patched copy instead, and the Mooncake pairs vLLM's
+    MooncakeConnector from the tree their case names (``_assert_ran_vllm_mooncake``)."""
     case, servers = pair
     for server in servers.servers():
         log = server.log_tail(5000)
@@ -412,6 +626,9 @@ def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair
             server.describe(),
             built,
         )
+        if case.transport == "mooncake":
+            _assert_ran_vllm_mooncake(case, servers, server, log)
+            continue
         if case.patched:
             _assert_ran_the_patched_tree(server, log)
             continue
@@ -432,7 +649,9 @@ def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair
 _PATCHED_IMPORT = re.compile(r"kvspec-migrated: vllm\.distributed\.kv_transfer from (\S+) \(pid")
 
 
-def _assert_ran_the_patched_tree(server: VllmServer, log: str) -> None:
+def _assert_ran_the_patched_tree(
+    server: VllmServer, log: str, worker_file: str = "nixl/base_worker.py"
+) -> None:
     """A patched pair's server imported vLLM's kv_transfer from the patched copy in its
     processes (the overlay's line; no other kv_transfer), ran vLLM's own connector
     (none of ours), and that connector asked traits: the patched files import
@@ -442,9 +661,38 @@ def _assert_ran_the_patched_tree(server: VllmServer, log: str) -> None:
     assert len(origins) == 1, (server.describe(), origins)
     (origin,) = origins
     assert "/site-packages/" not in origin, (server.describe(), origin)
-    worker = Path(origin).parent / "kv_connector" / "v1" / "nixl" / "base_worker.py"
+    worker = Path(origin).parent / "kv_connector" / "v1" / worker_file
     assert "traits_of(" in worker.read_text(), worker
     assert "TraitsNixlConnector: registered" not in log, server.describe()
+
+
+_MOONCAKE_FAILED = re.compile(
+    r"Sending to \S+ failed|pulling kv_caches for .* failed|Failed to connect to bootstrap"
+    r"|Timeout waiting for P side ready|Error processing Mooncake xfer request"
+)
+
+
+def _assert_ran_vllm_mooncake(
+    case: ModelCase, servers: ServerPair, server: VllmServer, log: str
+) -> None:
+    """A Mooncake pair's server ran the tree the case names (the patched copy, whose
+    Mooncake worker asks ``traits_of``; or the installed vLLM, no copy imported), its
+    worker got the overlay's CPU device answer and started Mooncake's engine over TCP, the
+    producer served its bootstrap server, and neither side logged a failed write or pull."""
+    if case.patched:
+        _assert_ran_the_patched_tree(server, log, "mooncake/mooncake_connector.py")
+    else:
+        assert "kvspec-migrated:" not in log, server.describe()
+    assert "kvspec-overlay: torch.accelerator.current_device_index -> 0" in log, server.describe()
+    assert "The Mooncake Transfer Engine is using tcp as its protocol." in log, server.describe()
+    # MooncakeConnectorWorker's warnings and errors on a failed write, pull or handshake.
+    failed = _MOONCAKE_FAILED.findall(log)
+    assert not failed, (server.describe(), failed)
+    if server is servers.prefill:
+        port = server.extra_env[MOONCAKE_BOOTSTRAP_PORT]
+        assert f"Mooncake Bootstrap Server started at 0.0.0.0:{port}" in log, server.describe()
+        # The decode worker asked it where the producer's worker listens (its access log).
+        assert '"GET /query HTTP/1.1" 200' in log, server.describe()
 
 
 # The short form of `make soak` (benchmarks/soak.py, issue 24) on this module's llama pair:

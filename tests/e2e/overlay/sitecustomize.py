@@ -12,8 +12,21 @@ the e2e tests read in each server's log: the proof that the server ran the patch
 ``KVSPEC_OVERLAY_SHM_SLEEP=1`` also makes vLLM's shared-memory queue readers wait with
 ``time.sleep(0)`` (``vllm.distributed.utils.USE_SCHED_YIELD`` false, set as that module
 loads): what ``kvspec_shm_wait: "sleep"`` does in the traits connector's processes, so a
-patched pair waits as the traits pairs do (docs/vllm.md, "Push end to end"). Test harness
-only: the library never loads it.
+patched pair waits as the traits pairs do (docs/vllm.md, "Push end to end").
+
+``KVSPEC_OVERLAY_MOONCAKE_CPU_DEVICE=1`` (the MooncakeConnector pairs only, patched and
+unpatched alike) is a CPU-only shim for vLLM's Mooncake connector:
+``MooncakeConnectorWorker.__init__`` asks ``torch.accelerator.current_device_index()``,
+which raises on a CPU-only torch ("Cannot access accelerator device when none is
+available"). When ``vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector``
+loads in a process whose torch has no accelerator, ``current_device_index`` answers 0 (the
+one device a CPU process has, which vLLM's ``CpuPlatform.set_device`` then accepts) and the
+process prints ``kvspec-overlay: torch.accelerator.current_device_index -> 0 ...`` to
+stderr, which the tests read in the worker's log. Nothing else changes, and a process with
+an accelerator is left alone. The conformance harness carries the same shim for vLLM's
+Mooncake unit tests (scripts/conformance/kvspec_conformance.py).
+
+Test harness only: the library never loads it.
 """
 
 from __future__ import annotations
@@ -27,8 +40,10 @@ from types import ModuleType
 
 _PACKAGE = "vllm.distributed.kv_transfer"
 _UTILS = "vllm.distributed.utils"
+_MOONCAKE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
 _ROOT = os.environ.get("KVSPEC_MIGRATED_ROOT", "")
 _SHM_SLEEP = os.environ.get("KVSPEC_OVERLAY_SHM_SLEEP") == "1"
+_MOONCAKE_CPU_DEVICE = os.environ.get("KVSPEC_OVERLAY_MOONCAKE_CPU_DEVICE") == "1"
 
 
 class _SleepingUtils(importlib.abc.Loader):
@@ -43,6 +58,35 @@ class _SleepingUtils(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         module.USE_SCHED_YIELD = False  # type: ignore[attr-defined]
+
+
+def _cpu_device_index() -> int:
+    """``torch.accelerator.current_device_index()`` of a CPU-only process: device 0."""
+    return 0
+
+
+class _MooncakeOnCpu(importlib.abc.Loader):
+    """vLLM's Mooncake connector module as it is; once it has loaded, a torch without an
+    accelerator answers device 0 to ``torch.accelerator.current_device_index()``."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        import torch
+
+        if not torch.accelerator.is_available():
+            torch.accelerator.current_device_index = _cpu_device_index
+            print(
+                f"kvspec-overlay: torch.accelerator.current_device_index -> 0 for "
+                f"{_MOONCAKE} (CPU-only torch; pid {os.getpid()})",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class _Overlay(importlib.abc.MetaPathFinder):
@@ -64,8 +108,13 @@ class _Overlay(importlib.abc.MetaPathFinder):
             if spec is not None and spec.loader is not None:
                 spec.loader = _SleepingUtils(spec.loader)
             return spec
+        if fullname == _MOONCAKE and _MOONCAKE_CPU_DEVICE:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _MooncakeOnCpu(spec.loader)
+            return spec
         return None
 
 
-if _ROOT or _SHM_SLEEP:
+if _ROOT or _SHM_SLEEP or _MOONCAKE_CPU_DEVICE:
     sys.meta_path.insert(0, _Overlay())
