@@ -202,10 +202,12 @@ class _Narrow:
             out.extend(self._after(parent))
         return out
 
-    def _comprehension(self, node: cst.CSTNode) -> cst.BaseExpression | None:
+    def _comprehension(
+        self, node: cst.CSTNode
+    ) -> cst.ListComp | cst.SetComp | cst.GeneratorExp | cst.DictComp | None:
         while node in self.parents:
             node = self.parents[node]
-            if isinstance(node, _COMPREHENSIONS):
+            if isinstance(node, (cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp)):
                 return node
             if not isinstance(node, (cst.CompFor, cst.CompIf)):
                 return None
@@ -213,7 +215,9 @@ class _Narrow:
 
     @staticmethod
     def _suite(suite: cst.BaseSuite) -> _Region:
-        body = list(suite.body) if isinstance(suite, cst.IndentedBlock) else [suite]
+        body: list[cst.CSTNode] = (
+            list(suite.body) if isinstance(suite, cst.IndentedBlock) else [suite]
+        )
         return _Region(body, block=suite if isinstance(suite, cst.IndentedBlock) else None)
 
     def _after(self, node: cst.If | cst.Assert) -> list[_Region]:
@@ -340,7 +344,7 @@ class _Apply(cst.CSTTransformer):
                     cst.parse_expression(cls),
                     comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
                 ),
-                cst.Arg(_bare(updated_node)),
+                cst.Arg(updated_node.with_changes(lpar=[], rpar=[])),
             ],
             lpar=updated_node.lpar,
             rpar=updated_node.rpar,
