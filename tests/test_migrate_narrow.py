@@ -285,6 +285,34 @@ def test_one_cast_per_need_and_none_for_what_every_spec_has() -> None:
     assert "return spec.block_size" in out
 
 
+def test_a_check_asked_as_two_traits_narrows_to_its_first_class() -> None:
+    """``isinstance(s, A) and not isinstance(s, B) and s.x`` (vLLM 0.32/0.33's offloading
+    gate) is rewritten as two traits (``parts``); the operands after it read ``A``'s
+    fields, so they are cast to ``A``."""
+    code = textwrap.dedent(
+        """
+        def f(spec: KVCacheSpec) -> bool:
+            return (
+                traits_of(spec).attention_page
+                and not traits_of(spec).grouped
+                and spec.num_kv_heads > 1
+            )
+        """
+    )
+    before = "isinstance(spec, AttentionSpec) and not isinstance(spec, UniformTypeKVCacheSpecs)"
+    (edit,) = _rewrite("", [(before, ATTN, "spec")])[1]
+    import dataclasses
+
+    edit = dataclasses.replace(
+        edit,
+        after=ATTN.format(s="spec") + " and not " + GROUP.format(s="spec"),
+        parts=(ATTN.format(s="spec"), "not " + GROUP.format(s="spec")),
+    )
+    out, count = narrow_casts(code, [edit], BASE)
+    assert count == 1
+    assert "and cast(AttentionSpec, spec).num_kv_heads > 1" in out
+
+
 @pytest.mark.parametrize(
     ("fixes_miss", "differs_on"), [(True, ()), (False, ("CircularBufferSpec",))]
 )

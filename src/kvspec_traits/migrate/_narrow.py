@@ -92,6 +92,23 @@ def _guard(edit: Edit) -> _Guard | None:
     return _Guard(" | ".join(classes), positive) if classes else None
 
 
+def _first_part(edit: Edit) -> _Guard | None:
+    """``isinstance(s, A) and not isinstance(s, B)`` asked as two traits (``parts``): the
+    first part narrows to ``A`` for the operands after it, as the check did."""
+    if not edit.parts or edit.fixes_miss:
+        return None
+    try:
+        node = ast.parse(edit.before, mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And)):
+        return None
+    found = _classes(node.values[0])
+    if found is None or found[0]:
+        return None
+    return _Guard(" | ".join(found[1]), True)
+
+
 def _classes(node: ast.expr) -> tuple[bool, list[str]] | None:
     """``isinstance(x, C)``/``(A, B)`` or ``type(x) is [not] C``: (negated, classes)."""
     if (
@@ -393,6 +410,9 @@ def narrow_casts(
     ``KVCacheSpec``), read without a cast; None casts every attribute read."""
     guards: dict[str, set[_Guard]] = {}
     for edit in edits:
+        first = _first_part(edit)
+        if first is not None:
+            guards.setdefault(_flat(edit.parts[0]), set()).add(first)
         guard = _guard(edit)
         if guard is not None:
             guards.setdefault(_flat(edit.after), set()).add(guard)
