@@ -47,6 +47,9 @@ class HandEdit:
     """The text of each site ``migrate`` left that the edit rewrites (its ``Skip.text``)."""
     imports: tuple[str, ...] = ()
     """Names the after-text needs from ``kvspec_traits``."""
+    typing: tuple[str, ...] = ()
+    """Names the after-text needs from ``typing`` (merged into the file's import, which
+    ``migrate``'s own casts may have written already)."""
     probes: tuple[tuple[str, str], ...] = ()
     """(class check, traits query) over one spec ``spec``: what the edit changes, evaluated
     on the catalog by ``patch_answers.probe_changes``."""
@@ -185,8 +188,6 @@ _CERTIFY_AFTER = """\
                 total_kv_heads % tp_size == 0 or tp_size % total_kv_heads == 0
             ) and attention.num_kv_heads == max(1, total_kv_heads // tp_size)
 """
-_TYPING_BEFORE = "from typing import TYPE_CHECKING\n"
-_TYPING_AFTER = "from typing import TYPE_CHECKING, cast\n"
 _REPLICATED_BEFORE = """\
             and all(
                 type(spec) is MLAAttentionSpec
@@ -338,6 +339,20 @@ def _nixl_edits(series: str) -> tuple[HandEdit, ...]:
     return tuple(edits)
 
 
+# -- MoRIIO: a layer that may have no spec (every series) -------------------------------------
+# `isinstance(self.layer_to_spec.get(layer_name), MambaSpec)` answered False for a layer
+# without a spec (`.get` gives None); `traits_of(None)` refuses it (and vLLM's mypy reports
+# the Optional argument). The spec is asked only when there is one.
+
+_MORIIO_MAMBA_LAYER_BEFORE = (
+    "        return traits_of(self.layer_to_spec.get(layer_name)).token_scope"
+    " is TokenScope.RECURRENT_STATE\n"
+)
+_MORIIO_MAMBA_LAYER_AFTER = """\
+        spec = self.layer_to_spec.get(layer_name)
+        return spec is not None and traits_of(spec).token_scope is TokenScope.RECURRENT_STATE
+"""
+
 HAND_EDITS: tuple[HandEdit, ...] = (
     *(edit for series in ("0.32", "0.33", "0.34") for edit in _nixl_edits(series)),
     HandEdit(
@@ -412,6 +427,7 @@ HAND_EDITS: tuple[HandEdit, ...] = (
             reason=_CERTIFY_REASON,
             sites=sites,
             imports=("TokenScope", "traits_of"),
+            typing=("cast",),
             probes=probes,
         )
         for series in ("0.32", "0.33", "0.34")
@@ -438,8 +454,20 @@ HAND_EDITS: tuple[HandEdit, ...] = (
                     ),
                 ),
             ),
-            (_TYPING_BEFORE, _TYPING_AFTER, (), ()),
         )
+    ),
+    *(
+        HandEdit(
+            series=(series,),
+            path=f"{V1}/moriio/moriio_connector.py",
+            before=_MORIIO_MAMBA_LAYER_BEFORE,
+            after=_MORIIO_MAMBA_LAYER_AFTER,
+            reason="_is_mamba_layer asks the spec of layer_to_spec.get(layer_name), None "
+            "for a layer without one: isinstance answered False for it, traits_of refuses "
+            "None, so the spec is asked only when there is one (the answer stays False)",
+            sites=(),
+        )
+        for series in ("0.32", "0.33", "0.34")
     ),
 )
 
@@ -470,6 +498,26 @@ def _with_imports(text: str, names: tuple[str, ...]) -> str:
     return text[: anchor + 1] + line + text[anchor + 1 :]
 
 
+_TYPING = re.compile(r"^from typing import ([A-Za-z_, ]+)\n", flags=re.M)
+
+
+def _with_typing(text: str, names: tuple[str, ...]) -> str:
+    """``text`` importing ``names`` from typing: added to its one-line import (vLLM's
+    pre-commit sorts it), else a new import line at the first ``from``/``import``."""
+    if not names:
+        return text
+    found = _TYPING.search(text)
+    if found:
+        have = [n.strip() for n in found.group(1).split(",")]
+        line = f"from typing import {', '.join(have + [n for n in names if n not in have])}\n"
+        return text[: found.start()] + line + text[found.end() :]
+    anchor = re.search(r"^(?:from|import) ", text, flags=re.M)
+    if anchor is None:
+        raise HandEditError("no import to put the typing import before")
+    line = f"from typing import {', '.join(names)}\n"
+    return text[: anchor.start()] + line + text[anchor.start() :]
+
+
 def apply_hand_edits(
     plan: MigrationPlan, kv_transfer: Path, version: str
 ) -> tuple[MigrationPlan, list[HandEdit]]:
@@ -494,6 +542,7 @@ def apply_hand_edits(
                 "not once; the release changed it (update scripts/hand_edits.py)"
             )
         texts[path] = _with_imports(texts[path].replace(h.before, h.after), h.imports)
+        texts[path] = _with_typing(texts[path], h.typing)
         for site in h.sites:
             match = [s for s in skips if Path(s.path).resolve() == path and s.text == site]
             if not match:

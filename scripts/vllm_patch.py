@@ -201,7 +201,7 @@ def hand_header(hand: list[HandEdit]) -> list[str]:
         "no migrate rule fits every series; scripts/hand_edits.py):",
     ]
     for h in hand:
-        sites = "; ".join(h.sites) or "no site of its own: goes with the edits above"
+        sites = "; ".join(h.sites) or "no site of its own"
         lines.append(f"  {KV_TRANSFER.as_posix()}/{h.path}: {sites}")
         lines.append(f"    why: {h.reason}")
         for before, after, singles, groups in probe_changes(h.probes):

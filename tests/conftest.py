@@ -37,6 +37,7 @@ SERIES_INDEPENDENT = frozenset(
         "test_conformance_judge",
         "test_import_graph",
         "test_migrate_hoist",
+        "test_migrate_narrow",
         "test_hand_edits",
         "test_missing_dependencies",
         "test_pd_bench",

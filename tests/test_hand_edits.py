@@ -26,7 +26,9 @@ def _module() -> Any:
 
 def _moriio(module: Any) -> Any:
     return next(
-        h for h in module.hand_edits_for("0.34.0") if h.path.endswith("moriio_connector.py")
+        h
+        for h in module.hand_edits_for("0.34.0")
+        if h.path.endswith("moriio_connector.py") and h.sites
     )
 
 

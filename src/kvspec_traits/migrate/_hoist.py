@@ -124,6 +124,21 @@ class _Binds(cst.CSTVisitor):
             if isinstance(node, cst.Name) and node.value == self.name:
                 self.found = True
 
+    def visit_Assign(self, node: cst.Assign) -> bool:
+        # `spec = cast(C, spec)` (migrate's narrowing, _narrow) keeps the same spec.
+        value = node.value
+        same = (
+            len(node.targets) == 1
+            and isinstance(node.targets[0].target, cst.Name)
+            and isinstance(value, cst.Call)
+            and isinstance(value.func, cst.Name)
+            and value.func.value == "cast"
+            and len(value.args) == 2
+            and isinstance(value.args[1].value, cst.Name)
+            and value.args[1].value.value == node.targets[0].target.value
+        )
+        return not same
+
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         self._target(node.target)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +15,7 @@ import libcst as cst
 from kvspec_traits.audit import Site, Universe, audit_paths
 from kvspec_traits.audit._files import DEFAULT_MAX_FILE_BYTES
 from kvspec_traits.migrate._hoist import hoist_traits
+from kvspec_traits.migrate._narrow import narrow_casts
 from kvspec_traits.migrate._plan import Edit, Skip, keep_context, plan_site
 from kvspec_traits.migrate._rewrite import rewrite_module
 from kvspec_traits.migrate._source import SourceIndex
@@ -83,6 +86,9 @@ class MigrationPlan:
     """Subjects a function still asks ``traits_of`` more than once, where one call
     before the first would ask on a path the code did not (``_hoist``)."""
     sites: int = 0
+    casts: int = 0
+    """``typing.cast`` narrowings written where a rewritten check had narrowed the spec
+    for a type checker (``_narrow``)."""
 
     @property
     def edits(self) -> list[Edit]:
@@ -125,6 +131,7 @@ def plan_migration(
         roots, universe, exclude=exclude, max_file_bytes=max_file_bytes, display_root=Path("/")
     )
     plan = MigrationPlan(sites=len(result.sites))
+    base_attributes = _base_attributes(universe)
     plan.refused.extend(
         Refusal(path=_display(Path("/") / e.path), error=e.error) for e in result.errors
     )
@@ -176,6 +183,8 @@ def plan_migration(
         if applied and "traits_of" not in text:
             # Only the calls the rewrite wrote: a module that asked traits already is its
             # author's to arrange.
+            after, casts = narrow_casts(after, applied, base_attributes)
+            plan.casts += casts
             after, left = hoist_traits(after)
             plan.repeated_traits += left
         plan.skips.extend(
@@ -205,8 +214,23 @@ def plan_migration(
     return plan
 
 
+def _base_attributes(universe: Universe) -> frozenset[str] | None:
+    """What every spec has: the attributes of the root spec class (vLLM's ``KVCacheSpec``),
+    read without a cast after a rewritten check; None when it cannot be imported."""
+    roots = [c for c in universe.classes.values() if len(c.mro) == 1]
+    if len(roots) != 1:
+        return None
+    try:
+        cls = getattr(importlib.import_module(roots[0].module), roots[0].name)
+    except Exception:  # no vLLM here (classes from a file): cast every read
+        return None
+    names = set(dir(cls))
+    if dataclasses.is_dataclass(cls):
+        names.update(f.name for f in dataclasses.fields(cls))
+    return frozenset(names)
+
+
 def _with_path(site: Site, display: str) -> Site:
-    import dataclasses
 
     return dataclasses.replace(site, path=display)
 
