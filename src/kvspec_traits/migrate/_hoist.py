@@ -58,7 +58,11 @@ def _subject(call: cst.Call) -> str | None:
         return None
     if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
         return None
-    node = call.args[0].value
+    return dotted_name(call.args[0].value)
+
+
+def dotted_name(node: cst.BaseExpression) -> str | None:
+    """The code of ``node`` when it is a name or a chain of attributes (``a.b.c``)."""
     parts: list[str] = []
     while isinstance(node, cst.Attribute):
         parts.append(node.attr.value)

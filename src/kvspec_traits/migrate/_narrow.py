@@ -36,6 +36,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import MetadataWrapper, ParentNodeProvider
 
+from kvspec_traits.migrate._hoist import dotted_name
 from kvspec_traits.migrate._plan import Edit
 
 __all__ = ["narrow_casts"]
@@ -137,17 +138,6 @@ def _classes(node: ast.expr) -> tuple[bool, list[str]] | None:
 
 def _flat(text: str) -> str:
     return re.sub(r"\s+", "", text)
-
-
-def _subject_code(node: cst.BaseExpression) -> str | None:
-    parts: list[str] = []
-    while isinstance(node, cst.Attribute):
-        parts.append(node.attr.value)
-        node = node.value
-    if not isinstance(node, cst.Name):
-        return None
-    parts.append(node.value)
-    return ".".join(reversed(parts))
 
 
 def _bare(node: cst.CSTNode) -> cst.CSTNode:
@@ -432,7 +422,7 @@ def narrow_casts(
     for call in find.calls:
         if len(call.args) != 1:
             continue
-        subject = _subject_code(call.args[0].value)
+        subject = dotted_name(call.args[0].value)
         if subject is None:
             continue
         node: cst.CSTNode = call

@@ -46,8 +46,8 @@ _SHM_SLEEP = os.environ.get("KVSPEC_OVERLAY_SHM_SLEEP") == "1"
 _MOONCAKE_CPU_DEVICE = os.environ.get("KVSPEC_OVERLAY_MOONCAKE_CPU_DEVICE") == "1"
 
 
-class _SleepingUtils(importlib.abc.Loader):
-    """vLLM's ``vllm.distributed.utils`` as it is, with ``USE_SCHED_YIELD`` false."""
+class _AfterLoad(importlib.abc.Loader):
+    """A module's own loader, then :meth:`after` on the loaded module."""
 
     def __init__(self, loader: importlib.abc.Loader) -> None:
         self._loader = loader
@@ -57,6 +57,16 @@ class _SleepingUtils(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
+        self.after(module)
+
+    def after(self, module: ModuleType) -> None:
+        raise NotImplementedError
+
+
+class _SleepingUtils(_AfterLoad):
+    """vLLM's ``vllm.distributed.utils`` as it is, with ``USE_SCHED_YIELD`` false."""
+
+    def after(self, module: ModuleType) -> None:
         module.USE_SCHED_YIELD = False  # type: ignore[attr-defined]
 
 
@@ -65,18 +75,11 @@ def _cpu_device_index() -> int:
     return 0
 
 
-class _MooncakeOnCpu(importlib.abc.Loader):
+class _MooncakeOnCpu(_AfterLoad):
     """vLLM's Mooncake connector module as it is; once it has loaded, a torch without an
     accelerator answers device 0 to ``torch.accelerator.current_device_index()``."""
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
+    def after(self, module: ModuleType) -> None:
         import torch
 
         if not torch.accelerator.is_available():
