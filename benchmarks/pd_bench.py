@@ -10,6 +10,19 @@ push) three prefill/decode pairs serve the same prompts, every pair on the same 
 - ``ours+keys``: the same with its keys for shared cores (``kvspec_nixl_progress_delay_us``
   100, ``kvspec_shm_wait`` "sleep"), which upstream's classes do not read: shown, not judged.
 
+vLLM's queue wait (``--vllm-wait``) is the same for the two like-for-like pairs and set
+outside either connector: with "sleep" (the default) every process of both pairs' servers
+starts with the e2e harness's overlay first on its path (tests/e2e/overlay/sitecustomize.py,
+``KVSPEC_OVERLAY_SHM_SLEEP``), which sets ``vllm.distributed.utils.USE_SCHED_YIELD`` false as
+that module loads: vLLM's queue readers ``time.sleep(0)`` between checks, vLLM's own path on
+Python < 3.11.1, instead of ``os.sched_yield()``. Upstream's classes cannot read our
+``kvspec_shm_wait`` key, and with vLLM's yield a pair's worker can go unscheduled for a
+minute on 2 shared cores, whichever connector it runs (docs/vllm.md, "Push end to end"): a
+stall of that size decides three runs by where it lands, not by the connector. Each server
+must say in its log that it waited so ("kvspec-overlay: ... USE_SCHED_YIELD False"), or the
+run fails. "yield" keeps vLLM's default for both (the figures of docs/vllm.md's first
+runs). The ``ours+keys`` pair runs without the overlay: its keys alone.
+
 The three pairs of a model and mode start together and stay up only while that model and
 mode is measured. A pair that is not being measured is frozen (SIGSTOP on both servers'
 process groups, SIGCONT before its turn): an idle pair is not idle here, its NIXL progress
@@ -73,6 +86,7 @@ from kvspec_traits.vllm_connector._names import (  # noqa: E402
     SHM_WAIT,
 )
 from tests.e2e import pd_harness as harness  # noqa: E402
+from tests.e2e.patched_vllm import overlay_environment  # noqa: E402
 from tests.e2e.pd_soak import (  # noqa: E402
     LoadResult,
     Outcome,
@@ -103,6 +117,8 @@ class Contender:
     connector: str
     module: str | None
     extra: Mapping[str, object]
+    # Each server's extra environment (the overlay's switch of vLLM's queue wait).
+    env: Mapping[str, str] = field(default_factory=dict)
 
     def kv(self, role: str) -> dict[str, Any]:
         return harness.connector_config(
@@ -110,15 +126,26 @@ class Contender:
         )
 
 
-def contenders(mode: str, delay_us: int, shm_wait: str) -> tuple[Contender, ...]:
-    """Upstream, ours like for like (no ``kvspec_*`` key), ours with its keys."""
+def contenders(
+    mode: str, delay_us: int, shm_wait: str, vllm_wait: str = "sleep"
+) -> tuple[Contender, ...]:
+    """Upstream, ours like for like (no ``kvspec_*`` key, the same environment), ours with
+    its keys (and vLLM's environment as installed)."""
+    if vllm_wait not in VLLM_WAITS:
+        raise ValueError(f"vLLM's queue wait {vllm_wait!r}: give one of {VLLM_WAITS}")
     common: dict[str, object] = {"kv_lease_duration": PUSH_LEASE_S} if mode == "push" else {}
     keys = {**common, NIXL_PROGRESS_DELAY: delay_us, SHM_WAIT: shm_wait}
+    env = overlay_environment(shm_sleep=True) if vllm_wait == "sleep" else {}
     return (
-        Contender("upstream", UPSTREAM[mode], None, common),
-        Contender("ours", OURS[mode], MODULE, common),
+        Contender("upstream", UPSTREAM[mode], None, common, env),
+        Contender("ours", OURS[mode], MODULE, common, env),
         Contender("ours+keys", OURS[mode], MODULE, keys),
     )
+
+
+VLLM_WAITS = ("sleep", "yield")
+# What the overlay prints in each process where it made vLLM's queue readers sleep.
+SLEEP_PROOF = "kvspec-overlay: vllm.distributed.utils.USE_SCHED_YIELD False"
 
 
 LIKE_FOR_LIKE = "ours"
@@ -292,6 +319,10 @@ def start_pairs(pairs: Sequence[Pair], timeout_s: float) -> None:
             if all(_health(s) for s in pair.servers.servers()):
                 for server in pair.servers.servers():
                     server.check_serving()
+                    if pair.contender.env and SLEEP_PROOF not in server.log_path.read_text(
+                        errors="replace"
+                    ):
+                        raise server.fail(f"no {SLEEP_PROOF!r} in its log: vLLM's wait not set")
                 pair.ready_s = time.monotonic() - pair.started
                 pair.freeze()
                 waiting.remove(pair)
@@ -307,7 +338,7 @@ def running_pairs(
 ) -> Iterator[list[Pair]]:
     serving = _serving(model)
     pairs = []
-    for contender in contenders(mode, args.progress_delay_us, args.shm_wait):
+    for contender in contenders(mode, args.progress_delay_us, args.shm_wait, args.vllm_wait):
         where = workdir / contender.key
         servers = harness.ServerPair(
             *(
@@ -319,6 +350,7 @@ def running_pairs(
                     workdir=where,
                     serving=serving,
                     kv_transfer_config=contender.kv(role),
+                    extra_env=contender.env,
                 )
                 for name, core, role in (
                     ("prefill", 0, "kv_producer"),
@@ -800,7 +832,7 @@ def _build_models(names: Sequence[str], models_dir: Path) -> None:
         module.build_model(module.MODELS[model], models_dir)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="llama, pull, 1 run of 8; no target")
     parser.add_argument("--models", default="llama,deepseek-v2")
@@ -812,6 +844,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--progress-delay-us", type=int, default=100, help="ours+keys only")
     parser.add_argument("--shm-wait", default="sleep", help="ours+keys only")
     parser.add_argument(
+        "--vllm-wait",
+        choices=VLLM_WAITS,
+        default="sleep",
+        help="vLLM's queue wait for both like-for-like pairs, set by the e2e overlay "
+        '("yield": vLLM\'s default)',
+    )
+    parser.add_argument(
         "--no-disturbance",
         dest="disturbance",
         action="store_false",
@@ -822,6 +861,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="one more batch of upstream and ours each under py-spy: the connector's share",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.modes, args.runs, args.requests = "llama", "pull", 1, 8

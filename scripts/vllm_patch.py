@@ -267,9 +267,10 @@ def per_file_header(plan: MigrationPlan) -> list[str]:
     return lines
 
 
-def vllm_patch(root: Path) -> tuple[str, MigrationPlan]:
+def vllm_patch(root: Path, *, code_only: bool = False) -> tuple[str, MigrationPlan]:
     """The patch text for the tree at ``root`` and the plan it shows (each file's ``after``
-    is its text after vLLM's pre-commit fixers)."""
+    is its text after vLLM's pre-commit fixers). ``code_only``: without the release's
+    test-fixture corrections (the e2e servers import the code alone)."""
     cwd = Path.cwd()
     version = vllm_version(root)
     os.chdir(root)  # the plan names files relative to the working folder
@@ -285,7 +286,7 @@ def vllm_patch(root: Path) -> tuple[str, MigrationPlan]:
     hooked = precommit({f.display: f.after for f in plan.files}, version)
     plan.files = [dataclasses.replace(f, after=hooked[f.display]) for f in plan.files]
     body = "".join(f.diff() for f in plan.files)
-    tests = release_tests(version)
+    tests = None if code_only else release_tests(version)
     fixes, corrections = fixture_diff(tests) if tests is not None else ("", [])
     head = header(plan, version, hand)
     extra = "".join(f"# {line}".rstrip() + "\n" for line in fixtures_header(corrections))
@@ -316,9 +317,14 @@ def main() -> int:
         "release's with the patched files) and its summary as JSON on stdout: the tree "
         "`make conformance-migrated` runs vLLM's tests on",
     )
+    p.add_argument(
+        "--code-only",
+        action="store_true",
+        help="leave out the corrections of the release's test fixtures (the code alone)",
+    )
     args = p.parse_args()
     root = vllm_root()
-    text, plan = vllm_patch(root)
+    text, plan = vllm_patch(root, code_only=args.code_only)
     if args.tree:
         write_tree(root, plan, args.tree / "kv_transfer")
         json.dump({"edits": [e.as_json() for e in plan.edits], "sites": plan.sites}, sys.stdout)

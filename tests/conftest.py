@@ -38,6 +38,7 @@ SERIES_INDEPENDENT = frozenset(
         "test_import_graph",
         "test_migrate_hoist",
         "test_migrate_narrow",
+        "test_migrate_parents",
         "test_hand_edits",
         "test_missing_dependencies",
         "test_pd_bench",

@@ -97,6 +97,19 @@ def test_the_like_for_like_row_has_upstreams_settings_and_no_kvspec_key() -> Non
             "kvspec_shm_wait",
         }
         assert upstream.module is None and ours.module == keyed.module
+        # vLLM's queue wait: the same environment for both like-for-like pairs (the
+        # overlay's switch, which neither connector reads), none for the keyed pair.
+        assert dict(ours.env) == dict(upstream.env)
+        assert ours.env["KVSPEC_OVERLAY_SHM_SLEEP"] == "1"
+        assert ours.env["PYTHONPATH"].split(":")[0].endswith("tests/e2e/overlay")
+        assert not keyed.env
+        yielding = contenders(mode, 100, "sleep", vllm_wait="yield")
+        assert not any(c.env for c in yielding)
+
+
+def test_an_unknown_vllm_wait_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"queue wait 'spin': give one of \('sleep', 'yield'\)"):
+        contenders("pull", 100, "sleep", vllm_wait="spin")
 
 
 class _Spinner(VllmServer):

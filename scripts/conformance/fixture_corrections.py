@@ -364,11 +364,19 @@ _ANCHORS = (
 PATCHED_CODE_RULES = ("group traits", "stand-in spec")
 
 
+# What the ``dtype`` and ``state`` rules (``_Specs``) can act on; a file with neither is not
+# parsed for them (parsing with positions is most of the corrections' cost).
+_SPEC_RULES_ANCHOR = re.compile(r"\bdtype\s*=\s*None\b|\bMambaSpec\s*\(")
+
+
 def _corrected(path: str, text: str, *, patched: bool = True) -> tuple[str, list[Correction]]:
-    module = cst.parse_module(text)
-    specs = _Specs(path, module)
-    new = MetadataWrapper(module).visit(specs).code
-    found = list(specs.found)
+    new, found = text, []
+    if _SPEC_RULES_ANCHOR.search(text):
+        module = cst.parse_module(text)
+        specs = _Specs(path, module)
+        # Just parsed and not shared: no defensive deep copy.
+        new = MetadataWrapper(module, unsafe_skip_copy=True).visit(specs).code
+        found = list(specs.found)
     if any(c.rule == "dtype" for c in found):
         new = _with_import(new, "import torch")
     if path.endswith("offloading_connector/test_canonical_mapping.py") and _ABSTRACT_OLD in new:
@@ -397,8 +405,15 @@ def corrected_sources(
     """Each test file of vLLM's kv_connector suite under ``tests_root`` that a rule
     corrects: its path from the root -> (text, corrected text, corrections). ``patched``
     False: only the rules about the specs themselves (not PATCHED_CODE_RULES)."""
+    files = sorted((tests_root / SUITE).rglob("*.py"))
+    # The same tree asked again in one process (the patch, then the tests that check it)
+    # is answered from the first answer while no file of it changed.
+    stamp = tuple((f.as_posix(), st.st_mtime_ns, st.st_size) for f in files for st in [f.stat()])
+    key = (tests_root.resolve(), patched)
+    if (hit := _ANSWERED.get(key)) is not None and hit[0] == stamp:
+        return dict(hit[1])
     out: dict[str, tuple[str, str, list[Correction]]] = {}
-    for file in sorted((tests_root / SUITE).rglob("*.py")):
+    for file in files:
         rel = file.relative_to(tests_root).as_posix()
         text = file.read_text()
         if not any(anchor in text for anchor in _ANCHORS):
@@ -406,7 +421,14 @@ def corrected_sources(
         new, found = _corrected(rel, text, patched=patched)
         if found:
             out[rel] = (text, new, found)
-    return out
+    _ANSWERED[key] = (stamp, out)
+    return dict(out)
+
+
+_ANSWERED: dict[
+    tuple[Path, bool],
+    tuple[tuple[tuple[str, int, int], ...], dict[str, tuple[str, str, list[Correction]]]],
+] = {}
 
 
 def fixture_diff(tests_root: Path) -> tuple[str, list[Correction]]:

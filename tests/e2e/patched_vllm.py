@@ -66,7 +66,8 @@ def patched_tree(workdir: Path) -> PatchedTree:
     shutil.copytree(installed, target, ignore=shutil.ignore_patterns("__pycache__"))
     patch = workdir / "vllm-kv_transfer.patch"
     subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "vllm_patch.py"), "-o", str(patch)],
+        # The code alone: the servers import kv_transfer, never the release's tests.
+        [sys.executable, str(REPO / "scripts" / "vllm_patch.py"), "--code-only", "-o", str(patch)],
         check=True,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO / "src")},

@@ -26,7 +26,9 @@ The *Mooncake* cases (issue 36) serve vLLM's own ``MooncakeConnector``, the prod
 WRITEing its blocks into the consumer's over Mooncake's transfer engine on loopback TCP
 (``mooncake_protocol`` "tcp", ``VLLM_HOST_IP`` 127.0.0.1), for Llama and DeepSeek-V2
 (CPU_MLA): from the patched tree, and from the installed vLLM unpatched through the same
-harness (the baseline: a difference between them is the migration's). The requests follow
+harness (the baseline: a difference between them is the migration's; marked
+``upstream_baseline``, they run in ``make conformance``, since they judge the installed vLLM,
+not this library). The requests follow
 Mooncake's flow (``mooncake_disaggregated_complete``: a ``transfer_id`` and the prefill
 server's bootstrap address, no returned ``kv_transfer_params``), and the overlay answers the
 worker's ``torch.accelerator`` question on this CPU-only torch
@@ -253,7 +255,19 @@ def _case_params() -> list[object]:
         for key, case in CASES.items()
         if key not in marks and case.serving.backend == CPU_MLA.name
     }
-    return [pytest.param(key, id=key, marks=marks.get(key, [])) for key in sorted(CASES)]
+    # The unpatched Mooncake pairs serve the installed vLLM alone, none of this library:
+    # the baseline that shows a difference of the patched pairs to be the migration's.
+    # They run in `make conformance` with the other upstream outcomes, not in `make test`.
+    baseline = [pytest.mark.upstream_baseline]
+    return [
+        pytest.param(
+            key,
+            id=key,
+            marks=marks.get(key, [])
+            + (baseline if CASES[key].transport == "mooncake" and not CASES[key].patched else []),
+        )
+        for key in sorted(CASES)
+    ]
 
 
 def _kv_config(case: ModelCase, role: str, by_name: bool) -> dict[str, object]:
@@ -664,6 +678,10 @@ def _assert_ran_the_patched_tree(
     worker = Path(origin).parent / "kv_connector" / "v1" / worker_file
     assert "traits_of(" in worker.read_text(), worker
     assert "TraitsNixlConnector: registered" not in log, server.describe()
+    if E2E_SHM_WAIT == "sleep":  # and vLLM's queues waited as ours do (the overlay's switch)
+        assert "kvspec-overlay: vllm.distributed.utils.USE_SCHED_YIELD False" in log, (
+            server.describe()
+        )
 
 
 _MOONCAKE_FAILED = re.compile(

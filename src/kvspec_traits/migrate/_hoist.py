@@ -20,13 +20,13 @@ Elsewhere the calls stay as written (``hoist_traits`` says how many subjects it 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, ParentNodeProvider
 
 __all__ = ["hoist_traits"]
 
@@ -71,6 +71,35 @@ def dotted_name(node: cst.BaseExpression) -> str | None:
         return None
     parts.append(node.value)
     return ".".join(reversed(parts))
+
+
+_CHILD_FIELDS: dict[type[cst.CSTNode], tuple[str, ...]] = {}
+
+
+def parent_map(module: cst.Module) -> dict[cst.CSTNode, cst.CSTNode]:
+    """Every node of ``module`` mapped to its parent: what LibCST's ``ParentNodeProvider``
+    answers (tests/test_migrate_parents.py compares the two on real trees), read off the
+    nodes' dataclass fields instead of a visit, which rebuilds every node on its way and
+    cost most of a migrate run."""
+    parents: dict[cst.CSTNode, cst.CSTNode] = {}
+    stack: list[cst.CSTNode] = [module]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        names = _CHILD_FIELDS.get(kind)
+        if names is None:
+            names = _CHILD_FIELDS[kind] = tuple(f.name for f in dataclasses.fields(node))
+        for name in names:
+            value = getattr(node, name)
+            if isinstance(value, cst.CSTNode):
+                parents[value] = node
+                stack.append(value)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, cst.CSTNode):
+                        parents[item] = node
+                        stack.append(item)
+    return parents
 
 
 def _local_name(subject: str) -> str:
@@ -331,11 +360,10 @@ def hoist_traits(code: str) -> tuple[str, int]:
     how many subjects asked more than once were left as written."""
     if "traits_of" not in code:
         return code, 0
-    wrapper = MetadataWrapper(cst.parse_module(code))
-    parents = wrapper.resolve(ParentNodeProvider)
+    module = cst.parse_module(code)
     collect = _Collect()
-    wrapper.module.visit(collect)
-    plan = _Plan(dict(parents))
+    module.visit(collect)
+    plan = _Plan(parent_map(module))
     # A subject is the same spec only where the same binding of its name holds: a
     # comprehension, lambda or ``for`` loop that binds the name makes a spec of its own.
     for function, subject, call in collect.calls:
@@ -356,4 +384,4 @@ def hoist_traits(code: str) -> tuple[str, int]:
             hoists.append(hoist)
     if not hoists:
         return code, left
-    return wrapper.module.visit(_Apply(hoists)).code, left
+    return module.visit(_Apply(hoists)).code, left

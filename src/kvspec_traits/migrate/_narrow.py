@@ -32,12 +32,10 @@ from dataclasses import dataclass
 from typing import Final
 
 import libcst as cst
-from libcst.codemod import CodemodContext
-from libcst.codemod.visitors import AddImportsVisitor
-from libcst.metadata import MetadataWrapper, ParentNodeProvider
 
-from kvspec_traits.migrate._hoist import dotted_name
+from kvspec_traits.migrate._hoist import dotted_name, parent_map
 from kvspec_traits.migrate._plan import Edit
+from kvspec_traits.migrate._rewrite import add_imports
 
 __all__ = ["narrow_casts"]
 
@@ -414,11 +412,10 @@ def narrow_casts(
     module = cst.parse_module(code)
     if _imports_cast_elsewhere(module):
         return code, 0
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    parents = dict(wrapper.resolve(ParentNodeProvider))
+    parents = parent_map(module)
     find = _Find()
-    wrapper.module.visit(find)
-    narrow = _Narrow(wrapper.module, parents, base_attributes)
+    module.visit(find)
+    narrow = _Narrow(module, parents, base_attributes)
     for call in find.calls:
         if len(call.args) != 1:
             continue
@@ -441,7 +438,5 @@ def narrow_casts(
     count = len(narrow.inline) + sum(len(v) for v in narrow.rebind.values())
     if not count:
         return code, 0
-    changed = wrapper.module.visit(_Apply(narrow))
-    context = CodemodContext()
-    AddImportsVisitor.add_needed_import(context, "typing", "cast")
-    return AddImportsVisitor(context).transform_module(changed).code, count
+    changed = module.visit(_Apply(narrow))
+    return add_imports(changed, "typing", ["cast"]).code, count

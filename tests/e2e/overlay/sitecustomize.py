@@ -11,8 +11,10 @@ the e2e tests read in each server's log: the proof that the server ran the patch
 
 ``KVSPEC_OVERLAY_SHM_SLEEP=1`` also makes vLLM's shared-memory queue readers wait with
 ``time.sleep(0)`` (``vllm.distributed.utils.USE_SCHED_YIELD`` false, set as that module
-loads): what ``kvspec_shm_wait: "sleep"`` does in the traits connector's processes, so a
-patched pair waits as the traits pairs do (docs/vllm.md, "Push end to end").
+loads; each process says so on stderr, ``kvspec-overlay: ... USE_SCHED_YIELD False``): what
+``kvspec_shm_wait: "sleep"`` does in the traits connector's processes, so a patched pair
+waits as the traits pairs do (docs/vllm.md, "Push end to end"), and ``make pd-bench``'s
+like-for-like pairs, upstream's and ours, wait alike (benchmarks/pd_bench.py).
 
 ``KVSPEC_OVERLAY_MOONCAKE_CPU_DEVICE=1`` (the MooncakeConnector pairs only, patched and
 unpatched alike) is a CPU-only shim for vLLM's Mooncake connector:
@@ -68,6 +70,11 @@ class _SleepingUtils(_AfterLoad):
 
     def after(self, module: ModuleType) -> None:
         module.USE_SCHED_YIELD = False  # type: ignore[attr-defined]
+        print(
+            f"kvspec-overlay: vllm.distributed.utils.USE_SCHED_YIELD False (pid {os.getpid()})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _cpu_device_index() -> int:
