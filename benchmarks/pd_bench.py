@@ -127,15 +127,21 @@ class Contender:
 
 
 def contenders(
-    mode: str, delay_us: int, shm_wait: str, vllm_wait: str = "sleep"
+    mode: str, delay_us: int, shm_wait: str, vllm_wait: str = "sleep", delay_both_us: int = 0
 ) -> tuple[Contender, ...]:
-    """Upstream, ours like for like (no ``kvspec_*`` key, the same environment), ours with
-    its keys (and vLLM's environment as installed)."""
+    """Upstream, ours like for like (no ``kvspec_*`` key, the same environment: vLLM's
+    queue wait and NIXL's progress delay set by the overlay), ours with its keys (and
+    vLLM's and NIXL's environment as installed)."""
     if vllm_wait not in VLLM_WAITS:
         raise ValueError(f"vLLM's queue wait {vllm_wait!r}: give one of {VLLM_WAITS}")
     common: dict[str, object] = {"kv_lease_duration": PUSH_LEASE_S} if mode == "push" else {}
     keys = {**common, NIXL_PROGRESS_DELAY: delay_us, SHM_WAIT: shm_wait}
-    env = overlay_environment(shm_sleep=True) if vllm_wait == "sleep" else {}
+    sleep = vllm_wait == "sleep"
+    env = (
+        overlay_environment(shm_sleep=sleep, nixl_progress_delay_us=delay_both_us)
+        if sleep or delay_both_us
+        else {}
+    )
     return (
         Contender("upstream", UPSTREAM[mode], None, common, env),
         Contender("ours", OURS[mode], MODULE, common, env),
@@ -144,8 +150,18 @@ def contenders(
 
 
 VLLM_WAITS = ("sleep", "yield")
-# What the overlay prints in each process where it made vLLM's queue readers sleep.
+# What the overlay prints in each process where it made vLLM's queue readers sleep, and
+# where it set NIXL's progress delay.
 SLEEP_PROOF = "kvspec-overlay: vllm.distributed.utils.USE_SCHED_YIELD False"
+DELAY_PROOF = "kvspec-overlay: NIXL progress delay {} us"
+
+
+def overlay_proofs(env: Mapping[str, str]) -> list[str]:
+    """The lines a server started with ``env`` must print (the overlay's switches)."""
+    proofs = [SLEEP_PROOF] if env.get("KVSPEC_OVERLAY_SHM_SLEEP") == "1" else []
+    if delay := env.get("KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US"):
+        proofs.append(DELAY_PROOF.format(delay))
+    return proofs
 
 
 LIKE_FOR_LIKE = "ours"
@@ -319,10 +335,10 @@ def start_pairs(pairs: Sequence[Pair], timeout_s: float) -> None:
             if all(_health(s) for s in pair.servers.servers()):
                 for server in pair.servers.servers():
                     server.check_serving()
-                    if pair.contender.env and SLEEP_PROOF not in server.log_path.read_text(
-                        errors="replace"
-                    ):
-                        raise server.fail(f"no {SLEEP_PROOF!r} in its log: vLLM's wait not set")
+                    log = server.log_path.read_text(errors="replace")
+                    for proof in overlay_proofs(pair.contender.env):
+                        if proof not in log:
+                            raise server.fail(f"no {proof!r} in its log: the overlay's switch")
                 pair.ready_s = time.monotonic() - pair.started
                 pair.freeze()
                 waiting.remove(pair)
@@ -338,7 +354,9 @@ def running_pairs(
 ) -> Iterator[list[Pair]]:
     serving = _serving(model)
     pairs = []
-    for contender in contenders(mode, args.progress_delay_us, args.shm_wait, args.vllm_wait):
+    for contender in contenders(
+        mode, args.progress_delay_us, args.shm_wait, args.vllm_wait, args.nixl_delay_both_us
+    ):
         where = workdir / contender.key
         servers = harness.ServerPair(
             *(
@@ -843,6 +861,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--progress-delay-us", type=int, default=100, help="ours+keys only")
     parser.add_argument("--shm-wait", default="sleep", help="ours+keys only")
+    parser.add_argument(
+        "--nixl-delay-both-us",
+        type=int,
+        default=100,
+        help="NIXL's progress delay for both like-for-like pairs, set by the e2e overlay "
+        "(0: NIXL's own spinning)",
+    )
     parser.add_argument(
         "--vllm-wait",
         choices=VLLM_WAITS,

@@ -10,6 +10,8 @@ TTFT percentiles nearest-rank, as ``tests/e2e/pd_soak.py`` computes them).
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,14 +20,17 @@ import pytest
 
 from benchmarks.pd_bench import (
     LIKE_FOR_LIKE,
+    SLEEP_PROOF,
     Contender,
     Pair,
     Verdict,
     contenders,
     judge,
+    overlay_proofs,
     pool,
     read_profile,
 )
+from tests.e2e.patched_vllm import overlay_environment
 from tests.e2e.pd_harness import ServerPair, VllmServer
 from tests.e2e.pd_soak import LoadResult, Outcome
 
@@ -103,8 +108,58 @@ def test_the_like_for_like_row_has_upstreams_settings_and_no_kvspec_key() -> Non
         assert ours.env["KVSPEC_OVERLAY_SHM_SLEEP"] == "1"
         assert ours.env["PYTHONPATH"].split(":")[0].endswith("tests/e2e/overlay")
         assert not keyed.env
+        assert overlay_proofs(ours.env) == [SLEEP_PROOF]
         yielding = contenders(mode, 100, "sleep", vllm_wait="yield")
         assert not any(c.env for c in yielding)
+        # NIXL's progress delay for both, by the overlay too (the default run's setting).
+        up, mine, keyed = contenders(mode, 100, "sleep", delay_both_us=100)
+        assert dict(mine.env) == dict(up.env) and not keyed.env
+        assert mine.env["KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US"] == "100"
+        assert overlay_proofs(mine.env) == [
+            SLEEP_PROOF,
+            "kvspec-overlay: NIXL progress delay 100 us",
+        ]
+
+
+_AGENT = """
+import sys, time
+import nixl._api as api
+config = api.nixlBind.nixlAgentConfig()
+config.pthrDelay = 0  # what nixl_agent sets
+print(config.pthrDelay)
+agent = api.nixl_agent("idle", api.nixl_agent_config())  # UCX, a progress thread
+start = time.process_time()
+time.sleep(1.0)
+print(time.process_time() - start)
+"""
+
+
+def test_the_overlay_gives_every_nixl_agent_the_delay_and_says_so(tmp_path: Path) -> None:
+    """A process started with the overlay's NIXL switch: the agent config NIXL builds keeps
+    the floor where NIXL writes 0, the process prints the line pd-bench requires, and an
+    idle agent's progress thread no longer spins a core (NIXL's own: 1.00 of a core idle,
+    0.03 at 100 us, benchmarks/bench_nixl_progress.py)."""
+    quiet = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+    env = {**quiet, **overlay_environment(shm_sleep=False, nixl_progress_delay_us=100)}
+    run = subprocess.run(
+        [sys.executable, "-c", _AGENT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    floor, cpu = run.stdout.split()
+    assert int(floor) == 100
+    assert "kvspec-overlay: NIXL progress delay 100 us (nixl_cu12._api;" in run.stderr
+    assert float(cpu) < 0.5, f"an idle agent took {cpu} s of CPU in 1 s"
+    # Without the switch the overlay leaves NIXL alone: its zero stands.
+    env = {**quiet, **overlay_environment(shm_sleep=False)}
+    plain = subprocess.run(
+        [sys.executable, "-c", _AGENT.split("agent =")[0]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.split() == ["0"] and "kvspec-overlay" not in plain.stderr
 
 
 def test_an_unknown_vllm_wait_is_refused_by_name() -> None:

@@ -20,10 +20,14 @@ OVERLAY = Path(__file__).resolve().parent / "overlay"
 """The folder holding the harness's ``sitecustomize.py``, first on a server's path."""
 
 
-def overlay_environment(*, shm_sleep: bool, mooncake_cpu_device: bool = False) -> dict[str, str]:
+def overlay_environment(
+    *, shm_sleep: bool, mooncake_cpu_device: bool = False, nixl_progress_delay_us: int = 0
+) -> dict[str, str]:
     """A server's extra environment with the overlay first on the path (then the
     checkout's ``src``) and the overlay's switches: ``shm_sleep`` (vLLM's queue readers
-    sleep), ``mooncake_cpu_device`` (the CPU-only shim for vLLM's Mooncake worker). Without
+    sleep), ``mooncake_cpu_device`` (the CPU-only shim for vLLM's Mooncake worker),
+    ``nixl_progress_delay_us`` (a floor under every NIXL agent's progress-thread delay;
+    0 leaves NIXL's). Without
     :meth:`PatchedTree.environment`'s ``KVSPEC_MIGRATED_ROOT`` the server imports the
     installed vLLM whole: the unpatched baseline of a patched pair."""
     env = {"PYTHONPATH": f"{OVERLAY}:{REPO / 'src'}"}
@@ -31,6 +35,8 @@ def overlay_environment(*, shm_sleep: bool, mooncake_cpu_device: bool = False) -
         env["KVSPEC_OVERLAY_SHM_SLEEP"] = "1"
     if mooncake_cpu_device:
         env["KVSPEC_OVERLAY_MOONCAKE_CPU_DEVICE"] = "1"
+    if nixl_progress_delay_us:
+        env["KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US"] = str(nixl_progress_delay_us)
     return env
 
 

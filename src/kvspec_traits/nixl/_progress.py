@@ -50,6 +50,22 @@ def check_delay(delay_us: object, what: str = "progress delay") -> int:
     return value
 
 
+def delayed_agent_config(native: Any, floor: int) -> Any:
+    """A subclass of NIXL's ``nixlAgentConfig`` (``native``) whose ``pthrDelay`` setter
+    keeps at least ``floor`` microseconds."""
+
+    class _DelayedConfig(native):  # type: ignore[misc]  # NIXL's pybind class
+        @property
+        def pthrDelay(self) -> int:  # NIXL's name
+            return int(native.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            native.pthrDelay.__set__(self, max(int(value), floor))
+
+    return _DelayedConfig
+
+
 @contextmanager
 def progress_delay(delay_us: int) -> Iterator[None]:
     """NIXL agents built inside the block give their progress thread at least
@@ -61,18 +77,8 @@ def progress_delay(delay_us: int) -> Iterator[None]:
     from nixl._api import nixlBind  # the bindings module the agent constructor reads
 
     native: Any = nixlBind.nixlAgentConfig
-
-    class _DelayedConfig(native):  # type: ignore[misc]  # NIXL's pybind class
-        @property
-        def pthrDelay(self) -> int:  # NIXL's name
-            return int(native.pthrDelay.__get__(self))
-
-        @pthrDelay.setter
-        def pthrDelay(self, value: int) -> None:
-            native.pthrDelay.__set__(self, max(int(value), floor))
-
     with _LOCK:
-        nixlBind.nixlAgentConfig = _DelayedConfig
+        nixlBind.nixlAgentConfig = delayed_agent_config(native, floor)
         try:
             yield
         finally:

@@ -16,6 +16,15 @@ loads; each process says so on stderr, ``kvspec-overlay: ... USE_SCHED_YIELD Fal
 waits as the traits pairs do (docs/vllm.md, "Push end to end"), and ``make pd-bench``'s
 like-for-like pairs, upstream's and ours, wait alike (benchmarks/pd_bench.py).
 
+``KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US=N`` gives every NIXL agent built in the process a
+progress thread that waits at least N microseconds between polls (what
+``kvspec_nixl_progress_delay_us`` does for the traits connector's agents: NIXL 1.5.1's
+Python API leaves the delay at zero, so each agent's thread spins a core), once NIXL's
+``_api`` module has loaded (its bindings' ``nixlAgentConfig`` replaced by
+``kvspec_traits.nixl._progress.delayed_agent_config``'s subclass); each process says so on
+stderr, ``kvspec-overlay: NIXL progress delay N us``. ``make pd-bench``'s like-for-like
+pairs, upstream's and ours, run with it alike.
+
 ``KVSPEC_OVERLAY_MOONCAKE_CPU_DEVICE=1`` (the MooncakeConnector pairs only, patched and
 unpatched alike) is a CPU-only shim for vLLM's Mooncake connector:
 ``MooncakeConnectorWorker.__init__`` asks ``torch.accelerator.current_device_index()``,
@@ -46,6 +55,9 @@ _MOONCAKE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_conn
 _ROOT = os.environ.get("KVSPEC_MIGRATED_ROOT", "")
 _SHM_SLEEP = os.environ.get("KVSPEC_OVERLAY_SHM_SLEEP") == "1"
 _MOONCAKE_CPU_DEVICE = os.environ.get("KVSPEC_OVERLAY_MOONCAKE_CPU_DEVICE") == "1"
+_NIXL_DELAY_US = os.environ.get("KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US", "")
+# NIXL's real API module per build (``nixl._api`` is an alias its __init__ puts in sys.modules).
+_NIXL_APIS = frozenset(f"{p}._api" for p in ("nixl_cu12", "nixl_cu13", "nixl_rocm"))
 
 
 class _AfterLoad(importlib.abc.Loader):
@@ -99,6 +111,39 @@ class _MooncakeOnCpu(_AfterLoad):
             )
 
 
+class _DelayedNixl(_AfterLoad):
+    """NIXL's API module as it is; once it has loaded, every agent config it builds keeps
+    a progress-thread delay of at least ``KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US``."""
+
+    def after(self, module: ModuleType) -> None:
+        from kvspec_traits.nixl._progress import check_delay, delayed_agent_config
+
+        floor = check_delay(int(_NIXL_DELAY_US), "KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US")
+        bindings = module.nixlBind
+        bindings.nixlAgentConfig = delayed_agent_config(bindings.nixlAgentConfig, floor)
+        print(
+            f"kvspec-overlay: NIXL progress delay {floor} us ({module.__name__}; "
+            f"pid {os.getpid()})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _wrappers() -> dict[str, type[_AfterLoad]]:
+    """The modules this process's switches wrap, and the wrapper of each."""
+    out: dict[str, type[_AfterLoad]] = {}
+    if _SHM_SLEEP:
+        out[_UTILS] = _SleepingUtils
+    if _MOONCAKE_CPU_DEVICE:
+        out[_MOONCAKE] = _MooncakeOnCpu
+    if _NIXL_DELAY_US:
+        out |= dict.fromkeys(_NIXL_APIS, _DelayedNixl)
+    return out
+
+
+_WRAPPERS = _wrappers()
+
+
 class _Overlay(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
@@ -113,18 +158,14 @@ class _Overlay(importlib.abc.MetaPathFinder):
                 flush=True,
             )
             return spec
-        if fullname == _UTILS and _SHM_SLEEP:
+        wrapper = _WRAPPERS.get(fullname)
+        if wrapper is not None:
             spec = importlib.machinery.PathFinder.find_spec(fullname, path)
             if spec is not None and spec.loader is not None:
-                spec.loader = _SleepingUtils(spec.loader)
-            return spec
-        if fullname == _MOONCAKE and _MOONCAKE_CPU_DEVICE:
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _MooncakeOnCpu(spec.loader)
+                spec.loader = wrapper(spec.loader)
             return spec
         return None
 
 
-if _ROOT or _SHM_SLEEP or _MOONCAKE_CPU_DEVICE:
+if _ROOT or _WRAPPERS:
     sys.meta_path.insert(0, _Overlay())
