@@ -21,7 +21,12 @@ minute on 2 shared cores, whichever connector it runs (docs/vllm.md, "Push end t
 stall of that size decides three runs by where it lands, not by the connector. Each server
 must say in its log that it waited so ("kvspec-overlay: ... USE_SCHED_YIELD False"), or the
 run fails. "yield" keeps vLLM's default for both (the figures of docs/vllm.md's first
-runs). The ``ours+keys`` pair runs without the overlay: its keys alone.
+runs). NIXL's progress delay likewise (``--nixl-delay-both-us``, default 100): NIXL's
+Python API builds agents whose progress thread spins a core, which no key of upstream's
+changes, so the overlay's ``KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US`` gives every agent of
+both like-for-like pairs the floor ours gets from ``kvspec_nixl_progress_delay_us`` (each
+server must print ``kvspec-overlay: NIXL progress delay 100 us``); 0 leaves NIXL's
+spinning to both. The ``ours+keys`` pair runs without the overlay: its keys alone.
 
 The three pairs of a model and mode start together and stay up only while that model and
 mode is measured. A pair that is not being measured is frozen (SIGSTOP on both servers'
@@ -855,8 +860,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="llama, pull, 1 run of 8; no target")
     parser.add_argument("--models", default="llama,deepseek-v2")
     parser.add_argument("--modes", default="pull,push")
-    parser.add_argument("--runs", type=int, default=3, help="batches per pair, alternating")
-    parser.add_argument("--requests", type=int, default=48, help="requests per batch")
+    parser.add_argument("--runs", type=int, default=4, help="batches per pair, alternating")
+    parser.add_argument("--requests", type=int, default=96, help="requests per batch")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--progress-delay-us", type=int, default=100, help="ours+keys only")
