@@ -181,6 +181,8 @@ def header(plan: MigrationPlan, version: str, hand: list[HandEdit]) -> str:
         "",
         "Left, by reason:",
     ]
+    if not left:
+        lines.append("  none: every site asks traits")
     for reason, where in sorted(left.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"  {reason} ({len(where)}):")
         lines.extend(f"    {w}" for w in where)

@@ -133,6 +133,7 @@ def _latent(spec: LatentPageSpec) -> LayoutTraits:
         attention_page=True,
         token_paged=True,
         keeps_prompt=True,
+        holds_hidden_states=False,
         grouped=False,
     )
 
@@ -256,6 +257,7 @@ def _wkv_traits(spec: WkvStateSpec, *, described: bool) -> LayoutTraits:
         attention_page=False,
         token_paged=False,
         keeps_prompt=False,
+        holds_hidden_states=False,
         grouped=False,
     )
 

@@ -16,9 +16,11 @@ from vllm.v1 import kv_cache_interface as kvi
 
 from kvspec_traits import (
     KVLayoutTraits,
+    MixedGroupTraitsError,
     TokenScope,
     TPLayout,
     UnsupportedSpecError,
+    trait_names,
     traits_of,
 )
 from kvspec_traits.catalog import refused_specs, representative_specs, spec_classes
@@ -369,3 +371,36 @@ def test_the_kind_traits_of_every_catalog_spec() -> None:
         name = type(spec).__name__
         assert (t.attention_page, t.token_paged, t.keeps_prompt) == _KINDS[name], label
         assert t.grouped is (name == "UniformTypeKVCacheSpecs"), label
+
+
+def _hidden_or_latent(cls: type[kvi.MLAAttentionSpec]) -> kvi.MLAAttentionSpec:
+    return cls(block_size=16, num_kv_heads=3, head_size=4096, dtype=torch.bfloat16)
+
+
+def test_only_hidden_state_pages_hold_hidden_states() -> None:
+    """vLLM's HiddenStateCacheSpec is a marker subclass of MLAAttentionSpec: every layout
+    trait equals an MLA page's of the same fields, and only holds_hidden_states (what
+    ExampleHiddenStatesConnector finds its group by) tells them apart."""
+    for label, spec in CATALOG.items():
+        held = traits_of(spec).holds_hidden_states
+        assert held is isinstance(spec, kvi.HiddenStateCacheSpec), label
+    hidden = traits_of(_hidden_or_latent(kvi.HiddenStateCacheSpec))
+    latent = traits_of(_hidden_or_latent(kvi.MLAAttentionSpec))
+    assert hidden.holds_hidden_states and not latent.holds_hidden_states
+    others = [n for n in trait_names() if n not in ("spec_name", "holds_hidden_states")]
+    assert {n: getattr(hidden, n) for n in others} == {n: getattr(latent, n) for n in others}
+    # A group of hidden-state layers holds them (a check on the class asked the wrapper and
+    # missed it); a group mixing them with MLA layers has no single answer.
+    members: dict[str, kvi.KVCacheSpec] = {
+        f"l{i}": _hidden_or_latent(kvi.HiddenStateCacheSpec) for i in range(2)
+    }
+    group = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=members)
+    assert traits_of(group).holds_hidden_states
+    mixed: dict[str, kvi.KVCacheSpec] = {
+        "h": _hidden_or_latent(kvi.HiddenStateCacheSpec),
+        "m": _hidden_or_latent(kvi.MLAAttentionSpec),
+    }
+    mixed_traits = traits_of(kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=mixed))
+    assert mixed_traits.is_mla  # the traits both members share are answered
+    with pytest.raises(MixedGroupTraitsError, match="holds_hidden_states"):
+        _ = mixed_traits.holds_hidden_states

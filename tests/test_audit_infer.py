@@ -108,6 +108,7 @@ _DEFAULTS = dict(
     attention_page=T,
     token_paged=T,
     keeps_prompt=F,
+    holds_hidden_states=F,
     grouped=F,
 )
 # (issue 20's kind traits, by the same rules as vLLM's classes: Hot and State have no

@@ -306,9 +306,9 @@ def test_refuses_a_file_changed_since_it_was_read(tmp_path: Path, universe: Univ
 def test_json_lists_edits_and_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "mixed.py"
     path.write_text(
-        "from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, MambaSpec\n"
+        "from vllm.v1.kv_cache_interface import MambaSpec, SinkFullAttentionSpec\n"
         "def f(spec):\n"
-        "    return isinstance(spec, MambaSpec), isinstance(spec, HiddenStateCacheSpec)\n"
+        "    return isinstance(spec, MambaSpec), isinstance(spec, SinkFullAttentionSpec)\n"
     )
     assert cli_main(["migrate", "--json", str(path)]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -316,7 +316,7 @@ def test_json_lists_edits_and_skips(tmp_path: Path, capsys: pytest.CaptureFixtur
         (3, "isinstance(spec, MambaSpec)", RECURRENT)
     ]
     assert [(s["line"], s["text"]) for s in out["skips"]] == [
-        (3, "isinstance(spec, HiddenStateCacheSpec)")
+        (3, "isinstance(spec, SinkFullAttentionSpec)")
     ]
     assert out["skips"][0]["reason"].startswith("no trait question")
     assert out["written"] is False and out["refused"] == []

@@ -55,28 +55,31 @@ def measured(tmp_path_factory: pytest.TempPathFactory, universe: Universe) -> An
 # representative forms took the whole trees to 80/92, 92/104 and 94/104 sites rewritten;
 # `A and not B` asked as two traits (MoRIIO's sliding window that is not MLA on 0.34,
 # offloading's full attention that is not MLA on 0.32/0.33) one more each, and a set of
-# scopes one more on 0.32 (MoRIIO's `(SlidingWindowSpec, MambaSpec)`).
+# scopes one more on 0.32 (MoRIIO's `(SlidingWindowSpec, MambaSpec)`). The
+# holds_hidden_states trait made ExampleHiddenStatesConnector's class check an exact match,
+# and rewrote it, on every series (one more exact site, one more rewritten).
 EXPECTED = {
     "0.32": (
         92,
-        81,
-        87,
+        82,
+        88,
         ["class-compare", "deliberate", "issubclass", "issubclass", "kept", "kept"],
     ),
     "0.33": (
         104,
-        93,
-        99,
+        94,
+        100,
         ["class-compare", "deliberate", "issubclass", "issubclass", "kept", "kept"],
     ),
-    "0.34": (105, 94, 98, ["issubclass", "issubclass", "kept", "kept"]),
+    "0.34": (105, 95, 99, ["issubclass", "issubclass", "kept", "kept"]),
 }
-# All sites rewritten (exact matches, the miss fixed), per series. On 0.34, 95 of 105
-# (90.5%). Left there: a class set built at run time (`supported += (CircularBufferSpec,)`
-# under a condition, moriio_connector.py:655), which one line cannot ask since the set
-# differs by path (and whose classes no set of token scopes names: a bare AttentionSpec
-# has the FULL scope too).
-REWRITTEN = {"0.32": 82, "0.33": 94, "0.34": 95}
+# All sites rewritten by migrate (exact matches, the miss fixed), per series. On 0.34, 96
+# of 105 (91.4%). Left to migrate there, and rewritten by scripts/hand_edits.py: among
+# them a class set built at run time (`supported += (CircularBufferSpec,)` under a
+# condition, moriio_connector.py:655), which one line cannot ask since the set differs by
+# path (and whose classes no set of token scopes names: a bare AttentionSpec has the FULL
+# scope too).
+REWRITTEN = {"0.32": 83, "0.33": 95, "0.34": 96}
 
 
 def test_rewrites_most_exact_match_sites(measured: Any) -> None:

@@ -64,6 +64,12 @@ FINGERPRINT: dict[str, str | tuple[None, str]] = {
     "attention_page": (None, "the page kind; its bytes are state_components and head_segment"),
     "token_paged": (None, "which blocks move, already in the record as state and scratch"),
     "keeps_prompt": (None, "the scheduler's choice of blocks, not their bytes"),
+    "holds_hidden_states": (
+        None,
+        "what a page's bytes mean, not their layout: a region of hidden states moves as "
+        "any page of its geometry, and vLLM's compatibility hash covers the drafter "
+        "config that adds the layer",
+    ),
     "grouped": (None, "a region is per layer (traits_for_layer), never a group's page"),
 }
 
@@ -95,6 +101,7 @@ AUDIT: dict[str, str | tuple[None, str]] = {
     "attention_page": "attention_page",
     "token_paged": "token_paged",
     "keeps_prompt": "keeps_prompt",
+    "holds_hidden_states": "holds_hidden_states",
     "grouped": "grouped",
 }
 
@@ -127,6 +134,7 @@ VERIFIED: dict[str, tuple[str, ...] | tuple[None, str]] = {
     "attention_page": (None, _NO_PROPERTY),
     "token_paged": (None, _NO_PROPERTY),
     "keeps_prompt": (None, _NO_PROPERTY),
+    "holds_hidden_states": (None, "a marker class with no field of its own (class identity)"),
     "grouped": (None, "True exactly for GroupTraits (LayoutTraits refuses True)"),
 }
 

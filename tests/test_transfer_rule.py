@@ -57,6 +57,7 @@ def _traits(scope: TokenScope, *, block_size: int = 16, window: int | None = Non
         attention_page=not state,
         token_paged=scope not in (TokenScope.RECURRENT_STATE, TokenScope.RING),
         keeps_prompt=scope in (TokenScope.FULL, TokenScope.PROMPT_AND_WINDOW),
+        holds_hidden_states=False,
         grouped=False,
     )
 

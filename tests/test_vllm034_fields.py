@@ -125,6 +125,7 @@ def test_kv_head_major_slots_moves_bytes_without_changing_the_page(
         token_paged=scope is not TokenScope.RING,
         # every prompt block kept: FullAttentionSpec and its subclasses (R-SWA too)
         keeps_prompt=issubclass(cls, kvi.FullAttentionSpec),
+        holds_hidden_states=False,
         grouped=False,
     )
     # the slot-major page differs in that trait alone: a head's K and V slots are 8 apart

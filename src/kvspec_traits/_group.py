@@ -184,6 +184,10 @@ class GroupTraits(KVLayoutTraits):
         return bool(self._get("keeps_prompt"))
 
     @property
+    def holds_hidden_states(self) -> bool:
+        return bool(self._get("holds_hidden_states"))
+
+    @property
     def grouped(self) -> bool:
         return True  # the members' pages side by side: traits_for_layer reads each
 

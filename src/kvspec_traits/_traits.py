@@ -351,6 +351,20 @@ class KVLayoutTraits(Protocol):
         ...
 
     @property
+    def holds_hidden_states(self) -> bool:
+        """Whether the pages hold a model's hidden states (the activations a drafter or
+        an external store reads back), not attention K/V, a latent or a recurrent state.
+        A connector that extracts hidden states (vLLM's ``ExampleHiddenStatesConnector``)
+        finds their group by this; every layout trait of such a page may equal another
+        page's (vLLM's are MLA pages of ``num_kv_heads`` hidden states).
+
+        Source: the adapter: True for vLLM's ``HiddenStateCacheSpec`` (a marker subclass of
+        MLAAttentionSpec with no field of its own, so class identity, as for HiSparse
+        pages), False for every other spec; a group only if all its members agree.
+        """
+        ...
+
+    @property
     def grouped(self) -> bool:
         """Whether these are the traits of a group spec: several layers' pages side by
         side, each layer's own traits in ``traits_for_layer`` (where code unwraps vLLM's
@@ -395,6 +409,7 @@ class LayoutTraits(KVLayoutTraits):
     attention_page: bool
     token_paged: bool
     keeps_prompt: bool
+    holds_hidden_states: bool
     grouped: Annotated[bool, GroupRule.MEMBERS]
 
     def __post_init__(self) -> None:

@@ -114,15 +114,22 @@ _register(("AttentionSpec",), _bare, reads=ATTENTION_READS, ignores=ATTENTION_IG
 # through the MRO walk, its field accounting and its byte-math check, never silently
 # through this list.
 _register(
-    (
-        "FullAttentionSpec",
-        "MLAAttentionSpec",
-        "HiddenStateCacheSpec",
-        "SinkFullAttentionSpec",
-    ),
+    ("FullAttentionSpec", "MLAAttentionSpec", "SinkFullAttentionSpec"),
     _keeps_every_token,
     reads=ATTENTION_READS,
     ignores=ATTENTION_IGNORES,
+)
+
+
+def _hidden_states(spec: AttentionSpec) -> LayoutTraits:
+    # vLLM's marker subclass of MLAAttentionSpec ("Marker for hidden-state cache layers
+    # used by extract_hidden_states"): an MLA page of num_kv_heads hidden states of
+    # head_size each, kept for every token; what it holds is the class's only news.
+    return attention_traits(spec, holds_hidden_states=True)
+
+
+_register(
+    ("HiddenStateCacheSpec",), _hidden_states, reads=ATTENTION_READS, ignores=ATTENTION_IGNORES
 )
 
 

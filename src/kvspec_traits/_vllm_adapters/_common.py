@@ -337,6 +337,7 @@ def attention_traits(
         attention_page=True,
         token_paged=token_scope is not TokenScope.RING,
         keeps_prompt=token_scope in _KEEPS_PROMPT,
+        holds_hidden_states=False,
         grouped=False,
     )
     return replace(traits, **overrides) if overrides else traits  # type: ignore[arg-type]

@@ -173,6 +173,7 @@ def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
         attention_page=False,
         token_paged=False,
         keeps_prompt=False,
+        holds_hidden_states=False,
         grouped=False,
     )
     return replace(traits, **overrides) if overrides else traits  # type: ignore[arg-type]
@@ -210,6 +211,7 @@ def _hisparse(spec: HiSparseHotSpec | HiSparseResidentSpec, scope: TokenScope) -
         attention_page=False,
         token_paged=True,
         keeps_prompt=False,
+        holds_hidden_states=False,
         grouped=False,
     )
 

@@ -148,6 +148,7 @@ QUESTIONS: tuple[Question, ...] = (
     _flag("attention_page", common=True),
     _flag("token_paged", common=True),
     _flag("keeps_prompt"),
+    _flag("holds_hidden_states"),
     _flag("grouped"),
 )
 """In order of preference when two questions fit a branch equally well."""
