@@ -29,6 +29,7 @@ from benchmarks.pd_bench import (
     overlay_proofs,
     pool,
     read_profile,
+    tail_split,
 )
 from tests.e2e.patched_vllm import overlay_environment
 from tests.e2e.pd_harness import ServerPair, VllmServer
@@ -74,6 +75,54 @@ def test_a_miss_smaller_than_the_spread_of_the_runs_is_said_so_and_not_failed() 
     assert wide.spread == pytest.approx(0.15)
     assert not wide.met and wide.within_spread and not wide.missed
     assert "within spread" in wide.describe()
+
+
+def test_a_p99_miss_is_weighed_against_the_same_codes_two_pairs() -> None:
+    # TTFT p99: upstream 100 ms in 3 runs of 10; ours 130 ms in every run: ratio 1.30, per
+    # run 1.30 each, spread 0: a miss on its own. The same code's other pair (ours with
+    # the keys) at 95 ms: A/A ratio 95 / 130 = 0.731, a factor 1/0.731 = 1.368 from 1, at
+    # least ours/upstream's 1.30: within noise, not failed. At 120 ms the A/A ratio 0.923
+    # (a factor 1.083) is nearer 1 than 1.30: the miss stands.
+    upstream = [_batch(10, 1.0, 0.100) for _ in range(3)]
+    ours = [_batch(10, 1.0, 0.130) for _ in range(3)]
+    noisy = [_batch(10, 1.0, 0.095) for _ in range(3)]
+    _rps, p50, p99 = judge(ours, upstream, noisy)
+    assert p99.ratio == pytest.approx(1.30) and p99.spread == pytest.approx(0.0)
+    assert p99.same_code == pytest.approx(95 / 130)
+    assert p99.within_noise and not p99.missed
+    assert "within noise" in p99.describe() and "same code 0.73x" in p99.describe()
+    # Only the tail is weighed so: the median of every request keeps the per-run spread.
+    assert p50.same_code is None and p50.missed
+    steady = [_batch(10, 1.0, 0.120) for _ in range(3)]
+    _rps, _p50, p99 = judge(ours, upstream, steady)
+    assert p99.same_code == pytest.approx(120 / 130)
+    assert not p99.within_noise and p99.missed
+    # Without the other pair (the keyed row not run) nothing changes.
+    assert judge(ours, upstream)[2].missed
+
+
+def _timed(start: float, prefill_s: float, decode_s: float) -> Outcome:
+    """A disaggregated answer started at ``start``: TTFT = prefill + decode request."""
+    ttft = prefill_s + decode_s
+    return Outcome(0, "ok", (1,), ttft, ttft, finished_at=start + ttft, decode_ttft=decode_s)
+
+
+def test_the_tail_split_says_which_server_held_the_slowest_requests() -> None:
+    # 100 requests: 97 of 100 ms (prefill 60, decode 40), three of 600 ms (prefill 500,
+    # decode 100), two of them started 50 ms apart, the third 2 s later. Nearest-rank p99
+    # is the 99th: 600 ms, so the tail is the three; their means 500 and 100 ms; two
+    # started within 100 ms of another.
+    fast = [_timed(i * 0.01, 0.060, 0.040) for i in range(97)]
+    slow = [_timed(1.00, 0.5, 0.1), _timed(1.05, 0.5, 0.1), _timed(3.05, 0.5, 0.1)]
+    split = tail_split([LoadResult("b", fast + slow, 5.0)])
+    assert split is not None
+    assert split.requests == 3
+    assert split.prefill_ms == pytest.approx(500) and split.decode_ms == pytest.approx(100)
+    assert split.clustered == 2
+    assert "2 of them started within 100 ms of another" in split.describe()
+    # Answers of one server alone (no decode request) have no split.
+    alone = [Outcome(0, "ok", (1,), 0.1, 0.1, finished_at=1.0)]
+    assert tail_split([LoadResult("b", alone, 1.0)]) is None
 
 
 def test_an_unanswered_upstream_is_a_miss_not_a_pass() -> None:
