@@ -1012,7 +1012,30 @@ def report(groups: Sequence[Group], judged: bool) -> tuple[list[str], list[str]]
         lines += ["", "Where the time goes (py-spy, one extra batch each, not measured):", ""]
         lines += profiles
     lines += ["", "Like-for-like verdicts:", *(f"- {v}" for v in verdicts)]
+    lines += [
+        "",
+        "The same code against itself (ours with the keys over ours without: two pairs of "
+        "one code in this run, its resolution; not judged):",
+        "",
+    ]
+    for group in groups:
+        lines.append(f"- {group.model} {group.mode}: {same_code_line(group)}")
     return lines, missed
+
+
+def same_code_line(group: Group) -> str:
+    """The A/A figures of one model and mode: the like-for-like targets applied to ours
+    with the keys against ours without, and which of them the same code misses."""
+    by_key = {p.contender.key: p for p in group.pairs}
+    keyed, ours = by_key["ours+keys"].results, by_key[LIKE_FOR_LIKE].results
+    if not keyed or not ours or len(keyed) != len(ours):
+        return "not measured"
+    verdicts = judge(keyed, ours)
+    figures = ", ".join(f"{v.metric} {v.ratio:.2f}x" for v in verdicts)
+    outside = [v.metric for v in verdicts if not v.met]
+    return figures + (
+        f"; outside the targets: {', '.join(outside)}" if outside else "; within the targets"
+    )
 
 
 def _build_models(names: Sequence[str], models_dir: Path) -> None:

@@ -22,6 +22,7 @@ from benchmarks.pd_bench import (
     LIKE_FOR_LIKE,
     SLEEP_PROOF,
     Contender,
+    Group,
     Pair,
     Verdict,
     contenders,
@@ -29,6 +30,7 @@ from benchmarks.pd_bench import (
     overlay_proofs,
     pool,
     read_profile,
+    same_code_line,
     tail_split,
 )
 from tests.e2e.patched_vllm import overlay_environment
@@ -123,6 +125,32 @@ def test_the_tail_split_says_which_server_held_the_slowest_requests() -> None:
     # Answers of one server alone (no decode request) have no split.
     alone = [Outcome(0, "ok", (1,), 0.1, 0.1, finished_at=1.0)]
     assert tail_split([LoadResult("b", alone, 1.0)]) is None
+
+
+def test_the_same_codes_two_pairs_show_the_runs_resolution(tmp_path: Path) -> None:
+    # Ours without the keys: 3 runs of 10 requests in 1 s at 100 ms; ours with the keys: 10
+    # in 1.05 s at 116 ms. Keyed over plain: req/s (30 / 3.15) / 30 = 0.952 (below 0.98),
+    # TTFT p50 and p99 1.16 (above 1.05): the same code outside all three targets.
+    servers = ServerPair(
+        *(
+            VllmServer(name=n, model=tmp_path, served_model_name="x", core=0, workdir=tmp_path)
+            for n in ("prefill", "decode")
+        )
+    )
+    plain = Pair(Contender(LIKE_FOR_LIKE, "TraitsNixlConnector", None, {}), servers)
+    keyed = Pair(Contender("ours+keys", "TraitsNixlConnector", None, {}), servers)
+    plain.results = [_batch(10, 1.0, 0.100) for _ in range(3)]
+    keyed.results = [_batch(10, 1.05, 0.116) for _ in range(3)]
+    line = same_code_line(Group("llama", "pull", [plain, keyed]))
+    assert line == (
+        "req/s 0.95x, TTFT p50 1.16x, TTFT p99 1.16x; outside the targets: req/s, "
+        "TTFT p50, TTFT p99"
+    )
+    keyed.results = [_batch(10, 1.0, 0.102) for _ in range(3)]  # 1.02x: within 1.05
+    line = same_code_line(Group("llama", "pull", [plain, keyed]))
+    assert line.endswith("TTFT p99 1.02x; within the targets")
+    keyed.results = []
+    assert same_code_line(Group("llama", "pull", [plain, keyed])) == "not measured"
 
 
 def test_an_unanswered_upstream_is_a_miss_not_a_pass() -> None:
