@@ -125,7 +125,8 @@ def test_kv_head_major_slots_moves_bytes_without_changing_the_page(
         token_paged=scope is not TokenScope.RING,
         # every prompt block kept: FullAttentionSpec and its subclasses (R-SWA too)
         keeps_prompt=issubclass(cls, kvi.FullAttentionSpec),
-        holds_hidden_states=False,
+        # the marker class of extracted hidden states, and no other
+        holds_hidden_states=cls is kvi.HiddenStateCacheSpec,
         grouped=False,
     )
     # the slot-major page differs in that trait alone: a head's K and V slots are 8 apart
