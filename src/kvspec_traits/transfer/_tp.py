@@ -150,6 +150,10 @@ def tp_reads(
         states = region.state and not region.paged
     if states and region.sharded_state:
         return _state_reads(region, local_tp, local_rank, remote_tp)
+    if states and local_tp != remote_tp:
+        # A replicated state: the same content on every rank, padded to a page whose
+        # size may follow the TP size (a hybrid's unified page): the content alone.
+        return (Read(local_rank % remote_tp, 0, 0, _state_content(region)),)
     if region.replicated or states:
         return (Read(local_rank % remote_tp, 0, 0, region.block_len),)
     return _paged_reads(region, local_tp, local_rank, remote_tp, remote_block_len)
@@ -218,6 +222,12 @@ def _state_reads(
                 Read(rank, local_base + a - lo, remote_base + a - rank * remote_run, b - a)
             )
     return tuple(reads)
+
+
+def _state_content(region: Region) -> int:
+    """Bytes of a state page up to its last component that is not padding."""
+    content = [c for c in region.state_components if not c.name.startswith("pad")]
+    return content[-1].offset + content[-1].nbytes if content else region.block_len
 
 
 def _state_parts(region: Region, local_tp: int, remote_tp: int) -> list[tuple[int, int, int]]:
