@@ -206,9 +206,10 @@ def _record_keys() -> set[str]:
 
 
 # The record keys of fingerprint version 5 (4 added the stage, "pp", beside the records;
-# 5 the state groups of a shared region, and each state component's TP runs). A new Region field joins the record by itself
-# (traits_record iterates Region's fields): a peer running the previous release would
-# then be refused with a diff in every region, so the version must say so.
+# 5 the state groups of a shared region, and each state component's TP runs). A new
+# Region field joins the record by itself (traits_record iterates Region's fields): a
+# peer running the previous release would then be refused with a diff in every region,
+# so the version must say so.
 RECORD_V5 = {
     "name", "layers", "block_len", "replicated", "tp_layout", "tp_shards", "paged", "state",
     "state_tp_layout", "state_components", "scratch", "scope", "dtype", "kv_quant_mode",
