@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import tomllib
 from pathlib import Path
 
 from kvspec_traits._traits import trait_names
@@ -125,3 +126,15 @@ def test_operating_names_the_option_and_each_unsafe_layout() -> None:
     for layout in ("DeepSeek-V4's block rows on vLLM 0.32", "block size on prefill and decode"):
         assert layout in text, layout
     assert "test_deepseek_v4_differs_only_where_upstream_is_wrong" in text
+
+
+def test_the_connector_page_lists_every_expected_difference() -> None:
+    """scripts/conformance/expected_differences.toml's header says docs/vllm.md lists its
+    entries: each ``[[difference]]``'s vLLM test is named there."""
+    entries = tomllib.loads(
+        (ROOT / "scripts" / "conformance" / "expected_differences.toml").read_text()
+    )
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    named = [e["test"].split("::")[-1].split("[")[0] for e in entries.get("difference", [])]
+    assert named, "no [[difference]] entry read"
+    assert [n for n in named if f"{n}`" not in text] == []
