@@ -20,8 +20,8 @@ Python < 3.11.1, instead of ``os.sched_yield()``. Upstream's classes cannot read
 minute on 2 shared cores, whichever connector it runs (docs/vllm.md, "Push end to end"): a
 stall of that size decides three runs by where it lands, not by the connector. Each server
 must say in its log that it waited so ("kvspec-overlay: ... USE_SCHED_YIELD False"), or the
-run fails. "yield" keeps vLLM's default for both (the figures of docs/vllm.md's first
-runs). NIXL's progress delay likewise (``--nixl-delay-both-us``, default 100): NIXL's
+run fails. "yield" keeps vLLM's default for both (the conditions of the first runs, in
+docs/vllm.md's history). NIXL's progress delay likewise (``--nixl-delay-both-us``, default 100): NIXL's
 Python API builds agents whose progress thread spins a core, which no key of upstream's
 changes, so the overlay's ``KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US`` gives every agent of
 both like-for-like pairs the floor ours gets from ``kvspec_nixl_progress_delay_us`` (each
