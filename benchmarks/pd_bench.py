@@ -21,8 +21,8 @@ minute on 2 shared cores, whichever connector it runs (docs/vllm.md, "Push end t
 stall of that size decides three runs by where it lands, not by the connector. Each server
 must say in its log that it waited so ("kvspec-overlay: ... USE_SCHED_YIELD False"), or the
 run fails. "yield" keeps vLLM's default for both (the conditions of the first runs, in
-docs/vllm.md's history). NIXL's progress delay likewise (``--nixl-delay-both-us``, default 100): NIXL's
-Python API builds agents whose progress thread spins a core, which no key of upstream's
+docs/vllm.md's history). NIXL's progress delay likewise (``--nixl-delay-both-us``, default
+100): NIXL's Python API builds agents whose progress thread spins a core, which no key of upstream's
 changes, so the overlay's ``KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US`` gives every agent of
 both like-for-like pairs the floor ours gets from ``kvspec_nixl_progress_delay_us`` (each
 server must print ``kvspec-overlay: NIXL progress delay 100 us``); 0 leaves NIXL's
