@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -463,3 +464,65 @@ def test_mooncake_engines_move_every_heterogeneous_cell(
             engine.close()
         for key in keys:
             remote.command("close", key=key)
+
+
+# -- the table docs/tp-pairs.md shows, generated from the planner ------------------------
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "tp-pairs.md"
+BEGIN, END = "<!-- BEGIN generated: tests/test_tp_matrix.py -->", "<!-- END generated -->"
+DESCRIBED = {
+    "gqa8": "GQA, 8 KV heads (Llama-3 8B)",
+    "mqa": "one KV head (MQA)",
+    "gqa2": "2 KV heads",
+    "mla": "MLA (DeepSeek-V3)",
+    "mla_gqa_uniform": "MLA + 2-head GQA in one UniformTypeKVCacheSpecs group",
+    "gdn_state_gqa2": "GDN state (TP-sharded, DS conv layout) + 2-head GQA",
+    "replicated_state_gqa": "TP-replicated state + 8-head GQA",
+    "deepseek_v4": "DeepSeek-V4 rows (compressed MLA, SWA, rings, indexer)",
+}
+
+
+def _verdict(name: str, producer_tp: int, consumer_tp: int) -> tuple[str, str]:
+    """(kvspec_traits.transfer and Mooncake, TraitsNixlConnector) for one cell, as the
+    planner and the connector's pre-handshake check decide it."""
+    from kvspec_traits.vllm_connector import UnsupportedReplicaTPError
+    from kvspec_traits.vllm_connector._handshake import check_replica_tp
+
+    producer, consumer = _rank(name, producer_tp, 0), _rank(name, consumer_tp, 0)
+    try:
+        check_tp_pair(consumer.plan.regions, local_tp=consumer_tp, remote_tp=producer_tp)
+        check_handshake(consumer.plan, producer.plan.fingerprint())
+    except (HandshakeMismatchError, ValueError) as err:
+        reason = "refused: " + (
+            "block_len differs" if isinstance(err, HandshakeMismatchError) else type(err).__name__
+        )
+        return reason, reason
+    try:
+        check_replica_tp(consumer.plan, consumer_tp, producer_tp)
+    except UnsupportedReplicaTPError:
+        return "moves", "refused: UnsupportedReplicaTPError"
+    return "moves", "moves"
+
+
+def render_table() -> str:
+    header = "| layout | " + " | ".join(f"P{p}->D{d}" for p, d in PAIRS) + " |"
+    lines = [header, "|---" * (len(PAIRS) + 1) + "|"]
+    for name in LAYOUTS:
+        cells = []
+        for p, d in PAIRS:
+            engines, nixl = _verdict(name, p, d)
+            cells.append(engines if engines == nixl else f"{engines}; NIXL connector {nixl}")
+        lines.append(f"| {DESCRIBED[name]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def test_the_docs_table_is_the_planners() -> None:
+    """docs/tp-pairs.md's table is this module's planner answers; KVSPEC_WRITE_DOCS=1
+    rewrites it."""
+    text = DOC.read_text()
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    fresh = f"{head}{BEGIN}\n{render_table()}\n{END}{tail}"
+    if os.environ.get("KVSPEC_WRITE_DOCS") == "1":
+        DOC.write_text(fresh)
+    assert text == fresh, "docs/tp-pairs.md is stale: rerun with KVSPEC_WRITE_DOCS=1"
