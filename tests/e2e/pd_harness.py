@@ -447,9 +447,13 @@ def running_pair(
     decode_kv: Mapping[str, Any],
     serving: Serving = DEFAULT_SERVING,
     extra_env: Mapping[str, str] | None = None,
+    prefill_env: Mapping[str, str] | None = None,
+    decode_env: Mapping[str, str] | None = None,
 ) -> Iterator[ServerPair]:
     """Start both servers at once, wait for both, check they serve as ``serving`` says,
-    yield, and always kill both.
+    yield, and always kill both. ``extra_env`` goes to both servers' environment,
+    ``prefill_env`` and ``decode_env`` over it to one server's (a mixed pair's sides run
+    different connectors, which need different switches).
 
     Refuses to start while another server of this process runs: one pair at a time.
     """
@@ -468,6 +472,8 @@ def running_pair(
             decode_kv=decode_kv,
             serving=serving,
             extra_env=extra_env,
+            prefill_env=prefill_env,
+            decode_env=decode_env,
         )
 
 
@@ -542,6 +548,8 @@ def _run_pair(
     decode_kv: Mapping[str, Any],
     serving: Serving,
     extra_env: Mapping[str, str] | None,
+    prefill_env: Mapping[str, str] | None,
+    decode_env: Mapping[str, str] | None,
 ) -> Iterator[ServerPair]:
     env = dict(extra_env or {})
     pair = ServerPair(
@@ -553,7 +561,7 @@ def _run_pair(
             workdir=workdir,
             serving=serving,
             kv_transfer_config=prefill_kv,
-            extra_env=env,
+            extra_env={**env, **(prefill_env or {})},
         ),
         decode=VllmServer(
             name="decode",
@@ -563,7 +571,7 @@ def _run_pair(
             workdir=workdir,
             serving=serving,
             kv_transfer_config=decode_kv,
-            extra_env=env,
+            extra_env={**env, **(decode_env or {})},
         ),
     )
     try:

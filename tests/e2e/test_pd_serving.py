@@ -39,6 +39,15 @@ recomputed, under vLLM's ``kv_load_failure_policy`` "fail" (a failed load is an 
 a silent recompute); and each server's log: no failed send or pull, the producer's
 connector stats (``KV Transfer metrics``) counting the successful writes.
 
+The *mixed* cases (issue 50 item 1) are a fleet switched one side at a time, pull mode:
+the installed vLLM's own ``NixlConnector`` (unpatched; the overlay gives it the queue wait
+and NIXL progress delay the traits side's keys set) on the prefill server and
+``TraitsNixlConnector`` on the decode server, and the reverse, for Llama and DeepSeek-V2
+(CPU_MLA), held to the same checks as the pairs of ours; and a traits decode server with
+``kvspec_require_traits_peer`` that refuses its upstream producer by name. Marked
+``mixed``, they run in ``make conformance``, not in ``make test`` (a pair each), and back
+docs/operating.md's statements about mixed pairs.
+
 The MLA model is served once per MLA backend this machine offers (tests/mla_backends.py):
 CPU_MLA requested by name (float32, block 16) everywhere, and AMX_MLA, vLLM's default on
 CPUs with AMX (bfloat16, block 32), where vLLM would select it. Expected byte counts follow
@@ -58,7 +67,8 @@ from typing import Literal
 import pytest
 
 from kvspec_traits.vllm_connector import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
-from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY, SHM_WAIT
+from kvspec_traits.vllm_connector._lease import LEASE_KEY
+from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY, REQUIRE_TRAITS_PEER, SHM_WAIT
 from tests.e2e.patched_vllm import PatchedTree, overlay_environment, patched_tree
 from tests.e2e.pd_harness import (
     DEFAULT_SERVING,
@@ -122,6 +132,12 @@ PROMPTS = {
 }
 
 
+Side = Literal["prefill", "decode"]
+SIDES: tuple[Side, Side] = ("prefill", "decode")
+# vLLM's own pull connector, by its built-in name.
+UPSTREAM_NIXL = "NixlConnector"
+
+
 @dataclass(frozen=True)
 class ModelCase:
     name: str  # the tiny model
@@ -149,25 +165,46 @@ class ModelCase:
     # "mooncake": vLLM's own MooncakeConnector (the producer writes over Mooncake's
     # transfer engine), patched or, as the baseline, not.
     transport: Literal["nixl", "mooncake"] = "nixl"
+    # A mixed pair (issue 50, pull only): the side that runs the installed vLLM's own
+    # NixlConnector, unpatched; the other side runs TraitsNixlConnector.
+    upstream_side: Side | None = None
+    # kvspec_require_traits_peer on the traits side(s).
+    require_traits_peer: bool = False
 
     @property
     def connector(self) -> str:
+        """The connector of a pair whose sides run the same one (see :meth:`connector_on`)."""
         if self.transport == "mooncake":
             return MOONCAKE_CONNECTOR
         if self.patched:
             return "NixlPushConnector" if self.mode == "push" else "NixlConnector"
         return PUSH_CONNECTOR_NAME if self.mode == "push" else CONNECTOR_NAME
 
-    @property
-    def built(self) -> str:
-        """The class vLLM's factory logs building (its ``NixlConnector`` is its pull
-        connector, ``NixlPullConnector``, on 0.32)."""
-        return "NixlPullConnector" if self.connector == "NixlConnector" else self.connector
+    def connector_on(self, side: Side) -> str:
+        """The ``kv_connector`` the ``side`` server is given."""
+        return UPSTREAM_NIXL if side == self.upstream_side else self.connector
+
+    def runs_ours(self, side: Side) -> bool:
+        """Whether the ``side`` server runs a connector of this library (unpatched)."""
+        return self.connector_on(side) in (CONNECTOR_NAME, PUSH_CONNECTOR_NAME)
+
+    def built_on(self, side: Side) -> str:
+        """The class vLLM's factory logs building on the ``side`` server (its
+        ``NixlConnector`` is its pull connector, ``NixlPullConnector``, on 0.32)."""
+        connector = self.connector_on(side)
+        return "NixlPullConnector" if connector == UPSTREAM_NIXL else connector
 
     def describe(self) -> str:
         if self.transport == "mooncake":
             which = "vLLM's patched" if self.patched else "the installed vLLM's unpatched"
             return f"{self.name} ({which} {MOONCAKE_CONNECTOR}, {self.serving.describe()})"
+        if self.upstream_side is not None:
+            prefill, decode = (self.connector_on(side) for side in SIDES)
+            required = ", kvspec_require_traits_peer" if self.require_traits_peer else ""
+            return (
+                f"{self.name} (mixed: {prefill} prefill, {decode} decode{required}, "
+                f"{self.mode}, {self.serving.describe()})"
+            )
         which = "vLLM's patched connector, " if self.patched else ""
         return f"{self.name} ({which}{self.mode}, {self.serving.describe()})"
 
@@ -245,6 +282,31 @@ CASES = {
     "patched-mooncake-deepseek-v2": replace(
         _deepseek(CPU_MLA, dtype_bytes=4), patched=True, transport="mooncake"
     ),
+    # Mixed pairs (issue 50 item 1): a fleet switched one side at a time, pull. The
+    # installed vLLM's own NixlConnector (unpatched) on one side, TraitsNixlConnector on
+    # the other, held to the same checks as the pairs above; DeepSeek-V2 on CPU_MLA.
+    "mixed-llama-upstream-prefill": ModelCase(
+        "llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4, upstream_side="prefill"
+    ),
+    "mixed-llama-upstream-decode": ModelCase(
+        "llama", layers=2, token_bytes_per_layer=2 * 2 * 32 * 4, upstream_side="decode"
+    ),
+    "mixed-deepseek-v2-upstream-prefill": replace(
+        _deepseek(CPU_MLA, dtype_bytes=4), upstream_side="prefill"
+    ),
+    "mixed-deepseek-v2-upstream-decode": replace(
+        _deepseek(CPU_MLA, dtype_bytes=4), upstream_side="decode"
+    ),
+    # The last step of the rollout on a pair that skipped a step: the traits decode server
+    # requires traits peers, the producer still runs upstream's connector. Every
+    # disaggregated request is refused by name (the pair's only test that sends one).
+    "mixed-llama-require-traits-peer": ModelCase(
+        "llama",
+        layers=2,
+        token_bytes_per_layer=2 * 2 * 32 * 4,
+        upstream_side="prefill",
+        require_traits_peer=True,
+    ),
 }
 
 
@@ -258,16 +320,14 @@ def _case_params() -> list[object]:
     # The unpatched Mooncake pairs serve the installed vLLM alone, none of this library:
     # the baseline that shows a difference of the patched pairs to be the migration's.
     # They run in `make conformance` with the other upstream outcomes, not in `make test`.
-    baseline = [pytest.mark.upstream_baseline]
-    return [
-        pytest.param(
-            key,
-            id=key,
-            marks=marks.get(key, [])
-            + (baseline if CASES[key].transport == "mooncake" and not CASES[key].patched else []),
-        )
-        for key in sorted(CASES)
-    ]
+    for key, case in CASES.items():
+        if case.transport == "mooncake" and not case.patched:
+            marks[key] = [*marks.get(key, []), pytest.mark.upstream_baseline]
+        # The mixed pairs judge the rollout (docs/operating.md) and cost a pair each: they
+        # run in `make conformance` too, beside the baseline, not in `make test`.
+        if case.upstream_side is not None:
+            marks[key] = [*marks.get(key, []), pytest.mark.mixed]
+    return [pytest.param(key, id=key, marks=marks.get(key, [])) for key in sorted(CASES)]
 
 
 def _kv_config(case: ModelCase, role: str, by_name: bool) -> dict[str, object]:
@@ -275,15 +335,31 @@ def _kv_config(case: ModelCase, role: str, by_name: bool) -> dict[str, object]:
         return _mooncake_config(role)
     # The prefill side names the module path, the decode side relies on the
     # vllm.general_plugins entry point: both ways of turning the connector on are used.
+    side: Side = "prefill" if role == "kv_producer" else "decode"
+    connector = case.connector_on(side)
     extra: dict[str, object] = {} if case.lease_s is None else {"kv_lease_duration": case.lease_s}
-    if case.patched:  # vLLM's own connector, by its built-in name; no key of ours
-        return connector_config(role, case.connector, None, kv_connector_extra_config=extra)
+    if not case.runs_ours(side):  # vLLM's own connector, by its built-in name; no key of ours
+        return connector_config(role, connector, None, kv_connector_extra_config=extra)
     # NIXL's progress threads sleep 100 us between polls instead of spinning (docs/vllm.md
     # "NIXL's progress threads"): two spinning pollers beside two engines on 2 cores.
     extra[NIXL_PROGRESS_DELAY] = E2E_PROGRESS_DELAY_US
     extra[SHM_WAIT] = E2E_SHM_WAIT
+    if case.require_traits_peer:
+        extra[REQUIRE_TRAITS_PEER] = True
     return connector_config(
-        role, case.connector, None if by_name else MODULE, kv_connector_extra_config=extra
+        role, connector, None if by_name else MODULE, kv_connector_extra_config=extra
+    )
+
+
+def _side_env(case: ModelCase, side: Side) -> dict[str, str] | None:
+    """The environment of a mixed pair's upstream side: the overlay does for vLLM's own
+    connector what the traits side's keys do for ours (vLLM's queues wait with
+    ``sleep(0)``, NIXL's progress thread waits 100 us between polls), so the two sides
+    share the 2 cores as a pair of ours does; the installed vLLM's kv_transfer, unpatched."""
+    if case.upstream_side != side:
+        return None
+    return overlay_environment(
+        shm_sleep=E2E_SHM_WAIT == "sleep", nixl_progress_delay_us=E2E_PROGRESS_DELAY_US
     )
 
 
@@ -363,15 +439,18 @@ def pair(
         decode_kv=_kv_config(case, "kv_consumer", by_name=True),
         serving=case.serving,
         extra_env=extra_env,
+        prefill_env=_side_env(case, "prefill"),
+        decode_env=_side_env(case, "decode"),
     ) as servers:
         print(f"\n{case.describe()}: pair ready in {time.monotonic() - started:.0f} s")
         if not mooncake:  # Mooncake's first handshake has vLLM's 30 s timeouts: no warm-up
-            _warm_up(servers)
+            # A pair that refuses every disaggregated request warms up with plain ones.
+            _warm_up(servers, disaggregated=not case.require_traits_peer)
         yield case, servers
     print(f"\n{case.describe()}: pair used for {time.monotonic() - started:.0f} s in all")
 
 
-def _warm_up(servers: ServerPair) -> None:
+def _warm_up(servers: ServerPair, *, disaggregated: bool = True) -> None:
     """One plain request per server, then one disaggregated, before the measured ones
     (the first request a server answers is its slowest, and in push mode the first
     disaggregated one also makes both handshakes while the producer holds its blocks).
@@ -379,6 +458,8 @@ def _warm_up(servers: ServerPair) -> None:
     2-core machine, so the warm-up may retry once; the measured requests never do."""
     for server in servers.servers():
         complete(server, "warm up", 2)
+    if not disaggregated:
+        return
     try:
         disaggregated_complete(servers, "warm up the decode server", 2)
     except RequestFailedError:
@@ -424,6 +505,8 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     case, servers = pair
     if case.transport != "nixl":
         pytest.skip("a Mooncake pair: test_..._moves_kv_through_mooncake")
+    if case.require_traits_peer:
+        pytest.skip("refuses its upstream producer: test_..._refuses_an_upstream_producer")
     prompt = PROMPTS[prompt_name]
     baseline = complete(servers.prefill, prompt, MAX_TOKENS)
     expected = baseline["choices"][0]["text"]
@@ -444,6 +527,11 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     what = f"{case.describe()}, prompt {prompt_name!r}"
     assert got.text == expected, (what, got.text, expected)
     assert got.decode_response["usage"]["completion_tokens"] == MAX_TOKENS, what
+    if case.upstream_side is not None:
+        # A traits producer offers its lease beside upstream's kv_transfer_params (an
+        # upstream consumer reads past it); upstream's producer offers none.
+        offered = LEASE_KEY in (got.kv_transfer_params or {})
+        assert offered == case.runs_ours("prefill"), (what, got.kv_transfer_params)
 
     prompt_tokens = int(got.decode_response["usage"]["prompt_tokens"])
     local_hits = delta("vllm:prefix_cache_hits_total")
@@ -629,35 +717,135 @@ def test_both_servers_run_the_traits_connector(pair: tuple[ModelCase, ServerPair
     regions planned from traits, and each side that handshakes (the decode side in pull
     mode, both sides in push mode) checked its peer's fingerprint. The patched pairs ran
     vLLM's own connector from the patched copy instead, and the Mooncake pairs vLLM's
-    MooncakeConnector from the tree their case names (``_assert_ran_vllm_mooncake``)."""
+    MooncakeConnector from the tree their case names (``_assert_ran_vllm_mooncake``).
+
+    A mixed pair's servers each built the connector it was given: the upstream side
+    vLLM's own ``NixlConnector`` from the installed tree, nothing of ours
+    (``_assert_ran_upstream_nixl``); the traits side ours, and a traits decode server
+    with an upstream producer warned of that peer instead of checking a fingerprint
+    (``_assert_warned_of_an_upstream_producer``)."""
     case, servers = pair
-    for server in servers.servers():
+    for side, server in zip(SIDES, servers.servers(), strict=True):
         log = server.log_tail(5000)
         # vLLM's factory logs each connector it builds, in the engine core (the
         # scheduler's) and in the worker: both are the case's class, and no other.
         built = set(_CONNECTOR_BUILT.findall(log))
-        assert built == {("EngineCore", case.built), ("Worker", case.built)}, (
+        expected = case.built_on(side)
+        assert built == {("EngineCore", expected), ("Worker", expected)}, (
             server.describe(),
             built,
         )
         if case.transport == "mooncake":
             _assert_ran_vllm_mooncake(case, servers, server, log)
-            continue
-        if case.patched:
+        elif case.patched:
             _assert_ran_the_patched_tree(server, log)
-            continue
-        assert "TraitsNixlConnector: registered" in log, (server.describe(), server.log_path)
-        assert "planned from layout traits" in log, server.describe()
-        # Upstream's push worker (under ours) starts its writer thread; the pull one has none.
-        assert ("nixl-push-writer thread started" in log) == (case.mode == "push"), (
+        elif not case.runs_ours(side):
+            _assert_ran_upstream_nixl(server, log)
+        else:
+            _assert_ran_ours(case, servers, server, log)
+
+
+def _assert_ran_ours(case: ModelCase, servers: ServerPair, server: VllmServer, log: str) -> None:
+    """``server`` ran the traits connector: its regions planned from traits, the worker of
+    the case's mode, no refusal, its peer checked where it handshakes, and the queue-wait
+    key applied where the connector was built."""
+    assert "TraitsNixlConnector: registered" in log, (server.describe(), server.log_path)
+    assert "planned from layout traits" in log, server.describe()
+    # Upstream's push worker (under ours) starts its writer thread; the pull one has none.
+    assert ("nixl-push-writer thread started" in log) == (case.mode == "push"), server.describe()
+    assert "KV layout handshake refused" not in log, server.describe()
+    # The side that handshakes; the refusing pair's handshakes are its own test's.
+    if (case.mode == "push" or server is servers.decode) and not case.require_traits_peer:
+        if case.upstream_side == "prefill":
+            _assert_warned_of_an_upstream_producer(servers, log)
+        else:
+            assert "has the same KV layout (fingerprint" in log, server.describe()
+    # kvspec_shm_wait "sleep" took effect where the connector was built: engine core
+    # (the scheduler's) and worker.
+    assert set(_SHM_WAIT_SET.findall(log)) == {"EngineCore", "Worker"}, server.describe()
+
+
+# The traits worker's warning at each handshake with a peer that sent no fingerprint
+# (vllm_connector._handshake.check_remote_fingerprint), and the traits scheduler's, once
+# per producer engine, on a request that came with no lease (vllm_connector._lease).
+_UPSTREAM_PEER_WARNING = "runs upstream's NixlConnector (no kvspec-traits fingerprint)"
+_NO_LEASE = "exports no lease (kvspec_lease)"
+
+
+def _assert_warned_of_an_upstream_producer(servers: ServerPair, log: str) -> None:
+    """A traits decode server that read from an upstream producer: its worker accepted
+    the producer at the handshake with the warning that names the producer's side
+    channel and the option that would refuse it, checked no fingerprint (there is none),
+    and its scheduler said once that the producer offers no lease."""
+    decode = servers.decode.describe()
+    peer = f"NIXL peer 127.0.0.1:{servers.prefill.side_channel_port} "
+    # One per handshake (the warm-up's, unless its first timed out and it retried).
+    warnings = [line for line in log.splitlines() if _UPSTREAM_PEER_WARNING in line]
+    assert warnings, (decode, servers.decode.log_path)
+    for warning in warnings:
+        assert "WARNING" in warning, (decode, warning)
+        assert peer in warning, (decode, peer, warning)
+        assert f"{REQUIRE_TRAITS_PEER}=true to refuse such peers" in warning, (decode, warning)
+    assert "has the same KV layout" not in log, decode
+    assert log.count(_NO_LEASE) == 1, decode
+
+
+def _assert_ran_upstream_nixl(server: VllmServer, log: str) -> None:
+    """A mixed pair's upstream side ran vLLM's own NixlConnector from the installed tree
+    (no patched copy imported) and nothing of ours, with the overlay's queue wait and
+    NIXL progress delay (what the traits side's keys set), and met no refusal."""
+    assert "kvspec-migrated:" not in log, server.describe()
+    assert "TraitsNixlConnector" not in log, server.describe()
+    assert "planned from layout traits" not in log, server.describe()
+    assert "kvspec-overlay: vllm.distributed.utils.USE_SCHED_YIELD False" in log, server.describe()
+    assert f"kvspec-overlay: NIXL progress delay {E2E_PROGRESS_DELAY_US} us" in log, (
+        server.describe()
+    )
+    assert "KV layout handshake refused" not in log, server.describe()
+
+
+def test_a_traits_decode_server_requiring_traits_peers_refuses_an_upstream_producer(
+    pair: tuple[ModelCase, ServerPair],
+) -> None:
+    """``kvspec_require_traits_peer`` true on a traits decode server, upstream's
+    NixlConnector on the prefill server: the decode worker refuses the producer at the
+    handshake with ``PeerWithoutTraitsError``, naming the producer's side channel, before
+    a byte moves; each disaggregated request ends in vLLM's failure path (HTTP 500 under
+    its default ``kv_load_failure_policy``, "fail"), never with an answer, and every one
+    is refused, not only the first. Afterwards the decode server still answers a plain
+    request exactly as the prefill server does. Failure modes: the upstream peer accepted
+    (with the warning of the option's default), a wrong or partial answer, a decode server
+    wedged by the refused handshake."""
+    case, servers = pair
+    if not case.require_traits_peer:
+        pytest.skip("the pair whose traits decode server requires traits peers")
+    prompt = PROMPTS["one block"]
+    before = {server.name: scrape_metrics(server) for server in servers.servers()}
+    for _ in range(2):
+        with pytest.raises(RequestFailedError) as failed:
+            disaggregated_complete(servers, prompt, MAX_TOKENS)
+        assert failed.value.status == 500, (failed.value.server, failed.value.body)
+        assert servers.decode.describe() in failed.value.server, failed.value.server
+    after = {server.name: scrape_metrics(server) for server in servers.servers()}
+    log = servers.decode.log_tail(5000)
+
+    peer = f"127.0.0.1:{servers.prefill.side_channel_port}"
+    refusal = f"KV layout handshake refused: the NIXL peer at {peer} sent no kvspec-traits"
+    assert f"PeerWithoutTraitsError: {refusal}" in log, servers.decode.log_path
+    # vLLM's own record of each failed handshake (its worker's _log_failure, with the
+    # traceback above): vLLM forgets a failed handshake, so each request made its own.
+    assert log.count("NIXL transfer failure: handshake_setup_failed") == 2, servers.decode.log_path
+    # Refused, not accepted with the warning of the option's default.
+    assert _UPSTREAM_PEER_WARNING not in log, servers.decode.log_path
+    for server in servers.servers():
+        moved = metric_total(after[server.name], "vllm:nixl_bytes_transferred_sum")
+        assert moved == metric_total(before[server.name], "vllm:nixl_bytes_transferred_sum"), (
             server.describe()
         )
-        assert "KV layout handshake refused" not in log, server.describe()
-        if case.mode == "push" or server is servers.decode:
-            assert "has the same KV layout (fingerprint" in log, server.describe()
-        # kvspec_shm_wait "sleep" took effect where the connector was built: engine core
-        # (the scheduler's) and worker.
-        assert set(_SHM_WAIT_SET.findall(log)) == {"EngineCore", "Worker"}, server.describe()
+
+    expected = complete(servers.prefill, prompt, MAX_TOKENS)["choices"][0]["text"]
+    plain = complete(servers.decode, prompt, MAX_TOKENS)["choices"][0]["text"]
+    assert plain == expected, (plain, expected)
 
 
 _PATCHED_IMPORT = re.compile(r"kvspec-migrated: vllm\.distributed\.kv_transfer from (\S+) \(pid")
