@@ -832,9 +832,15 @@ def test_a_traits_decode_server_requiring_traits_peers_refuses_an_upstream_produ
     peer = f"127.0.0.1:{servers.prefill.side_channel_port}"
     refusal = f"KV layout handshake refused: the NIXL peer at {peer} sent no kvspec-traits"
     assert f"PeerWithoutTraitsError: {refusal}" in log, servers.decode.log_path
-    # vLLM's own record of each failed handshake (its worker's _log_failure, with the
-    # traceback above): vLLM forgets a failed handshake, so each request made its own.
-    assert log.count("NIXL transfer failure: handshake_setup_failed") == 2, servers.decode.log_path
+    # vLLM's own records (its worker's _log_failure, each with its traceback): vLLM forgets
+    # a failed handshake, so each request made its own (and one more for vLLM's read of no
+    # blocks that tells the producer to free them: refused too, so the producer keeps
+    # them until its kv_lease_duration ends); every failure vLLM logged is this refusal;
+    # and its kv_load_failure_policy failed each request.
+    assert log.count("NIXL transfer failure: handshake_setup_failed") >= 2, servers.decode.log_path
+    failures = log.count("NIXL transfer failure:")
+    assert log.count(f"PeerWithoutTraitsError: {refusal}") == failures, servers.decode.log_path
+    assert log.count("due to KV load failure (failure_policy=fail") == 2, servers.decode.log_path
     # Refused, not accepted with the warning of the option's default.
     assert _UPSTREAM_PEER_WARNING not in log, servers.decode.log_path
     for server in servers.servers():
