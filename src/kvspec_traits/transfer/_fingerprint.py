@@ -48,7 +48,7 @@ FINGERPRINT_VERSION: Final = 5
 inside a page), 4 the pipeline stage (``pp``: rank and size) of the regions, so that a
 stage pairs with its peer by the layers both hold (:func:`pair_stages`), 5 the model's
 KV head count as a head-sharded region's ``tp_shards`` (replicated heads), each state
-component's TP runs and the ``state_group_ids``. A change to
+component's TP runs, the ``state_group_ids`` and the ``block_sizes`` (tokens per block). A change to
 the record's keys (a new :class:`Region` field) needs a new version."""
 
 NOT_FINGERPRINTED: Final[Mapping[str, str]] = {

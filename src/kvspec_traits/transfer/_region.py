@@ -192,6 +192,10 @@ class Region:
     """Every paged member keeps each KV head's slots together
     (:attr:`~kvspec_traits.KVLayoutTraits.kv_head_contiguous`): the order of the head
     slots inside a page, which equal page sizes do not show."""
+    block_sizes: tuple[int, ...] = ()
+    """Tokens per block of the paged members (their traits' ``block_size``; several where
+    members differ, none for a state-only region): two peers whose blocks hold other
+    token counts cannot pair block ids one to one."""
     state_group_ids: tuple[int, ...] = ()
     """The cache groups whose blocks in this region hold a recurrent state (the rest of
     :attr:`group_ids` hold token pages): a block of a region shared by an attention
