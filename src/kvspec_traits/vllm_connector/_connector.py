@@ -210,7 +210,8 @@ class TraitsWorkerBase(seam.SeamWorker):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV caches with NIXL, regions planned from traits."""
         # Through base_worker's names: vLLM's tests (and users' hooks) patch them there.
-        self.transfer_topo = _bw.TransferTopology(  # type: ignore[attr-defined]
+        topology = seam.gathering_topology(_bw.TransferTopology)  # type: ignore[attr-defined]
+        self.transfer_topo = topology(
             tp_rank=self.transfer_tp_rank,
             tp_size=self.transfer_tp_size,
             block_size=self.block_size,

@@ -592,6 +592,35 @@ def conv_split_info(split: StateSplit) -> Any:
     )
 
 
+# -- the topology the worker reads ---------------------------------------------------------
+
+_TOPOLOGIES: dict[type, type] = {}
+
+
+def gathering_topology(topology: type) -> type:
+    """vLLM's ``TransferTopology`` class (``topology``, looked up where vLLM's tests patch
+    it) with one answer of its own: a producer of more ranks than ours, whose ranks hold
+    replicas of the model's KV heads, is not "replicated" to this consumer, which gathers
+    its heads from them. vLLM's read path already reads one rank per distinct head there
+    (``compute_tp_mapping``: the first rank of each head); its handshake validation alone
+    asks ``is_kv_replicated`` and asserts the pair away (issue 47). Every other answer is
+    vLLM's. The plan decides the pair first (``check_tp_pair``), and the connector's
+    tests compare every decode byte (``tests/test_connector_replica_tp.py``)."""
+    found = _TOPOLOGIES.get(topology)
+    if found is None:
+
+        def is_kv_replicated(self: Any, remote_engine_id: Any, remote_pp_rank: int = 0) -> bool:
+            info = self.get_engine_info(remote_engine_id, remote_pp_rank)
+            if info.remote_tp_size > self.tp_size and not self.is_mla:
+                return False
+            return bool(topology.is_kv_replicated(self, remote_engine_id, remote_pp_rank))
+
+        found = _TOPOLOGIES[topology] = type(
+            f"Gathering{topology.__name__}", (topology,), {"is_kv_replicated": is_kv_replicated}
+        )
+    return found
+
+
 # -- the one process-wide change --------------------------------------------------------
 
 
