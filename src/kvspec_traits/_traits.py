@@ -380,6 +380,10 @@ class KVLayoutTraits(Protocol):
 class LayoutTraits(KVLayoutTraits):
     """The frozen value every built-in adapter returns; third-party adapters may too.
 
+    Every trait is a keyword; ``holds_hidden_states`` and ``grouped`` default to False,
+    and a field added after 0.1.0 gets a default that keeps an older adapter's answer
+    right (``docs/extending.md``, "Compatibility").
+
     Construction checks internal consistency (a page is at least its content, the
     components add up to the content, a sharded layout is not also one shard) and
     raises ``ValueError`` naming the field.
