@@ -84,7 +84,8 @@ def test_each_transfer_failure_is_one_class_that_both_backends_export() -> None:
         assert getattr(nixl, name).__module__ == "kvspec_traits.transfer._errors"
     # Defined once in the whole package: no module defines a second class of that name.
     found = _exception_classes()
-    assert sorted(n for n in found if n.endswith((".MissingPeerError", ".TransferFailedError"))) == [
+    twice = (".MissingPeerError", ".TransferFailedError")
+    assert sorted(n for n in found if n.endswith(twice)) == [
         "kvspec_traits.transfer._errors.MissingPeerError",
         "kvspec_traits.transfer._errors.TransferFailedError",
     ]
