@@ -111,7 +111,7 @@ class TraitsMooncakeEngine:
             raise TransferFailedError(
                 f"Mooncake's TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', "
                 f"{protocol!r}, '') returned {code}",
-                code,
+                code=code,
             )
         self.host = host
         self.rpc_port: int = int(self._engine.get_rpc_port())
@@ -161,7 +161,7 @@ class TraitsMooncakeEngine:
             self._engine.batch_unregister_memory(bases)
             raise TransferFailedError(
                 f"Mooncake refused to register the plan's {len(bases)} memory ranges ({code})",
-                code,
+                code=code,
             )
         self._registered = bases
         self._plan = plan
@@ -283,7 +283,7 @@ class TraitsMooncakeEngine:
                     f"Mooncake's batch_transfer_sync_{'write' if write else 'read'} with "
                     f"{session} ({len(batch.lengths)} entries, {batch.nbytes} bytes) "
                     f"returned {code}",
-                    code,
+                    code=code,
                 )
         return TransferResult(
             entries=sum(len(m.lengths) for m in moves),
