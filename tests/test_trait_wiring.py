@@ -215,7 +215,7 @@ RECORD_V5 = {
     "name", "layers", "block_len", "replicated", "tp_layout", "tp_shards", "paged", "state",
     "state_tp_layout", "state_components", "scratch", "scope", "dtype", "kv_quant_mode",
     "num_head_slots", "head_segment", "head_major", "kv_head_contiguous", "group_id",
-    "replicated_state", "block_sizes", "state_group_ids",
+    "replicated_state", "block_sizes", "page_head_slots", "state_group_ids",
 }  # fmt: skip
 
 

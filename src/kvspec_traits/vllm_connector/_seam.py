@@ -607,13 +607,14 @@ def gathering_topology(topology: type) -> type:
     vLLM's. The plan decides the pair first (``check_tp_pair``), and the connector's
     tests compare every decode byte (``tests/test_connector_replica_tp.py``)."""
     found = _TOPOLOGIES.get(topology)
+    base: Any = topology
     if found is None:
 
         def is_kv_replicated(self: Any, remote_engine_id: Any, remote_pp_rank: int = 0) -> bool:
             info = self.get_engine_info(remote_engine_id, remote_pp_rank)
             if info.remote_tp_size > self.tp_size and not self.is_mla:
                 return False
-            return bool(topology.is_kv_replicated(self, remote_engine_id, remote_pp_rank))
+            return bool(base.is_kv_replicated(self, remote_engine_id, remote_pp_rank))
 
         found = _TOPOLOGIES[topology] = type(
             f"Gathering{topology.__name__}", (topology,), {"is_kv_replicated": is_kv_replicated}
