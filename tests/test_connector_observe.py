@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvspec_traits
 from kvspec_traits.vllm_connector._lease import LeaseBook
-from kvspec_traits.vllm_connector._observe import LOGGER_NAME, REFUSAL_REASONS
+from kvspec_traits.vllm_connector._log import LOGGER_NAME
+from kvspec_traits.vllm_connector._observe import REFUSAL_REASONS
 from kvspec_traits.vllm_connector._stats import (
     LEASES_DECLINED,
     METRIC_NAMES,
@@ -59,7 +60,7 @@ def _logger_names() -> list[tuple[str, int, object]]:
             if called in ("getLogger", "init_logger"):
                 arg = node.args[0] if node.args else None
                 if isinstance(arg, ast.Name) and arg.id == "LOGGER_NAME":
-                    name: object = LOGGER_NAME  # _observe's own constant
+                    name: object = LOGGER_NAME  # _log's own constant
                 elif isinstance(arg, ast.Constant):
                     name = arg.value
                 else:
@@ -70,7 +71,7 @@ def _logger_names() -> list[tuple[str, int, object]]:
 
 def test_every_logger_of_the_package_is_under_vllms() -> None:
     found = _logger_names()
-    # The one logger, from _observe (and _handshake's vLLM init_logger of the same name).
+    # The one logger, _log's (and _handshake's vLLM init_logger of the same name).
     assert {name for _, _, name in found} == {LOGGER_NAME}, found
     assert LOGGER_NAME.startswith("vllm.")
     assert "warnings.warn" not in "".join(p.read_text() for p in SRC.rglob("*.py"))

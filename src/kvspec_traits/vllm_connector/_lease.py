@@ -36,8 +36,8 @@ from typing import Final
 
 from kvspec_traits._errors import KVSpecTraitsError
 from kvspec_traits.vllm_connector._errors import ConnectorOptionError
+from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
-from kvspec_traits.vllm_connector._observe import logger
 
 __all__ = [
     "LEASES_ATTR",

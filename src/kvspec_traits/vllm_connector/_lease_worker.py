@@ -23,8 +23,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
 from kvspec_traits.vllm_connector._lease import LEASES_ATTR, LeaseBook
+from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
-from kvspec_traits.vllm_connector._observe import logger
 from kvspec_traits.vllm_connector._options import ConnectorOptions
 from kvspec_traits.vllm_connector._seam import SeamPullWorker
 from kvspec_traits.vllm_connector._stats import traits_stats

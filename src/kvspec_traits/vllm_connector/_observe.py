@@ -1,12 +1,7 @@
-"""What the connector tells an operator, in vLLM's own terms: its logger, the lines a
-worker logs once its regions are planned, the bytes a request's plan moves, and the
-reason a refused peer is counted under (``_stats`` carries the counts to vLLM's metrics).
-
-Every log line of the package goes to :data:`LOGGER_NAME`, under ``vllm.``: vLLM
-configures its ``vllm`` logger (handler, format with timestamps, ``VLLM_LOGGING_LEVEL``,
-``propagate=False``), so a logger outside it would print in Python's default format, or
-not at all. A plain ``logging.getLogger`` of that name needs no vLLM import (the pure
-modules log through it too) and joins vLLM's configuration once vLLM has set it up.
+"""What the connector tells an operator, in vLLM's own terms: the lines a worker logs
+once its regions are planned, the bytes a request's plan moves, and the reason a refused
+peer is counted under (``_stats`` carries the counts to vLLM's metrics; the logger is
+``_log``'s).
 
 Pure: imports no vLLM.
 """
@@ -15,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Final
@@ -43,17 +37,11 @@ if TYPE_CHECKING:
     from kvspec_traits.vllm_connector._options import ConnectorOptions
 
 __all__ = [
-    "LOGGER_NAME",
     "REFUSAL_REASONS",
-    "logger",
     "planned_bytes",
     "refusal_reason",
     "startup_lines",
 ]
-
-LOGGER_NAME: Final = "vllm.kvspec_traits.connector"
-"""The one logger of the package (a child of vLLM's ``vllm`` logger)."""
-logger = logging.getLogger(LOGGER_NAME)
 
 # Why the connector refused a peer at the handshake, by the error it raised (most
 # specific first): the ``reason`` label of vllm:kvspec_traits_peers_refused_total.

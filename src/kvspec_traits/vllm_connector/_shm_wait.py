@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from typing import Literal
 
 from kvspec_traits.vllm_connector._errors import ConnectorOptionError
+from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import SHM_WAIT
-from kvspec_traits.vllm_connector._observe import logger
 
 __all__ = ["ShmWait", "ShmWaitError", "apply_shm_wait", "holding_shm_wait", "release_shm_wait"]
 
