@@ -687,7 +687,10 @@ def test_handshake_refuses_another_layout_with_the_named_diff(build: Callable[..
     # metrics: tests/test_connector_observe.py): the two refusals by reason, the upstream
     # peer accepted once; vLLM's own refusal (the hash) is vLLM's to count.
     counted = gqa.traits.xfer_stats.data
-    assert counted["kvspec_peers_refused"] == ["layout_mismatch", "no_fingerprint"]
+    assert [str(r) for r in counted["kvspec_peers_refused"]] == [
+        "layout_mismatch",
+        "no_fingerprint",
+    ]
     assert counted["kvspec_fingerprint_mismatches"] == [1]
     assert counted["kvspec_upstream_peers"] == [1]
     err = refused.value

@@ -35,7 +35,7 @@ from kvspec_traits.vllm_connector._stats import (
     PLANNED_BYTES,
     TraitsNixlKVConnectorStats,
 )
-from tests.test_connector_differential import distributed
+from tests.test_connector_differential import _serve_handshake, distributed
 from tests.test_connector_kernel_blocks import make
 from tests.test_lease import _handshaken, _metadata, _poll
 
@@ -95,7 +95,7 @@ def vllm_records(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[logging.LogRe
     vllm.logger.configure_logging(LoggingConfig(log_level="INFO", configure_logging=True))
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler.emit = records.append  # type: ignore[method-assign, assignment]
     root.addHandler(handler)
     try:
         yield records
@@ -262,7 +262,7 @@ def test_the_counters_reach_vllms_log_line_and_prometheus_beside_upstreams() -> 
     logged: list[str] = []
     logging_stats = KVConnectorLogging(config.kv_transfer_config)
     logging_stats.observe(data)
-    logging_stats.log(lambda fmt, *args: logged.append(fmt % args))
+    logging_stats.log(lambda fmt, *args: logged.append(fmt % args))  # type: ignore[no-untyped-call]
     (line,) = logged
     assert "Num successful transfers=0" in line  # upstream's fields stay
     assert "Num peers refused=3, Num fingerprint mismatches=2" in line, line
@@ -303,3 +303,56 @@ def test_the_counters_reach_vllms_log_line_and_prometheus_beside_upstreams() -> 
     planned = METRIC_NAMES[PLANNED_BYTES]
     assert value(f"{planned}_count") == 2
     assert value(f"{planned}_sum") == 131072 + 65536
+
+
+# -- a pull producer learns which consumers run upstream's connector --------------------
+
+
+def test_a_pull_producer_logs_a_consumer_on_upstreams_connector_once(
+    make: Callable[..., Any], vllm_records: list[logging.LogRecord]
+) -> None:
+    """In pull mode the producer sees no metadata of its consumers (_consumers): ours
+    announces itself after its handshake, upstream's does not. Two real consumers read
+    from one real producer through vLLM's handshake and NIXL; the producer's own
+    notification handling (get_finished) is where it learns who read."""
+    import time
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+
+    from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
+    from kvspec_traits.vllm_connector._stats import UPSTREAM_PEERS
+
+    producer, _ = make("attention", TraitsNixlConnectorWorker, "producer")
+    ours, _ = make("attention", TraitsNixlConnectorWorker, "ours")
+    theirs, _ = make("attention", NixlPullConnectorWorker, "theirs")
+    port, stop = _serve_handshake(producer)
+    far = {"expiry": time.perf_counter() + 3600, "extension": 20.0}
+    try:
+        for consumer, req_id in ((ours, "a"), (theirs, "b"), (theirs, "c")):
+            consumer.start_load_kv(_metadata(producer, port, req_id, far))
+            _poll(consumer, req_id)
+            # The producer handles the notifications that arrived (each read's "done").
+            deadline = time.monotonic() + 30
+            census = None
+            while time.monotonic() < deadline:
+                producer.get_finished()
+                census = producer.__dict__.get("_consumer_census")
+                if census is not None and census.announced(consumer.nixl_wrapper.name) is not None:
+                    break
+                time.sleep(0.02)
+    finally:
+        stop.set()
+    assert census is not None
+    assert census.announced(ours.nixl_wrapper.name) is True
+    assert census.announced(theirs.nixl_wrapper.name) is False
+    warnings = [
+        r.getMessage()
+        for r in vllm_records
+        if r.name == LOGGER_NAME and "without announcing kvspec-traits" in r.getMessage()
+    ]
+    # Once for upstream's consumer (two reads), never for ours.
+    assert len(warnings) == 1, warnings
+    assert f"agent {theirs.nixl_wrapper.name} reads from this producer" in warnings[0]
+    assert producer.xfer_stats.data[UPSTREAM_PEERS] == [1]

@@ -43,6 +43,7 @@ from kvspec_traits.nixl._register import register_ranges
 from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
 from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector import _seam as seam
+from kvspec_traits.vllm_connector._consumers import HELLO, ConsumerCensus, ReplayedNotifs
 from kvspec_traits.vllm_connector._errors import UnsupportedStateLayoutError
 from kvspec_traits.vllm_connector._facts import GroupKind, LayoutFacts, layout_facts
 from kvspec_traits.vllm_connector._fields import packed_layouts
@@ -453,6 +454,51 @@ class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):
             upstream(req, request)
 
         super().read_blocks_for_req(req_id, meta, read)
+
+    # -- who reads from this producer (._consumers) ---------------------------------------
+
+    def nixl_handshake(
+        self,
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        remote_pp_size: int,
+        handshake: Callable[[], _T],
+    ) -> _T:
+        done = super().nixl_handshake(host, port, remote_tp_size, remote_pp_size, handshake)
+        # vLLM's pull handshake gives (remote ranks -> agent names, clock offset).
+        agents = done[0] if isinstance(done, tuple) and done and isinstance(done[0], dict) else {}
+        for agent in agents.values():
+            try:  # before any read or heartbeat goes there; never fails the handshake
+                self.nixl_wrapper.send_notif(agent, notif_msg=HELLO)
+            except Exception as err:  # an announcement only; reads follow
+                logger.debug("%s: no announcement to %s: %r", CONNECTOR_NAME, agent, err)
+        return done
+
+    def get_new_notifs(self, upstream: Callable[[], set[str]]) -> set[str]:
+        agent = self.nixl_wrapper
+        notifs = agent.get_new_notifs()
+        if notifs:
+            census: ConsumerCensus | None = self.__dict__.get("_consumer_census")
+            if census is None:  # lazily: vLLM's tests build workers with object.__new__
+                census = self.__dict__["_consumer_census"] = ConsumerCensus(self._upstream_reader)
+            census.saw(notifs)
+        self.nixl_wrapper = ReplayedNotifs(agent, notifs)  # vLLM handles what we saw
+        try:
+            return upstream()
+        finally:
+            self.nixl_wrapper = agent
+
+    def _upstream_reader(self, agent: str) -> None:
+        logger.warning(
+            "%s: NIXL consumer agent %s reads from this producer without announcing "
+            "kvspec-traits: it runs upstream's NixlConnector (or a kvspec-traits without "
+            "the announcement); the pair's layout is checked by vLLM's compatibility hash "
+            "only, not by the traits fingerprint",
+            CONNECTOR_NAME,
+            agent,
+        )
+        traits_stats(self).record_upstream_peer()
 
 
 class TraitsNixlConnector(TraitsStatsConnector, NixlPullConnector):

@@ -25,7 +25,7 @@ reason of a refusal, the bytes of a request.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -95,7 +95,9 @@ class TraitsNixlKVConnectorStats(NixlKVConnectorStats):
             self.data[key] = []
 
     def record_refused_peer(self, reason: str) -> None:
-        self.data[PEERS_REFUSED].append(reason)
+        # A string in vLLM's number lists (typed so by upstream's reset): msgpack carries
+        # it, and the front end labels the counter with it.
+        cast("list[Any]", self.data[PEERS_REFUSED]).append(reason)
         if reason == "layout_mismatch":
             self.data[FINGERPRINT_MISMATCHES].append(1)
 
@@ -109,8 +111,7 @@ class TraitsNixlKVConnectorStats(NixlKVConnectorStats):
         self.data[PLANNED_BYTES].append(int(nbytes))
 
     def clone_and_reset(self) -> TraitsNixlKVConnectorStats:
-        old: TraitsNixlKVConnectorStats = super().clone_and_reset()  # type: ignore[no-untyped-call]
-        return old
+        return cast("TraitsNixlKVConnectorStats", super().clone_and_reset())
 
     def is_empty(self) -> bool:
         ours = any(self.data.get(key) for key in _KEYS)
@@ -151,7 +152,10 @@ class TraitsNixlPromMetrics(NixlPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        refused = self._counter_cls(
+        # vLLM types its metric classes as one union; each is used as what it is.
+        counter: Any = self._counter_cls
+        histogram: Any = self._histogram_cls
+        refused = counter(
             name=METRIC_NAMES[PEERS_REFUSED],
             documentation="NIXL handshakes TraitsNixlConnector refused, by reason "
             "(a peer retried is counted again).",
@@ -164,7 +168,7 @@ class TraitsNixlPromMetrics(NixlPromMetrics):
         self._refused = refused
         self.kvspec_counters = {
             key: create_metric_per_engine(
-                self._counter_cls(name=METRIC_NAMES[key], documentation=doc, labelnames=labelnames),
+                counter(name=METRIC_NAMES[key], documentation=doc, labelnames=labelnames),
                 per_engine_labelvalues,
             )
             for key, doc in (
@@ -174,7 +178,7 @@ class TraitsNixlPromMetrics(NixlPromMetrics):
             )
         }
         self.kvspec_planned_bytes = create_metric_per_engine(
-            self._histogram_cls(
+            histogram(
                 name=METRIC_NAMES[PLANNED_BYTES],
                 documentation="Bytes the region plan moves per request read.",
                 buckets=_BYTE_BUCKETS,
@@ -184,7 +188,7 @@ class TraitsNixlPromMetrics(NixlPromMetrics):
         )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        super().observe(transfer_stats_data, engine_idx)  # type: ignore[no-untyped-call]
+        super().observe(transfer_stats_data, engine_idx)
         refused = self.kvspec_peers_refused[engine_idx]
         for reason in transfer_stats_data.get(PEERS_REFUSED, ()):
             if reason not in refused:  # from a newer worker: counted, not dropped
