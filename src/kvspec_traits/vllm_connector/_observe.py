@@ -94,7 +94,7 @@ def _layers(region: Region) -> str:
     return f"{region.layers[0]} .. {region.layers[-1]}"
 
 
-def _tp(region: Region, tp_rank: int, tp_size: int) -> str:
+def _tp_text(region: Region, tp_rank: int, tp_size: int) -> str:
     if region.replicated:
         return (
             f"TP {region.tp_layout.value}: REPLICATE, the same bytes on each of {tp_size} rank(s)"
@@ -117,7 +117,7 @@ def region_line(region: Region, tp_rank: int, tp_size: int) -> str:
     return (
         f"{CONNECTOR_NAME}: region {region.index} {region.name!r}: "
         f"{len(region.layers)} layer(s) ({_layers(region)}), cache group {group}, "
-        f"{_tp(region, tp_rank, tp_size)}; {region.block_len} bytes per block, "
+        f"{_tp_text(region, tp_rank, tp_size)}; {region.block_len} bytes per block, "
         f"{region.num_blocks} blocks, {region.mem_type}"
     )
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Final, cast
 
+from prometheus_client import Counter, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -152,9 +153,9 @@ class TraitsNixlPromMetrics(NixlPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        # vLLM types its metric classes as one union; each is used as what it is.
-        counter: Any = self._counter_cls
-        histogram: Any = self._histogram_cls
+        # The classes vLLM hands in (its own, or wrappers); typed by vLLM as one union.
+        counter: Any = metric_types[Counter]
+        histogram: Any = metric_types[Histogram]
         refused = counter(
             name=METRIC_NAMES[PEERS_REFUSED],
             documentation="NIXL handshakes TraitsNixlConnector refused, by reason "
@@ -166,7 +167,7 @@ class TraitsNixlPromMetrics(NixlPromMetrics):
             for engine, values in per_engine_labelvalues.items()
         }
         self._refused = refused
-        self.kvspec_counters = {
+        self.kvspec_counters: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(
                 counter(name=METRIC_NAMES[key], documentation=doc, labelnames=labelnames),
                 per_engine_labelvalues,
@@ -177,7 +178,7 @@ class TraitsNixlPromMetrics(NixlPromMetrics):
                 (LEASES_DECLINED, "Reads declined or failed: the producer's lease may be over."),
             )
         }
-        self.kvspec_planned_bytes = create_metric_per_engine(
+        self.kvspec_planned_bytes: dict[int, Any] = create_metric_per_engine(
             histogram(
                 name=METRIC_NAMES[PLANNED_BYTES],
                 documentation="Bytes the region plan moves per request read.",
