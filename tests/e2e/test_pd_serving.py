@@ -918,3 +918,19 @@ def test_a_decode_server_of_another_layout_is_refused_at_handshake(
     assert metric_total(after, "vllm:nixl_bytes_transferred_sum") == metric_total(
         before, "vllm:nixl_bytes_transferred_sum"
     )
+    # The connector counted the refusal, by reason (docs/vllm.md, "Logs and metrics"):
+    # the stats reach /metrics with the worker's next step, so they may lag the error.
+    deadline = time.monotonic() + TRANSFER_RECORDED_S
+    while True:
+        samples = scrape_metrics(decode)
+        refused = sum(
+            v
+            for k, v in samples.items()
+            if k.startswith(TRAITS_REFUSED + "{") and 'reason="layout_mismatch"' in k
+        )
+        if refused >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert refused >= 1, samples
+    assert metric_total(samples, TRAITS_REFUSED) == refused  # no other reason
+    assert metric_total(samples, "vllm:kvspec_traits_fingerprint_mismatches_total") == refused
