@@ -12,6 +12,7 @@ tests/test_connector_differential.py's handshake test.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import logging
 import pathlib
@@ -35,7 +36,11 @@ from kvspec_traits.vllm_connector._stats import (
     PLANNED_BYTES,
     TraitsNixlKVConnectorStats,
 )
-from tests.test_connector_differential import _serve_handshake, distributed
+from tests.test_connector_differential import (
+    _model_runner_triton_check_lifted,
+    _serve_handshake,
+    distributed,
+)
 from tests.test_connector_kernel_blocks import make
 from tests.test_lease import _handshaken, _metadata, _poll
 
@@ -230,7 +235,7 @@ def test_the_counters_reach_vllms_log_line_and_prometheus_beside_upstreams() -> 
         KVConnectorProm,
     )
     from vllm.v1.metrics.stats import SchedulerStats
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     from kvspec_traits.vllm_connector import register_with_vllm
@@ -239,10 +244,9 @@ def test_the_counters_reach_vllms_log_line_and_prometheus_beside_upstreams() -> 
     # Two TP ranks' stats of one step, aggregated by vLLM's executor aggregator.
     rank0 = _worker_stats(["layout_mismatch"], [131072], declined=1)
     rank1 = _worker_stats(["layout_mismatch", "no_fingerprint"], [65536], declined=0)
-    outputs = [
-        ModelRunnerOutput(
-            req_ids=[],
-            req_id_to_index={},
+    outputs = [  # vLLM's empty output of its series (0.34 dropped req_id_to_index)
+        dataclasses.replace(
+            EMPTY_MODEL_RUNNER_OUTPUT,
             kv_connector_output=KVConnectorOutput(kv_connector_stats=stats),
         )
         for stats in (rank0, rank1)
@@ -256,9 +260,12 @@ def test_the_counters_reach_vllms_log_line_and_prometheus_beside_upstreams() -> 
     data = MsgpackDecoder(SchedulerStats).decode(wire).kv_connector_stats
     assert data is not None
 
-    config = VllmConfig(
-        kv_transfer_config=KVTransferConfig(kv_connector="TraitsNixlConnector", kv_role="kv_both")
-    )
+    with _model_runner_triton_check_lifted():  # vLLM 0.34's CPU platform check
+        config = VllmConfig(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="TraitsNixlConnector", kv_role="kv_both"
+            )
+        )
     logged: list[str] = []
     logging_stats = KVConnectorLogging(config.kv_transfer_config)
     logging_stats.observe(data)
