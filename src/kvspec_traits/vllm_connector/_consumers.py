@@ -48,7 +48,8 @@ class ConsumerCensus:
         for agent, messages in notifs.items():
             if agent in self._agents or not messages:
                 continue
-            announced = bytes(messages[0]).startswith(HELLO_PREFIX)
+            first = messages[0]
+            announced = isinstance(first, bytes) and first.startswith(HELLO_PREFIX)
             if len(self._agents) >= MAX_AGENTS:
                 del self._agents[next(iter(self._agents))]
             self._agents[agent] = announced

@@ -20,7 +20,8 @@ upstream's NIXL ones (``NixlKVConnectorStats``, ``NixlPromMetrics``, the same in
   region plan moves for each request it reads (pull consumers).
 
 Stats are ``data`` lists (serialisable, as vLLM requires): one entry per event, the
-reason of a refusal, the bytes of a request.
+reason of a refusal, the bytes of a request. A key of ours is there once its first event
+is (until then the stats, their payload and their ``reduce()`` are upstream's).
 """
 
 from __future__ import annotations
@@ -85,31 +86,21 @@ _BYTE_BUCKETS: Final = [float(4096 * 4**i) for i in range(13)]
 class TraitsNixlKVConnectorStats(NixlKVConnectorStats):
     """Upstream's NIXL transfer stats plus the connector's counters (this module's doc)."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()  # type: ignore[no-untyped-call]  # vLLM's is untyped
-        for key in _KEYS:  # data rebuilt from a payload (or upstream's) lacks ours
-            self.data.setdefault(key, [])
-
-    def reset(self) -> None:
-        super().reset()  # type: ignore[no-untyped-call]
-        for key in _KEYS:
-            self.data[key] = []
-
     def record_refused_peer(self, reason: str) -> None:
         # A string in vLLM's number lists (typed so by upstream's reset): msgpack carries
         # it, and the front end labels the counter with it.
-        cast("list[Any]", self.data[PEERS_REFUSED]).append(reason)
+        cast("list[Any]", self.data.setdefault(PEERS_REFUSED, [])).append(reason)
         if reason == "layout_mismatch":
-            self.data[FINGERPRINT_MISMATCHES].append(1)
+            self.data.setdefault(FINGERPRINT_MISMATCHES, []).append(1)
 
     def record_upstream_peer(self) -> None:
-        self.data[UPSTREAM_PEERS].append(1)
+        self.data.setdefault(UPSTREAM_PEERS, []).append(1)
 
     def record_lease_declined(self) -> None:
-        self.data[LEASES_DECLINED].append(1)
+        self.data.setdefault(LEASES_DECLINED, []).append(1)
 
     def record_planned_bytes(self, nbytes: int) -> None:
-        self.data[PLANNED_BYTES].append(int(nbytes))
+        self.data.setdefault(PLANNED_BYTES, []).append(int(nbytes))
 
     def clone_and_reset(self) -> TraitsNixlKVConnectorStats:
         return cast("TraitsNixlKVConnectorStats", super().clone_and_reset())
@@ -126,13 +117,15 @@ class TraitsNixlKVConnectorStats(NixlKVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         reduced: dict[str, int | float] = dict(super().reduce())
-        planned = self.data[PLANNED_BYTES]
+        if not any(self.data.get(key) for key in _KEYS):
+            return reduced  # upstream's line, as upstream's stats give it
+        planned = self.data.get(PLANNED_BYTES, [])
         reduced.update(
             {
-                "Num peers refused": len(self.data[PEERS_REFUSED]),
-                "Num fingerprint mismatches": len(self.data[FINGERPRINT_MISMATCHES]),
-                "Num upstream peers": len(self.data[UPSTREAM_PEERS]),
-                "Num leases declined": len(self.data[LEASES_DECLINED]),
+                "Num peers refused": len(self.data.get(PEERS_REFUSED, [])),
+                "Num fingerprint mismatches": len(self.data.get(FINGERPRINT_MISMATCHES, [])),
+                "Num upstream peers": len(self.data.get(UPSTREAM_PEERS, [])),
+                "Num leases declined": len(self.data.get(LEASES_DECLINED, [])),
                 "Avg planned MB per request": round(sum(planned) / len(planned) / 2**20, 3)
                 if planned
                 else 0,
