@@ -363,3 +363,41 @@ def test_a_pull_producer_logs_a_consumer_on_upstreams_connector_once(
     assert len(warnings) == 1, warnings
     assert f"agent {theirs.nixl_wrapper.name} reads from this producer" in warnings[0]
     assert producer.xfer_stats.data[UPSTREAM_PEERS] == [1]
+
+
+# -- the pieces, on real plans -------------------------------------------------------------
+
+
+def test_planned_bytes_count_each_region_as_vllms_worker_expands_it(
+    make: Callable[..., Any],
+) -> None:
+    """Kimi-Linear style (MLA and two KDA groups aliasing one storage): vLLM's worker
+    expands a request's block ids per region by its group (every group's ids for a
+    region shared by groups, ``_block_ids_by_region``); the planned bytes are each
+    region's block length times the ids vLLM moves in it."""
+    from kvspec_traits.transfer import SHARED_REGION_GROUP_ID
+    from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
+    from kvspec_traits.vllm_connector._observe import planned_bytes
+
+    worker, _ = make("mla_kda_hybrid", TraitsNixlConnectorWorker, "hybrid")
+    plan = worker.region_plan
+    ids = [[1, 2, 3, 4], [5], [6]]  # one list per transfer group, kernel blocks and states
+    by_region = worker._block_ids_by_region(ids, plan.region_group_ids)
+    expected = sum(len(b) * r.block_len for b, r in zip(by_region, plan.regions, strict=True))
+    assert planned_bytes(plan, ids) == expected > 0
+    # The aliased storages make every region one shared by the three groups.
+    assert {r.group_id for r in plan.regions} == {SHARED_REGION_GROUP_ID}
+
+
+def test_an_mla_worker_logs_replicated_regions(
+    make: Callable[..., Any], vllm_records: list[logging.LogRecord]
+) -> None:
+    from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
+
+    worker, _ = make("mla", TraitsNixlConnectorWorker, "mla")
+    lines = [r.getMessage() for r in vllm_records if ": region " in r.getMessage()]
+    assert len(lines) == len(worker.region_plan.regions) >= 1
+    # A latent of 512 + 64 float32 per token, kernel blocks of 16 tokens.
+    for line in lines:
+        assert "TP replicated: REPLICATE, the same bytes on each of 1 rank(s)" in line, line
+        assert f"; {16 * (512 + 64) * 4} bytes per block" in line, line
