@@ -401,3 +401,20 @@ def test_an_mla_worker_logs_replicated_regions(
     for line in lines:
         assert "TP replicated: REPLICATE, the same bytes on each of 1 rank(s)" in line, line
         assert f"; {16 * (512 + 64) * 4} bytes per block" in line, line
+
+
+def test_the_census_judges_an_agent_by_its_first_message_and_stays_bounded() -> None:
+    from kvspec_traits.vllm_connector._consumers import HELLO, MAX_AGENTS, ConsumerCensus
+
+    upstream: list[str] = []
+    census = ConsumerCensus(upstream.append)
+    # One poll: ours announced itself before its read's notification; theirs did not
+    # (its heartbeat first). A later hello does not make theirs ours; nothing repeats.
+    census.saw({"ours": [HELLO, b"p-1:1"], "theirs": [b"HB:p-2", b"p-2:1"]})
+    census.saw({"theirs": [HELLO], "ours": [b"p-3:1"], "idle": []})
+    assert upstream == ["theirs"]
+    assert (census.announced("ours"), census.announced("theirs")) == (True, False)
+    assert census.announced("idle") is None  # no message: not judged yet
+    # Past MAX_AGENTS agents the oldest is forgotten (a restarted consumer is a new agent).
+    census.saw({f"agent-{i}": [HELLO] for i in range(MAX_AGENTS)})
+    assert census.announced("ours") is None and census.announced(f"agent-{MAX_AGENTS - 1}")
