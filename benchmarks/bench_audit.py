@@ -22,6 +22,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._results
+
+from benchmarks._results import run as record_run
 from kvspec_traits.audit import audit_paths, load_universe
 from kvspec_traits.audit._universe import installed_vllm_dir
 
@@ -98,4 +101,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(record_run("bench_audit", main))

@@ -43,6 +43,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._results
+
+from benchmarks._results import run as record_run
 from kvspec_traits.audit import audit_paths, load_universe
 from kvspec_traits.audit._measure import Reported, line_sha, reported_sites, score
 from kvspec_traits.audit._universe import installed_vllm_dir
@@ -204,4 +207,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(record_run("bench_audit_real", main))

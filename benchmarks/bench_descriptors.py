@@ -63,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from benchmarks._results import run as record_run
 from kvspec_traits.nixl import PeerMetadata, RemotePeer
 from kvspec_traits.nixl._request import RequestDescs, request_descs
 from kvspec_traits.transfer import RegionPlan, peer_regions, plan_regions
@@ -287,4 +288,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    quick = "--quick" in sys.argv
+    sys.exit(record_run("bench_descriptors", lambda: main(sys.argv[1:]), record=not quick))

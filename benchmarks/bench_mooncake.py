@@ -37,6 +37,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from benchmarks._results import run as record_run
 from kvspec_traits.mooncake import Moves, TraitsMooncakeEngine, fetch_record, request_moves
 from kvspec_traits.transfer import plan_regions
 from tests.nixl_helpers import layouts
@@ -183,4 +184,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    child = sys.argv[1:2] == ["--producer"] or "--quick" in sys.argv
+    sys.exit(record_run("bench_mooncake", main, record=not child))

@@ -56,6 +56,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from benchmarks._results import run as record_run
 from kvspec_traits.nixl import (
     DescMode,
     RemotePeer,
@@ -384,4 +385,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(record_run("bench_nixl", main, record="--quick" not in sys.argv))

@@ -24,6 +24,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks._results import run as record_run  # noqa: E402
 
 
 def _measure(delay: int) -> dict[str, float]:
@@ -115,4 +119,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO / "src"))
-    raise SystemExit(main())
+    child = "--child" in sys.argv  # one measurement, for the parent
+    raise SystemExit(record_run("bench_nixl_progress", main, record=not child))

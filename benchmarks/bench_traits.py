@@ -19,6 +19,7 @@ import statistics
 import sys
 import timeit
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -29,9 +30,12 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._results
+
 import kvspec_traits
 import kvspec_traits._registry
 import kvspec_traits.extend
+from benchmarks._results import run as record_run
 from kvspec_traits._caches import Members
 from kvspec_traits.catalog import representative_specs
 
@@ -150,4 +154,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(record_run("bench_traits", main))

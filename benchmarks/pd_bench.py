@@ -20,9 +20,9 @@ Python < 3.11.1, instead of ``os.sched_yield()``. Upstream's classes cannot read
 minute on 2 shared cores, whichever connector it runs (docs/vllm.md, "Push end to end"): a
 stall of that size decides three runs by where it lands, not by the connector. Each server
 must say in its log that it waited so ("kvspec-overlay: ... USE_SCHED_YIELD False"), or the
-run fails. "yield" keeps vLLM's default for both (the figures of docs/vllm.md's first
-runs). NIXL's progress delay likewise (``--nixl-delay-both-us``, default 100): NIXL's
-Python API builds agents whose progress thread spins a core, which no key of upstream's
+run fails. "yield" keeps vLLM's default for both (the conditions of the first runs, in
+docs/vllm.md's history). NIXL's progress delay likewise (``--nixl-delay-both-us``, default
+100): NIXL's Python API builds agents whose progress thread spins a core, which no key of upstream's
 changes, so the overlay's ``KVSPEC_OVERLAY_NIXL_PROGRESS_DELAY_US`` gives every agent of
 both like-for-like pairs the floor ours gets from ``kvspec_nixl_progress_delay_us`` (each
 server must print ``kvspec-overlay: NIXL progress delay 100 us``); 0 leaves NIXL's
@@ -65,6 +65,8 @@ request, or a server that does not start. With fewer than 3 runs no target is ju
 ``--quick`` (llama, pull, one run of 8 requests) checks that the harness works.
 
 Run: ``make pd-bench`` or ``.venv/bin/python benchmarks/pd_bench.py [--quick] [--runs 3]``.
+The tables and the verdicts are written to ``benchmarks/results/pd_bench.md``
+(benchmarks/_results.py), replacing the last run's; ``--quick`` writes none.
 One benchmark at a time, machine-wide (tests/e2e/pd_harness.py's lock).
 """
 
@@ -92,6 +94,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks._results import write as write_result  # noqa: E402
 from kvspec_traits.vllm_connector._names import (  # noqa: E402
     CONNECTOR_NAME,
     NIXL_PROGRESS_DELAY,
@@ -1146,19 +1149,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     took = time.monotonic() - started
     load_end = os.getloadavg()
     lines, missed = report(groups, judged=args.runs >= MIN_JUDGED_RUNS)
-    print(
-        f"\npd-bench {stamp}: took {took:.0f} s; load at start {load_start[0]:.2f}, "
-        f"at end {load_end[0]:.2f} (1-min), {load_end[2]:.2f} (15-min)\n"
-    )
-    print("\n".join(lines))
+    out = [
+        f"pd-bench {stamp}: took {took:.0f} s; load at start {load_start[0]:.2f}, "
+        f"at end {load_end[0]:.2f} (1-min), {load_end[2]:.2f} (15-min)",
+        "",
+        *lines,
+    ]
     if args.runs < MIN_JUDGED_RUNS:
-        print(f"\n(fewer than {MIN_JUDGED_RUNS} runs: ratios shown, targets not judged)")
-    if problems or missed:
-        print(f"\nFAILED ({len(problems) + len(missed)}):")
-        print("\n".join(f"  {p}" for p in problems + missed))
-        return 1
-    print("\npd-bench passed")
-    return 0
+        out += ["", f"(fewer than {MIN_JUDGED_RUNS} runs: ratios shown, targets not judged)"]
+    failed = problems + missed
+    if failed:
+        out += ["", f"FAILED ({len(failed)}):", *(f"- {p}" for p in failed)]
+    else:
+        out += ["", "pd-bench passed"]
+    print("\n" + "\n".join(out))
+    status = 1 if failed else 0
+    if not args.quick:  # a smoke run of the harness keeps the last measurement
+        loads = f"{load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}"
+        path = write_result(
+            "pd_bench",
+            "\n".join(out),
+            status=status,
+            load_start=loads,
+            argv=[sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
+            fenced=False,
+        )
+        print(f"result written to {path.relative_to(REPO)}")
+    return status
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks._results import run as record_run  # noqa: E402
 from kvspec_traits.vllm_connector import NIXL_PROGRESS_DELAY, PUSH_CONNECTOR_NAME, SHM_WAIT  # noqa: E402
 from tests.e2e import pd_harness as harness  # noqa: E402
 
@@ -219,4 +220,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(record_run("push_ab", main))

@@ -27,7 +27,9 @@ recovery request fails undeclined, or a server's state does not return to its st
 state.
 
 Run: ``make soak`` or ``.venv/bin/python benchmarks/soak.py [--models llama] [--requests 500]``.
-One server pair at a time, machine-wide (tests/e2e/pd_harness.py's lock).
+One server pair at a time, machine-wide (tests/e2e/pd_harness.py's lock). The table, the
+verdict and every check are written to ``benchmarks/results/soak.md`` (benchmarks/_results.py),
+replacing the last run's.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks._results import write as write_result  # noqa: E402
 from kvspec_traits.vllm_connector._names import (  # noqa: E402
     NIXL_PROGRESS_DELAY,
     SHM_WAIT,
@@ -129,9 +132,13 @@ class Soak:
         self.args = args
         self.problems: list[str] = []
         self.table: list[str] = []
+        # Every check, in order, for the result file (benchmarks/results/soak.md).
+        self.checks: list[str] = []
 
     def check(self, ok: bool, what: str) -> None:
-        print(f"  [{'ok' if ok else 'FAIL'}] {what}", flush=True)
+        line = f"[{'ok' if ok else 'FAIL'}] {what}"
+        self.checks.append(line)
+        print(f"  {line}", flush=True)
         if not ok:
             self.problems.append(what)
 
@@ -383,9 +390,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     models_dir = REPO / ".cache" / "models"
     soak = Soak(args)
     workdir = Path(tempfile.mkdtemp(prefix="kvspec-soak-"))
+    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
         f"soak {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
-        f"load {os.getloadavg()[0]:.2f}; logs in {workdir}"
+        f"load {load_start}; logs in {workdir}"
     )
     started = time.monotonic()
     for name in names:
@@ -399,18 +407,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ServerFailedError, RuntimeError, TimeoutError) as err:
             print(f"{name}: {err}", flush=True)
             soak.problems.append(f"{name}: {str(err).splitlines()[0]}")
-    print(f"\nsoak took {time.monotonic() - started:.0f} s")
-    print(
-        f"\n{'model':<12} {'run':<24} {'reqs':>5} {'req/s':>7} {'TTFT p50':>9} "
-        f"{'TTFT p99':>9} {'diffs':>6}   (TTFT in ms)"
-    )
-    print("\n".join(soak.table))
+    out = [
+        f"soak took {time.monotonic() - started:.0f} s",
+        "",
+        f"{'model':<12} {'run':<24} {'reqs':>5} {'req/s':>7} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'diffs':>6}   (TTFT in ms)",
+        *soak.table,
+    ]
     if soak.problems:
-        print(f"\nFAILED ({len(soak.problems)}):")
-        print("\n".join(f"  {p}" for p in soak.problems))
-        return 1
-    print("\nsoak passed")
-    return 0
+        out += ["", f"FAILED ({len(soak.problems)}):", *(f"  {p}" for p in soak.problems)]
+    else:
+        out += ["", "soak passed"]
+    print("\n" + "\n".join(out))
+    status = 1 if soak.problems else 0
+    body = "\n".join([*out, "", "Checks, in order:", *soak.checks])
+    path = write_result(
+        "soak",
+        body,
+        status=status,
+        load_start=load_start,
+        argv=[sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
+    )
+    print(f"result written to {path.relative_to(REPO)}")
+    return status
 
 
 if __name__ == "__main__":

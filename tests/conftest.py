@@ -34,6 +34,7 @@ SERIES_INDEPENDENT = frozenset(
         "test_audit_cache",
         "test_audit_infer",
         "test_audit_readings",
+        "test_bench_results",
         "test_conformance_judge",
         "test_import_graph",
         "test_migrate_hoist",

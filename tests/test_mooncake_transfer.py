@@ -194,19 +194,21 @@ def test_p1_d2_read_and_write_byte_exact(
 
 @pytest.mark.parametrize("family", HYBRIDS)
 @pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(2, 1), (1, 2)])
-def test_a_tp_sharded_state_between_tp_sizes_is_refused_at_connect(
+def test_an_undescribed_state_split_between_tp_sizes_is_refused_at_connect(
     family: str,
     producer_tp: int,
     consumer_tp: int,
     remote: Remote,
     engines: list[TraitsMooncakeEngine],
 ) -> None:
-    """A Mamba or GDN state is split by TP; its shards cannot be re-cut between TP sizes
-    (as for NIXL): the peer is refused by name when it connects, nothing moves."""
+    """A Mamba or GDN state is split by TP; in vLLM's default conv layout (SD) its traits
+    do not say how (no tp_split), so its shards cannot be re-cut between TP sizes (as for
+    NIXL): the peer is refused by name when it connects, nothing moves. The DS layout,
+    whose split is described, moves: tests/test_tp_matrix.py."""
     config, caches = rank_caches(family, NB, consumer_tp, 0, None)
     consumer = _engine(engines, caches, config, tp=consumer_tp)
     _, port = remote.build(family, NB, producer_tp, 0, SEED, whole=True)
-    with pytest.raises(UnsupportedLayoutError, match="TP-sharded recurrent state") as info:
+    with pytest.raises(UnsupportedLayoutError, match="does not say how it splits") as info:
         consumer.connect(fetch_record(HOST, port), HOST)
     assert "mamba" in info.value.layer or "linear_attn" in info.value.layer
     assert not bool(layouts.backing(caches).any())

@@ -47,6 +47,7 @@ from kvspec_traits.transfer import (
     RegionPlan,
     Rows,
     UnsupportedLayoutError,
+    lanes_of,
     peer_regions,
     plan_regions,
     tp_reads,
@@ -308,11 +309,20 @@ def test_replicated_page_sharing_a_sharded_state_refuses_a_tp_change() -> None:
     (region,) = plan_regions(caches, config, tp_size=2, tp_rank=1).regions
     assert region.replicated and region.state
     assert region.state_tp_layout is TPLayout.STATE_SHARDED
-    with pytest.raises(UnsupportedLayoutError, match="TP-sharded recurrent state") as info:
+    # A block is a page of one group or a state of the other: the reads are asked per
+    # group (lanes_of), never guessed for the region.
+    with pytest.raises(UnsupportedLayoutError, match="ask tp_reads per group") as info:
         tp_reads(region, local_tp=1, local_rank=0, remote_tp=2)
     assert info.value.layer == "model.layers.0.attn"
-    with pytest.raises(UnsupportedLayoutError, match="recurrent state"):
-        tp_reads(region, local_tp=2, local_rank=1, remote_tp=1)
+    assert lanes_of(region) == ((0, False), (1, True))
+    # The MLA group's blocks: the latent page, whole from one rank of the other size.
+    assert tp_reads(region, local_tp=1, local_rank=0, remote_tp=2, states=False) == (
+        Read(0, 0, 0, region.block_len),
+    )
+    # The state group's blocks: this bare MambaSpec (no mamba_type) does not say how its
+    # state splits across ranks, so it is refused by name, never read whole.
+    with pytest.raises(UnsupportedLayoutError, match="does not say how it splits"):
+        tp_reads(region, local_tp=2, local_rank=1, remote_tp=1, states=True)
     assert tp_reads(region, local_tp=2, local_rank=1, remote_tp=2) == (
         Read(1, 0, 0, region.block_len),
     )
@@ -539,10 +549,12 @@ def test_tp_reads_split_and_gather_by_heads() -> None:
     )
 
 
-def test_state_regions_refuse_a_tp_change() -> None:
+def test_a_state_whose_split_is_not_described_refuses_a_tp_change() -> None:
+    # vLLM's default conv layout (SD) is not decomposed by its NIXL transfer, so the
+    # adapter describes no tp_split: the state is refused by name between TP sizes.
     plan, _ = _plan("qwen35")
-    with pytest.raises(ValueError, match="recurrent state"):
-        tp_reads(plan.regions[1], local_tp=1, local_rank=0, remote_tp=2)
+    with pytest.raises(UnsupportedLayoutError, match="does not say how it splits"):
+        tp_reads(plan.regions[1], local_tp=1, local_rank=0, remote_tp=2, states=True)
 
 
 # -- the shim never names a spec class: tests/test_no_spec_branches.py (the audit) checks
@@ -686,6 +698,7 @@ def test_the_planner_takes_layout_arguments_only() -> None:
         "tp_rank",
         "registry",
         "layout",
+        "total_kv_heads",  # a model fact (vLLM's get_total_num_kv_heads), not a layout choice
     ]
     with pytest.raises(ValueError, match="sub_blocks 0 must be >= 1"):
         PlanLayout(sub_blocks=0)

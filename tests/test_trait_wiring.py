@@ -205,15 +205,17 @@ def _record_keys() -> set[str]:
     }
 
 
-# The record keys of fingerprint version 4 (as of version 3; 4 added the stage, "pp",
-# beside the records). A new Region field joins the record by itself
-# (traits_record iterates Region's fields): a peer running the previous release would
-# then be refused with a diff in every region, so the version must say so.
-RECORD_V4 = {
+# The record keys of fingerprint version 5 (4 added the stage, "pp", beside the records;
+# 5 the block sizes, the state groups of a shared region, each state component's TP
+# runs). A new
+# Region field joins the record by itself (traits_record iterates Region's fields): a
+# peer running the previous release would then be refused with a diff in every region,
+# so the version must say so.
+RECORD_V5 = {
     "name", "layers", "block_len", "replicated", "tp_layout", "tp_shards", "paged", "state",
     "state_tp_layout", "state_components", "scratch", "scope", "dtype", "kv_quant_mode",
     "num_head_slots", "head_segment", "head_major", "kv_head_contiguous", "group_id",
-    "replicated_state",
+    "replicated_state", "block_sizes", "state_group_ids",
 }  # fmt: skip
 
 
@@ -221,8 +223,8 @@ def test_a_new_region_field_is_fingerprinted_or_says_why_not() -> None:
     names = {f.name for f in fields(Region)}
     assert set(NOT_FINGERPRINTED) <= names, set(NOT_FINGERPRINTED) - names
     assert set(RECORD_KEYS) <= names - set(NOT_FINGERPRINTED)
-    if FINGERPRINT_VERSION == 4:
-        assert _record_keys() == RECORD_V4, (
+    if FINGERPRINT_VERSION == 5:
+        assert _record_keys() == RECORD_V5, (
             "the fingerprint record changed: bump FINGERPRINT_VERSION "
             "(transfer/_fingerprint.py), or add the field to NOT_FINGERPRINTED with why"
         )

@@ -8,6 +8,9 @@ Commands (each answered by one JSON line on stdout):
 
 - ``{"op": "build", "key", "family", "nb", "tp", "rank", "seed", "whole"}`` -> ``{"port"}`` (the
   side channel's port; ``seed`` null: zeros);
+- ``{"op": "build_matrix", "key", "name", "tp", "rank", "block_ids"}`` -> ``{"port"}``: a
+  producer rank of a ``tests/test_tp_matrix.py`` layout, filled with its share of that
+  module's truth (vLLM's DS conv layout switched on, as there);
 - ``{"op": "dump", "key", "path"}``: the rank's whole backing allocation into ``path``;
 - ``{"op": "modules"}`` -> ``{"nixl"}``: the NIXL modules this process has loaded;
 - ``{"op": "close", "key"}``: unregister its memory and stop its side channel;
@@ -50,6 +53,18 @@ def main() -> int:
                 engine.register_plan(plan_regions(caches, config, tp_size=tp, tp_rank=rank))
                 reply["port"] = engine.serve_record().port
                 held[cmd["key"]] = (engine, caches)
+            elif op == "build_matrix":
+                os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
+                from tests import test_tp_matrix as matrix
+
+                tp, rank = cmd["tp"], cmd["rank"]
+                built = matrix._rank(cmd["name"], tp, rank)
+                truth = matrix._truth(cmd["name"])
+                matrix._fill(cmd["name"], truth, built, tp, rank, cmd["block_ids"], only=False)
+                engine = TraitsMooncakeEngine("127.0.0.1")
+                engine.register_plan(built.plan)
+                reply["port"] = engine.serve_record().port
+                held[cmd["key"]] = (engine, built.caches)
             elif op == "dump":
                 with open(cmd["path"], "wb") as out:
                     out.write(layouts.backing(held[cmd["key"]][1]).numpy().tobytes())

@@ -10,12 +10,19 @@ consecutive blocks of a dense region is one entry.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvspec_traits.mooncake._errors import MissingPeerError
-from kvspec_traits.transfer import DuplicateBlockIdError, PeerRegion, RegionPlan, tp_reads
+from kvspec_traits.transfer import (
+    DuplicateBlockIdError,
+    PeerRegion,
+    Region,
+    RegionPlan,
+    lanes_of,
+    peer_view,
+    tp_reads,
+)
 from kvspec_traits.transfer._blocks import (
     IdLists,
     check_block_range,
@@ -52,8 +59,9 @@ def pieces_of(
     *,
     write: bool,
 ) -> tuple[tuple[Piece, ...], ...]:
-    """Per region of ``plan``, the pieces a block moves between our block and the
-    peers' (``remote_regions``: each given remote rank's regions).
+    """Per lane of each region of ``plan`` (:func:`lanes_of`, in region order), the
+    pieces a block moves between our block and the peers' (``remote_regions``: each
+    given remote rank's regions).
 
     A read fills our block from the ranks :func:`tp_reads` names. A write is the
     consumer's read seen from this (producer) side: for each consumer rank, its reads of
@@ -65,41 +73,61 @@ def pieces_of(
     out: list[tuple[Piece, ...]] = []
     some = next(iter(remote_regions.values()))
     for index, region in enumerate(plan.regions):
-        if not write:
-            reads = tp_reads(
-                region,
-                local_tp=plan.tp_size,
-                local_rank=plan.tp_rank,
-                remote_tp=remote_tp,
-                remote_block_len=some[index].block_len,
-            )
+        for _, states in lanes_of(region):
             out.append(
-                tuple((r.remote_rank, r.local_offset, r.remote_offset, r.length) for r in reads)
+                _lane_pieces(plan, region, remote_tp, remote_regions, some[index], states, write)
             )
-            continue
-        pieces: list[Piece] = []
-        for rank, regions in sorted(remote_regions.items()):
-            theirs = dataclasses.replace(region, block_len=regions[index].block_len)
-            reads = tp_reads(
-                theirs,
-                local_tp=remote_tp,
-                local_rank=rank,
-                remote_tp=plan.tp_size,
-                remote_block_len=region.block_len,
-            )
-            pieces += [
-                (rank, r.remote_offset, r.local_offset, r.length)
-                for r in reads
-                if r.remote_rank == plan.tp_rank
-            ]
-        out.append(tuple(pieces))
     return tuple(out)
+
+
+def _lane_pieces(
+    plan: RegionPlan,
+    region: Region,
+    remote_tp: int,
+    remote_regions: Mapping[int, Sequence[PeerRegion]],
+    some: PeerRegion,
+    states: bool | None,
+    write: bool,
+) -> tuple[Piece, ...]:
+    if not write:
+        reads = tp_reads(
+            region,
+            local_tp=plan.tp_size,
+            local_rank=plan.tp_rank,
+            remote_tp=remote_tp,
+            remote_block_len=some.block_len,
+            states=states,
+        )
+        return tuple((r.remote_rank, r.local_offset, r.remote_offset, r.length) for r in reads)
+    pieces: list[Piece] = []
+    for rank, regions in sorted(remote_regions.items()):
+        theirs = peer_view(
+            region,
+            tp=plan.tp_size,
+            peer_tp=remote_tp,
+            peer_block_len=regions[region.index].block_len,
+        )
+        reads = tp_reads(
+            theirs,
+            local_tp=remote_tp,
+            local_rank=rank,
+            remote_tp=plan.tp_size,
+            remote_block_len=region.block_len,
+            states=states,
+        )
+        pieces += [
+            (rank, r.remote_offset, r.local_offset, r.length)
+            for r in reads
+            if r.remote_rank == plan.tp_rank
+        ]
+    return tuple(pieces)
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """One region's moves against a set of peers, flattened for the per-request loop:
-    our region's numbers, and per piece the peer rank's region geometry."""
+    """One region's moves for one lane (:func:`lanes_of`) against a set of peers,
+    flattened for the per-request loop: our region's numbers, and per piece the peer
+    rank's region geometry."""
 
     name: str
     group_id: int
@@ -118,12 +146,13 @@ def routes_of(
     *,
     write: bool,
 ) -> tuple[Route, ...]:
-    """:func:`pieces_of` with the geometry of both sides, per region (what a set of
-    peers keeps across requests). :class:`MissingPeerError` names a rank a piece needs
-    that ``remote_regions`` lacks."""
+    """:func:`pieces_of` with the geometry of both sides, per lane of each region (what
+    a set of peers keeps across requests). :class:`MissingPeerError` names a rank a
+    piece needs that ``remote_regions`` lacks."""
+    lanes = [(region, group) for region in plan.regions for group, _ in lanes_of(region)]
     routes = []
-    for region, pieces in zip(
-        plan.regions, pieces_of(plan, remote_tp, remote_regions, write=write), strict=True
+    for (region, group), pieces in zip(
+        lanes, pieces_of(plan, remote_tp, remote_regions, write=write), strict=True
     ):
         flat = []
         for rank, ours, theirs, length in pieces:
@@ -136,7 +165,7 @@ def routes_of(
         routes.append(
             Route(
                 region.name,
-                region.group_id,
+                group,
                 region.num_blocks,
                 region.base_addr,
                 region.block_stride,

@@ -44,7 +44,15 @@ from kvspec_traits.transfer._peer import (
 from kvspec_traits.transfer._plan import plan_regions
 from kvspec_traits.transfer._region import SHARED_REGION_GROUP_ID, PlanLayout, Region, Rows
 from kvspec_traits.transfer._region_plan import RegionPlan
-from kvspec_traits.transfer._tp import Read, shard_count, tp_reads
+from kvspec_traits.transfer._tp import (
+    Read,
+    check_tp_pair,
+    lanes_of,
+    peer_view,
+    shard_count,
+    tp_reads,
+    with_kv_heads,
+)
 
 __all__ = [
     "FINGERPRINT_VERSION",
@@ -74,11 +82,15 @@ __all__ = [
     "check_peer_mem_types",
     "check_peer_placement",
     "check_region_bounds",
+    "check_tp_pair",
     "decode_fingerprint",
+    "lanes_of",
     "pair_stages",
     "peer_regions",
     "peer_registrations",
+    "peer_view",
     "plan_regions",
     "shard_count",
     "tp_reads",
+    "with_kv_heads",
 ]

@@ -106,8 +106,26 @@ class HandshakeMismatchError(KVSpecTraitsError, ValueError):
             f"{trait}: local={local!r} remote={remote!r}" for trait, local, remote in self.diffs
         )
         super().__init__(
-            f"KV layout handshake refused: producer and consumer differ on {where}: {what}"
+            f"KV layout handshake refused: producer and consumer differ on {where}: "
+            f"{what}{_fix(self.diffs)}"
         )
+
+
+def _fix(diffs: Sequence[TraitDiff]) -> str:
+    """What to change, for the differences an operator sets by hand."""
+    for trait, local, remote in diffs:
+        if trait == "block_sizes" and local and remote:
+            return (
+                f". Prefill and decode run different block sizes (tokens per block: here "
+                f"{_listed(local)}, the peer {_listed(remote)}); KV moves only between equal "
+                f"block sizes: start both servers with the same --block-size (e.g. "
+                f"--block-size {_listed(remote)} here)"
+            )
+    return ""
+
+
+def _listed(value: object) -> str:
+    return "/".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
 
 
 class StageLayersError(KVSpecTraitsError, ValueError):

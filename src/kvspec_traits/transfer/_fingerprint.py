@@ -42,11 +42,13 @@ __all__ = [
     "traits_record",
 ]
 
-FINGERPRINT_VERSION: Final = 4
+FINGERPRINT_VERSION: Final = 5
 """Version of :func:`traits_record` and the payload around it; 2 added ``head_major``
 (the H/N/C order inside a page), 3 ``kv_head_contiguous`` (the order of head slots
 inside a page), 4 the pipeline stage (``pp``: rank and size) of the regions, so that a
-stage pairs with its peer by the layers both hold (:func:`pair_stages`). A change to
+stage pairs with its peer by the layers both hold (:func:`pair_stages`), 5 the model's
+KV head count as a head-sharded region's ``tp_shards`` (replicated heads), each state
+component's TP runs, the ``state_group_ids`` and the ``block_sizes`` (tokens per block). A change to
 the record's keys (a new :class:`Region` field) needs a new version."""
 
 NOT_FINGERPRINTED: Final[Mapping[str, str]] = {
@@ -159,7 +161,14 @@ def traits_record(region: Region, tp_size: int) -> dict[str, Any]:
     scale = 1 if region.replicated or not region.paged else shards
     scaled: dict[str, object] = {
         "block_len": region.block_len * (scale if region.paged else state_shards),
-        "state_components": [[c.name, c.nbytes * state_shards] for c in region.state_components],
+        "state_components": [
+            [
+                c.name,
+                c.nbytes * state_shards,
+                None if c.runs is None else [r * state_shards for r in c.runs],
+            ]
+            for c in region.state_components
+        ],
         "num_head_slots": None if region.num_head_slots is None else region.num_head_slots * scale,
     }
     record: dict[str, Any] = {}

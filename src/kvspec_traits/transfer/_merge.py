@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from math import gcd
 from typing import TypeVar
 
-from kvspec_traits._traits import TPLayout, has_ring, is_state
+from kvspec_traits._traits import PageComponent, TPLayout, has_ring, is_state
 from kvspec_traits.transfer._errors import RegionConflictError
 from kvspec_traits.transfer._geometry import Piece
 from kvspec_traits.transfer._region import (
@@ -59,11 +59,11 @@ def merge_region(index: int, members: list[Piece]) -> Region:
             name,
             layers,
             "state components",
-            {m.layer: tuple((c.name, c.nbytes) for c in m.traits.components) for m in described},
+            {m.layer: tuple(_component(c) for c in m.traits.components) for m in described},
         )
         offset, parts = 0, []
-        for comp_name, nbytes in shapes:
-            parts.append(StateComponent(name=comp_name, offset=offset, nbytes=nbytes))
+        for comp_name, nbytes, runs in shapes:
+            parts.append(StateComponent(name=comp_name, offset=offset, nbytes=nbytes, runs=runs))
             offset += nbytes
         components = tuple(parts)
 
@@ -133,4 +133,16 @@ def merge_region(index: int, members: list[Piece]) -> Region:
         replicated_state=replicated_state,
         packed_members=tuple((m.layer, *m.row_member) for m in members if m.row_member is not None),
         kv_head_contiguous=all(m.traits.kv_head_contiguous for m in paged),
+        block_sizes=tuple(sorted({m.traits.block_size for m in paged if m.traits.block_size})),
+        state_group_ids=tuple(sorted({m.group_id for m in states})),
     )
+
+
+def _component(component: PageComponent) -> tuple[str, int, tuple[int, ...] | None]:
+    """A state component as a region keeps it: name, bytes and the bytes of each run
+    its ``tp_split`` names (elements along the first dimension times the row bytes)."""
+    split = component.tp_split
+    if split is None or not component.shape or component.nbytes % component.shape[0]:
+        return component.name, component.nbytes, None
+    row = component.nbytes // component.shape[0]
+    return component.name, component.nbytes, tuple(n * row for n in split)

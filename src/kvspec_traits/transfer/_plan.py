@@ -26,7 +26,7 @@ from kvspec_traits.transfer._geometry import (
 from kvspec_traits.transfer._merge import merge_region
 from kvspec_traits.transfer._region import MemoryRange, PlanLayout, Rows, region_sort_key
 from kvspec_traits.transfer._region_plan import RegionPlan
-from kvspec_traits.transfer._tp import shard_count
+from kvspec_traits.transfer._tp import shard_count, with_kv_heads
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +46,7 @@ def plan_regions(
     tp_rank: int = 0,
     registry: Registry | None = None,
     layout: PlanLayout | None = None,
+    total_kv_heads: int | None = None,
 ) -> RegionPlan:
     """Plan the regions of one rank's KV cache.
 
@@ -61,6 +62,13 @@ def plan_regions(
     two valid plans of the same bytes may differ in (sub-blocks, region order, whole
     rows, overlaid pages of other sizes) is ``layout``'s (:class:`PlanLayout`; default:
     ``PlanLayout()``).
+
+    ``total_kv_heads``: the model's KV heads over the whole TP group (vLLM's
+    ``model_config.get_total_num_kv_heads()``; ``None`` for an MLA model or where
+    unknown). A head-sharded region whose specs leave their shard count unset
+    (vLLM's attention specs) then has that many shards, so a model with fewer KV heads
+    than ranks is planned, fingerprinted and read as replicas of its heads
+    (:func:`~kvspec_traits.transfer.with_kv_heads`); without it, one shard per rank.
 
     Raises :class:`RegionConflictError` when layers sharing a region disagree on a
     fact the transfer needs, :class:`UnsupportedLayoutError` for a tensor that is not
@@ -153,7 +161,10 @@ def plan_regions(
             own = piece.layer if piece.layer in apart else ""
             pieces.setdefault((piece.base, piece.mem_type, size, own), []).append(piece)
 
-    regions = tuple(merge_region(index, members) for index, members in enumerate(pieces.values()))
+    regions = tuple(
+        with_kv_heads(merge_region(index, members), total_kv_heads)
+        for index, members in enumerate(pieces.values())
+    )
     for region in regions:
         shard_count(region.tp_layout, region.tp_shards, tp_size, region=region.name)
     if kv_cache_config is not None:

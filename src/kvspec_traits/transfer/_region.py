@@ -109,6 +109,12 @@ class StateComponent:
     name: str
     offset: int
     nbytes: int
+    runs: tuple[int, ...] | None = None
+    """Bytes of each run this rank holds one contiguous slice of (the component's
+    :attr:`~kvspec_traits.PageComponent.tp_split` times its row bytes; they add up to
+    ``nbytes``): every rank of a TP group holds ``1 / tp`` of each run, in rank order,
+    which is what a rank of another TP size reads its share from. ``None``: the traits
+    do not say how the component splits."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,6 +192,14 @@ class Region:
     """Every paged member keeps each KV head's slots together
     (:attr:`~kvspec_traits.KVLayoutTraits.kv_head_contiguous`): the order of the head
     slots inside a page, which equal page sizes do not show."""
+    block_sizes: tuple[int, ...] = ()
+    """Tokens per block of the paged members (their traits' ``block_size``; several where
+    members differ, none for a state-only region): two peers whose blocks hold other
+    token counts cannot pair block ids one to one."""
+    state_group_ids: tuple[int, ...] = ()
+    """The cache groups whose blocks in this region hold a recurrent state (the rest of
+    :attr:`group_ids` hold token pages): a block of a region shared by an attention
+    group and a state group is read as what its group keeps there."""
 
     @property
     def sharded_state(self) -> bool:

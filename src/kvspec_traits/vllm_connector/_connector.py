@@ -212,6 +212,9 @@ class TraitsWorkerBase(seam.SeamWorker):
             tp_rank=self.transfer_tp_rank,
             registry=self._traits_registry,
             layout=self._policy.worker_layout(self, facts, pp_size=pp_size),
+            # What vLLM's own TransferTopology reads: a spec cannot tell one KV head of
+            # one at TP 2 from one head of two (issue 47).
+            total_kv_heads=None if self.use_mla else self.model_config.get_total_num_kv_heads(),
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

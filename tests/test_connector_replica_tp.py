@@ -1,0 +1,152 @@
+"""Fewer KV heads than TP ranks through ``TraitsNixlConnectorWorker`` (issue 47): real
+NIXL agents, vLLM's own request path (handshake, ``start_load_kv``, ``get_finished``).
+
+vLLM builds a rank's attention spec with ``max(1, H // tp)`` KV heads and no
+``max_tp_shards`` (``Attention.get_kv_cache_spec``), so one head of one at TP 2 and one
+head of two at TP 2 are the same spec; the model's total (``get_total_num_kv_heads``,
+what vLLM's ``TransferTopology`` reads) is what tells them apart. The connector now plans
+with it (``plan_regions(total_kv_heads=...)``): the fingerprint agrees across TP sizes,
+and a consumer with more ranks than the producer reads each head from the rank holding
+it. Each consumer rank's whole allocation is compared with its share computed by hand:
+rank ``r`` of TP ``t`` holds head ``r // (t / H)`` when ``H < t`` (vLLM's
+``num_kv_head_replicas``), heads ``[r H/t, (r+1) H/t)`` otherwise; requested blocks hold
+that share of the producer's truth, every other byte stays zero.
+
+A producer of more ranks than the consumer whose ranks hold replicas is refused by name
+before the handshake (:class:`UnsupportedReplicaTPError`): vLLM's read path, which the
+connector runs, would gather every producer rank in the TP ratio (upstream asserts
+there). ``kvspec_traits.mooncake`` moves those cells (tests/test_tp_matrix.py).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest.mock import patch
+
+import pytest
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvspec_traits import _families as families
+from kvspec_traits.vllm_connector import UnsupportedReplicaTPError
+from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
+from kvspec_traits.vllm_connector._handshake import check_parallel_pair
+from tests.nixl_helpers import layouts
+from tests.nixl_helpers.layouts import LLAMA
+from tests.nixl_helpers.receive import receive, serving
+from tests.test_connector_differential import _construct, _vllm_config, distributed
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+__all__ = ["distributed"]  # a fixture, imported for its name
+
+NB = 6
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+REMOTE_BLOCKS, LOCAL_BLOCKS = [2, 5], [4, 1]
+LAYOUT = KVCacheLayout.LBHNC
+
+
+def _groups(kv_heads: int, tp: int) -> list[Any]:
+    # CPU attention's kernel blocks are multiples of 32 (the worker checks its block).
+    spec = families.llama_gqa(block_size=32, num_kv_heads=kv_heads, head_size=64, tp=tp)
+    return [layouts.group(LAYERS, spec)]
+
+
+@pytest.fixture
+def rank_worker(
+    distributed: None, tiny_models: pathlib.Path
+) -> Iterator[Callable[..., tuple[Any, dict[str, torch.Tensor]]]]:
+    """``rank_worker(kv_heads, engine, tp, rank)``: our worker as TP rank ``rank`` of
+    ``tp`` of a model with ``kv_heads`` KV heads, its caches registered."""
+    made: list[Any] = []
+
+    def _make(
+        kv_heads: int, engine: str, tp: int, rank: int
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        vllm_config = _vllm_config(tiny_models / LLAMA, LAYOUT, None)
+        vllm_config.parallel_config.tensor_parallel_size = tp
+        vllm_config.cache_config.block_size = 32
+        vllm_config.model_config.model_arch_config.total_num_kv_heads = kv_heads
+        config = layouts.kv_cache_config(_groups(kv_heads, tp), NB, LAYOUT)
+        caches = layouts.allocate(config, LAYOUT)
+        with (
+            set_current_vllm_config(vllm_config),
+            patch.object(base_worker, "get_tensor_model_parallel_rank", return_value=rank),
+            patch.object(base_worker, "get_tensor_model_parallel_world_size", return_value=tp),
+        ):
+            worker = _construct(lambda: TraitsNixlConnectorWorker(vllm_config, engine, config))
+            made.append(worker)
+            worker.register_kv_caches(caches)
+        return worker, caches
+
+    yield _make
+    for worker in made:
+        worker.shutdown()
+
+
+def _truth(kv_heads: int) -> dict[str, torch.Tensor]:
+    config = layouts.kv_cache_config(_groups(kv_heads, 1), NB, LAYOUT)
+    caches = layouts.allocate(config, LAYOUT)
+    layouts.fill_pattern(caches, 47)
+    return caches
+
+
+def _share(truth: torch.Tensor, kv_heads: int, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s heads (dimension 1 of a ``[blocks, heads, tokens, K|V]`` view)."""
+    heads = max(1, kv_heads // tp)
+    first = rank * heads if kv_heads >= tp else rank // (tp // kv_heads)
+    return truth[:, first : first + heads]
+
+
+CELLS = [(1, 1, 2), (2, 1, 4), (2, 2, 4), (1, 1, 4)]
+"""(KV heads, producer TP, consumer TP) that move: every consumer rank reads its head
+from the producer rank that holds it (upstream moves these too)."""
+
+
+@pytest.mark.parametrize(("kv_heads", "producer_tp", "consumer_tp"), CELLS)
+def test_a_consumer_of_more_ranks_reads_each_replica_exactly(
+    kv_heads: int, producer_tp: int, consumer_tp: int, rank_worker: Callable[..., Any]
+) -> None:
+    truth = _truth(kv_heads)
+    producers = []
+    for rank in range(producer_tp):
+        worker, caches = rank_worker(kv_heads, "prefill", producer_tp, rank)
+        for layer in LAYERS:
+            caches[layer].copy_(_share(truth[layer], kv_heads, producer_tp, rank))
+        producers.append(worker)
+    with serving(producers) as port:
+        for rank in range(consumer_tp):
+            consumer, caches = rank_worker(kv_heads, f"decode-{rank}", consumer_tp, rank)
+            receive(
+                consumer, port=port, local=[LOCAL_BLOCKS], remote=[REMOTE_BLOCKS],
+                remote_tp=producer_tp,
+            )  # fmt: skip
+            for layer in LAYERS:
+                want = torch.zeros_like(caches[layer])
+                share = _share(truth[layer], kv_heads, consumer_tp, rank)
+                for local, remote in zip(LOCAL_BLOCKS, REMOTE_BLOCKS, strict=True):
+                    want[local] = share[remote]
+                # Bytes, not values: seeded bytes hold NaNs, which compare unequal.
+                assert torch.equal(caches[layer].view(torch.uint8), want.view(torch.uint8)), (
+                    layer, rank,
+                )  # fmt: skip
+            consumer.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "producer_tp", "consumer_tp"), [(1, 2, 1), (2, 4, 1), (2, 4, 2)]
+)
+def test_a_producer_of_replicas_with_more_ranks_is_refused_by_name(
+    kv_heads: int, producer_tp: int, consumer_tp: int, rank_worker: Callable[..., Any]
+) -> None:
+    consumer, caches = rank_worker(kv_heads, "decode", consumer_tp, 0)
+    with pytest.raises(UnsupportedReplicaTPError, match=f"{kv_heads} KV heads") as info:
+        check_parallel_pair(consumer, producer_tp, 1)
+    assert (info.value.kv_heads, info.value.local_tp, info.value.remote_tp) == (
+        kv_heads, consumer_tp, producer_tp,
+    )  # fmt: skip
+    assert not any(bool(c.view(torch.uint8).any()) for c in caches.values())
