@@ -9,7 +9,9 @@ for identical text and, from both servers' ``/metrics``, for KV that came throug
 the bytes of exactly the blocks the decode server lacked, moved by the side the mode
 names (the reader in pull mode, the writer in push mode) and none by the other, every
 prompt token an external or local prefix hit on the decode server (nothing recomputed),
-and no failed transfer or notification on either.
+and no failed transfer or notification on either. On the traits pairs the connector's own
+metrics are there too: no peer refused, and in pull mode the reader's planned bytes for
+the request equal the bytes NIXL moved.
 
 Push runs on one model (llama, the cheapest pair): the mode changes who moves the
 bytes and how the pair meets (vLLM's ``PUSH_REG`` registration and handshakes both
@@ -487,6 +489,8 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
         assert full_part < bytes_moved <= missing_blocks * page_bytes, what
         if local_hits == 0 and prompt_tokens - case.window > block_size:
             assert bytes_moved < missing_blocks * page_bytes, what
+    if not case.patched:
+        _assert_traits_metrics(case, servers, before, after, bytes_moved, what)
     if prompt_name == "prefix hit" and case.window is None:
         if prefix_caching:
             # The consumer holds the shared prefix from "many blocks" and received only
@@ -503,6 +507,51 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
                 f"{what}: prefix caching is off on this server"
             )
             assert local_hits == 0, what
+
+
+# The connector's own metrics (docs/vllm.md, "Logs and metrics"), beside upstream's.
+TRAITS_REFUSED = "vllm:kvspec_traits_peers_refused_total"
+TRAITS_PLANNED = "vllm:kvspec_traits_planned_bytes_per_request"
+TRAITS_COUNTERS = (
+    TRAITS_REFUSED,
+    "vllm:kvspec_traits_fingerprint_mismatches_total",
+    "vllm:kvspec_traits_upstream_peers_total",
+    "vllm:kvspec_traits_leases_declined_total",
+)
+
+
+def _assert_traits_metrics(
+    case: ModelCase,
+    servers: ServerPair,
+    before: dict[str, dict[str, float]],
+    after: dict[str, dict[str, float]],
+    bytes_moved: float,
+    what: str,
+) -> None:
+    """Both servers publish the connector's counters (every refusal reason from the
+    start), none counted on a pair of one layout; in pull mode the reader's region plan
+    moved exactly the bytes NIXL moved, for this one request (push mode plans no read)."""
+    for server in servers.servers():
+        samples = after[server.name]
+        for name in TRAITS_COUNTERS:
+            assert any(k.startswith(name + "{") for k in samples), (what, server.name, name)
+            assert metric_total(samples, name) == 0, (what, server.name, name)
+        assert any(
+            k.startswith(TRAITS_REFUSED + "{") and 'reason="layout_mismatch"' in k for k in samples
+        ), (what, server.name)
+    if case.mode != "pull":
+        return
+    reader = servers.decode.name
+
+    def planned(suffix: str) -> float:
+        name = f"{TRAITS_PLANNED}_{suffix}"
+        return metric_total(after[reader], name) - metric_total(before[reader], name)
+
+    assert planned("count") == 1, what
+    if case.window is None:
+        assert planned("sum") == bytes_moved, what
+    else:  # what the reader's plan covers: at least what NIXL moved, at most every block
+        assert bytes_moved <= planned("sum"), what
 
 
 # vLLM's log line of the connector's own stats (KVConnectorLogging; MooncakeKVConnectorStats
@@ -869,3 +918,19 @@ def test_a_decode_server_of_another_layout_is_refused_at_handshake(
     assert metric_total(after, "vllm:nixl_bytes_transferred_sum") == metric_total(
         before, "vllm:nixl_bytes_transferred_sum"
     )
+    # The connector counted the refusal, by reason (docs/vllm.md, "Logs and metrics"):
+    # the stats reach /metrics with the worker's next step, so they may lag the error.
+    deadline = time.monotonic() + TRANSFER_RECORDED_S
+    while True:
+        samples = scrape_metrics(decode)
+        refused = sum(
+            v
+            for k, v in samples.items()
+            if k.startswith(TRAITS_REFUSED + "{") and 'reason="layout_mismatch"' in k
+        )
+        if refused >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert refused >= 1, samples
+    assert metric_total(samples, TRAITS_REFUSED) == refused  # no other reason
+    assert metric_total(samples, "vllm:kvspec_traits_fingerprint_mismatches_total") == refused

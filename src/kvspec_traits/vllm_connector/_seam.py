@@ -199,6 +199,7 @@ NAMES: tuple[VllmName, ...] = (
     VllmName(_PW, "_send_heartbeats", _O, _ALL, "no hook around the heartbeats sent"),
     VllmName(_PW, "_read_blocks_for_req", _O, _ALL, "no hook before a read starts"),
     VllmName(_PW, "_pop_done_transfers", _O, _ALL, "no hook after a read completes"),
+    VllmName(_PW, "_get_new_notifs", _O, _ALL, "no hook where a producer's notifications arrive"),
     VllmName(_PW, "_handle_failed_transfer", _C, _ALL, "vLLM's failed-read path; no public one"),
     VllmName(_PW, "_engine_clock_offset", _A, _ALL, "the handshake's clock offset; no getter"),
     VllmName(_PW, "_remote_agents", _A, _ALL, "which engines are handshaken; no getter"),
@@ -459,6 +460,14 @@ class SeamPullWorker(NixlPullConnectorWorker):
         upstream: Callable[[dict[str, list[int]]], tuple[set[str], set[str]]],
     ) -> tuple[set[str], set[str]]:
         return upstream(transfers)
+
+    def _get_new_notifs(self) -> set[str]:
+        return self.get_new_notifs(super()._get_new_notifs)
+
+    def get_new_notifs(self, upstream: Callable[[], set[str]]) -> set[str]:
+        """vLLM's handling of the NIXL notifications that arrived (``upstream``): the
+        requests whose every reader is done."""
+        return upstream()
 
     def fail_read(self, req_id: str) -> None:
         """vLLM's failed read without a transport failure (as its expired readback)."""
