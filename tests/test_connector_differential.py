@@ -683,6 +683,16 @@ def test_handshake_refuses_another_layout_with_the_named_diff(build: Callable[..
     finally:
         for stop in (stop_same, stop_other, stop_upstream, stop_foreign):
             stop.set()
+    # The connector's counters of these handshakes (vLLM's stats path carries them to its
+    # metrics: tests/test_connector_observe.py): the two refusals by reason, the upstream
+    # peer accepted once; vLLM's own refusal (the hash) is vLLM's to count.
+    counted = gqa.traits.xfer_stats.data
+    assert [str(r) for r in counted["kvspec_peers_refused"]] == [
+        "layout_mismatch",
+        "no_fingerprint",
+    ]
+    assert counted["kvspec_fingerprint_mismatches"] == [1]
+    assert counted["kvspec_upstream_peers"] == [1]
     err = refused.value
     assert err.region == 0 and err.region_name == "model.layers.0.self_attn.attn"
     diffs = {trait: (local, remote) for trait, local, remote in err.diffs}

@@ -17,6 +17,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, cast, get_args
 
@@ -46,9 +47,10 @@ from kvspec_traits.vllm_connector import (
     TraitsNixlPushConnector,
     UnknownConnectorOptionError,
     UnsupportedTransferModeError,
+    UnsupportedVllmVersionError,
+    _gate,
     connector_options,
 )
-from kvspec_traits.vllm_connector._gate import MODE_KEY_SERIES
 from kvspec_traits.vllm_connector._lease import LEASE_MARGIN_KEY
 from kvspec_traits.vllm_connector._names import SHM_WAITS, TRANSFER_MODE
 from kvspec_traits.vllm_connector._shm_wait import ShmWait
@@ -193,7 +195,9 @@ def test_the_progress_delay_error_is_the_nixl_shims_too() -> None:
 
 @pytest.mark.parametrize("series", SUPPORTED_VLLM_SERIES)
 def test_transfer_mode_is_read_where_vllms_factory_reads_it(series: str) -> None:
-    reads = series in MODE_KEY_SERIES
+    # vLLM 0.34's factory reads the key, 0.32's and 0.33's do not (tests/test_push_switch.py
+    # asks the installed factory itself).
+    reads = series == "0.34"
     assert _parse({TRANSFER_MODE: "push"}, series).transfer_mode == ("push" if reads else "pull")
     if reads:
         with pytest.raises(UnsupportedTransferModeError):
@@ -203,6 +207,39 @@ def test_transfer_mode_is_read_where_vllms_factory_reads_it(series: str) -> None
     # A connector that is push by its class (TraitsNixlPushConnector) reads no such key.
     push = ConnectorOptions.from_extra_config({TRANSFER_MODE: "write"}, series=series, mode="push")
     assert push.transfer_mode == "push"
+
+
+def test_a_later_series_keeps_transfer_mode_push_a_push_connector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Failure mode (issue 49 item 8): the series that read ``transfer_mode`` were an exact
+    set, ``{"0.34"}``, so once a 0.35 was added to the supported list, ``"transfer_mode":
+    "push"`` under ``TraitsNixlConnector`` would silently run pull. The quirk compares by
+    order: a vLLM 0.35.0 added to the supported series reads the key as 0.34 does."""
+    extra = {TRANSFER_MODE: "push"}
+    config = cast(
+        VllmConfig,
+        types.SimpleNamespace(
+            kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra)
+        ),
+    )
+    monkeypatch.setattr(_gate, "installed_vllm", lambda: "0.35.0")
+    # Not supported yet: the gate refuses it before any key is read.
+    with pytest.raises(UnsupportedVllmVersionError, match=r"vLLM 0\.35\.0 is installed"):
+        connector_options(config)
+    monkeypatch.setattr(_gate, "SUPPORTED_VLLM_SERIES", (*SUPPORTED_VLLM_SERIES, "0.35"))
+    assert connector_options(config).transfer_mode == "push"  # TraitsNixlConnector.__new__'s test
+    with pytest.raises(UnsupportedTransferModeError):
+        connector_options(
+            cast(
+                VllmConfig,
+                types.SimpleNamespace(
+                    kv_transfer_config=types.SimpleNamespace(
+                        kv_connector_extra_config={TRANSFER_MODE: "write"}
+                    )
+                ),
+            )
+        )
 
 
 @pytest.mark.parametrize(

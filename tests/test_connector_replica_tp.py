@@ -12,10 +12,10 @@ rank ``r`` of TP ``t`` holds head ``r // (t / H)`` when ``H < t`` (vLLM's
 ``num_kv_head_replicas``), heads ``[r H/t, (r+1) H/t)`` otherwise; requested blocks hold
 that share of the producer's truth, every other byte stays zero.
 
-A producer of more ranks than the consumer whose ranks hold replicas is refused by name
-before the handshake (:class:`UnsupportedReplicaTPError`): vLLM's read path, which the
-connector runs, would gather every producer rank in the TP ratio (upstream asserts
-there). ``kvspec_traits.mooncake`` moves those cells (tests/test_tp_matrix.py).
+A producer of more ranks than the consumer whose ranks hold replicas moves too: vLLM's
+read path reads the first rank of each distinct head there (``compute_tp_mapping``), and
+only its handshake validation asserted the pair away; the connector's topology answers
+that the consumer gathers (``_seam.gathering_topology``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import _families as families
-from kvspec_traits.vllm_connector import UnsupportedReplicaTPError
 from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
-from kvspec_traits.vllm_connector._handshake import check_parallel_pair
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
 from tests.nixl_helpers.receive import receive, serving
@@ -102,9 +100,10 @@ def _share(truth: torch.Tensor, kv_heads: int, tp: int, rank: int) -> torch.Tens
     return truth[:, first : first + heads]
 
 
-CELLS = [(1, 1, 2), (2, 1, 4), (2, 2, 4), (1, 1, 4)]
-"""(KV heads, producer TP, consumer TP) that move: every consumer rank reads its head
-from the producer rank that holds it (upstream moves these too)."""
+CELLS = [(1, 1, 2), (2, 1, 4), (2, 2, 4), (1, 1, 4), (1, 2, 1), (2, 4, 1), (2, 4, 2)]
+"""(KV heads, producer TP, consumer TP): every consumer rank reads each of its heads from
+the producer rank that holds it (upstream moves the first four; it asserts on the last
+three, a producer of replicas with more ranks than the consumer)."""
 
 
 @pytest.mark.parametrize(("kv_heads", "producer_tp", "consumer_tp"), CELLS)
@@ -135,18 +134,3 @@ def test_a_consumer_of_more_ranks_reads_each_replica_exactly(
                     layer, rank,
                 )  # fmt: skip
             consumer.shutdown()
-
-
-@pytest.mark.parametrize(
-    ("kv_heads", "producer_tp", "consumer_tp"), [(1, 2, 1), (2, 4, 1), (2, 4, 2)]
-)
-def test_a_producer_of_replicas_with_more_ranks_is_refused_by_name(
-    kv_heads: int, producer_tp: int, consumer_tp: int, rank_worker: Callable[..., Any]
-) -> None:
-    consumer, caches = rank_worker(kv_heads, "decode", consumer_tp, 0)
-    with pytest.raises(UnsupportedReplicaTPError, match=f"{kv_heads} KV heads") as info:
-        check_parallel_pair(consumer, producer_tp, 1)
-    assert (info.value.kv_heads, info.value.local_tp, info.value.remote_tp) == (
-        kv_heads, consumer_tp, producer_tp,
-    )  # fmt: skip
-    assert not any(bool(c.view(torch.uint8).any()) for c in caches.values())

@@ -58,13 +58,23 @@ PACKED_MLA = Family(lambda tp: _mla(CPU_MLA), BLHNC, DSV2, CPU_MLA)
 
 def test_series_quirks_per_series() -> None:
     assert series_quirks("0.32.0") == SeriesQuirks(
-        series="0.32", regions_keyed_by_block_len=False, packed_mla_rows=False
+        series="0.32",
+        regions_keyed_by_block_len=False,
+        packed_mla_rows=False,
+        transfer_mode_key=False,
     )
     assert series_quirks("0.33.0+cpu") == SeriesQuirks(
-        series="0.33", regions_keyed_by_block_len=False, packed_mla_rows=True
+        series="0.33",
+        regions_keyed_by_block_len=False,
+        packed_mla_rows=True,
+        transfer_mode_key=False,
     )
     assert series_quirks("0.34.0") == SeriesQuirks(
-        series="0.34", regions_keyed_by_block_len=True, packed_mla_rows=True
+        series="0.34", regions_keyed_by_block_len=True, packed_mla_rows=True, transfer_mode_key=True
+    )
+    # By order: a later series keeps every quirk 0.34 has (issue 49 item 8).
+    assert series_quirks("0.35.0") == SeriesQuirks(
+        series="0.35", regions_keyed_by_block_len=True, packed_mla_rows=True, transfer_mode_key=True
     )
     assert series_quirks().series == SERIES
 

@@ -25,10 +25,9 @@ KEPT_BUILTINS: dict[str, type[BaseException]] = {
     "kvspec_traits.transfer._errors.BlockIdTypeError": TypeError,
     "kvspec_traits.transfer._errors.BlockIdShapeError": ValueError,
     "kvspec_traits.transfer._errors.DuplicateBlockIdError": ValueError,
-    "kvspec_traits.nixl._errors.MissingPeerError": KeyError,
-    "kvspec_traits.nixl._errors.TransferFailedError": RuntimeError,
-    "kvspec_traits.mooncake._errors.MissingPeerError": KeyError,
-    "kvspec_traits.mooncake._errors.TransferFailedError": RuntimeError,
+    # One class each, re-exported by both backends (issue 49 item 1).
+    "kvspec_traits.transfer._errors.MissingPeerError": KeyError,
+    "kvspec_traits.transfer._errors.TransferFailedError": RuntimeError,
     "kvspec_traits.vllm_connector._errors.PeerWithoutTraitsError": RuntimeError,
     "kvspec_traits.vllm_connector._errors.UnsupportedVllmVersionError": RuntimeError,
     "kvspec_traits.vllm_connector._errors.UnsupportedPipelineParallelError": NotImplementedError,
@@ -72,3 +71,24 @@ def test_every_error_class_of_every_module_is_a_kvspec_traits_error() -> None:
     assert bare == []
     for name, builtin in KEPT_BUILTINS.items():
         assert issubclass(found[name], builtin), name
+
+
+def test_each_transfer_failure_is_one_class_that_both_backends_export() -> None:
+    """Failure mode: ``MissingPeerError`` and ``TransferFailedError`` were each defined
+    twice (in ``nixl._errors`` and ``mooncake._errors``), so ``except
+    kvspec_traits.nixl.TransferFailedError`` missed the Mooncake backend's failure."""
+    nixl = importlib.import_module("kvspec_traits.nixl")
+    mooncake = importlib.import_module("kvspec_traits.mooncake")
+    for name in ("MissingPeerError", "TransferFailedError"):
+        assert getattr(nixl, name) is getattr(mooncake, name), name
+        assert getattr(nixl, name).__module__ == "kvspec_traits.transfer._errors"
+    # Defined once in the whole package: no module defines a second class of that name.
+    found = _exception_classes()
+    twice = (".MissingPeerError", ".TransferFailedError")
+    assert sorted(n for n in found if n.endswith(twice)) == [
+        "kvspec_traits.transfer._errors.MissingPeerError",
+        "kvspec_traits.transfer._errors.TransferFailedError",
+    ]
+    failed = mooncake.TransferFailedError("engine returned -1", code=-1)
+    assert (failed.code, failed.state) == (-1, None)
+    assert isinstance(failed, nixl.TransferFailedError) and isinstance(failed, KVSpecTraitsError)

@@ -74,6 +74,23 @@ def test_mismatch_names_region_layers_and_each_trait() -> None:
     assert "block_len: local=73728 remote=41984" in str(err)
 
 
+def test_different_block_sizes_are_refused_naming_both_and_the_fix() -> None:
+    """Prefill at 32 tokens a block, decode at 16 (issue 48): Llama GQA pages of 8 KV
+    heads x tokens x K|V 256 bf16 are 2 x 16 x 128 x 2 x 8 = 65536 B and 131072 B. The
+    plans cannot pair block ids one to one, and the refusal says what to set."""
+    small = layouts.kv_cache_config(layouts.llama_gqa(1, block_size=16), 8, KVCacheLayout.LBHNC)
+    large = layouts.kv_cache_config(layouts.llama_gqa(1, block_size=32), 8, KVCacheLayout.LBHNC)
+    here = plan_regions(layouts.allocate(small, KVCacheLayout.LBHNC), small)
+    peer = plan_regions(layouts.allocate(large, KVCacheLayout.LBHNC), large)
+    with pytest.raises(HandshakeMismatchError) as info:
+        check_handshake(here, peer.fingerprint())
+    diffs = {trait: (mine, theirs) for trait, mine, theirs in info.value.diffs}
+    assert diffs["block_sizes"] == ([16], [32])
+    assert diffs["block_len"] == (65536, 131072)
+    assert "tokens per block: here 16, the peer 32" in str(info.value)
+    assert "--block-size 32 here" in str(info.value)
+
+
 def test_order_of_data_inside_a_page_is_refused() -> None:
     """Llama GQA in LBHNC (heads outermost in a page) against LBNHC (heads inside each
     token): equal sizes, every byte in another place."""

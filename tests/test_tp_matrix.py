@@ -482,36 +482,24 @@ DESCRIBED = {
 }
 
 
-def _verdict(name: str, producer_tp: int, consumer_tp: int) -> tuple[str, str]:
-    """(kvspec_traits.transfer and Mooncake, TraitsNixlConnector) for one cell, as the
-    planner and the connector's pre-handshake check decide it."""
-    from kvspec_traits.vllm_connector import UnsupportedReplicaTPError
-    from kvspec_traits.vllm_connector._handshake import check_replica_tp
-
+def _verdict(name: str, producer_tp: int, consumer_tp: int) -> str:
+    """One cell as the planner decides it: ``moves``, or the named refusal."""
     producer, consumer = _rank(name, producer_tp, 0), _rank(name, consumer_tp, 0)
     try:
         check_tp_pair(consumer.plan.regions, local_tp=consumer_tp, remote_tp=producer_tp)
         check_handshake(consumer.plan, producer.plan.fingerprint())
-    except (HandshakeMismatchError, ValueError) as err:
-        reason = "refused: " + (
-            "block_len differs" if isinstance(err, HandshakeMismatchError) else type(err).__name__
-        )
-        return reason, reason
-    try:
-        check_replica_tp(consumer.plan, consumer_tp, producer_tp)
-    except UnsupportedReplicaTPError:
-        return "moves", "refused: UnsupportedReplicaTPError"
-    return "moves", "moves"
+    except HandshakeMismatchError as err:
+        return "refused: " + ", ".join(sorted({trait for trait, _, _ in err.diffs})) + " differs"
+    except ValueError as err:
+        return f"refused: {type(err).__name__}"
+    return "moves"
 
 
 def render_table() -> str:
     header = "| layout | " + " | ".join(f"P{p}->D{d}" for p, d in PAIRS) + " |"
     lines = [header, "|---" * (len(PAIRS) + 1) + "|"]
     for name in LAYOUTS:
-        cells = []
-        for p, d in PAIRS:
-            engines, nixl = _verdict(name, p, d)
-            cells.append(engines if engines == nixl else f"{engines}; NIXL connector {nixl}")
+        cells = [_verdict(name, p, d) for p, d in PAIRS]
         lines.append(f"| {DESCRIBED[name]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -206,7 +206,8 @@ def _record_keys() -> set[str]:
 
 
 # The record keys of fingerprint version 5 (4 added the stage, "pp", beside the records;
-# 5 the state groups of a shared region, and each state component's TP runs). A new
+# 5 the block sizes, the state groups of a shared region, each state component's TP
+# runs). A new
 # Region field joins the record by itself (traits_record iterates Region's fields): a
 # peer running the previous release would then be refused with a diff in every region,
 # so the version must say so.
@@ -214,7 +215,7 @@ RECORD_V5 = {
     "name", "layers", "block_len", "replicated", "tp_layout", "tp_shards", "paged", "state",
     "state_tp_layout", "state_components", "scratch", "scope", "dtype", "kv_quant_mode",
     "num_head_slots", "head_segment", "head_major", "kv_head_contiguous", "group_id",
-    "replicated_state", "state_group_ids",
+    "replicated_state", "block_sizes", "page_head_slots", "state_group_ids",
 }  # fmt: skip
 
 

@@ -218,4 +218,5 @@ class Answers:
                 return entry.traits
             return resolve(spec)
 
+        traits_of.__qualname__ = "Registry.traits_of"  # what a repr of it should say
         return traits_of

@@ -344,9 +344,8 @@ exit status:
 _MAIN_HELP: Final = """\
 Layout traits of vLLM KV cache specs, for KV-transfer connectors.
 
-Each command's --help says more. Documentation: the README on the project page
-(https://pypi.org/project/kvspec-traits/), and docs/*.md in the source distribution
-(pip download --no-deps --no-binary :all: kvspec-traits).
+Each command's --help says more. Documentation: README.md and docs/*.md, in the
+checkout this was installed from and in its source distribution (`make dist` there).
 """
 
 

@@ -380,6 +380,10 @@ class KVLayoutTraits(Protocol):
 class LayoutTraits(KVLayoutTraits):
     """The frozen value every built-in adapter returns; third-party adapters may too.
 
+    Every trait is a keyword; ``holds_hidden_states`` and ``grouped`` default to False,
+    and a field added after 0.1.0 gets a default that keeps an older adapter's answer
+    right (``docs/extending.md``, "Compatibility").
+
     Construction checks internal consistency (a page is at least its content, the
     components add up to the content, a sharded layout is not also one shard) and
     raises ``ValueError`` naming the field.
@@ -409,8 +413,12 @@ class LayoutTraits(KVLayoutTraits):
     attention_page: bool
     token_paged: bool
     keeps_prompt: bool
-    holds_hidden_states: bool
-    grouped: Annotated[bool, GroupRule.MEMBERS]
+    # Fields added after an adapter was written get a default that keeps its answer right
+    # (docs/extending.md, "Compatibility"): an adapter that predates holds_hidden_states
+    # answers for pages that are not hidden states, and one layer's traits are never a
+    # group's (GroupTraits answers for groups), so False is right for both.
+    holds_hidden_states: bool = False
+    grouped: Annotated[bool, GroupRule.MEMBERS] = False
 
     def __post_init__(self) -> None:
         # The protocol's properties sit on the base class, so dataclass takes them as the
@@ -419,7 +427,7 @@ class LayoutTraits(KVLayoutTraits):
         if missing:
             raise TypeError(
                 f"LayoutTraits() missing keyword argument(s): {', '.join(missing)} "
-                "(every trait is required; see kvspec_traits.trait_names())"
+                "(every trait without a default is required; see kvspec_traits.trait_names())"
             )
         if self.page_size_bytes < self.unpadded_page_size_bytes:
             raise ValueError(

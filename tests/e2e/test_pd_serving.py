@@ -9,7 +9,9 @@ for identical text and, from both servers' ``/metrics``, for KV that came throug
 the bytes of exactly the blocks the decode server lacked, moved by the side the mode
 names (the reader in pull mode, the writer in push mode) and none by the other, every
 prompt token an external or local prefix hit on the decode server (nothing recomputed),
-and no failed transfer or notification on either.
+and no failed transfer or notification on either. On the traits pairs the connector's own
+metrics are there too: no peer refused, and in pull mode the reader's planned bytes for
+the request equal the bytes NIXL moved.
 
 Push runs on one model (llama, the cheapest pair): the mode changes who moves the
 bytes and how the pair meets (vLLM's ``PUSH_REG`` registration and handshakes both
@@ -575,6 +577,8 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
         assert full_part < bytes_moved <= missing_blocks * page_bytes, what
         if local_hits == 0 and prompt_tokens - case.window > block_size:
             assert bytes_moved < missing_blocks * page_bytes, what
+    if not case.patched:
+        _assert_traits_metrics(case, servers, before, after, bytes_moved, what)
     if prompt_name == "prefix hit" and case.window is None:
         if prefix_caching:
             # The consumer holds the shared prefix from "many blocks" and received only
@@ -591,6 +595,59 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
                 f"{what}: prefix caching is off on this server"
             )
             assert local_hits == 0, what
+
+
+# The connector's own metrics (docs/vllm.md, "Logs and metrics"), beside upstream's.
+TRAITS_REFUSED = "vllm:kvspec_traits_peers_refused_total"
+TRAITS_PLANNED = "vllm:kvspec_traits_planned_bytes_per_request"
+TRAITS_UPSTREAM_PEERS = "vllm:kvspec_traits_upstream_peers_total"
+TRAITS_COUNTERS = (
+    TRAITS_REFUSED,
+    "vllm:kvspec_traits_fingerprint_mismatches_total",
+    TRAITS_UPSTREAM_PEERS,
+    "vllm:kvspec_traits_leases_declined_total",
+)
+
+
+def _assert_traits_metrics(
+    case: ModelCase,
+    servers: ServerPair,
+    before: dict[str, dict[str, float]],
+    after: dict[str, dict[str, float]],
+    bytes_moved: float,
+    what: str,
+) -> None:
+    """Each server of ours publishes the connector's counters (every refusal reason from
+    the start), none counted on a pair of one layout; in pull mode a reader of ours
+    planned exactly the bytes NIXL moved, for this one request (push mode plans no read).
+    A mixed pair's upstream side publishes none of them, and its traits side counts its
+    upstream peer (checked once the pair has met: ``_assert_ran_ours``), nothing else."""
+    for side, server in zip(SIDES, servers.servers(), strict=True):
+        samples = after[server.name]
+        if not case.runs_ours(side):
+            published = [k for k in samples if k.startswith("vllm:kvspec_traits_")]
+            assert published == [], (what, server.name, published)
+            continue
+        for name in TRAITS_COUNTERS:
+            assert any(k.startswith(name + "{") for k in samples), (what, server.name, name)
+            if name != TRAITS_UPSTREAM_PEERS or case.upstream_side is None:
+                assert metric_total(samples, name) == 0, (what, server.name, name)
+        assert any(
+            k.startswith(TRAITS_REFUSED + "{") and 'reason="layout_mismatch"' in k for k in samples
+        ), (what, server.name)
+    if case.mode != "pull" or not case.runs_ours("decode"):
+        return
+    reader = servers.decode.name
+
+    def planned(suffix: str) -> float:
+        name = f"{TRAITS_PLANNED}_{suffix}"
+        return metric_total(after[reader], name) - metric_total(before[reader], name)
+
+    assert planned("count") == 1, what
+    if case.window is None:
+        assert planned("sum") == bytes_moved, what
+    else:  # what the reader's plan covers: at least what NIXL moved, at most every block
+        assert bytes_moved <= planned("sum"), what
 
 
 # vLLM's log line of the connector's own stats (KVConnectorLogging; MooncakeKVConnectorStats
@@ -760,6 +817,8 @@ def _assert_ran_ours(case: ModelCase, servers: ServerPair, server: VllmServer, l
             _assert_warned_of_an_upstream_producer(servers, log)
         else:
             assert "has the same KV layout (fingerprint" in log, server.describe()
+    if case.upstream_side == "decode":  # a pull producer of ours, an upstream consumer
+        _assert_warned_of_an_upstream_consumer(servers, log)
     # kvspec_shm_wait "sleep" took effect where the connector was built: engine core
     # (the scheduler's) and worker.
     assert set(_SHM_WAIT_SET.findall(log)) == {"EngineCore", "Worker"}, server.describe()
@@ -788,6 +847,27 @@ def _assert_warned_of_an_upstream_producer(servers: ServerPair, log: str) -> Non
         assert f"{REQUIRE_TRAITS_PEER}=true to refuse such peers" in warning, (decode, warning)
     assert "has the same KV layout" not in log, decode
     assert log.count(_NO_LEASE) == 1, decode
+    # Counted as it warned: once per handshake with an upstream peer.
+    upstream_peers = metric_total(scrape_metrics(servers.decode), TRAITS_UPSTREAM_PEERS)
+    assert upstream_peers == len(warnings), (decode, upstream_peers, warnings)
+
+
+# A pull producer of ours, at the first notification of a consumer agent that did not
+# announce kvspec-traits (vllm_connector._connector's census of its consumers).
+_UPSTREAM_CONSUMER_WARNING = "reads from this producer without announcing kvspec-traits"
+
+
+def _assert_warned_of_an_upstream_consumer(servers: ServerPair, log: str) -> None:
+    """A traits producer read by an upstream consumer (one NIXL agent at TP 1) warned
+    once, at that agent's first notification, that it runs upstream's connector, and
+    counted it once (the stats left with one of the steps the pair's requests made)."""
+    prefill = servers.prefill.describe()
+    warnings = [line for line in log.splitlines() if _UPSTREAM_CONSUMER_WARNING in line]
+    assert len(warnings) == 1, (prefill, warnings)
+    assert "WARNING" in warnings[0], (prefill, warnings[0])
+    assert "it runs upstream's NixlConnector" in warnings[0], (prefill, warnings[0])
+    upstream_peers = metric_total(scrape_metrics(servers.prefill), TRAITS_UPSTREAM_PEERS)
+    assert upstream_peers == 1, (prefill, upstream_peers)
 
 
 def _assert_ran_upstream_nixl(server: VllmServer, log: str) -> None:
@@ -802,6 +882,11 @@ def _assert_ran_upstream_nixl(server: VllmServer, log: str) -> None:
         server.describe()
     )
     assert "KV layout handshake refused" not in log, server.describe()
+    # Nothing of ours reached it as an error: the fingerprint field in our metadata, the
+    # lease in our kv_transfer_params, our consumer's announcement (a heartbeat naming no
+    # request).
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert errors == [], (server.describe(), errors[:5])
 
 
 def test_a_traits_decode_server_requiring_traits_peers_refuses_an_upstream_producer(
@@ -849,9 +934,32 @@ def test_a_traits_decode_server_requiring_traits_peers_refuses_an_upstream_produ
             server.describe()
         )
 
+    _assert_refusals_counted(servers.decode, "no_fingerprint", at_least=2)
+
     expected = complete(servers.prefill, prompt, MAX_TOKENS)["choices"][0]["text"]
     plain = complete(servers.decode, prompt, MAX_TOKENS)["choices"][0]["text"]
     assert plain == expected, (plain, expected)
+
+
+def _assert_refusals_counted(server: VllmServer, reason: str, *, at_least: int) -> None:
+    """``server``'s connector counted at least ``at_least`` refused peers, every one for
+    ``reason``, and no fingerprint mismatch among them unless the reason is one (the
+    stats reach /metrics with the worker's next step, so they may lag the error)."""
+    deadline = time.monotonic() + TRANSFER_RECORDED_S
+    while True:
+        samples = scrape_metrics(server)
+        refused = sum(
+            v
+            for k, v in samples.items()
+            if k.startswith(TRAITS_REFUSED + "{") and f'reason="{reason}"' in k
+        )
+        if refused >= at_least or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert refused >= at_least, (server.describe(), refused)
+    assert metric_total(samples, TRAITS_REFUSED) == refused, server.describe()  # no other reason
+    mismatches = metric_total(samples, "vllm:kvspec_traits_fingerprint_mismatches_total")
+    assert mismatches == (refused if reason == "layout_mismatch" else 0), server.describe()
 
 
 _PATCHED_IMPORT = re.compile(r"kvspec-migrated: vllm\.distributed\.kv_transfer from (\S+) \(pid")
@@ -1063,3 +1171,5 @@ def test_a_decode_server_of_another_layout_is_refused_at_handshake(
     assert metric_total(after, "vllm:nixl_bytes_transferred_sum") == metric_total(
         before, "vllm:nixl_bytes_transferred_sum"
     )
+    # The connector counted the refusal, by reason (docs/vllm.md, "Logs and metrics").
+    _assert_refusals_counted(decode, "layout_mismatch", at_least=1)

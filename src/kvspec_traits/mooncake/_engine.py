@@ -25,6 +25,7 @@ from kvspec_traits._errors import MissingDependencyError
 from kvspec_traits.mooncake._channel import RecordServer
 from kvspec_traits.mooncake._errors import MissingPeerError, TransferFailedError
 from kvspec_traits.mooncake._moves import Route, pieces_of, request_moves, routes_of
+from kvspec_traits.mooncake._ratio_moves import RatioRoute
 from kvspec_traits.mooncake._wire import PeerRecord, decode_record, encode_record
 from kvspec_traits.transfer import (
     MalformedMetadataError,
@@ -76,6 +77,17 @@ class MooncakePeer:
         self.regions = self.record.plan.regions
 
     @property
+    def tokens(self) -> tuple[int | None, ...]:
+        """Tokens per block of each of the peer's regions (its fingerprint's
+        ``block_sizes``, where one)."""
+        found: list[int | None] = []
+        for record in self.record.plan.fingerprint.regions:
+            sizes = record.get("block_sizes")
+            one = isinstance(sizes, list) and len(sizes) == 1 and type(sizes[0]) is int
+            found.append(sizes[0] if one and sizes is not None else None)
+        return tuple(found)
+
+    @property
     def tp_rank(self) -> int:
         return self.record.plan.tp_rank
 
@@ -111,7 +123,7 @@ class TraitsMooncakeEngine:
             raise TransferFailedError(
                 f"Mooncake's TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', "
                 f"{protocol!r}, '') returned {code}",
-                code,
+                code=code,
             )
         self.host = host
         self.rpc_port: int = int(self._engine.get_rpc_port())
@@ -120,7 +132,9 @@ class TraitsMooncakeEngine:
         self._registered: list[int] = []
         self._published = False
         self._peers: dict[str, MooncakePeer] = {}
-        self._routes: dict[tuple[bool, tuple[tuple[int, str], ...]], tuple[Route, ...]] = {}
+        self._routes: dict[
+            tuple[bool, tuple[tuple[int, str], ...]], tuple[Route | RatioRoute, ...]
+        ] = {}
         self._servers: list[RecordServer] = []
 
     # -- registration ------------------------------------------------------------------
@@ -161,7 +175,7 @@ class TraitsMooncakeEngine:
             self._engine.batch_unregister_memory(bases)
             raise TransferFailedError(
                 f"Mooncake refused to register the plan's {len(bases)} memory ranges ({code})",
-                code,
+                code=code,
             )
         self._registered = bases
         self._plan = plan
@@ -193,7 +207,7 @@ class TraitsMooncakeEngine:
         connected), :class:`~kvspec_traits.transfer.HandshakeMismatchError` (a region
         differs), :class:`~kvspec_traits.transfer.MemoryTypeMismatchError`, and
         :class:`~kvspec_traits.transfer.UnsupportedLayoutError` for a region that cannot
-        move between the two TP sizes.
+        move between the two TP sizes, or between the two block sizes (a state, a ring).
         """
         peer_record = decode_record(record)
         plan = peer_record.plan
@@ -204,6 +218,8 @@ class TraitsMooncakeEngine:
             plan.tp_size,
             registrations=plan.registrations,
             peer=f"peer {host}:{peer_record.rpc_port}",
+            # Token-paged regions move between block sizes (transfer.block_reads).
+            block_ratio=True,
         )
         session = f"{host}:{peer_record.rpc_port}"
         if session in self._peers or session == self.session:
@@ -212,7 +228,13 @@ class TraitsMooncakeEngine:
             )
         peer = MooncakePeer(peer_record, session)
         for write in (False, True):  # every region can move both ways, or the peer is refused
-            pieces_of(self.plan, peer.tp_size, {peer.tp_rank: peer.regions}, write=write)
+            pieces_of(
+                self.plan,
+                peer.tp_size,
+                {peer.tp_rank: peer.regions},
+                write=write,
+                remote_tokens=peer.tokens,
+            )
         self._peers[session] = peer
         return peer
 
@@ -283,7 +305,7 @@ class TraitsMooncakeEngine:
                     f"Mooncake's batch_transfer_sync_{'write' if write else 'read'} with "
                     f"{session} ({len(batch.lengths)} entries, {batch.nbytes} bytes) "
                     f"returned {code}",
-                    code,
+                    code=code,
                 )
         return TransferResult(
             entries=sum(len(m.lengths) for m in moves),
@@ -291,7 +313,9 @@ class TraitsMooncakeEngine:
             seconds=time.perf_counter() - start,
         )
 
-    def _routes_for(self, by_rank: Mapping[int, MooncakePeer], write: bool) -> tuple[Route, ...]:
+    def _routes_for(
+        self, by_rank: Mapping[int, MooncakePeer], write: bool
+    ) -> tuple[Route | RatioRoute, ...]:
         """:func:`routes_of` for these peers, computed once per set of peers."""
         if not by_rank:
             raise ValueError("a transfer needs at least one peer")
@@ -314,7 +338,11 @@ class TraitsMooncakeEngine:
                     f"passed as rank {rank} of {remote_tp}",
                 )
         routes = routes_of(
-            self.plan, remote_tp, {rank: p.regions for rank, p in by_rank.items()}, write=write
+            self.plan,
+            remote_tp,
+            {rank: p.regions for rank, p in by_rank.items()},
+            write=write,
+            remote_tokens=next(iter(by_rank.values())).tokens,
         )
         self._routes[key] = routes
         return routes

@@ -10,15 +10,18 @@ consecutive blocks of a dense region is one entry.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvspec_traits.mooncake._errors import MissingPeerError
+from kvspec_traits.mooncake._ratio_moves import RatioRoute, ratio_route, reader_pairs
 from kvspec_traits.transfer import (
     DuplicateBlockIdError,
     PeerRegion,
     Region,
     RegionPlan,
+    block_reads,
     lanes_of,
     peer_view,
     tp_reads,
@@ -58,6 +61,7 @@ def pieces_of(
     remote_regions: Mapping[int, Sequence[PeerRegion]],
     *,
     write: bool,
+    remote_tokens: Sequence[int | None] | None = None,
 ) -> tuple[tuple[Piece, ...], ...]:
     """Per lane of each region of ``plan`` (:func:`lanes_of`, in region order), the
     pieces a block moves between our block and the peers' (``remote_regions``: each
@@ -67,17 +71,64 @@ def pieces_of(
     consumer's read seen from this (producer) side: for each consumer rank, its reads of
     our region from our rank, with the offsets swapped; the consumer's region is ours
     with the consumer's block length (the handshake proved every other trait equal).
+    A lane whose blocks hold other token counts than the peer's (``remote_tokens``: per
+    region, the peer's tokens per block) has no one-to-one pieces: it is checked here
+    (:func:`~kvspec_traits.transfer.block_reads`) and moved by a :class:`RatioRoute`.
+
     Raises :class:`~kvspec_traits.transfer.UnsupportedLayoutError` for a region that
-    cannot move between the two TP sizes.
+    cannot move between the two TP sizes or block sizes.
     """
     out: list[tuple[Piece, ...]] = []
     some = next(iter(remote_regions.values()))
     for index, region in enumerate(plan.regions):
+        tokens = _ratio_tokens(region, remote_tokens)
         for _, states in lanes_of(region):
+            if tokens is not None:
+                _check_ratio(plan, region, remote_tp, remote_regions, tokens, write)
+                out.append(())
+                continue
             out.append(
                 _lane_pieces(plan, region, remote_tp, remote_regions, some[index], states, write)
             )
     return tuple(out)
+
+
+def _ratio_tokens(region: Region, remote_tokens: Sequence[int | None] | None) -> int | None:
+    """The peer's tokens per block of ``region`` where they differ from ours."""
+    if remote_tokens is None:
+        return None
+    theirs = remote_tokens[region.index]
+    if theirs is None or region.block_sizes == (theirs,):
+        return None
+    return theirs
+
+
+def _check_ratio(
+    plan: RegionPlan,
+    region: Region,
+    remote_tp: int,
+    remote_regions: Mapping[int, Sequence[PeerRegion]],
+    tokens: int,
+    write: bool,
+) -> None:
+    mine = region.block_sizes[0] if len(region.block_sizes) == 1 else 0
+    if not write:
+        block_reads(
+            region, local_tp=plan.tp_size, local_rank=plan.tp_rank, remote_tp=remote_tp,
+            local_tokens=mine, remote_tokens=tokens,
+        )  # fmt: skip
+        return
+    for rank, regions in remote_regions.items():
+        viewed = peer_view(
+            region,
+            tp=plan.tp_size,
+            peer_tp=remote_tp,
+            peer_block_len=regions[region.index].block_len,
+        )
+        block_reads(
+            dataclasses.replace(viewed, block_sizes=(tokens,)), local_tp=remote_tp,
+            local_rank=rank, remote_tp=plan.tp_size, local_tokens=tokens, remote_tokens=mine,
+        )  # fmt: skip
 
 
 def _lane_pieces(
@@ -145,15 +196,24 @@ def routes_of(
     remote_regions: Mapping[int, Sequence[PeerRegion]],
     *,
     write: bool,
-) -> tuple[Route, ...]:
+    remote_tokens: Sequence[int | None] | None = None,
+) -> tuple[Route | RatioRoute, ...]:
     """:func:`pieces_of` with the geometry of both sides, per lane of each region (what
     a set of peers keeps across requests). :class:`MissingPeerError` names a rank a
     piece needs that ``remote_regions`` lacks."""
     lanes = [(region, group) for region in plan.regions for group, _ in lanes_of(region)]
-    routes = []
+    routes: list[Route | RatioRoute] = []
     for (region, group), pieces in zip(
-        lanes, pieces_of(plan, remote_tp, remote_regions, write=write), strict=True
+        lanes,
+        pieces_of(plan, remote_tp, remote_regions, write=write, remote_tokens=remote_tokens),
+        strict=True,
     ):
+        tokens = _ratio_tokens(region, remote_tokens)
+        if tokens is not None:
+            routes.append(
+                ratio_route(plan, region, group, remote_tp, remote_regions, tokens, write=write)
+            )
+            continue
         flat = []
         for rank, ours, theirs, length in pieces:
             if rank not in remote_regions:
@@ -198,7 +258,7 @@ def _check_distinct(blocks: list[int], group: int | None, side: str) -> None:
 
 
 def request_moves(
-    routes: Sequence[Route],
+    routes: Sequence[Route | RatioRoute],
     num_groups: int,
     local_block_ids: IdLists,
     remote_block_ids: IdLists | None,
@@ -218,9 +278,18 @@ def request_moves(
     remote = (
         local if remote_block_ids is None else _per_group(remote_block_ids, num_groups, "remote")
     )
-    check_paired([len(g) for g in local], [len(g) for g in remote])
+    ratio_groups = {r.group_id for r in routes if isinstance(r, RatioRoute)}
+    if ratio_groups:
+        even = [g for g in range(len(local)) if g not in ratio_groups and -1 not in ratio_groups]
+        check_paired([len(local[g]) for g in even], [len(remote[g]) for g in even])
+    else:
+        check_paired([len(g) for g in local], [len(g) for g in remote])
     todo: list[tuple[Route, list[int], list[int]]] = []
+    by_rank: dict[int, Moves] = {}
     for route in routes:
+        if isinstance(route, RatioRoute):
+            _ratio_moves(route, local, remote, num_groups, by_rank)
+            continue
         mine = _blocks_of(local, route.group_id)
         if not mine:
             continue
@@ -234,7 +303,6 @@ def request_moves(
         for piece in route.pieces:
             check_block_range(bounds, piece[6], [(route.name, piece[6])], "remote")
         todo.append((route, mine, theirs))
-    by_rank: dict[int, Moves] = {}
     for route, mine, theirs in todo:
         base, stride = route.base, route.stride
         for rank, our_offset, their_offset, length, r_base, r_stride, _ in route.pieces:
@@ -263,3 +331,46 @@ def request_moves(
                     add_length(length)
                 end_l, end_r = src + length, dst + length
     return [by_rank[rank] for rank in sorted(by_rank)]
+
+
+def _ratio_moves(
+    route: RatioRoute,
+    local: list[list[int]],
+    remote: list[list[int]],
+    num_groups: int,
+    by_rank: dict[int, Moves],
+) -> None:
+    """One request's moves over a lane read between block sizes: the reader's ``a``-th
+    block takes phase ``a % k``'s pieces, each from the source's ``a * reader_tokens //
+    source_tokens + q``-th block (skipped past the source's list: a request's last,
+    partly filled block)."""
+    mine, theirs = _blocks_of(local, route.group_id), _blocks_of(remote, route.group_id)
+    if not mine and not theirs:
+        return
+    readers, sources = (theirs, mine) if route.write else (mine, theirs)
+    reader_pairs(route, len(readers), len(sources))
+    check_block_range(
+        (min(mine), max(mine)), route.num_blocks, [(route.name, route.num_blocks)], "local"
+    )
+    for phase in route.phases:
+        for piece in phase:
+            check_block_range(
+                (min(theirs), max(theirs)), piece[7], [(route.name, piece[7])], "remote"
+            )
+    group = None if route.group_id < 0 or num_groups == 1 else route.group_id
+    _check_distinct(readers, group, "remote" if route.write else "local")
+    for a, reader in enumerate(readers):
+        start = a * route.reader_tokens // route.source_tokens
+        for rank, ours, peers, length, q, r_base, r_stride, _ in route.phases[
+            a % len(route.phases)
+        ]:
+            if start + q >= len(sources):
+                continue
+            source = sources[start + q]
+            local_block, remote_block = (source, reader) if route.write else (reader, source)
+            moves = by_rank.get(rank)
+            if moves is None:
+                moves = by_rank[rank] = Moves(rank, [], [], [])
+            moves.local.append(route.base + local_block * route.stride + ours)
+            moves.remote.append(r_base + remote_block * r_stride + peers)
+            moves.lengths.append(length)

@@ -42,6 +42,7 @@ from kvspec_traits.transfer._peer import (
     peer_registrations,
 )
 from kvspec_traits.transfer._plan import plan_regions
+from kvspec_traits.transfer._ratio import BlockRead, block_reads
 from kvspec_traits.transfer._region import SHARED_REGION_GROUP_ID, PlanLayout, Region, Rows
 from kvspec_traits.transfer._region_plan import RegionPlan
 from kvspec_traits.transfer._tp import (
@@ -60,6 +61,7 @@ __all__ = [
     "BlockIdError",
     "BlockIdShapeError",
     "BlockIdTypeError",
+    "BlockRead",
     "DuplicateBlockIdError",
     "HandshakeMismatchError",
     "MalformedMetadataError",
@@ -76,6 +78,7 @@ __all__ = [
     "Rows",
     "StageLayersError",
     "UnsupportedLayoutError",
+    "block_reads",
     "check_handshake",
     "check_peer",
     "check_peer_geometry",

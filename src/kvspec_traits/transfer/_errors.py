@@ -1,5 +1,10 @@
-"""Named errors of planning, of the layout handshake and of a request's block ids
-(backend-neutral). Each carries the region or message it is about."""
+"""Named errors of planning, of the layout handshake, of a request's block ids and of a
+transfer (backend-neutral). Each carries the region or message it is about.
+
+:class:`MissingPeerError` and :class:`TransferFailedError` are defined here once and
+re-exported by each backend (:mod:`kvspec_traits.nixl`, :mod:`kvspec_traits.mooncake`):
+one class per failure, so ``except kvspec_traits.nixl.TransferFailedError`` also catches
+the Mooncake backend's failure."""
 
 from __future__ import annotations
 
@@ -16,9 +21,11 @@ __all__ = [
     "MalformedMetadataError",
     "MemoryTypeMismatchError",
     "MissingLayerError",
+    "MissingPeerError",
     "RegionConflictError",
     "StageLayersError",
     "TraitDiff",
+    "TransferFailedError",
     "UnsupportedLayoutError",
 ]
 
@@ -106,8 +113,26 @@ class HandshakeMismatchError(KVSpecTraitsError, ValueError):
             f"{trait}: local={local!r} remote={remote!r}" for trait, local, remote in self.diffs
         )
         super().__init__(
-            f"KV layout handshake refused: producer and consumer differ on {where}: {what}"
+            f"KV layout handshake refused: producer and consumer differ on {where}: "
+            f"{what}{_fix(self.diffs)}"
         )
+
+
+def _fix(diffs: Sequence[TraitDiff]) -> str:
+    """What to change, for the differences an operator sets by hand."""
+    for trait, local, remote in diffs:
+        if trait == "block_sizes" and local and remote:
+            return (
+                f". Prefill and decode run different block sizes (tokens per block: here "
+                f"{_listed(local)}, the peer {_listed(remote)}); KV moves only between equal "
+                f"block sizes: start both servers with the same --block-size (e.g. "
+                f"--block-size {_listed(remote)} here)"
+            )
+    return ""
+
+
+def _listed(value: object) -> str:
+    return "/".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
 
 
 class StageLayersError(KVSpecTraitsError, ValueError):
@@ -235,3 +260,45 @@ class DuplicateBlockIdError(KVSpecTraitsError, ValueError):
             f"{side} block id {block_id} appears more than once in {where}; every "
             f"destination block of a request must be distinct (one read per block)"
         )
+
+
+class MissingPeerError(KVSpecTraitsError, KeyError):
+    """A transfer needs a remote TP rank whose regions (or peer) were not given, or a
+    peer was passed under another rank's key (either backend).
+
+    ``.region`` is the region that needs it (``None``: the request as a whole, e.g. a
+    peer passed under another rank's key), ``.remote_rank`` the rank, ``.given`` the
+    remote ranks of the peers that were passed.
+    """
+
+    def __init__(
+        self, region: str | None, remote_rank: int, given: Sequence[int], detail: str = ""
+    ) -> None:
+        self.region = region
+        self.remote_rank = remote_rank
+        self.given = tuple(given)
+        who = "the transfer" if region is None else f"region {region!r}"
+        self.message = (
+            f"{who} needs remote TP rank {remote_rank}, which was not given "
+            f"(remote ranks given: {list(self.given)}){detail}; connect() that rank and "
+            f"pass {{tp_rank: peer}} for every rank the transfer needs"
+        )
+        super().__init__(self.message)
+
+    def __str__(self) -> str:  # KeyError would show the message as a quoted repr
+        return self.message
+
+
+class TransferFailedError(KVSpecTraitsError, RuntimeError):
+    """A transfer ended in error or did not finish in time: its blocks were not moved
+    whole, so none counts as moved.
+
+    ``.state`` is the last NIXL state (``"ERR"``, ``"PROC"`` on timeout, or an error
+    text; ``None`` from the Mooncake backend); ``.code`` what Mooncake's engine returned
+    (``None`` from the NIXL shim).
+    """
+
+    def __init__(self, message: str, state: str | None = None, *, code: int | None = None) -> None:
+        self.state = state
+        self.code = code
+        super().__init__(message)

@@ -48,7 +48,7 @@ FINGERPRINT_VERSION: Final = 5
 inside a page), 4 the pipeline stage (``pp``: rank and size) of the regions, so that a
 stage pairs with its peer by the layers both hold (:func:`pair_stages`), 5 the model's
 KV head count as a head-sharded region's ``tp_shards`` (replicated heads), each state
-component's TP runs and the ``state_group_ids``. A change to
+component's TP runs, the ``state_group_ids`` and the ``block_sizes`` (tokens per block). A change to
 the record's keys (a new :class:`Region` field) needs a new version."""
 
 NOT_FINGERPRINTED: Final[Mapping[str, str]] = {
@@ -170,6 +170,7 @@ def traits_record(region: Region, tp_size: int) -> dict[str, Any]:
             for c in region.state_components
         ],
         "num_head_slots": None if region.num_head_slots is None else region.num_head_slots * scale,
+        "page_head_slots": [n * scale for n in region.page_head_slots],
     }
     record: dict[str, Any] = {}
     for f in fields(region):
@@ -270,8 +271,14 @@ def fingerprint_of(plan: Regions, *, pp: tuple[int, int] = (0, 1)) -> PlanFinger
     )
 
 
-def check_handshake(local: PlanFingerprint | Regions, remote: PlanFingerprint) -> None:
+def check_handshake(
+    local: PlanFingerprint | Regions, remote: PlanFingerprint, *, block_ratio: bool = False
+) -> None:
     """Refuse a peer whose layout differs from ours.
+
+    ``block_ratio``: the backend reads between other block sizes
+    (:func:`~kvspec_traits.transfer.block_reads`), so token-paged regions are compared
+    per token (``block_len`` over ``block_sizes``) and may differ in tokens per block.
 
     Raises :class:`HandshakeMismatchError` naming the first differing region (its index,
     name and layers) and every trait that differs there, with both values; or, with
@@ -297,13 +304,40 @@ def check_handshake(local: PlanFingerprint | Regions, remote: PlanFingerprint) -
             diffs.append(("regions only remote", None, sorted(theirs - mine_names)))
         raise HandshakeMismatchError(None, "region count", (), diffs)
     for index, (a, b) in enumerate(zip(mine.regions, remote.regions, strict=True)):
-        _check_record(index, a, b)
+        _check_record(index, a, b, block_ratio=block_ratio)
 
 
-def _check_record(index: int, a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
-    """Refuse local record ``a`` (region ``index``) unless remote ``b`` equals it."""
+def _check_record(
+    index: int, a: Mapping[str, Any], b: Mapping[str, Any], *, block_ratio: bool = False
+) -> None:
+    """Refuse local record ``a`` (region ``index``) unless remote ``b`` equals it (per
+    token, with ``block_ratio``)."""
+    if block_ratio:
+        a, b = _per_token(a), _per_token(b)
     if not _same(a, b):
         raise _mismatch(index, a, b)
+
+
+def _per_token(record: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A token-paged region's record with its block length per token and no block size
+    (what two sides of other block sizes share); any other record as it is."""
+    sizes, whole = record.get("block_sizes"), record.get("block_len")
+    if (
+        record.get("paged") is not True
+        or record.get("state") is not False
+        or not isinstance(sizes, list)
+        or len(sizes) != 1
+        or not isinstance(sizes[0], int)
+        or isinstance(sizes[0], bool)
+        or sizes[0] < 1
+        or not isinstance(whole, int)
+        or isinstance(whole, bool)
+        or whole % sizes[0]
+    ):
+        return record
+    normal = {k: v for k, v in record.items() if k != "block_sizes"}
+    normal["block_len"] = whole // sizes[0]
+    return normal
 
 
 def _mismatch(index: int, a: Mapping[str, Any], b: Mapping[str, Any]) -> HandshakeMismatchError:
@@ -322,7 +356,7 @@ def _held(record: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def pair_stages(
-    local: PlanFingerprint | Regions, remote: PlanFingerprint
+    local: PlanFingerprint | Regions, remote: PlanFingerprint, *, block_ratio: bool = False
 ) -> tuple[tuple[int, int], ...]:
     """Pair our regions with a peer's, as ``(local index, remote index)``, refusing a
     peer whose layout differs from ours on any region both move.
@@ -340,7 +374,7 @@ def pair_stages(
     """
     mine = local if isinstance(local, PlanFingerprint) else fingerprint_of(local)
     if mine.pp[1] == 1 and remote.pp[1] == 1:
-        check_handshake(mine, remote)
+        check_handshake(mine, remote, block_ratio=block_ratio)
         return tuple((i, i) for i in range(len(mine.regions)))
     if mine.version != remote.version:
         raise HandshakeMismatchError(
@@ -384,7 +418,9 @@ def pair_stages(
                 None, "region count", held, [(f"regions of layers {list(held)}", local_n, remote_n)]
             )
         local_i, remote_i = local_first(index, theirs[counts[held].index(index)])
-        _check_record(local_i, mine.regions[local_i], remote.regions[remote_i])
+        _check_record(
+            local_i, mine.regions[local_i], remote.regions[remote_i], block_ratio=block_ratio
+        )
         pairs.append((local_i, remote_i))
     return tuple(pairs)
 

@@ -133,6 +133,10 @@ def merge_region(index: int, members: list[Piece]) -> Region:
         replicated_state=replicated_state,
         packed_members=tuple((m.layer, *m.row_member) for m in members if m.row_member is not None),
         kv_head_contiguous=all(m.traits.kv_head_contiguous for m in paged),
+        block_sizes=tuple(sorted({m.traits.block_size for m in paged if m.traits.block_size})),
+        page_head_slots=tuple(
+            sorted({m.traits.num_head_slots for m in paged if m.traits.num_head_slots})
+        ),
         state_group_ids=tuple(sorted({m.group_id for m in states})),
     )
 

@@ -158,6 +158,7 @@ def check_peer(
     registrations: Sequence[PeerRegistration] | None = None,
     peer: str = "the peer",
     pp: tuple[int, int] = (0, 1),
+    block_ratio: bool = False,
 ) -> tuple[tuple[int, int], ...]:
     """Every check a peer's regions pass before a backend uses them, in order:
 
@@ -176,8 +177,9 @@ def check_peer(
     ``registrations`` are the peer's (where its wire carries them; ``None`` skips the
     binding of regions to registrations). ``peer`` names it in the messages. Returns
     the pairs ``(our region index, the peer's)``; checks 3 and 4 run on them.
+    ``block_ratio``: the backend reads between other block sizes (check 1 per token).
     """
-    pairs = pair_stages(fingerprint_of(plan, pp=pp), fingerprint)
+    pairs = pair_stages(fingerprint_of(plan, pp=pp), fingerprint, block_ratio=block_ratio)
     check_peer_geometry(fingerprint, regions, tp_size)
     staged = pp[1] > 1 or fingerprint.pp[1] > 1
     ours = plan.subset([i for i, _ in pairs]) if staged else plan

@@ -192,6 +192,14 @@ class Region:
     """Every paged member keeps each KV head's slots together
     (:attr:`~kvspec_traits.KVLayoutTraits.kv_head_contiguous`): the order of the head
     slots inside a page, which equal page sizes do not show."""
+    block_sizes: tuple[int, ...] = ()
+    """Tokens per block of the paged members (their traits' ``block_size``; several where
+    members differ, none for a state-only region): two peers whose blocks hold other
+    token counts cannot pair block ids one to one."""
+    page_head_slots: tuple[int, ...] = ()
+    """Head slots of a paged member's page on this rank (their traits'
+    ``num_head_slots``; several where members differ), replicated or not: how many
+    token runs a heads-outermost page holds, which a block-size ratio reads one by one."""
     state_group_ids: tuple[int, ...] = ()
     """The cache groups whose blocks in this region hold a recurrent state (the rest of
     :attr:`group_ids` hold token pages): a block of a region shared by an attention

@@ -71,11 +71,23 @@ def with_kv_heads(region: Region, total_kv_heads: int | None) -> Region:
 
 def peer_view(region: Region, *, tp: int, peer_tp: int, peer_block_len: int) -> Region:
     """``region`` (of a rank of TP ``tp``) as a rank of TP ``peer_tp`` holds it: its
-    block length the peer's, a TP-sharded state's components scaled by ``tp /
-    peer_tp`` (every rank holds ``1 / tp`` of each run). What a producer asks
+    block length the peer's, a head-sharded page's head slots the peer's share, a
+    TP-sharded state's components scaled by ``tp / peer_tp`` (every rank holds ``1 /
+    tp`` of each run). What a producer asks
     :func:`tp_reads` with, to see a consumer's reads from its own side (a write).
     Raises :class:`UnsupportedLayoutError` where a component does not scale whole."""
     viewed = replace(region, block_len=peer_block_len)
+    if tp != peer_tp and region.paged and not region.replicated:
+        # A head-sharded page holds the peer's share of the heads there.
+        mine = shard_count(region.tp_layout, region.tp_shards, tp)
+        theirs = shard_count(region.tp_layout, region.tp_shards, peer_tp)
+        viewed = replace(
+            viewed,
+            page_head_slots=tuple(n * mine // theirs for n in region.page_head_slots),
+            num_head_slots=None
+            if region.num_head_slots is None
+            else region.num_head_slots * mine // theirs,
+        )
     if not region.sharded_state or tp == peer_tp:
         return viewed
     scale = Fraction(tp, peer_tp)

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 
+from kvspec_traits import __version__
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import is_state
 from kvspec_traits.nixl._progress import progress_delay
@@ -42,9 +43,11 @@ from kvspec_traits.nixl._register import register_ranges
 from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
 from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector import _seam as seam
+from kvspec_traits.vllm_connector._consumers import HELLO, ConsumerCensus, ReplayedNotifs
 from kvspec_traits.vllm_connector._errors import UnsupportedStateLayoutError
 from kvspec_traits.vllm_connector._facts import GroupKind, LayoutFacts, layout_facts
 from kvspec_traits.vllm_connector._fields import packed_layouts
+from kvspec_traits.vllm_connector._gate import installed_vllm
 from kvspec_traits.vllm_connector._handshake import (
     TraitsNixlAgentMetadata,
     check_decode_stage,
@@ -57,11 +60,17 @@ from kvspec_traits.vllm_connector._handshake import (
 )
 from kvspec_traits.vllm_connector._lease_worker import LeasedPullWorker
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
+from kvspec_traits.vllm_connector._observe import planned_bytes, refusal_reason, startup_lines
 from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
 from kvspec_traits.vllm_connector._shm_wait import holding_shm_wait, release_shm_wait
 from kvspec_traits.vllm_connector._staging import transfer_caches
+from kvspec_traits.vllm_connector._stats import (
+    TraitsNixlKVConnectorStats,
+    TraitsStatsConnector,
+    traits_stats,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,6 +112,7 @@ class TraitsWorkerBase(seam.SeamWorker):
         self.layout_facts = layout_facts(kv_cache_config, self._traits_registry)
         with progress_delay(self.options.nixl_progress_delay_us):  # the agent is built here
             super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.xfer_stats = TraitsNixlKVConnectorStats()  # upstream's counters and ours
         self._own_group_kinds()
 
     def _layout_facts(self) -> LayoutFacts:
@@ -210,7 +220,8 @@ class TraitsWorkerBase(seam.SeamWorker):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV caches with NIXL, regions planned from traits."""
         # Through base_worker's names: vLLM's tests (and users' hooks) patch them there.
-        self.transfer_topo = _bw.TransferTopology(  # type: ignore[attr-defined]
+        topology = seam.gathering_topology(_bw.TransferTopology)  # type: ignore[attr-defined]
+        self.transfer_topo = topology(
             tp_rank=self.transfer_tp_rank,
             tp_size=self.transfer_tp_size,
             block_size=self.block_size,
@@ -266,6 +277,7 @@ class TraitsWorkerBase(seam.SeamWorker):
             self.traits_fingerprint.digest[:16],
             self.region_is_mla,
         )
+        self._log_startup(plan)
         agent_metadata = TraitsNixlAgentMetadata(
             engine_id=self.engine_id,
             agent_metadata=self.nixl_wrapper.get_agent_metadata(),
@@ -302,6 +314,19 @@ class TraitsWorkerBase(seam.SeamWorker):
             compatibility_hash=self.compat_hash,
             agent_metadata_bytes=msgspec.msgpack.Encoder().encode(agent_metadata),
         )
+
+    def _log_startup(self, plan: RegionPlan) -> None:
+        """Once per worker: versions, options in effect, one line per region."""
+        for line in startup_lines(
+            version=__version__,
+            vllm_version=installed_vllm(),
+            engine_id=self.engine_id,
+            tp_rank=self.transfer_tp_rank,
+            tp_size=self.transfer_tp_size,
+            options=self.options,
+            plan=plan,
+        ):
+            logger.info("%s", line)
 
     def _layer_group_ids(self) -> dict[str, dict[str, int]]:
         """vLLM 0.34's metadata names each region member's transfer group."""
@@ -383,12 +408,18 @@ class TraitsWorkerBase(seam.SeamWorker):
         remote_pp_size: int,
         handshake: Callable[[], _T],
     ) -> _T:
-        check_parallel_pair(self, remote_tp_size, remote_pp_size)
-        # vLLM's handshake (its socket, its order: the compatibility hash, then the
-        # metadata decode, into TraitsNixlAgentMetadata) checks the decoded metadata,
-        # then calls check_remote_fingerprint with it (the peer's address kept here).
-        with handshake_with(host, port):
-            return handshake()
+        try:
+            check_parallel_pair(self, remote_tp_size, remote_pp_size)
+            # vLLM's handshake (its socket, its order: the compatibility hash, then the
+            # metadata decode, into TraitsNixlAgentMetadata) checks the decoded metadata,
+            # then calls check_remote_fingerprint with it (the peer's address kept here).
+            with handshake_with(host, port):
+                return handshake()
+        except Exception as err:  # counted by reason, then vLLM's failure path as before
+            reason = refusal_reason(err)
+            if reason is not None:
+                traits_stats(self).record_refused_peer(reason)
+            raise
 
     def check_remote_fingerprint(self, agent_metadata: NixlAgentMetadata) -> None:
         """Compare the peer's per-region traits fingerprint with ours (see
@@ -401,6 +432,8 @@ class TraitsWorkerBase(seam.SeamWorker):
             stage_view=self.stage_view,
             keep_region_offset=self._keep_region_offset,
         )
+        if getattr(agent_metadata, "kvspec_traits_fingerprint", None) is None:
+            traits_stats(self).record_upstream_peer()  # accepted (and warned about)
 
     def _keep_region_offset(self, offset: int) -> None:
         """vLLM 0.32/0.33 slice a PP 1 peer's regions from this offset for a stage:
@@ -411,11 +444,72 @@ class TraitsWorkerBase(seam.SeamWorker):
 class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):
     """vLLM's pull-mode NIXL worker: layout from traits, leases that fail closed."""
 
+    def read_blocks_for_req(
+        self, req_id: str, meta: Any, upstream: Callable[[str, Any], None]
+    ) -> None:
+        def read(req: str, request: Any) -> None:
+            # Past the handshake vLLM reads now (before it, it starts the handshake and
+            # comes back): the bytes this rank's plan moves for the request.
+            plan = self.region_plan
+            if plan is not None and request.remote.engine_id in self.remote_agents:
+                nbytes = planned_bytes(plan, request.local_physical_block_ids)
+                if nbytes:
+                    traits_stats(self).record_planned_bytes(nbytes)
+            upstream(req, request)
 
-class TraitsNixlConnector(NixlPullConnector):
+        super().read_blocks_for_req(req_id, meta, read)
+
+    # -- who reads from this producer (._consumers) ---------------------------------------
+
+    def nixl_handshake(
+        self,
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        remote_pp_size: int,
+        handshake: Callable[[], _T],
+    ) -> _T:
+        done = super().nixl_handshake(host, port, remote_tp_size, remote_pp_size, handshake)
+        # vLLM's pull handshake gives (remote ranks -> agent names, clock offset).
+        agents = done[0] if isinstance(done, tuple) and done and isinstance(done[0], dict) else {}
+        for agent in agents.values():
+            try:  # before any read or heartbeat goes there; never fails the handshake
+                self.nixl_wrapper.send_notif(agent, notif_msg=HELLO)
+            except Exception as err:  # an announcement only; reads follow
+                logger.debug("%s: no announcement to %s: %r", CONNECTOR_NAME, agent, err)
+        return done
+
+    def get_new_notifs(self, upstream: Callable[[], set[str]]) -> set[str]:
+        agent = self.nixl_wrapper
+        notifs = agent.get_new_notifs()
+        if notifs:
+            census: ConsumerCensus | None = self.__dict__.get("_consumer_census")
+            if census is None:  # lazily: vLLM's tests build workers with object.__new__
+                census = self.__dict__["_consumer_census"] = ConsumerCensus(self._upstream_reader)
+            census.saw(notifs)
+        self.nixl_wrapper = ReplayedNotifs(agent, notifs)  # vLLM handles what we saw
+        try:
+            return upstream()
+        finally:
+            self.nixl_wrapper = agent
+
+    def _upstream_reader(self, agent: str) -> None:
+        logger.warning(
+            "%s: NIXL consumer agent %s reads from this producer without announcing "
+            "kvspec-traits: it runs upstream's NixlConnector (or a kvspec-traits without "
+            "the announcement); the pair's layout is checked by vLLM's compatibility hash "
+            "only, not by the traits fingerprint",
+            CONNECTOR_NAME,
+            agent,
+        )
+        traits_stats(self).record_upstream_peer()
+
+
+class TraitsNixlConnector(TraitsStatsConnector, NixlPullConnector):
     """vLLM's ``NixlConnector`` whose worker plans regions from traits: a subclass of its
     pull connector (every method a series adds, e.g. 0.33's sleep mode, is ours too), or a
-    ``TraitsNixlPushConnector`` where ``options.transfer_mode`` is ``"push"`` (0.34)."""
+    ``TraitsNixlPushConnector`` where ``options.transfer_mode`` is ``"push"`` (0.34).
+    Its stats and metrics are upstream's plus the connector's (:mod:`._stats`)."""
 
     options: ConnectorOptions  # by __new__: the vLLM version checked, then every key read
 

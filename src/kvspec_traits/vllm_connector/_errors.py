@@ -17,7 +17,6 @@ __all__ = [
     "UnknownStateBlocksError",
     "UnsupportedHostBufferError",
     "UnsupportedPipelineParallelError",
-    "UnsupportedReplicaTPError",
     "UnsupportedRingTPError",
     "UnsupportedStagePairingError",
     "UnsupportedStateLayoutError",
@@ -251,27 +250,4 @@ class UnsupportedStateTPError(KVSpecTraitsError, NotImplementedError):
             f"say how the state divides across TP ranks (PageComponent.tp_split). Run "
             f"prefill and decode with equal TP sizes, or give each state component a "
             f"tp_split in the spec's adapter"
-        )
-
-
-class UnsupportedReplicaTPError(KVSpecTraitsError, NotImplementedError):
-    """The producer runs more TP ranks than the model has KV heads (each head replicated
-    on several ranks) and more ranks than the consumer: the plan knows which ranks hold
-    each head (:func:`~kvspec_traits.transfer.tp_reads`), but vLLM's NIXL read path,
-    which this connector runs, reads every producer rank in the TP ratio and would
-    gather replicas as if they were distinct heads. Refused before the handshake: no
-    byte moves. ``.region``, ``.kv_heads``, ``.local_tp``, ``.remote_tp``."""
-
-    def __init__(self, region: str, kv_heads: int, local_tp: int, remote_tp: int) -> None:
-        self.region = region
-        self.kv_heads = kv_heads
-        self.local_tp = local_tp
-        self.remote_tp = remote_tp
-        super().__init__(
-            f"{CONNECTOR_NAME} cannot read region {region!r} from a producer at TP "
-            f"{remote_tp} into TP {local_tp}: the model has {kv_heads} KV heads, so the "
-            f"producer's ranks hold replicas, and vLLM's NIXL read path gathers every "
-            f"producer rank in the TP ratio. Run the producer at TP <= {max(kv_heads, local_tp)}, "
-            f"or the consumer at the producer's TP size (or use kvspec_traits.mooncake, "
-            f"which reads one replica of each head)"
         )

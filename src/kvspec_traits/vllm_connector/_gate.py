@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Final
 
 from kvspec_traits._deps import SUPPORTED_VLLM_SERIES, needs, vllm_series
 from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
@@ -20,12 +19,6 @@ __all__ = [
     "register_with_vllm",
     "vllm_series",
 ]
-
-# The series whose KVConnectorFactory makes "NixlConnector" its push connector under
-# kv_connector_extra_config {"transfer_mode": "push"} (0.34); 0.32 and 0.33 ignore the
-# key (push is "NixlPushConnector" by name there), and so does ours on them
-# (ConnectorOptions.transfer_mode).
-MODE_KEY_SERIES: Final = frozenset({"0.34"})
 
 
 def installed_vllm() -> str:

@@ -28,13 +28,11 @@ from kvspec_traits.transfer import (
     check_region_bounds,
     decode_fingerprint,
     pair_stages,
-    shard_count,
 )
 from kvspec_traits.transfer._fingerprint import record_page
 from kvspec_traits.vllm_connector._errors import (
     PeerWithoutTraitsError,
     UnsupportedPipelineParallelError,
-    UnsupportedReplicaTPError,
     UnsupportedRingTPError,
     UnsupportedStagePairingError,
     UnsupportedStateTPError,
@@ -52,7 +50,6 @@ __all__ = [
     "check_decode_stage",
     "check_parallel_pair",
     "check_pipeline_parallel",
-    "check_replica_tp",
     "check_ring_tp",
     "check_state_tp",
     "check_remote_fingerprint",
@@ -208,22 +205,6 @@ def check_parallel_pair(worker: Any, remote_tp: int, remote_pp: int) -> None:
         facts = worker._layout_facts()
         check_ring_tp(plan, facts.layer_traits, worker.world_size, remote_tp)
         check_state_tp(facts.state_split, worker.world_size, remote_tp)
-        check_replica_tp(plan, worker.world_size, remote_tp)
-
-
-def check_replica_tp(plan: RegionPlan, local_tp: int, remote_tp: int) -> None:
-    """Refuse a producer of more ranks than ours whose ranks hold replicas of a
-    head-sharded region's KV heads (fewer heads than its TP size, the plan's
-    ``tp_shards``: :class:`UnsupportedReplicaTPError`), where vLLM's read path would
-    gather the replicas as distinct heads; a model with a recurrent state reads them
-    through vLLM's state-aware path, which reads one replica."""
-    if remote_tp <= local_tp or any(region.state for region in plan.regions):
-        return
-    for region in plan.regions:
-        if region.replicated or not region.paged or region.tp_shards is None:
-            continue
-        if shard_count(region.tp_layout, region.tp_shards, remote_tp) < remote_tp:
-            raise UnsupportedReplicaTPError(region.name, region.tp_shards, local_tp, remote_tp)
 
 
 def check_state_tp(split: StateSplit | None, local_tp: int, remote_tp: int) -> None:

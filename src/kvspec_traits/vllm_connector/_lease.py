@@ -29,7 +29,6 @@ lease value is refused for its request, because it comes from the wire.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from typing import Final
 
 from kvspec_traits._errors import KVSpecTraitsError
 from kvspec_traits.vllm_connector._errors import ConnectorOptionError
+from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
 __all__ = [
@@ -50,8 +50,6 @@ __all__ = [
     "lease_offer",
     "parse_lease_offer",
 ]
-
-logger = logging.getLogger("kvspec_traits.vllm_connector")
 
 LEASE_KEY: Final = "kvspec_lease"
 """``kv_transfer_params`` key: the producer's ``{"expiry": float, "extension": float}``."""

@@ -22,11 +22,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
-from kvspec_traits.vllm_connector._handshake import logger
 from kvspec_traits.vllm_connector._lease import LEASES_ATTR, LeaseBook
+from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 from kvspec_traits.vllm_connector._options import ConnectorOptions
 from kvspec_traits.vllm_connector._seam import SeamPullWorker
+from kvspec_traits.vllm_connector._stats import traits_stats
 
 __all__ = ["LeasedPullWorker"]
 
@@ -61,6 +62,7 @@ class LeasedPullWorker(SeamPullWorker):
             when,
         )
         self.xfer_stats.record_kv_expired_req()  # type: ignore[no-untyped-call]  # vLLM
+        traits_stats(self).record_lease_declined()
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         offered: Mapping[str, object] = getattr(metadata, LEASES_ATTR, None) or {}

@@ -25,7 +25,7 @@ from kvspec_traits.vllm_connector._errors import (
     UnknownConnectorOptionError,
     UnsupportedTransferModeError,
 )
-from kvspec_traits.vllm_connector._gate import MODE_KEY_SERIES, check_vllm_version, vllm_series
+from kvspec_traits.vllm_connector._gate import check_vllm_version, vllm_series
 from kvspec_traits.vllm_connector._lease import DEFAULT_MARGIN, LEASE_MARGIN_KEY, LeaseMarginError
 from kvspec_traits.vllm_connector._names import (
     NIXL_PROGRESS_DELAY,
@@ -33,6 +33,7 @@ from kvspec_traits.vllm_connector._names import (
     SHM_WAIT,
     TRANSFER_MODE,
 )
+from kvspec_traits.vllm_connector._quirks import series_quirks
 from kvspec_traits.vllm_connector._shm_wait import ShmWait, ShmWaitError
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class ConnectorOptions:
 
     transfer_mode: TransferMode = field(default="pull", metadata={"key": TRANSFER_MODE})
     """vLLM's key: ``"pull"``, or ``"push"`` (``TraitsNixlConnector`` then builds the push
-    connector), read on the series whose factory reads it (0.34), else ``"pull"``;
+    connector), read on the series whose factory reads it (0.34 and later), else ``"pull"``;
     ``"push"`` for ``TraitsNixlPushConnector``, push by its name."""
     require_traits_peer: bool = field(default=False, metadata={"key": REQUIRE_TRAITS_PEER})
     """Refuse a peer without a traits fingerprint (``PeerWithoutTraitsError``). A JSON
@@ -101,7 +102,8 @@ class ConnectorOptions:
         (:class:`UnknownConnectorOptionError`), a missing key keeps its default.
 
         ``transfer_mode`` is read where vLLM's factory reads it for ``"NixlConnector"``
-        (:data:`~._gate.MODE_KEY_SERIES`), unless ``mode`` is given: a connector whose
+        (:attr:`~._quirks.SeriesQuirks.transfer_mode_key`: 0.34 and later), unless
+        ``mode`` is given: a connector whose
         class is its mode (``TraitsNixlPushConnector``, as upstream's
         ``NixlPushConnector``) reads no such key."""
         keys = {f.metadata["key"]: f.name for f in fields(cls)}
@@ -112,7 +114,7 @@ class ConnectorOptions:
         given: dict[str, Any] = {name: extra[key] for key, name in keys.items() if key in extra}
         if mode is not None:
             given["transfer_mode"] = mode
-        elif series not in MODE_KEY_SERIES:
+        elif not series_quirks(series).transfer_mode_key:
             given.pop("transfer_mode", None)  # vLLM's factory ignores it there; so do we
         return cls(**given)
 

@@ -36,6 +36,7 @@ from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_op
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
 from kvspec_traits.vllm_connector._seam import SeamPushWorker
 from kvspec_traits.vllm_connector._shm_wait import holding_shm_wait, release_shm_wait
+from kvspec_traits.vllm_connector._stats import TraitsStatsConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,7 +72,7 @@ class TraitsNixlPushConnectorWorker(SeamPushWorker, TraitsWorkerBase):
         super().__init__(vllm_config, engine_id, kv_cache_config)
 
 
-class TraitsNixlPushConnector(NixlPushConnector):
+class TraitsNixlPushConnector(TraitsStatsConnector, NixlPushConnector):
     """vLLM's ``NixlPushConnector`` whose worker plans regions from traits.
 
     Turned on as upstream's is, by the connector name: ``"kv_connector":

@@ -28,6 +28,12 @@ class SeriesQuirks:
     """vLLM 0.33+ pull workers register a block-outermost (``*B*`` first) MLA cache as
     whole block rows, one descriptor per block, and advertise each layer's page in the
     row (the metadata's ``packed_member_layouts``); 0.32 does so for push workers only."""
+    transfer_mode_key: bool
+    """vLLM 0.34+'s ``KVConnectorFactory`` makes ``"NixlConnector"`` its push connector
+    under ``kv_connector_extra_config`` ``{"transfer_mode": "push"}``, and
+    ``TraitsNixlConnector`` reads the key there too (``ConnectorOptions.transfer_mode``);
+    0.32 and 0.33 ignore the key (push is ``"NixlPushConnector"`` by name), and so does
+    ours on them. By order, so a later series keeps push a push connector."""
 
 
 def series_quirks(version: str | None = None) -> SeriesQuirks:
@@ -39,6 +45,7 @@ def series_quirks(version: str | None = None) -> SeriesQuirks:
         series=series,
         regions_keyed_by_block_len=numbers >= (0, 34),
         packed_mla_rows=numbers >= (0, 33),
+        transfer_mode_key=numbers >= (0, 34),
     )
 
 

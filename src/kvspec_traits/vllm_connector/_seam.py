@@ -199,6 +199,7 @@ NAMES: tuple[VllmName, ...] = (
     VllmName(_PW, "_send_heartbeats", _O, _ALL, "no hook around the heartbeats sent"),
     VllmName(_PW, "_read_blocks_for_req", _O, _ALL, "no hook before a read starts"),
     VllmName(_PW, "_pop_done_transfers", _O, _ALL, "no hook after a read completes"),
+    VllmName(_PW, "_get_new_notifs", _O, _ALL, "no hook where a producer's notifications arrive"),
     VllmName(_PW, "_handle_failed_transfer", _C, _ALL, "vLLM's failed-read path; no public one"),
     VllmName(_PW, "_engine_clock_offset", _A, _ALL, "the handshake's clock offset; no getter"),
     VllmName(_PW, "_remote_agents", _A, _ALL, "which engines are handshaken; no getter"),
@@ -460,6 +461,14 @@ class SeamPullWorker(NixlPullConnectorWorker):
     ) -> tuple[set[str], set[str]]:
         return upstream(transfers)
 
+    def _get_new_notifs(self) -> set[str]:
+        return self.get_new_notifs(super()._get_new_notifs)
+
+    def get_new_notifs(self, upstream: Callable[[], set[str]]) -> set[str]:
+        """vLLM's handling of the NIXL notifications that arrived (``upstream``): the
+        requests whose every reader is done."""
+        return upstream()
+
     def fail_read(self, req_id: str) -> None:
         """vLLM's failed read without a transport failure (as its expired readback)."""
         self._handle_failed_transfer(
@@ -590,6 +599,36 @@ def conv_split_info(split: StateSplit) -> Any:
         conv_dtype_size=split.conv_dtype_size,
         ssm_sizes=split.sizes,
     )
+
+
+# -- the topology the worker reads ---------------------------------------------------------
+
+_TOPOLOGIES: dict[type, type] = {}
+
+
+def gathering_topology(topology: type) -> type:
+    """vLLM's ``TransferTopology`` class (``topology``, looked up where vLLM's tests patch
+    it) with one answer of its own: a producer of more ranks than ours, whose ranks hold
+    replicas of the model's KV heads, is not "replicated" to this consumer, which gathers
+    its heads from them. vLLM's read path already reads one rank per distinct head there
+    (``compute_tp_mapping``: the first rank of each head); its handshake validation alone
+    asks ``is_kv_replicated`` and asserts the pair away (issue 47). Every other answer is
+    vLLM's. The plan decides the pair first (``check_tp_pair``), and the connector's
+    tests compare every decode byte (``tests/test_connector_replica_tp.py``)."""
+    found = _TOPOLOGIES.get(topology)
+    base: Any = topology
+    if found is None:
+
+        def is_kv_replicated(self: Any, remote_engine_id: Any, remote_pp_rank: int = 0) -> bool:
+            info = self.get_engine_info(remote_engine_id, remote_pp_rank)
+            if info.remote_tp_size > self.tp_size and not self.is_mla:
+                return False
+            return bool(base.is_kv_replicated(self, remote_engine_id, remote_pp_rank))
+
+        found = _TOPOLOGIES[topology] = type(
+            f"Gathering{topology.__name__}", (topology,), {"is_kv_replicated": is_kv_replicated}
+        )
+    return found
 
 
 # -- the one process-wide change --------------------------------------------------------

@@ -19,17 +19,14 @@ changed).
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from typing import Literal
 
 from kvspec_traits.vllm_connector._errors import ConnectorOptionError
+from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import SHM_WAIT
 
 __all__ = ["ShmWait", "ShmWaitError", "apply_shm_wait", "holding_shm_wait", "release_shm_wait"]
-
-# Under "vllm.", so vLLM's own log configuration prints it beside vLLM's lines.
-_LOG = logging.getLogger("vllm.kvspec_traits.connector")
 
 ShmWait = Literal["yield", "sleep"]
 """The values of :data:`~._names.SHM_WAIT` (checked by :class:`~._options.ConnectorOptions`)."""
@@ -58,7 +55,7 @@ def apply_shm_wait(mode: ShmWait, holder: object) -> bool:
             f"shared-memory queues cannot be told to sleep; remove the key",
         )
     was = switch.hold_sleep(holder)
-    _LOG.info(
+    logger.info(
         "kvspec_shm_wait 'sleep': vLLM's shared-memory queue readers wait with "
         "time.sleep(0)%s in this process",
         " instead of os.sched_yield()" if was else " (already)",

@@ -1,0 +1,122 @@
+"""Blocks of other token counts on the two sides: where each piece of a local block
+comes from when the peer's blocks hold ``remote_tokens`` tokens and ours
+``local_tokens`` (a block-size ratio, issue 48), combined with any TP split.
+
+Pure: imports neither NIXL, numpy nor vLLM. A token-paged page is a run of token rows per
+head slot when heads are outermost (vLLM's HND pages: ``[heads, tokens, bytes]``), or one
+run of token rows (NHD, MLA latents): a block of ``r`` times the tokens is ``r`` blocks'
+rows placed slot by slot, never one contiguous range where there are several slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvspec_traits._traits import TokenScope
+from kvspec_traits.transfer._errors import UnsupportedLayoutError
+from kvspec_traits.transfer._region import Region
+from kvspec_traits.transfer._tp import tp_reads
+
+__all__ = ["BlockRead", "block_reads"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRead:
+    """One piece of a local block from one remote rank's block number ``remote_block``
+    (relative: see :func:`block_reads`)."""
+
+    remote_rank: int
+    local_offset: int
+    remote_offset: int
+    length: int
+    remote_block: int
+
+
+def block_reads(
+    region: Region,
+    *,
+    local_tp: int,
+    local_rank: int,
+    remote_tp: int,
+    local_tokens: int,
+    remote_tokens: int,
+) -> tuple[tuple[BlockRead, ...], ...]:
+    """The pieces of a local block of ``region`` when the peer's blocks hold
+    ``remote_tokens`` tokens, per phase.
+
+    Local blocks hold ``r = local_tokens / remote_tokens`` peer blocks: one phase; local
+    block ``a`` of a request reads the peer's ``a * r + remote_block``-th block. Peer
+    blocks hold ``k = remote_tokens / local_tokens`` local blocks: ``k`` phases; local
+    block ``a`` takes phase ``a % k`` from the peer's ``a // k``-th block. Reads beyond
+    the peer's list (a request's last, partly filled block) are skipped by the caller.
+
+    Raises :class:`UnsupportedLayoutError` for a region whose blocks are not addressed by
+    token (a recurrent state, a ring whose rows are slots, a page padded past its token
+    rows, members of other block sizes or head slots), or token counts of which neither
+    divides the other.
+    """
+    big, small = max(local_tokens, remote_tokens), min(local_tokens, remote_tokens)
+    if small < 1 or big % small:
+        raise UnsupportedLayoutError(
+            region.name,
+            f"blocks of {local_tokens} tokens here and {remote_tokens} on the peer: neither "
+            f"divides the other; run both sides with block sizes that divide",
+        )
+    slots, token_bytes = _token_rows(region, local_tokens)
+    # Where each head slot's rows come from at one token a block: the TP decision.
+    one_token = replace(region, block_len=slots * token_bytes)
+    reads = tp_reads(one_token, local_tp=local_tp, local_rank=local_rank, remote_tp=remote_tp)
+    slot_bytes = token_bytes  # bytes of one token in one head slot
+    ratio = local_tokens // remote_tokens if local_tokens >= remote_tokens else 1
+    phases = 1 if local_tokens >= remote_tokens else remote_tokens // local_tokens
+    out: list[tuple[BlockRead, ...]] = []
+    for phase in range(phases):
+        pieces: list[BlockRead] = []
+        for read in reads:
+            if read.local_offset % slot_bytes or read.remote_offset % slot_bytes:
+                raise UnsupportedLayoutError(region.name, "head split is not slot-aligned")
+            first, theirs = read.local_offset // slot_bytes, read.remote_offset // slot_bytes
+            for n in range(read.length // slot_bytes):
+                local_at = (first + n) * local_tokens * slot_bytes
+                remote_at = (theirs + n) * remote_tokens * slot_bytes
+                if phases == 1:
+                    step = remote_tokens * slot_bytes
+                    pieces += [
+                        BlockRead(read.remote_rank, local_at + q * step, remote_at, step, q)
+                        for q in range(ratio)
+                    ]
+                else:
+                    step = local_tokens * slot_bytes
+                    pieces.append(
+                        BlockRead(read.remote_rank, local_at, remote_at + phase * step, step, 0)
+                    )
+        out.append(tuple(pieces))
+    return tuple(out)
+
+
+def _token_rows(region: Region, tokens: int) -> tuple[int, int]:
+    """(token runs in a block, bytes of one token in one run) of a token-paged region;
+    :class:`UnsupportedLayoutError` where its blocks are not addressed by token."""
+
+    def refuse(why: str) -> UnsupportedLayoutError:
+        return UnsupportedLayoutError(
+            region.name,
+            f"{why}, so its blocks cannot be read between other block sizes; run prefill "
+            f"and decode with the same --block-size",
+        )
+
+    if region.state or not region.paged:
+        raise refuse("it holds a recurrent state, whose block is not addressed by token")
+    if region.scratch or TokenScope.RING in region.token_scopes:
+        raise refuse("it holds a ring buffer, whose rows are slots, not token positions")
+    if region.block_sizes != (tokens,) or len(region.page_head_slots) != 1:
+        raise refuse(
+            f"its members differ in block size {region.block_sizes} or head slots "
+            f"{region.page_head_slots}"
+        )
+    if region.packed_members or region.head_segment is not None:
+        raise refuse("its pages are parts of a packed row")
+    slots = region.page_head_slots[0] if region.head_major else 1
+    if region.block_len % (tokens * slots):
+        raise refuse(f"its {region.block_len}-byte page is not {tokens} token rows")
+    return slots, region.block_len // (tokens * slots)
