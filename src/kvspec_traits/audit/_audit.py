@@ -134,6 +134,7 @@ class _Scan:
     definitions: dict[tuple[str, str], ClassDefinition] = field(default_factory=dict)
     lookups: dict[str, set[str]] = field(default_factory=dict)  # tables looked up by type
     packages: dict[Path, str] = field(default_factory=dict)
+    built: set[str] = field(default_factory=set)  # spec classes some module builds
 
     def scan(self, path: Path, data: bytes, *, with_exports: bool) -> None:
         module_scan = _module_scan(path, data, self.known, self.packages, self.errors)
@@ -145,6 +146,8 @@ class _Scan:
                 group_attributes=self.group_attributes,
                 exports=self.exports if with_exports else None,
             )
+            if not with_exports:
+                self.built.update(module_scan.built_classes())
             if self.candidates and not with_exports:
                 for d in module_scan.class_definitions():
                     self.definitions.setdefault((d.module, d.name), d)
@@ -207,6 +210,12 @@ def _gather(
     return seen, matched, unmatched
 
 
+def _built_bases(raw: RawSite, universe: Universe, built: set[str]) -> tuple[str, ...]:
+    # The tested classes' bases (themselves included) that the scanned code builds.
+    bases = {m for c in raw.classes if c in universe.classes for m in universe.classes[c].mro}
+    return tuple(sorted(bases & built))
+
+
 def _sites(scan: _Scan, universe: Universe, display_root: Path | None) -> list[Site]:
     confirmed = universe.names
     refused = scan.refused()
@@ -216,6 +225,7 @@ def _sites(scan: _Scan, universe: Universe, display_root: Path | None) -> list[S
                 raw,
                 refused=tuple(sorted(refused[path.parent])),
                 lookup=lookup_of(raw.table, scan.lookups) if raw.form == "class-dict" else "",
+                built=_built_bases(raw, universe, scan.built),
             ),
             universe,
             path=_display(path, display_root),

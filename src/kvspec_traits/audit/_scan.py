@@ -134,6 +134,20 @@ class ModuleScan:
             )
         return found
 
+    def built_classes(self) -> frozenset[str]:
+        """Spec classes this module builds an instance of: a call of the class
+        (``SlidingWindowMLASpec(...)``) or of a method on it (``X.merge(specs)``)."""
+        found: set[str] = set()
+        for node in ast.walk(self.tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name | ast.Attribute):
+                found.update(self.resolver.classes_of(func))
+            if isinstance(func, ast.Attribute):
+                found.update(self.resolver.classes_of(func.value))
+        return frozenset(found)
+
     def imported_modules(self) -> frozenset[str]:
         """Modules this one imports from or imports (candidates for defining class sets
         it uses)."""

@@ -56,7 +56,10 @@ class RawSite:
     ``subclass_safe`` a class-keyed dict looked up along ``type(x).__mro__``; ``table`` the
     name such a dict is bound to and ``lookup`` how the scanned code looks that name up by
     type (see :mod:`~kvspec_traits.audit._tables`); ``others`` the names in the class
-    operand that are no spec class the audit knows (a class defined outside the scan).
+    operand that are no spec class the audit knows (a class defined outside the scan);
+    ``built`` the bases of the tested classes of which the scanned code builds an instance
+    anywhere (a call of the class, or of a method on it): where it builds none of a vLLM
+    class that a vendor subclass in the check stands beside, a miss of it is latent.
     """
 
     line: int
@@ -82,6 +85,7 @@ class RawSite:
     others: tuple[str, ...] = ()
     table: str = ""
     lookup: str = ""
+    built: tuple[str, ...] = ()
 
 
 def _position(node: ast.AST) -> int:
