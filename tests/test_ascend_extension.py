@@ -309,7 +309,7 @@ def _audit(*path: Path, args: tuple[str, ...] = (), cache: Path | None = None) -
 
 LATENT = (
     "; latent: the scanned code builds no instance of SlidingWindowMLASpec "
-    "(the check names its subclass AscendSlidingWindowMLASpec) today\n"
+    "(the code names its subclass AscendSlidingWindowMLASpec) today\n"
 )
 
 

@@ -57,7 +57,7 @@ def test_a_vendor_subclass_of_the_left_out_class_makes_the_miss_latent(
     assert (site.answer.trait, site.answer.match) == ("is_mla", "near")
     assert site.reason.endswith(
         "; latent: the scanned code builds no instance of SlidingWindowMLASpec "
-        "(the check names its subclass VendorWindowMLASpec) today"
+        "(the code names its subclass VendorWindowMLASpec) today"
     )
 
 
@@ -72,8 +72,12 @@ _PLATFORM = {
     "user.py": (
         "from vllm.v1.kv_cache_interface import MLAAttentionSpec\n"
         "from .specs import PlatformWindowMLASpec\n"
-        "def heads(spec):\n"
+        "def in_tuple(spec):\n"
         "    return isinstance(spec, (MLAAttentionSpec, PlatformWindowMLASpec))\n"
+        "def after_exit(spec):\n"
+        "    if isinstance(spec, PlatformWindowMLASpec):\n"
+        "        return 1\n"
+        "    return 1 if isinstance(spec, MLAAttentionSpec) else 8\n"
     ),
 }
 _BUILDS_THE_BASE = (
@@ -86,12 +90,15 @@ _BUILDS_THE_BASE = (
 @pytest.mark.parametrize(
     ("builds", "confidence"), [(False, "medium"), (True, "high")], ids=["latent", "built"]
 )
+@pytest.mark.parametrize("line", [4, 8], ids=["in-the-tuple", "after-an-exit"])
 def test_a_latent_miss_is_lower_only_while_nothing_builds_the_class(
-    universe: Universe, tmp_path: Path, builds: bool, confidence: str
+    universe: Universe, tmp_path: Path, builds: bool, confidence: str, line: int
 ) -> None:
-    """The same check beside a platform's windowed latent: a miss of SlidingWindowMLASpec
-    either way (never "ok"); high (near is_mla, similarity 0.83 >= 0.5) where the scanned
-    code builds a SlidingWindowMLASpec, one step lower, medium, where it builds none."""
+    """A platform's windowed latent beside `MLAAttentionSpec`, in the check's tuple or in
+    an exit before it: a plain SlidingWindowMLASpec passes neither, so the check misses it
+    either way (never "ok" or "handled by an explicit exit"): high (near is_mla,
+    similarity 0.83 >= 0.5) where the scanned code builds a SlidingWindowMLASpec, one step
+    lower, medium, where it builds none (latent)."""
     pkg = tmp_path / "platform"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -100,7 +107,7 @@ def test_a_latent_miss_is_lower_only_while_nothing_builds_the_class(
     if builds:
         (pkg / "builder.py").write_text(_BUILDS_THE_BASE)
     got = audit_paths([pkg], universe, display_root=tmp_path)
-    (site,) = [s for s in got.sites if s.path == "platform/user.py"]
+    (site,) = [s for s in got.sites if s.path == "platform/user.py" and s.raw.line == line]
     assert (site.verdict, site.confidence, site.missing) == (
         "miss",
         confidence,

@@ -211,8 +211,10 @@ def _gather(
 
 
 def _built_bases(raw: RawSite, universe: Universe, built: set[str]) -> tuple[str, ...]:
-    # The tested classes' bases (themselves included) that the scanned code builds.
-    bases = {m for c in raw.classes if c in universe.classes for m in universe.classes[c].mro}
+    # The bases (themselves included) of the classes the check and the code around it
+    # name that the scanned code builds.
+    named = [*raw.classes, *raw.exited_on, *(n for c in raw.constraints for n in c.classes)]
+    bases = {m for c in named if c in universe.classes for m in universe.classes[c].mro}
     return tuple(sorted(bases & built))
 
 

@@ -215,7 +215,6 @@ class _Apart:
 
     missing: frozenset[str]
     excluded_by_flow: frozenset[str]
-    covered: frozenset[str]
     by_enum: tuple[str, ...]
 
 
@@ -227,19 +226,11 @@ def _set_apart(raw: RawSite, u: Universe, q: _Question) -> _Apart:
     blocked = blocked_classes(raw, u)
     excluded_by_flow = missing & blocked
     missing -= blocked
-    # An out-of-tree subclass of a missed class handled by the code around the check
-    # covers it. One the check tests never does: it covers itself and its subclasses,
-    # not its base (a latent miss at most, see ``latent``).
-    around = {*raw.exited_on, *(n for c in raw.constraints for n in c.classes)}
-    # (the class it replaces: its own first base)
-    replaced = {u.classes[c].mro[1] for c in around if c in u.out_of_tree}
-    covered = missing & replaced
-    missing -= covered
     # A spec-kind check asks the enum's question: a class vLLM gives a kind of its own
     # (SlidingWindowMLASpec: SLIDING_WINDOW_MLA, not MLA_ATTENTION) is set apart by the
     # enum's definition, not left out by this check.
     by_enum = tuple(sorted(missing)) if raw.kinds else ()
-    return _Apart(missing - set(by_enum), excluded_by_flow, covered, by_enum)
+    return _Apart(missing - set(by_enum), excluded_by_flow, by_enum)
 
 
 _Judged = tuple[Verdict, Confidence, str]
@@ -373,10 +364,6 @@ def _set_apart_reason(raw: RawSite, u: Universe, apart: _Apart) -> str | None:
         return (
             f"{', '.join(sorted(apart.excluded_by_flow))} cannot get here (excluded by "
             f"{flow_reason(raw, u, apart.excluded_by_flow)})"
-        )
-    if apart.covered:
-        return (
-            f"{', '.join(sorted(apart.covered))} covered by an out-of-tree subclass the code names"
         )
     if apart.by_enum:
         return (

@@ -54,12 +54,21 @@ def judged_on_vllm(raw: RawSite, u: Universe, path: str, infer: Callable[..., Si
     def as_vllm(names: Iterable[str]) -> tuple[str, ...]:
         return dedup(x for n in names if (x := base.get(n, n)))
 
-    # the code around the check speaks of the out-of-tree classes as of their bases
+    def vllm_only(names: Iterable[str]) -> tuple[str, ...]:
+        return tuple(n for n in names if n not in u.out_of_tree)
+
+    # An out-of-tree class counts for itself, never for its base: in the check, and in an
+    # exit or an early exit around it (a plain instance of the base passes those). Code
+    # that only an out-of-tree class's instances reach (an enclosing test on it) is
+    # reached by instances laid out as its base.
     judged = replace(
         raw,
-        classes=tuple(c for c in raw.classes if c not in u.out_of_tree),
-        exited_on=as_vllm(raw.exited_on),
-        constraints=tuple(replace(c, classes=as_vllm(c.classes)) for c in raw.constraints),
+        classes=vllm_only(raw.classes),
+        exited_on=vllm_only(raw.exited_on),
+        constraints=tuple(
+            replace(c, classes=as_vllm(c.classes) if c.mode == "require" else vllm_only(c.classes))
+            for c in raw.constraints
+        ),
     )
     site = infer(judged, _vllm_only(u), path=path)
     note = (
@@ -104,16 +113,16 @@ def latent(site: Site, raw: RawSite, u: Universe) -> Site:
     A miss of any class the check names no vendor subclass of keeps its confidence."""
     if site.verdict != "miss":
         return site
+    named = dedup([*raw.classes, *raw.exited_on, *(n for c in raw.constraints for n in c.classes)])
     beside = {
-        m: [c for c in raw.classes if _vendor(u, c) and m in u.classes[c].mro[1:]]
-        for m in site.missing
+        m: [c for c in named if _vendor(u, c) and m in u.classes[c].mro[1:]] for m in site.missing
     }
     unbuilt = {m: subs for m, subs in beside.items() if subs and m not in raw.built}
     if not unbuilt:
         return site
     confidence = _LOWER[site.confidence] if len(unbuilt) == len(site.missing) else site.confidence
     why = ", ".join(
-        f"{m} (the check names its subclass {', '.join(subs)})" for m, subs in unbuilt.items()
+        f"{m} (the code names its subclass {', '.join(subs)})" for m, subs in unbuilt.items()
     )
     return replace(
         site,

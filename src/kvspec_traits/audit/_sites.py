@@ -57,9 +57,10 @@ class RawSite:
     name such a dict is bound to and ``lookup`` how the scanned code looks that name up by
     type (see :mod:`~kvspec_traits.audit._tables`); ``others`` the names in the class
     operand that are no spec class the audit knows (a class defined outside the scan);
-    ``built`` the bases of the tested classes of which the scanned code builds an instance
-    anywhere (a call of the class, or of a method on it): where it builds none of a vLLM
-    class that a vendor subclass in the check stands beside, a miss of it is latent.
+    ``built`` the bases of the classes the check and the code around it name of which the
+    scanned code builds an instance anywhere (a call of the class, or of a method on it):
+    where it builds none of a vLLM class whose vendor subclass the code names, a miss of
+    it is latent.
     """
 
     line: int
