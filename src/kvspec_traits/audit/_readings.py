@@ -99,9 +99,8 @@ _LOWER: Final[dict[Confidence, Confidence]] = {"high": "medium", "medium": "low"
 
 
 def _vendor(u: Universe, name: str) -> bool:
-    # A class not vLLM's: defined in the scanned code, or an installed extension's.
     info = u.classes.get(name)
-    return info is not None and (info.out_of_tree or info.module.partition(".")[0] != "vllm")
+    return info is not None and info.vendor
 
 
 def latent(site: Site, raw: RawSite, u: Universe) -> Site:

@@ -84,6 +84,11 @@ class ClassInfo:
     out_of_tree: bool = False
     adds_fields: bool = False
 
+    @property
+    def vendor(self) -> bool:
+        """Whether the class is not vLLM's: the scanned code's or an installed extension's."""
+        return self.out_of_tree or self.module.partition(".")[0] != "vllm"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Universe:
