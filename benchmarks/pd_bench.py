@@ -1101,6 +1101,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _measure_all(
+    models: list[str], modes: list[str], models_dir: Path, workdir: Path, args: argparse.Namespace
+) -> tuple[list[Group], list[str]]:
+    """Every (model, mode) pair measured in turn (the disturbance run only on the
+    first); the groups measured and the problems found."""
+    groups: list[Group] = []
+    problems: list[str] = []
+    with harness._machine_wide_pair_lock():
+        for model in models:
+            for mode in modes:
+                first = not groups
+                saved = args.disturbance
+                args.disturbance = saved and first
+                try:
+                    group, found = measure(model, mode, models_dir, workdir, args, len(groups))
+                except harness.ServerFailedError as err:
+                    problems.append(f"{model} {mode}: {str(err).splitlines()[0]}")
+                    print(err, flush=True)
+                    continue
+                finally:
+                    args.disturbance = saved
+                groups.append(group)
+                problems += found
+    return groups, problems
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -1128,24 +1154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     _print_lease_cost()
-    groups: list[Group] = []
-    problems: list[str] = []
-    with harness._machine_wide_pair_lock():
-        for model in models:
-            for mode in modes:
-                first = not groups
-                saved = args.disturbance
-                args.disturbance = saved and first
-                try:
-                    group, found = measure(model, mode, models_dir, workdir, args, len(groups))
-                except harness.ServerFailedError as err:
-                    problems.append(f"{model} {mode}: {str(err).splitlines()[0]}")
-                    print(err, flush=True)
-                    continue
-                finally:
-                    args.disturbance = saved
-                groups.append(group)
-                problems += found
+    groups, problems = _measure_all(models, modes, models_dir, workdir, args)
     took = time.monotonic() - started
     load_end = os.getloadavg()
     lines, missed = report(groups, judged=args.runs >= MIN_JUDGED_RUNS)

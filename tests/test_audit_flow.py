@@ -159,17 +159,18 @@ OOT: list[Row] = [
         (),
         ("ScaledMLASpec",),
     ),
-    # judged on vLLM's classes plus the plugin class's own base: (MLAAttentionSpec,
-    # SlidingWindowMLASpec) is exactly is_mla (issue 23; was a near match "covered" by
-    # the plugin subclass)
+    # the plugin's windowed latent counts for itself, never for its base (issue 49): judged
+    # on the vLLM class it tests, MLAAttentionSpec, a near is_mla that leaves out
+    # SlidingWindowMLASpec; the fixtures build no SlidingWindowMLASpec, so the miss is
+    # latent: high (similarity 0.83 >= 0.5) lowered one step to medium
     (
         "oot/user.py",
         17,
         "isinstance",
-        "ok",
-        "high",
-        EXACT_MLA,
-        (),
+        "miss",
+        "medium",
+        NEAR_MLA,
+        (SWMLA,),
         (),
         (),
         ("PlatformSlidingWindowMLASpec",),

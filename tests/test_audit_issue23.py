@@ -8,15 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from kvspec_traits.audit import AuditResult, Site, audit_paths, load_universe
+from kvspec_traits.audit import AuditResult, Site, Universe, audit_paths, load_universe
 
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory: pytest.TempPathFactory) -> AuditResult:
+def universe(tmp_path_factory: pytest.TempPathFactory) -> Universe:
     # vLLM's classes alone (the hand verdicts are of vLLM's classes)
-    universe = load_universe(cache_dir=tmp_path_factory.mktemp("cache"), extensions=False)
+    return load_universe(cache_dir=tmp_path_factory.mktemp("cache"), extensions=False)
+
+
+@pytest.fixture(scope="module")
+def result(universe: Universe) -> AuditResult:
     return audit_paths([FIXTURES / "issue23"], universe, display_root=FIXTURES)
 
 
@@ -29,14 +33,87 @@ def test_a_vendor_subclass_does_not_hide_a_missing_vllm_class(result: AuditResul
     """Failure mode: `isinstance(spec, (MLAAttentionSpec, VendorMLASpec))`, in code that
     also defines two windowed-latent subclasses, read as "no single trait" (the vendor
     classes diluted the is_mla set below a majority), so the left-out
-    SlidingWindowMLASpec went unreported. Judged on vLLM's classes plus VendorMLASpec's
-    base (MLAAttentionSpec): is_mla's {MLA, HiddenState, SlidingWindowMLA}, near, miss."""
+    SlidingWindowMLASpec went unreported. Judged on the vLLM class it tests
+    (MLAAttentionSpec): is_mla's {MLA, HiddenState, SlidingWindowMLA}, near, miss."""
     site = _at(result, "issue23/vendor/user.py", 10)
-    assert (site.verdict, site.missing) == ("miss", ("SlidingWindowMLASpec",))
-    assert "bases of VendorMLASpec (MLAAttentionSpec)" in site.reason
-    # the vendor's own windowed latent stands for SlidingWindowMLASpec: exact, no miss
-    other = _at(result, "issue23/vendor/user.py", 15)
-    assert (other.verdict, other.answer and other.answer.match) == ("ok", "exact")
+    assert (site.verdict, site.confidence) == ("miss", "high")
+    assert site.missing == ("SlidingWindowMLASpec",)
+    assert "VendorMLASpec counts for itself, not for its base MLAAttentionSpec" in site.reason
+    # VendorMLASpec is no SlidingWindowMLASpec: the miss is not latent
+    assert "latent" not in site.reason
+
+
+def test_a_vendor_subclass_of_the_left_out_class_makes_the_miss_latent(
+    result: AuditResult,
+) -> None:
+    """Issue 49 item 7: `isinstance(spec, (MLAAttentionSpec, VendorWindowMLASpec))` once
+    read VendorWindowMLASpec as standing for its base SlidingWindowMLASpec ("ok", exact
+    is_mla); a plain SlidingWindowMLASpec fails the check. A miss, latent: the fixtures
+    build no SlidingWindowMLASpec, so high (similarity 0.83) goes down one step."""
+    site = _at(result, "issue23/vendor/user.py", 15)
+    assert (site.verdict, site.confidence) == ("miss", "medium")
+    assert site.missing == ("SlidingWindowMLASpec",)
+    assert site.answer is not None
+    assert (site.answer.trait, site.answer.match) == ("is_mla", "near")
+    assert site.reason.endswith(
+        "; latent: the scanned code builds no instance of SlidingWindowMLASpec "
+        "(the code names its subclass VendorWindowMLASpec) today"
+    )
+
+
+_PLATFORM = {
+    "specs.py": (
+        "from dataclasses import dataclass\n"
+        "from vllm.v1.kv_cache_interface import SlidingWindowMLASpec\n"
+        "@dataclass(frozen=True, kw_only=True)\n"
+        "class PlatformWindowMLASpec(SlidingWindowMLASpec):\n"
+        "    pass\n"
+    ),
+    "user.py": (
+        "from vllm.v1.kv_cache_interface import MLAAttentionSpec\n"
+        "from .specs import PlatformWindowMLASpec\n"
+        "def in_tuple(spec):\n"
+        "    return isinstance(spec, (MLAAttentionSpec, PlatformWindowMLASpec))\n"
+        "def after_exit(spec):\n"
+        "    if isinstance(spec, PlatformWindowMLASpec):\n"
+        "        return 1\n"
+        "    return 1 if isinstance(spec, MLAAttentionSpec) else 8\n"
+    ),
+}
+_BUILDS_THE_BASE = (
+    "from vllm.v1.kv_cache_interface import SlidingWindowMLASpec\n"
+    "def window_spec(**fields):\n"
+    "    return SlidingWindowMLASpec(**fields)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("builds", "confidence"), [(False, "medium"), (True, "high")], ids=["latent", "built"]
+)
+@pytest.mark.parametrize("line", [4, 8], ids=["in-the-tuple", "after-an-exit"])
+def test_a_latent_miss_is_lower_only_while_nothing_builds_the_class(
+    universe: Universe, tmp_path: Path, builds: bool, confidence: str, line: int
+) -> None:
+    """A platform's windowed latent beside `MLAAttentionSpec`, in the check's tuple or in
+    an exit before it: a plain SlidingWindowMLASpec passes neither, so the check misses it
+    either way (never "ok" or "handled by an explicit exit"): high (near is_mla,
+    similarity 0.83 >= 0.5) where the scanned code builds a SlidingWindowMLASpec, one step
+    lower, medium, where it builds none (latent)."""
+    pkg = tmp_path / "platform"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name, text in _PLATFORM.items():
+        (pkg / name).write_text(text)
+    if builds:
+        (pkg / "builder.py").write_text(_BUILDS_THE_BASE)
+    got = audit_paths([pkg], universe, display_root=tmp_path)
+    (site,) = [s for s in got.sites if s.path == "platform/user.py" and s.raw.line == line]
+    assert (site.verdict, site.confidence, site.missing) == (
+        "miss",
+        confidence,
+        ("SlidingWindowMLASpec",),
+    )
+    assert ("latent" in site.reason) is not builds
 
 
 def test_a_plain_vllm_check_is_not_diluted_by_vendor_classes(result: AuditResult) -> None:

@@ -42,11 +42,12 @@ def test_the_fixtures_meet_the_targets() -> None:
     result = audit_paths([FIXTURES / t for t in tree["targets"]], universe, display_root=FIXTURES)
     s = score(tree, reported_sites(result, FIXTURES))
     assert s.unchecked == ()
-    # 10 true misses, all flagged and nothing else (hand count from hand_checked.json:
+    # 12 true misses, all flagged and nothing else (hand count from hand_checked.json:
     # more_forms.py:31 is the enum's MLA_ATTENTION, no miss since issue 23; issue23/
-    # adds kinds.py:59 and vendor/user.py:10)
-    assert (s.flagged, s.flagged_true, s.true_misses, s.true_flagged) == (10, 10, 10, 10)
-    assert (s.warned, s.warned_true, s.true_warned) == (10, 10, 10)  # no exact-type warning
+    # adds kinds.py:59 and vendor/user.py:10; issue 49 the two latent misses beside a
+    # vendor's windowed latent, oot/user.py:17 and issue23/vendor/user.py:15)
+    assert (s.flagged, s.flagged_true, s.true_misses, s.true_flagged) == (12, 12, 12, 12)
+    assert (s.warned, s.warned_true, s.true_warned) == (12, 12, 12)  # no exact-type warning
     assert (s.sites, s.sites_found) == (44, 44)
 
 

@@ -189,6 +189,11 @@ def wkv(tp: int, cls: type[WkvStateSpec] = WkvStateSpec) -> WkvStateSpec:
     )
 
 
+def wkv_alone(tp: int) -> WkvStateSpec:
+    """The state of a model with no attention layer: its page is its content."""
+    return dataclasses.replace(wkv(tp), page_size_padded=None)
+
+
 def undescribed_wkv(tp: int) -> WkvStateSpec:
     return wkv(tp, UndescribedWkvStateSpec)
 
@@ -278,6 +283,13 @@ MODELS = {
             ((_layer(0, "wkv", "state", wkv),), (_layer(1, "attn", "heads", full),)),
             ((5,), (2, 6)),
             ((1,), (4, 3)),
+        ),
+        # A model whose only cache is the state (an RWKV-style model: no attention group).
+        Model(
+            "wkv alone",
+            ((_layer(0, "wkv", "state", wkv_alone), _layer(1, "wkv", "state", wkv_alone)),),
+            ((5, 2),),
+            ((1, 6),),
         ),
         # The state class TP-replicated (every rank holds the model's whole state): alone
         # (two layers of one group), and beside vLLM's full attention in a group of its
@@ -674,6 +686,17 @@ def test_a_state_class_with_a_described_split_moves_byte_exact(
     part splits by its leading dimension, so vLLM's state descriptors cut its shift
     vector and its wkv heads per rank, at equal and at different TP sizes."""
     run_pair(rank_worker, MODELS["wkv+full"], prefill_tp, decode_tp)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), TP_PAIRS)
+def test_a_model_whose_only_cache_is_a_state_moves_byte_exact(
+    prefill_tp: int, decode_tp: int, rank_worker: Callable[..., Any]
+) -> None:
+    """An RWKV-style model with no attention layer (issue 47): it hand-shakes like any
+    other (vLLM's attention descriptors have no attention group to take their TP reads
+    from; the connector gives them the state group's) and every decode byte is its
+    share, at equal and at different TP sizes."""
+    run_pair(rank_worker, MODELS["wkv alone"], prefill_tp, decode_tp)
 
 
 def test_a_state_class_without_a_described_split_moves_at_equal_tp(

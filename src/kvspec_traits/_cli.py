@@ -199,10 +199,9 @@ def _table(
     return [head, "-" * len(head), *(line(r) for r in rows)]
 
 
-def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
-    from kvspec_traits._errors import AdapterPluginError, MissingDependencyError
-
-    for module in args.imports:
+def _import_modules(modules: Sequence[str]) -> bool:
+    # --import MODULE ...: False (said on stderr) when one does not import.
+    for module in modules:
         try:
             importlib.import_module(module)
         except Exception as exc:  # one sentence, no traceback: the module is the user's
@@ -211,60 +210,73 @@ def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
                 f"({type(exc).__name__}: {exc})",
                 file=sys.stderr,
             )
-            return 2
-    try:
-        rows, found, missing, extra, version, fields = _collect(registry)
-    except (MissingDependencyError, AdapterPluginError) as exc:
-        # Nothing to report on (no vLLM here, or an installed extension that does not
-        # load): one sentence saying what to fix, no traceback.
-        print(f"kvspec-traits report: {exc}", file=sys.stderr)
-        return 2
-    unaccounted = [f for f in fields if f.unaccounted]
-    ok = all(r.ok for r in rows) and not missing and not unaccounted
-    if args.json:
-        json.dump(
-            {
-                "vllm_version": version,
-                "ok": ok,
-                "classes_found": found,
-                "classes_not_covered": missing,
-                "extension_classes": extra,
-                "fields": {
-                    f.spec_class: {
-                        "read": f.read,
-                        "ignored": f.ignored,
-                        "unaccounted": f.unaccounted,
-                    }
-                    for f in fields
-                },
-                "rows": [r.__dict__ for r in rows],
+            return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class _Collected:
+    """What ``report`` prints: a row per example, the classes of vLLM found, those not
+    covered, the extensions' classes, vLLM's version and each class's field accounting."""
+
+    rows: list[_Row]
+    found: list[str]
+    missing: list[str]
+    extra: list[str]
+    version: str
+    fields: list[_Fields]
+
+    @property
+    def ok(self) -> bool:
+        unaccounted = [f for f in self.fields if f.unaccounted]
+        return all(r.ok for r in self.rows) and not self.missing and not unaccounted
+
+
+def _print_json(c: _Collected) -> None:
+    json.dump(
+        {
+            "vllm_version": c.version,
+            "ok": c.ok,
+            "classes_found": c.found,
+            "classes_not_covered": c.missing,
+            "extension_classes": c.extra,
+            "fields": {
+                f.spec_class: {
+                    "read": f.read,
+                    "ignored": f.ignored,
+                    "unaccounted": f.unaccounted,
+                }
+                for f in c.fields
             },
-            sys.stdout,
-            indent=2,
-        )
-        print()
-        return 0 if ok else 1
-    print(f"kvspec-traits report: vLLM {version}")
-    cells: list[list[str]] = []
-    for r in rows:
-        t = r.traits
-        if r.ok and t:
-            cells.append(
-                [
-                    r.spec_class,
-                    r.label,
-                    "yes" if t["is_mla"] else "no",
-                    _TP_SHORT[t["tp_layout"]],
-                    t["token_scope"],
-                    str(t["page_size_bytes"]),
-                    _fmt(t["per_token_bytes"]),
-                ]
-            )
-        else:
-            cells.append([r.spec_class, r.label, r.status])
+            "rows": [r.__dict__ for r in c.rows],
+        },
+        sys.stdout,
+        indent=2,
+    )
+    print()
+
+
+def _row_cells(r: _Row) -> list[str]:
+    t = r.traits
+    if not (r.ok and t):
+        return [r.spec_class, r.label, r.status]
+    return [
+        r.spec_class,
+        r.label,
+        "yes" if t["is_mla"] else "no",
+        _TP_SHORT[t["tp_layout"]],
+        t["token_scope"],
+        str(t["page_size_bytes"]),
+        _fmt(t["per_token_bytes"]),
+    ]
+
+
+def _print_table(c: _Collected) -> None:
+    rows, found = c.rows, c.found
+    print(f"kvspec-traits report: vLLM {c.version}")
     lines = _table(
         ["spec class", "example", "mla", "tp", "scope", "page B", "B/tok"],
-        cells,
+        [_row_cells(r) for r in rows],
         right=frozenset({5, 6}),
     )
     print("\n".join(lines))
@@ -273,24 +285,42 @@ def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
         "state = split recurrent state"
     )
     print(lines[1])
-    failed = [r for r in rows if not r.ok]
-    for r in failed:
-        print(f"FAILED {r.spec_class} ({r.label}): {r.status}")
+    for r in rows:
+        if not r.ok:
+            print(f"FAILED {r.spec_class} ({r.label}): {r.status}")
     print(
-        f"coverage: {sum(c in {r.spec_class for r in rows if r.ok} for c in found)}/"
-        f"{len(found)} spec classes of vLLM {version} covered; "
+        f"coverage: {sum(x in {r.spec_class for r in rows if r.ok} for x in found)}/"
+        f"{len(found)} spec classes of vLLM {c.version} covered; "
         f"{sum(r.ok for r in rows)}/{len(rows)} examples verified"
     )
-    if extra:
+    if c.extra:
         print(
-            f"extension classes: {len(extra)} ({', '.join(extra)}); "
+            f"extension classes: {len(c.extra)} ({', '.join(c.extra)}); "
             "each needs an adapter of its own"
         )
-    if missing:
-        print("not covered: " + ", ".join(missing))
-    _print_fields(fields)
-    print("OK" if ok else "NOT OK")
-    return 0 if ok else 1
+    if c.missing:
+        print("not covered: " + ", ".join(c.missing))
+    _print_fields(c.fields)
+    print("OK" if c.ok else "NOT OK")
+
+
+def _report(args: argparse.Namespace, registry: Registry | None = None) -> int:
+    from kvspec_traits._errors import AdapterPluginError, MissingDependencyError
+
+    if not _import_modules(args.imports):
+        return 2
+    try:
+        collected = _Collected(*_collect(registry))
+    except (MissingDependencyError, AdapterPluginError) as exc:
+        # Nothing to report on (no vLLM here, or an installed extension that does not
+        # load): one sentence saying what to fix, no traceback.
+        print(f"kvspec-traits report: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        _print_json(collected)
+    else:
+        _print_table(collected)
+    return 0 if collected.ok else 1
 
 
 def _print_fields(fields: Sequence[_Fields]) -> None:

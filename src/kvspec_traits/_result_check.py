@@ -93,43 +93,45 @@ _WINDOWED: Final = frozenset(
 )
 
 
-def check_result(spec: object, traits: object, adapter: str) -> None:
-    """Raise :class:`AdapterResultError` unless ``traits`` is a valid KVLayoutTraits."""
-    values: dict[str, object] = {}
-    for name in trait_names():
-        accepted, optional = TRAIT_TYPES[name]
-        try:
-            value = getattr(traits, name)
-        except MixedGroupTraitsError:
-            continue  # a group whose members disagree: a valid answer, asked per layer
-        except AttributeError:
-            raise AdapterResultError(spec, adapter, name, traits, "is missing") from None
-        except Exception as exc:
-            raise AdapterResultError(
-                spec, adapter, name, traits, f"raised {type(exc).__name__}: {exc}"
-            ) from exc
-        if value is None and optional:
-            values[name] = value
-            continue
-        if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
-            want = " or ".join(t.__name__ for t in accepted) + (" or None" if optional else "")
-            raise AdapterResultError(
-                spec, adapter, name, traits, f"is {value!r} ({type(value).__name__}), not {want}"
-            )
-        if name in _POSITIVE and value <= 0:
-            raise AdapterResultError(spec, adapter, name, traits, f"is {value!r}, not > 0")
-        if name in _NON_NEGATIVE and value < 0:
-            raise AdapterResultError(spec, adapter, name, traits, f"is {value!r}, not >= 0")
-        values[name] = value
-    components = values.get("components", ())
-    if isinstance(components, tuple) and not all(isinstance(c, PageComponent) for c in components):
+_MIXED: Final = object()  # a group's trait its members disagree on
+
+
+def _read(spec: object, traits: object, adapter: str, name: str) -> object:
+    # The trait's value, or _MIXED; anything else it raises is the adapter's error.
+    try:
+        return getattr(traits, name)
+    except MixedGroupTraitsError:
+        return _MIXED  # a group whose members disagree: a valid answer, asked per layer
+    except AttributeError:
+        raise AdapterResultError(spec, adapter, name, traits, "is missing") from None
+    except Exception as exc:
         raise AdapterResultError(
-            spec, adapter, "components", traits, "holds something other than PageComponent"
+            spec, adapter, name, traits, f"raised {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _check_value(spec: object, traits: object, adapter: str, name: str, value: Any) -> None:
+    # The trait's type (a bool is no int) and its sign.
+    accepted, optional = TRAIT_TYPES[name]
+    if value is None and optional:
+        return
+    if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
+        want = " or ".join(t.__name__ for t in accepted) + (" or None" if optional else "")
+        raise AdapterResultError(
+            spec, adapter, name, traits, f"is {value!r} ({type(value).__name__}), not {want}"
         )
+    if name in _POSITIVE and value <= 0:
+        raise AdapterResultError(spec, adapter, name, traits, f"is {value!r}, not > 0")
+    if name in _NON_NEGATIVE and value < 0:
+        raise AdapterResultError(spec, adapter, name, traits, f"is {value!r}, not >= 0")
+
+
+def _check_window(spec: object, traits: object, adapter: str, values: dict[str, object]) -> None:
+    # A windowed scope has a positive window; any other has none.
     scope, window = values.get("token_scope"), values.get("window_tokens", _NO_DEFAULT)
     if window is _NO_DEFAULT or scope is None:
-        pass  # a group whose members disagree on one of them
-    elif scope in _WINDOWED and (not isinstance(window, int) or window <= 0):
+        return  # a group whose members disagree on one of them
+    if scope in _WINDOWED and (not isinstance(window, int) or window <= 0):
         raise AdapterResultError(
             spec,
             adapter,
@@ -138,7 +140,7 @@ def check_result(spec: object, traits: object, adapter: str) -> None:
             f"is {window!r} for the windowed scope {scope}; a positive "
             "number of tokens is required",
         )
-    elif scope not in _WINDOWED and window is not None:
+    if scope not in _WINDOWED and window is not None:
         raise AdapterResultError(
             spec,
             adapter,
@@ -146,6 +148,23 @@ def check_result(spec: object, traits: object, adapter: str) -> None:
             traits,
             f"is {window!r} for the unwindowed scope {scope}; it must be None",
         )
+
+
+def check_result(spec: object, traits: object, adapter: str) -> None:
+    """Raise :class:`AdapterResultError` unless ``traits`` is a valid KVLayoutTraits."""
+    values: dict[str, object] = {}
+    for name in trait_names():
+        value = _read(spec, traits, adapter, name)
+        if value is _MIXED:
+            continue
+        _check_value(spec, traits, adapter, name, value)
+        values[name] = value
+    components = values.get("components", ())
+    if isinstance(components, tuple) and not all(isinstance(c, PageComponent) for c in components):
+        raise AdapterResultError(
+            spec, adapter, "components", traits, "holds something other than PageComponent"
+        )
+    _check_window(spec, traits, adapter, values)
     page, unpadded = values.get("page_size_bytes"), values.get("unpadded_page_size_bytes")
     if isinstance(page, int) and isinstance(unpadded, int) and page < unpadded:
         raise AdapterResultError(

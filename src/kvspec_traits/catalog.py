@@ -88,19 +88,16 @@ def _line(cls: type[Any]) -> int:
         return 1 << 30
 
 
-def _entries() -> list[tuple[str, str, str, Callable[[], KVCacheSpec]]]:
-    bf16, f16 = torch.bfloat16, torch.float16
-    mla = "model_executor/layers/attention/mla_attention.py"
-    dsv4 = "models/deepseek_v4/attention.py"
-    attention = "model_executor/layers/attention/attention.py"
-    mamba = "model_executor/layers/mamba/abstract.py"
+_Entry = tuple[str, str, str, Callable[[], KVCacheSpec]]
+"""A representative: its label, its model family, the vLLM file that builds such a spec
+(below ``vllm/``), and how to build it."""
+_ATTENTION: Final = "model_executor/layers/attention/attention.py"
+_BF16, _F16 = torch.bfloat16, torch.float16
 
-    def group() -> KVCacheSpec:
-        layers: dict[str, KVCacheSpec] = {
-            f"model.layers.{i}.attn": families.deepseek_v3_mla(cache_dtype=None) for i in range(2)
-        }
-        return kvi.UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=layers)
 
+def _paged_entries() -> list[_Entry]:
+    # Plain paged attention: grouped-query heads, fp8, the bare base class.
+    attention, bf16 = _ATTENTION, _BF16
     return [
         ("Llama-3 8B GQA", "llama", attention, families.llama_gqa),
         (
@@ -115,6 +112,14 @@ def _entries() -> list[tuple[str, str, str, Callable[[], KVCacheSpec]]]:
             "v1/kv_cache_interface.py",
             lambda: kvi.AttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=bf16),
         ),
+    ]
+
+
+def _latent_entries() -> list[_Entry]:
+    # The DeepSeek latent caches: MLA, its indexers, V4's compressed and windowed pages.
+    mla = "model_executor/layers/attention/mla_attention.py"
+    dsv4 = "models/deepseek_v4/attention.py"
+    return [
         ("DeepSeek-V3 MLA bf16", "deepseek_v3", mla, families.deepseek_v3_mla),
         (
             "DeepSeek-V3 MLA fp8_ds_mla",
@@ -158,6 +163,14 @@ def _entries() -> list[tuple[str, str, str, Callable[[], KVCacheSpec]]]:
             "models/deepseek_v41/compressor.py",
             lambda: families.deepseek_v4().ring,
         ),
+    ]
+
+
+def _other_attention_entries() -> list[_Entry]:
+    # Windows, chunks, sinks, hidden states, cross-attention and encoder-only pages.
+    attention = _ATTENTION
+    bf16, f16 = _BF16, _F16
+    return [
         ("gpt-oss sliding window", "gpt_oss", attention, lambda: families.gpt_oss()[1]),
         (
             "Llama-4 chunked local",
@@ -203,6 +216,14 @@ def _entries() -> list[tuple[str, str, str, Callable[[], KVCacheSpec]]]:
                 block_size=16, num_kv_heads=12, head_size=64, dtype=f16
             ),
         ),
+    ]
+
+
+def _state_entries() -> list[_Entry]:
+    # Recurrent states and HiSparse's pages: no per-token attention cache.
+    mamba = "model_executor/layers/mamba/abstract.py"
+    bf16 = _BF16
+    return [
         # conv state (3, 8192) bf16; SSM state (32 heads, 128, 128) fp32
         ("Qwen3.5 GDN state", "qwen3_5", mamba, families.gdn_state),
         ("Jamba Mamba-1 state", "jamba", mamba, families.mamba1_state),
@@ -227,7 +248,23 @@ def _entries() -> list[tuple[str, str, str, Callable[[], KVCacheSpec]]]:
             "v1/hisparse/layout.py",
             lambda: kvi.HiSparseResidentSpec(block_size=64, page_size=64 * 656),
         ),
-        ("group of DeepSeek-V3 MLA layers", "deepseek_v3", "v1/kv_cache_interface.py", group),
+    ]
+
+
+def _group() -> KVCacheSpec:
+    layers: dict[str, KVCacheSpec] = {
+        f"model.layers.{i}.attn": families.deepseek_v3_mla(cache_dtype=None) for i in range(2)
+    }
+    return kvi.UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=layers)
+
+
+def _entries() -> list[_Entry]:
+    return [
+        *_paged_entries(),
+        *_latent_entries(),
+        *_other_attention_entries(),
+        *_state_entries(),
+        ("group of DeepSeek-V3 MLA layers", "deepseek_v3", "v1/kv_cache_interface.py", _group),
     ]
 
 

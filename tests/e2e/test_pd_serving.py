@@ -500,6 +500,20 @@ def _after_transfer(server: VllmServer, before: dict[str, float]) -> dict[str, f
         time.sleep(0.2)
 
 
+def _assert_clean_transfer(
+    servers: ServerPair, delta: Callable[[str, VllmServer], float], other: VllmServer, what: str
+) -> None:
+    """No failed transfer or notification on either server, and bytes moved only by
+    the mode's mover: the reader (pull) or the writer (push)."""
+    for server in servers.servers():
+        assert delta("vllm:nixl_num_failed_transfers_total", server) == 0, (what, server.name)
+        assert delta("vllm:nixl_num_failed_notifications_total", server) == 0, (
+            what,
+            server.name,
+        )
+    assert delta("vllm:nixl_bytes_transferred_sum", other) == 0, (what, other.name)
+
+
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     pair: tuple[ModelCase, ServerPair], prompt_name: str
@@ -555,14 +569,7 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
         f"{delta('vllm:prefix_cache_hits_total', servers.prefill):.0f}"
     )
 
-    for server in servers.servers():
-        assert delta("vllm:nixl_num_failed_transfers_total", server) == 0, (what, server.name)
-        assert delta("vllm:nixl_num_failed_notifications_total", server) == 0, (
-            what,
-            server.name,
-        )
-    # The mode's direction: only the reader (pull) or only the writer (push) moved bytes.
-    assert delta("vllm:nixl_bytes_transferred_sum", other) == 0, (what, other.name)
+    _assert_clean_transfer(servers, delta, other, what)
     # Nothing recomputed: every prompt token came from the local cache or through NIXL.
     assert local_hits + external_hits == prompt_tokens, what
     assert external_hits > 0, what

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Final
 
@@ -205,6 +205,106 @@ def _quant_mode(spec: object) -> str:
 _KEEPS_PROMPT: Final = frozenset({TokenScope.FULL, TokenScope.PROMPT_AND_WINDOW})
 
 
+@dataclass(frozen=True, slots=True)
+class _AttentionFields:
+    """``AttentionSpec``'s layout fields, each checked (see :func:`attention_traits`)."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    dtype: torch.dtype
+    max_tp_shards: int | None
+    slots: int | None
+    packed: int | None  # state_content_bytes
+    padded: int | None  # page_size_padded
+    head_major: bool
+    tps: int | Fraction
+    kv_quant_mode: str
+
+    @property
+    def is_mla(self) -> bool:
+        return self.head_size_v == 0
+
+
+def _attention_fields(spec: AttentionSpec) -> _AttentionFields:
+    block_size = positive_int(spec, "block_size")
+    return _AttentionFields(
+        block_size=block_size,
+        num_kv_heads=positive_int(spec, "num_kv_heads"),
+        head_size=positive_int(spec, "head_size"),
+        head_size_v=positive_int(spec, "head_size_v", minimum=0),
+        dtype=_dtype(spec),
+        max_tp_shards=positive_int(spec, "max_tp_shards", optional=True),
+        slots=positive_int(spec, "num_head_slots", optional=True),
+        packed=positive_int(spec, "state_content_bytes", optional=True),
+        padded=positive_int(spec, "page_size_padded", optional=True),
+        head_major=_flag(spec, "kv_head_major_slots"),
+        tps=_tokens_per_state(spec, block_size),
+        kv_quant_mode=_quant_mode(spec),
+    )
+
+
+def _head_slots(spec: AttentionSpec, f: _AttentionFields) -> int:
+    heads = f.slots if f.slots is not None else f.num_kv_heads
+    if f.head_major and heads % f.num_kv_heads:
+        raise InvalidSpecError(
+            spec,
+            "kv_head_major_slots",
+            f.head_major,
+            f"False: num_head_slots={heads} cannot be grouped by {f.num_kv_heads} KV heads",
+        )
+    return heads
+
+
+_Cell = tuple[tuple[PageComponent, ...], int]
+"""A page's components and the bytes of one cell (one state of one head slot)."""
+
+
+def _given_cell(
+    cell: Sequence[tuple[str, int, str | torch.dtype]], heads: int, states: int
+) -> _Cell:
+    components = tuple(
+        PageComponent(
+            name=name,
+            shape=(heads, states, n),
+            dtype=_dtype_name_of(part),
+            nbytes=heads * states * n * _itemsize(part),
+        )
+        for name, n, part in cell
+    )
+    return components, sum(n * _itemsize(part) for _, n, part in cell)
+
+
+def _kv_cell(f: _AttentionFields, heads: int, states: int) -> _Cell:
+    # vLLM's own cell: K then V, or the latent alone (MLA), or packed bytes.
+    if f.packed is not None:
+        packed = PageComponent(
+            name="packed",
+            shape=(heads, states, f.packed),
+            dtype="uint8",
+            nbytes=heads * states * f.packed,
+        )
+        return (packed,), f.packed
+    itemsize = f.dtype.itemsize
+    k = PageComponent(
+        name="latent" if f.is_mla else "k",
+        shape=(heads, states, f.head_size),
+        dtype=dtype_name(f.dtype),
+        nbytes=heads * states * f.head_size * itemsize,
+    )
+    cell_bytes = (f.head_size + f.head_size_v) * itemsize
+    if f.is_mla:
+        return (k,), cell_bytes
+    v = PageComponent(
+        name="v",
+        shape=(heads, states, f.head_size_v),
+        dtype=dtype_name(f.dtype),
+        nbytes=heads * states * f.head_size_v * itemsize,
+    )
+    return (k, v), cell_bytes
+
+
 def attention_traits(
     spec: AttentionSpec,
     *,
@@ -233,18 +333,7 @@ def attention_traits(
     naming the field for values that describe no layout (``block_size=0``,
     ``tokens_per_state=0``, a window that is not a positive int).
     """
-    block_size = positive_int(spec, "block_size")
-    num_kv_heads = positive_int(spec, "num_kv_heads")
-    head_size = positive_int(spec, "head_size")
-    head_size_v = positive_int(spec, "head_size_v", minimum=0)
-    dtype = _dtype(spec)
-    max_tp_shards = positive_int(spec, "max_tp_shards", optional=True)
-    slots = positive_int(spec, "num_head_slots", optional=True)
-    packed = positive_int(spec, "state_content_bytes", optional=True)
-    padded = positive_int(spec, "page_size_padded", optional=True)
-    head_major = _flag(spec, "kv_head_major_slots")
-    tps = _tokens_per_state(spec, block_size)
-    kv_quant_mode = _quant_mode(spec)
+    f = _attention_fields(spec)
     if window_tokens is not None and (not _is_int(window_tokens) or window_tokens <= 0):
         raise InvalidSpecError(
             spec,
@@ -252,84 +341,38 @@ def attention_traits(
             window_tokens,
             f"a positive int (tokens of its {token_scope.value} window)",
         )
-
-    itemsize = dtype.itemsize
-    is_mla = head_size_v == 0
-    heads = slots if slots is not None else num_kv_heads
-    if head_major and heads % num_kv_heads:
+    heads = _head_slots(spec, f)
+    states = int(Fraction(f.block_size) / Fraction(f.tps))
+    components, cell_bytes = (
+        _given_cell(cell, heads, states) if cell is not None else _kv_cell(f, heads, states)
+    )
+    unpadded = heads * states * cell_bytes
+    if f.padded is not None and f.padded < unpadded:
         raise InvalidSpecError(
             spec,
-            "kv_head_major_slots",
-            head_major,
-            f"False: num_head_slots={heads} cannot be grouped by {num_kv_heads} KV heads",
+            "page_size_padded",
+            f.padded,
+            f"None or at least the page content, {unpadded} bytes",
         )
-    states = int(Fraction(block_size) / Fraction(tps))
-    if cell is not None:
-        components: tuple[PageComponent, ...] = tuple(
-            PageComponent(
-                name=name,
-                shape=(heads, states, n),
-                dtype=_dtype_name_of(part),
-                nbytes=heads * states * n * _itemsize(part),
-            )
-            for name, n, part in cell
-        )
-        cell_bytes = sum(n * _itemsize(part) for _, n, part in cell)
-    elif packed is not None:
-        cell_bytes = packed
-        components = (
-            PageComponent(
-                name="packed",
-                shape=(heads, states, packed),
-                dtype="uint8",
-                nbytes=heads * states * packed,
-            ),
-        )
-    else:
-        cell_bytes = (head_size + head_size_v) * itemsize
-        k = PageComponent(
-            name="latent" if is_mla else "k",
-            shape=(heads, states, head_size),
-            dtype=dtype_name(dtype),
-            nbytes=heads * states * head_size * itemsize,
-        )
-        components = (
-            (k,)
-            if is_mla
-            else (
-                k,
-                PageComponent(
-                    name="v",
-                    shape=(heads, states, head_size_v),
-                    dtype=dtype_name(dtype),
-                    nbytes=heads * states * head_size_v * itemsize,
-                ),
-            )
-        )
-    unpadded = heads * states * cell_bytes
-    if padded is not None and padded < unpadded:
-        raise InvalidSpecError(
-            spec, "page_size_padded", padded, f"None or at least the page content, {unpadded} bytes"
-        )
-    replicated = max_tp_shards == 1 or is_mla
+    replicated = f.max_tp_shards == 1 or f.is_mla
     traits = LayoutTraits(
         spec_name=type(spec).__qualname__,
-        is_mla=is_mla,
+        is_mla=f.is_mla,
         tp_layout=TPLayout.REPLICATED if replicated else TPLayout.HEAD_SHARDED,
-        tp_shards=1 if replicated else max_tp_shards,
+        tp_shards=1 if replicated else f.max_tp_shards,
         token_scope=token_scope,
         window_tokens=window_tokens,
-        block_size=block_size,
+        block_size=f.block_size,
         num_head_slots=heads,
-        kv_head_contiguous=heads == num_kv_heads or num_kv_heads == 1 or head_major,
-        tokens_per_state=tps,
+        kv_head_contiguous=heads == f.num_kv_heads or f.num_kv_heads == 1 or f.head_major,
+        tokens_per_state=f.tps,
         states_per_block=states,
         state_bytes=cell_bytes,
         unpadded_page_size_bytes=unpadded,
-        page_size_bytes=padded if padded is not None else unpadded,
-        per_token_bytes=_exact(Fraction(heads * cell_bytes) / Fraction(tps)),
-        dtype=dtype_name(dtype),
-        kv_quant_mode=kv_quant_mode,
+        page_size_bytes=f.padded if f.padded is not None else unpadded,
+        per_token_bytes=_exact(Fraction(heads * cell_bytes) / Fraction(f.tps)),
+        dtype=dtype_name(f.dtype),
+        kv_quant_mode=f.kv_quant_mode,
         components=components,
         prefix_cacheable=_flag(spec, "prefix_cacheable", True),
         uses_slot_mapping=_flag(spec, "uses_slot_mapping", True),

@@ -95,6 +95,33 @@ def _tp_splits(
     return (runs, (temporal[0],))
 
 
+def _state_components(
+    spec: MambaSpec, replicated: bool, alignment: int
+) -> tuple[PageComponent, ...]:
+    # Each state tensor in order, each followed by the gap to the next multiple of
+    # ``alignment`` bytes (a ``pad<i>`` component), with its TP split when sharded.
+    states = _shapes(spec)
+    splits = (None,) * len(states) if replicated else _tp_splits(spec, states)
+    components: list[PageComponent] = []
+    for i, ((shape, dtype), split) in enumerate(zip(states, splits, strict=True)):
+        nbytes = prod(shape) * dtype.itemsize
+        components.append(
+            PageComponent(
+                name=f"state{i}",
+                shape=shape,
+                dtype=dtype_name(dtype),
+                nbytes=nbytes,
+                tp_split=split,
+            )
+        )
+        gap = -nbytes % alignment
+        if gap:
+            components.append(
+                PageComponent(name=f"pad{i}", shape=(gap,), dtype="uint8", nbytes=gap)
+            )
+    return tuple(components)
+
+
 def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
     """A recurrent state: one page per block holding every state tensor once.
 
@@ -119,25 +146,7 @@ def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
             spec, "tokens_per_state", tps, "an int <= 0 (vLLM's -1: a state covers every token)"
         )
     replicated = _flag(spec, "tp_replicated")
-    states = _shapes(spec)
-    splits = (None,) * len(states) if replicated else _tp_splits(spec, states)
-    components: list[PageComponent] = []
-    for i, ((shape, dtype), split) in enumerate(zip(states, splits, strict=True)):
-        nbytes = prod(shape) * dtype.itemsize
-        components.append(
-            PageComponent(
-                name=f"state{i}",
-                shape=shape,
-                dtype=dtype_name(dtype),
-                nbytes=nbytes,
-                tp_split=split,
-            )
-        )
-        gap = -nbytes % alignment
-        if gap:
-            components.append(
-                PageComponent(name=f"pad{i}", shape=(gap,), dtype="uint8", nbytes=gap)
-            )
+    components = _state_components(spec, replicated, alignment)
     content = sum(c.nbytes for c in components)
     if padded is not None and (padded < content or padded % alignment):
         raise InvalidSpecError(
@@ -166,7 +175,7 @@ def mamba_traits(spec: MambaSpec, **overrides: TraitValue) -> LayoutTraits:
         per_token_bytes=None,
         dtype=dtypes.pop() if len(dtypes) == 1 else None,
         kv_quant_mode="NONE",
-        components=tuple(components),
+        components=components,
         prefix_cacheable=_flag(spec, "prefix_cacheable", True),
         uses_slot_mapping=_flag(spec, "uses_slot_mapping", True),
         transferable=True,

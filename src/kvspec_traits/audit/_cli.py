@@ -362,48 +362,38 @@ def _write_report(
             handle.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the audit; returns the exit status (see ``EXIT_*``; 0: clean)."""
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    err = sys.stderr
-    scan = bool(args.paths) or args.installed_vllm is not None
-    if not scan and not args.show_classes and args.save_classes is None:
-        err.write(
-            "kvspec-traits audit: nothing to scan: give PATH ... or --installed-vllm "
-            "(or --save-classes FILE to save the class sets alone)\n"
-        )
-        return EXIT_USAGE
+class _UsageError(Exception):
+    """A refusal ``main`` writes to stderr before it returns :data:`EXIT_USAGE`."""
+
+
+def _universe(args: argparse.Namespace, err: TextIO) -> Universe:
+    # The class sets to judge with (saved with --save-classes), after the paths are checked.
     problem = check_paths(args.paths)
     if problem is not None:
-        err.write(f"kvspec-traits audit: {problem}\n")
-        return EXIT_USAGE
+        raise _UsageError(problem)
     try:
         universe, notes = class_sets(args, refresh=args.refresh_classes, paths=args.paths)
     except (ClassSetsUnavailableError, OSError, ValueError, KeyError) as exc:
-        err.write(f"kvspec-traits audit: no class sets: {exc}\n")
-        return EXIT_USAGE
+        raise _UsageError(f"no class sets: {exc}") from exc
     for note in notes:
         err.write(f"kvspec-traits audit: note: {note}\n")
     if args.save_classes is not None:
         try:
             args.save_classes.write_text(json.dumps(universe.to_json(), indent=1), encoding="utf-8")
         except OSError as exc:
-            err.write(f"kvspec-traits audit: cannot save the class sets: {exc}\n")
-            return EXIT_USAGE
-    out: TextIO = sys.stdout
-    if args.show_classes:
-        _show_classes(universe, out)
-        return 0
-    if not scan:  # --save-classes alone: the sets are saved, nothing to scan
-        return 0
+            raise _UsageError(f"cannot save the class sets: {exc}") from exc
+    return universe
+
+
+def _audited(args: argparse.Namespace, universe: Universe) -> tuple[AuditResult, int]:
+    # The result as reported, and how many notes it hides.
     targets: list[Path] = list(args.paths)
     display_root: Path | None = None
     if args.installed_vllm is not None:
         try:
             folder, display_root = _vllm_target(args.installed_vllm)
         except SubpackageNotFoundError as exc:
-            err.write(f"kvspec-traits audit: {exc}\n")
-            return EXIT_USAGE
+            raise _UsageError(str(exc)) from exc
         targets.append(folder)
     result = audit_paths(
         targets,
@@ -417,15 +407,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     hidden = 0
     if not args.notes:  # "possible miss" and group-wrapper notes (docs/audit.md)
         result, hidden = drop_notes(result)
-    try:
-        _write_report(result, args, out, hidden)
-    except OSError as exc:  # -o /dev/full, a full disk, a closed stdout
-        where = args.output if args.output else "the report"
-        err.write(f"kvspec-traits audit: cannot write {where}: {exc.strerror or exc}\n")
-        return EXIT_USAGE
+    return result, hidden
+
+
+def _status(args: argparse.Namespace, result: AuditResult) -> int:
     status = 0
     if args.fail_on_miss and result.misses:
         status |= EXIT_MISSES
     if result.errors:
         status |= EXIT_FILE_ERRORS
     return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the audit; returns the exit status (see ``EXIT_*``; 0: clean)."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    err = sys.stderr
+    out: TextIO = sys.stdout
+    scan = bool(args.paths) or args.installed_vllm is not None
+    try:
+        if not scan and not args.show_classes and args.save_classes is None:
+            raise _UsageError(
+                "nothing to scan: give PATH ... or --installed-vllm "
+                "(or --save-classes FILE to save the class sets alone)"
+            )
+        universe = _universe(args, err)
+        if args.show_classes:
+            _show_classes(universe, out)
+            return 0
+        if not scan:  # --save-classes alone: the sets are saved, nothing to scan
+            return 0
+        result, hidden = _audited(args, universe)
+    except _UsageError as exc:
+        err.write(f"kvspec-traits audit: {exc}\n")
+        return EXIT_USAGE
+    try:
+        _write_report(result, args, out, hidden)
+    except OSError as exc:  # -o /dev/full, a full disk, a closed stdout
+        where = args.output if args.output else "the report"
+        err.write(f"kvspec-traits audit: cannot write {where}: {exc.strerror or exc}\n")
+        return EXIT_USAGE
+    return _status(args, result)

@@ -14,7 +14,7 @@ import fnmatch
 import os
 import stat
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -63,81 +63,113 @@ def _excluded(path: Path, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatch(path.name, p) or fnmatch.fnmatch(text, p) for p in patterns)
 
 
-# Over the size bounds (docs/architecture.md, "Size"): 61 statements, the walk and its
-# refusals in one place; to be split along its questions (issue 37).
-def iter_source_files(  # noqa: PLR0915
+@dataclass(slots=True)
+class _Walk:
+    """One walk over the targets: the files and folders seen so far (by device and inode,
+    so a file or folder reached twice is yielded or read once) and the errors met."""
+
+    exclude: Sequence[str]
+    errors: list[FileError]
+    seen_dirs: set[tuple[int, int]] = field(default_factory=set)
+    seen_files: set[tuple[int, int]] = field(default_factory=set)
+
+    def _fail(self, path: Path, exc: OSError) -> None:
+        self.errors.append(FileError(path=str(path), error=_os_error(exc, path)))
+
+    def _first_time(self, st: os.stat_result) -> bool:
+        key = (st.st_dev, st.st_ino)
+        if key in self.seen_files:
+            return False
+        self.seen_files.add(key)
+        return True
+
+    def target(self, target: Path) -> Iterator[Path]:
+        try:
+            st = target.stat()
+        except OSError as exc:
+            self._fail(target, exc)
+            return
+        if stat.S_ISDIR(st.st_mode):
+            yield from self._tree(target)
+            return
+        problem = not_a_file_or_folder(st.st_mode)
+        if problem is not None:
+            # A FIFO would block the read forever, a device (/dev/zero) never end.
+            self.errors.append(FileError(path=str(target), error=problem))
+        elif self._first_time(st):
+            yield target
+
+    def _tree(self, top: Path) -> Iterator[Path]:
+        # Depth first, in name order, with a stack of its own (no recursion).
+        stack = [top]
+        while stack:
+            subdirs: list[Path] = []
+            for entry in self._entries(stack.pop()):
+                path = self._entry(entry, subdirs)
+                if path is not None:
+                    yield path
+            stack.extend(reversed(subdirs))
+
+    def _entries(self, folder: Path) -> list[os.DirEntry[str]]:
+        # A folder's entries in name order; none when it was read already (a symlink
+        # loop, or a folder reached twice) or cannot be read.
+        try:
+            fst = folder.stat()
+        except OSError as exc:
+            self._fail(folder, exc)
+            return []
+        key = (fst.st_dev, fst.st_ino)
+        if key in self.seen_dirs:
+            return []
+        self.seen_dirs.add(key)
+        try:
+            with os.scandir(folder) as it:
+                return sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            self._fail(folder, exc)
+            return []
+
+    def _entry(self, entry: os.DirEntry[str], subdirs: list[Path]) -> Path | None:
+        # A file to yield, or None; a folder to descend into goes to ``subdirs``.
+        path = Path(entry.path)
+        if _excluded(path, self.exclude):
+            return None
+        try:
+            is_dir = entry.is_dir()  # follows symlinks
+            is_file = entry.is_file()
+        except OSError as exc:
+            self._fail(path, exc)
+            return None
+        if is_dir:
+            if entry.name not in SKIPPED_DIRS:
+                subdirs.append(path)
+        elif is_file:
+            if entry.name.endswith(".py"):
+                return self._new_file(entry, path)
+        elif entry.is_symlink() and entry.name.endswith(".py"):
+            self.errors.append(
+                FileError(path=str(path), error="broken symlink (its target does not exist)")
+            )
+        return None
+
+    def _new_file(self, entry: os.DirEntry[str], path: Path) -> Path | None:
+        try:
+            st = entry.stat()
+        except OSError as exc:
+            self._fail(path, exc)
+            return None
+        return path if self._first_time(st) else None
+
+
+def iter_source_files(
     targets: Sequence[Path], *, exclude: Sequence[str], errors: list[FileError]
 ) -> Iterator[Path]:
     """Every file to scan: each target file itself, and the ``*.py`` files below each
     target folder (skipping :data:`SKIPPED_DIRS` and names or paths matching
     ``exclude``). Problems go to ``errors``; nothing raises."""
-    seen_dirs: set[tuple[int, int]] = set()
-    seen_files: set[tuple[int, int]] = set()
+    walk = _Walk(exclude=exclude, errors=errors)
     for target in targets:
-        try:
-            st = target.stat()
-        except OSError as exc:
-            errors.append(FileError(path=str(target), error=_os_error(exc, target)))
-            continue
-        if not stat.S_ISDIR(st.st_mode):
-            problem = not_a_file_or_folder(st.st_mode)
-            if problem is not None:
-                # A FIFO would block the read forever, a device (/dev/zero) never end.
-                errors.append(FileError(path=str(target), error=problem))
-                continue
-            if (st.st_dev, st.st_ino) not in seen_files:
-                seen_files.add((st.st_dev, st.st_ino))
-                yield target
-            continue
-        stack = [target]
-        while stack:
-            folder = stack.pop()
-            try:
-                fst = folder.stat()
-            except OSError as exc:
-                errors.append(FileError(path=str(folder), error=_os_error(exc, folder)))
-                continue
-            key = (fst.st_dev, fst.st_ino)
-            if key in seen_dirs:
-                continue  # a symlink loop, or a folder reached twice
-            seen_dirs.add(key)
-            try:
-                with os.scandir(folder) as it:
-                    entries = sorted(it, key=lambda e: e.name)
-            except OSError as exc:
-                errors.append(FileError(path=str(folder), error=_os_error(exc, folder)))
-                continue
-            subdirs: list[Path] = []
-            for entry in entries:
-                path = Path(entry.path)
-                if _excluded(path, exclude):
-                    continue
-                try:
-                    is_dir = entry.is_dir()  # follows symlinks
-                    is_file = entry.is_file()
-                except OSError as exc:
-                    errors.append(FileError(path=str(path), error=_os_error(exc, path)))
-                    continue
-                if is_dir:
-                    if entry.name not in SKIPPED_DIRS:
-                        subdirs.append(path)
-                elif is_file:
-                    if entry.name.endswith(".py"):
-                        try:
-                            fst2 = entry.stat()
-                        except OSError as exc:
-                            errors.append(FileError(path=str(path), error=_os_error(exc, path)))
-                            continue
-                        if (fst2.st_dev, fst2.st_ino) not in seen_files:
-                            seen_files.add((fst2.st_dev, fst2.st_ino))
-                            yield path
-                elif entry.is_symlink() and entry.name.endswith(".py"):
-                    errors.append(
-                        FileError(
-                            path=str(path), error="broken symlink (its target does not exist)"
-                        )
-                    )
-            stack.extend(reversed(subdirs))
+        yield from walk.target(target)
 
 
 def not_a_file_or_folder(mode: int) -> str | None:

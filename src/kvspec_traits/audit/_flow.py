@@ -304,6 +304,47 @@ def _trait_guard(
     return None
 
 
+def _constraints(check: _CheckLike, matches: bool, line: int, why: str) -> list[Constraint]:
+    # What a check known to match (or not) where the site runs says of the subject.
+    # A spec-kind check speaks of the classes of its kinds (resolved by the verdict).
+    kinds = getattr(check, "kinds", ())
+    classes = tuple(f"kind:{k}" for k in kinds) if kinds else check.classes
+    if matches:
+        found = [Constraint("require", classes, check.exact, line, why)]
+        if check.excluded:
+            found.append(Constraint("exclude", check.excluded, False, line, why))
+        return found
+    if not check.excluded:
+        return [Constraint("exclude", classes, check.exact, line, why)]
+    return []
+
+
+@dataclass(slots=True)
+class _Around:
+    """The constraints on one site's subject gathered from the code around it."""
+
+    subject: str
+    own: ast.AST
+    check_of: CheckOf
+    site_over: set[str]
+    binds: dict[str, ast.expr]
+    found: list[Constraint]
+
+    def add(self, test: ast.expr, when_true: bool, why: str, line: int) -> None:
+        flagged = _through_flags(test, self.binds)
+        if flagged is not test:
+            why = f"{why} (through a flag)"
+        for use in test_checks(flagged, self.check_of):
+            check = use.check
+            if check.subject != self.subject or check.node is self.own:
+                continue
+            if use.quantifier and use.over not in self.site_over:
+                continue
+            matches = use.known(when_true)
+            if matches is not None:
+                self.found.extend(_constraints(check, matches, line, why))
+
+
 def flow_context(
     scope: ast.AST,
     region: ast.AST,
@@ -318,48 +359,31 @@ def flow_context(
     asserts in every enclosing block."""
     if not isinstance(region, ast.stmt) or not subject:
         return (), ()
-    found: list[Constraint] = []
     guards: list[TraitGuard] = []
     # A check inside `any(... for v in it)` speaks of v only within that iteration: a
     # quantified constraint applies when the site iterates over the same `it`.
-    site_over = iterables_around(region, own)
-    binds = bindings_before(scope, region)
-
-    def add(test: ast.expr, when_true: bool, why: str, line: int) -> None:
-        flagged = _through_flags(test, binds)
-        if flagged is not test:
-            why = f"{why} (through a flag)"
-        for use in test_checks(flagged, check_of):
-            check = use.check
-            if check.subject != subject or check.node is own:
-                continue
-            if use.quantifier and use.over not in site_over:
-                continue
-            matches = use.known(when_true)
-            if matches is None:
-                continue
-            # a spec-kind check speaks of the classes of its kinds (resolved by the verdict)
-            kinds = getattr(check, "kinds", ())
-            classes = tuple(f"kind:{k}" for k in kinds) if kinds else check.classes
-            if matches:
-                found.append(Constraint("require", classes, check.exact, line, why))
-                if check.excluded:
-                    found.append(Constraint("exclude", check.excluded, False, line, why))
-            elif not check.excluded:
-                found.append(Constraint("exclude", classes, check.exact, line, why))
-
+    around = _Around(
+        subject=subject,
+        own=own,
+        check_of=check_of,
+        site_over=iterables_around(region, own),
+        binds=bindings_before(scope, region),
+        found=[],
+    )
     for holder, name, block, index in path_to(scope, region):
         if isinstance(holder, ast.If | ast.While) and name in ("body", "orelse"):
-            add(holder.test, name == "body", "elif" if name == "orelse" else "if", holder.lineno)
+            around.add(
+                holder.test, name == "body", "elif" if name == "orelse" else "if", holder.lineno
+            )
         for stmt in block[:index]:
             if isinstance(stmt, ast.If) and exits(stmt.body):
-                add(stmt.test, False, "early exit", stmt.lineno)
+                around.add(stmt.test, False, "early exit", stmt.lineno)
                 guard = _trait_guard(stmt.test, subject, trait_attributes, stmt.lineno)
                 if guard is not None:
                     guards.append(guard)
             elif isinstance(stmt, ast.Assert):
-                add(stmt.test, True, "assert", stmt.lineno)
-    return tuple(found), tuple(guards)
+                around.add(stmt.test, True, "assert", stmt.lineno)
+    return tuple(around.found), tuple(guards)
 
 
 def refused_through_flag(scope: ast.AST, stmt: ast.stmt) -> bool:

@@ -252,8 +252,8 @@ class NameResolver:
             return exported
         return (name,) if name in self.known else ()
 
-    def classes_of(self, node: ast.expr) -> tuple[str, ...]:
-        """Spec class names a class expression stands for (empty: none)."""
+    def _named_classes(self, node: ast.Name | ast.Attribute) -> tuple[str, ...]:
+        # A name or attribute chain: a class, a class set, or something else.
         if isinstance(node, ast.Name):
             bound = self.bindings.get(node.id)
             if isinstance(bound, tuple):
@@ -261,26 +261,34 @@ class NameResolver:
             if isinstance(bound, _Other):
                 return ()
             return self._ref_classes(bound if bound is not None else node.id)
-        if isinstance(node, ast.Attribute):
-            ref = self.dotted(node)
-            if ref is not None:
-                return self._ref_classes(ref)
-            return (node.attr,) if node.attr in self.known else ()
+        ref = self.dotted(node)
+        if ref is not None:
+            return self._ref_classes(ref)
+        return (node.attr,) if node.attr in self.known else ()
+
+    def _wrapped_classes(self, node: ast.Subscript | ast.Call) -> tuple[str, ...]:
+        # `Union[A, B]` / `Optional[A]`, and a call that passes its one argument through.
+        if isinstance(node, ast.Subscript):
+            ref = self.dotted(node.value)
+            if ref is not None and ref.rpartition(".")[2] in _UNION:
+                return self.classes_of(node.slice)
+            return ()
+        if len(node.args) == 1 and not node.keywords and self.dotted(node.func) in _WRAPPING_CALLS:
+            return self.classes_of(node.args[0])
+        return ()
+
+    def classes_of(self, node: ast.expr) -> tuple[str, ...]:
+        """Spec class names a class expression stands for (empty: none)."""
+        if isinstance(node, ast.Name | ast.Attribute):
+            return self._named_classes(node)
         if isinstance(node, ast.Tuple | ast.List | ast.Set):
             return dedup(c for elt in node.elts for c in self.classes_of(elt))
         if isinstance(node, ast.Starred):
             return self.classes_of(node.value)
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr | ast.Add):
             return dedup((*self.classes_of(node.left), *self.classes_of(node.right)))
-        if isinstance(node, ast.Subscript):
-            ref = self.dotted(node.value)
-            if ref is not None and ref.rpartition(".")[2] in _UNION:
-                return self.classes_of(node.slice)
-            return ()
-        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
-            ref = self.dotted(node.func)
-            if ref in _WRAPPING_CALLS:
-                return self.classes_of(node.args[0])
+        if isinstance(node, ast.Subscript | ast.Call):
+            return self._wrapped_classes(node)
         return ()
 
     def is_builtin(self, node: ast.expr, name: str) -> bool:

@@ -10,6 +10,7 @@ from typing import Any, Final, TextIO
 from kvspec_traits.audit._audit import AuditResult
 from kvspec_traits.audit._files import FileError
 from kvspec_traits.audit._infer import Site
+from kvspec_traits.audit._universe import Universe
 
 __all__ = [
     "NOTE_VERDICTS",
@@ -139,6 +140,50 @@ def summary(result: AuditResult) -> dict[str, int]:
     }
 
 
+def _write_site(site: Site, u: Universe, out: TextIO) -> None:
+    # One site of the table: its line, what hides its classes, its flags and verdict.
+    out.write(f"  {site.raw.line:>5}  {site.raw.function}: {site.raw.text}\n")
+    pad = " " * 9
+    if any(c not in site.raw.text for c in site.raw.classes):
+        # an alias or a class tuple hides what is tested
+        out.write(f"{pad}classes: {', '.join(site.raw.classes)}\n")
+    flags = {
+        "miss": f"MISSES {', '.join(site.missing)}",
+        "possible-miss": f"MAY MISS {', '.join(site.missing)}",
+        "exact-type": f"EXACT TYPE: skips subclasses {', '.join(site.skipped_subclasses)}",
+        "group-wrapper": (
+            f"GROUP WRAPPER: the guarded code uses nothing only the group "
+            f"has ({', '.join(sorted(u.group_attributes)) or 'its members'})"
+        ),
+        "unknown-class": f"UNKNOWN CLASS: {', '.join(site.unknown)}",
+    }
+    if site.verdict in flags:
+        out.write(f"{pad}{flags[site.verdict]}\n")
+    if site.no_representative:
+        out.write(f"{pad}NO REPRESENTATIVE: {', '.join(site.no_representative)}\n")
+    out.write(f"{pad}trait: {_answer_text(site)}\n")
+    out.write(f"{pad}verdict: {site.verdict} ({site.confidence}): {site.reason}\n")
+
+
+def _write_summary(result: AuditResult, out: TextIO, hidden_notes: int) -> None:
+    if result.errors:
+        out.write(f"\ncould not scan {len(result.errors)} file(s):\n")
+        for err in result.errors:
+            out.write(f"  {err.path}: {err.error}\n")
+    n = summary(result)
+    out.write(
+        f"\n{_count(n['sites'], 'site')} in {_count(n['files_with_sites'], 'file')}; "
+        f"{n['sites_with_misses']} with misses, {n['possible_misses']} possible, "
+        f"{n['deliberate']} deliberate, "
+        f"{_count(n['exact_type_checks_skipping_subclasses'], 'exact type check')} skipping "
+        f"subclasses, {_count(n['group_wrappers_not_unwrapped'], 'group wrapper')} not "
+        f"unwrapped; {_count(n['files_seen'], 'file')} seen, {n['files_parsed']} parsed, "
+        f"{n['files_with_errors']} could not be scanned"
+        + (f"; {_count(hidden_notes, 'note')} left out (--notes)" if hidden_notes else "")
+        + "\n"
+    )
+
+
 def render_table(result: AuditResult, out: TextIO, *, hidden_notes: int = 0) -> None:
     """Sites grouped by file: files with misses first, misses first within a file.
     ``hidden_notes``: how many note sites :func:`drop_notes` left out (said at the end)."""
@@ -156,46 +201,8 @@ def render_table(result: AuditResult, out: TextIO, *, hidden_notes: int = 0) -> 
         tail = f", {misses} with misses" if misses else ""
         out.write(f"\n{path}  ({_count(len(sites), 'site')}{tail})\n")
         for site in sites:
-            out.write(f"  {site.raw.line:>5}  {site.raw.function}: {site.raw.text}\n")
-            pad = " " * 9
-            if any(c not in site.raw.text for c in site.raw.classes):
-                # an alias or a class tuple hides what is tested
-                out.write(f"{pad}classes: {', '.join(site.raw.classes)}\n")
-            if site.verdict == "miss":
-                out.write(f"{pad}MISSES {', '.join(site.missing)}\n")
-            elif site.verdict == "possible-miss":
-                out.write(f"{pad}MAY MISS {', '.join(site.missing)}\n")
-            if site.verdict == "exact-type":
-                out.write(
-                    f"{pad}EXACT TYPE: skips subclasses {', '.join(site.skipped_subclasses)}\n"
-                )
-            if site.verdict == "group-wrapper":
-                out.write(
-                    f"{pad}GROUP WRAPPER: the guarded code uses nothing only the group "
-                    f"has ({', '.join(sorted(u.group_attributes)) or 'its members'})\n"
-                )
-            if site.verdict == "unknown-class":
-                out.write(f"{pad}UNKNOWN CLASS: {', '.join(site.unknown)}\n")
-            if site.no_representative:
-                out.write(f"{pad}NO REPRESENTATIVE: {', '.join(site.no_representative)}\n")
-            out.write(f"{pad}trait: {_answer_text(site)}\n")
-            out.write(f"{pad}verdict: {site.verdict} ({site.confidence}): {site.reason}\n")
-    if result.errors:
-        out.write(f"\ncould not scan {len(result.errors)} file(s):\n")
-        for err in result.errors:
-            out.write(f"  {err.path}: {err.error}\n")
-    n = summary(result)
-    out.write(
-        f"\n{_count(n['sites'], 'site')} in {_count(n['files_with_sites'], 'file')}; "
-        f"{n['sites_with_misses']} with misses, {n['possible_misses']} possible, "
-        f"{n['deliberate']} deliberate, "
-        f"{_count(n['exact_type_checks_skipping_subclasses'], 'exact type check')} skipping "
-        f"subclasses, {_count(n['group_wrappers_not_unwrapped'], 'group wrapper')} not "
-        f"unwrapped; {_count(n['files_seen'], 'file')} seen, {n['files_parsed']} parsed, "
-        f"{n['files_with_errors']} could not be scanned"
-        + (f"; {_count(hidden_notes, 'note')} left out (--notes)" if hidden_notes else "")
-        + "\n"
-    )
+            _write_site(site, u, out)
+    _write_summary(result, out, hidden_notes)
 
 
 def _count(n: int, noun: str) -> str:

@@ -134,6 +134,25 @@ class ModuleScan:
             )
         return found
 
+    def built_classes(self) -> frozenset[str]:
+        """Spec classes this module builds an instance of: a call of the class
+        (``SlidingWindowMLASpec(...)``) or of a method on it (``X.merge(specs)``)."""
+        if self.source is not None:
+            # Most modules only test classes: the walk is for those that may call one.
+            names = self.resolver.tokens().difference(KIND_TOKENS)
+            if not any(n + b"(" in self.source or n + b"." in self.source for n in names):
+                return frozenset()
+        found: set[str] = set()
+        for node in ast.walk(self.tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name | ast.Attribute):
+                found.update(self.resolver.classes_of(func))
+            if isinstance(func, ast.Attribute):
+                found.update(self.resolver.classes_of(func.value))
+        return frozenset(found)
+
     def imported_modules(self) -> frozenset[str]:
         """Modules this one imports from or imports (candidates for defining class sets
         it uses)."""

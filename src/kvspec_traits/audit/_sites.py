@@ -56,7 +56,11 @@ class RawSite:
     ``subclass_safe`` a class-keyed dict looked up along ``type(x).__mro__``; ``table`` the
     name such a dict is bound to and ``lookup`` how the scanned code looks that name up by
     type (see :mod:`~kvspec_traits.audit._tables`); ``others`` the names in the class
-    operand that are no spec class the audit knows (a class defined outside the scan).
+    operand that are no spec class the audit knows (a class defined outside the scan);
+    ``built`` the bases of the classes the check and the code around it name of which the
+    scanned code builds an instance anywhere (a call of the class, or of a method on it):
+    where it builds none of a vLLM class whose vendor subclass the code names, a miss of
+    it is latent.
     """
 
     line: int
@@ -82,6 +86,7 @@ class RawSite:
     others: tuple[str, ...] = ()
     table: str = ""
     lookup: str = ""
+    built: tuple[str, ...] = ()
 
 
 def _position(node: ast.AST) -> int:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from kvspec_traits._errors import AdapterPluginError, KVSpecTraitsError
+from kvspec_traits._traits import KVLayoutTraits
 from kvspec_traits.audit._cache import (
     cache_file,
     default_cache_dir,
@@ -82,6 +83,11 @@ class ClassInfo:
     group: bool = False
     out_of_tree: bool = False
     adds_fields: bool = False
+
+    @property
+    def vendor(self) -> bool:
+        """Whether the class is not vLLM's: the scanned code's or an installed extension's."""
+        return self.out_of_tree or self.module.partition(".")[0] != "vllm"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -245,6 +251,57 @@ class Universe:
         )
 
 
+@dataclass(slots=True)
+class _Answered:
+    """What the representatives answered so far: how many each class has, which classes
+    are groups (and the attributes only a group has), each question's value labels per
+    class and vLLM's kinds per class."""
+
+    reps: dict[str, int] = field(default_factory=dict)
+    groups: set[str] = field(default_factory=set)
+    group_attributes: set[str] = field(default_factory=set)
+    answers: dict[str, dict[str, set[str]]] = field(
+        default_factory=lambda: {q.name: {} for q in QUESTIONS}
+    )
+    kinds: dict[str, set[str]] = field(default_factory=dict)
+    kind_of: Callable[[Any], Any] | None = field(default_factory=lambda: _kind_function())
+
+    def add(self, spec: Any, traits_of: Callable[[Any], KVLayoutTraits]) -> None:
+        from kvspec_traits import GroupTraits
+
+        name = type(spec).__qualname__
+        try:
+            traits = traits_of(spec)
+        except Exception:  # `kvspec-traits report` shows why; here: no answers for it
+            return
+        self.reps[name] = self.reps.get(name, 0) + 1
+        if self.kind_of is not None:
+            with contextlib.suppress(Exception):  # vLLM's answer, when it has one
+                self.kinds.setdefault(name, set()).add(str(self.kind_of(spec).name))
+        if isinstance(traits, GroupTraits):
+            self.groups.add(name)
+            self.group_attributes.update(_group_attributes(type(spec)))
+            return
+        for q in QUESTIONS:
+            self.answers[q.name].setdefault(name, set()).add(q.read(traits))
+
+
+def _sources(objects: list[Any], hook_modules: set[str]) -> dict[str, tuple[int, int]]:
+    # The files defining the classes, the catalog and the extensions' representatives
+    # (their hook modules), with their size and mtime.
+    sources: dict[str, tuple[int, int]] = {}
+    watched = [*objects, *(sys.modules[m] for m in sorted(hook_modules) if m in sys.modules)]
+    for obj in watched:
+        try:
+            src = inspect.getsourcefile(obj)
+        except TypeError:  # defined in C: no file
+            continue
+        st = file_stat(src) if src else None
+        if src and st:
+            sources[src] = st
+    return sources
+
+
 def build_universe(*, extensions: bool = True) -> Universe:
     """Import vLLM through the catalog and compute every class's answers.
 
@@ -262,8 +319,6 @@ def build_universe(*, extensions: bool = True) -> Universe:
             f"{exc}); run the audit in the environment where vLLM is installed, or pass "
             f"--classes FILE saved there with --save-classes FILE"
         ) from exc
-    from kvspec_traits import GroupTraits
-    from kvspec_traits._traits import KVLayoutTraits
     from kvspec_traits.extend import Registry
 
     # A registry of its own (the built-ins and the installed extensions' entry points), so
@@ -290,52 +345,19 @@ def build_universe(*, extensions: bool = True) -> Universe:
         # catalog's representatives
         *(e for e in extension_entries if type(e.spec).__qualname__ in added_names),
     ]
-    reps: dict[str, int] = {}
-    groups: set[str] = set()
-    group_attributes: set[str] = set()
-    answers: dict[str, dict[str, set[str]]] = {q.name: {} for q in QUESTIONS}
-    kinds: dict[str, set[str]] = {}
-    kind_of = _kind_function()
+    answered = _Answered()
     for entry in entries:
-        spec = entry.spec
-        name = type(spec).__qualname__
-        try:
-            traits: KVLayoutTraits = traits_of(spec)
-        except Exception:  # `kvspec-traits report` shows why; here: no answers for it
-            continue
-        reps[name] = reps.get(name, 0) + 1
-        if kind_of is not None:
-            with contextlib.suppress(Exception):  # vLLM's answer, when it has one
-                kinds.setdefault(name, set()).add(str(kind_of(spec).name))
-        if isinstance(traits, GroupTraits):
-            groups.add(name)
-            group_attributes.update(_group_attributes(type(spec)))
-            continue
-        for q in QUESTIONS:
-            answers[q.name].setdefault(name, set()).add(q.read(traits))
-    sources: dict[str, tuple[int, int]] = {}
-    # The files defining the classes, the catalog and the extensions' representatives.
-    hook_modules = {e.source.rpartition(".")[0] for e in extension_entries}
-    watched: list[Any] = [
-        *by_type,
-        catalog,
-        *(sys.modules[m] for m in sorted(hook_modules) if m in sys.modules),
-    ]
-    for obj in watched:
-        try:
-            src = inspect.getsourcefile(obj)
-        except TypeError:  # defined in C: no file
-            continue
-        st = file_stat(src) if src else None
-        if src and st:
-            sources[src] = st
+        answered.add(entry.spec, traits_of)
+    sources = _sources(
+        [*by_type, catalog], {e.source.rpartition(".")[0] for e in extension_entries}
+    )
     classes = {
         name: ClassInfo(
             name=name,
             module=cls.__module__,
             mro=tuple(k.__qualname__ for k in cls.__mro__ if k is not object),
-            representatives=reps.get(name, 0),
-            group=name in groups,
+            representatives=answered.reps.get(name, 0),
+            group=name in answered.groups,
         )
         for cls, name in by_type.items()
     }
@@ -344,10 +366,12 @@ def build_universe(*, extensions: bool = True) -> Universe:
         vllm_version=str(getattr(sys.modules.get("vllm"), "__version__", "unknown")),
         vllm_path=str(vdir) if vdir else "",
         classes=classes,
-        answers={q: {n: frozenset(v) for n, v in per.items()} for q, per in answers.items()},
-        group_attributes=frozenset(group_attributes),
+        answers={
+            q: {n: frozenset(v) for n, v in per.items()} for q, per in answered.answers.items()
+        },
+        group_attributes=frozenset(answered.group_attributes),
         sources=sources,
-        kinds={n: frozenset(v) for n, v in kinds.items()},
+        kinds={n: frozenset(v) for n, v in answered.kinds.items()},
         extensions=installed_extensions() if extensions else (),
     )
 

@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import hashlib
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,6 +115,98 @@ def _display(path: Path) -> str:
         return path.as_posix()
 
 
+def _site_skip(s: Site, display: str, reason: str) -> Skip:
+    return Skip(
+        path=display,
+        line=s.raw.line,
+        text=s.raw.text,
+        verdict=s.verdict,
+        reason=reason,
+        match=s.answer.match if s.answer else "",
+    )
+
+
+def _edit_skip(e: Edit, display: str, reason: str) -> Skip:
+    return Skip(
+        path=display, line=e.line, text=e.before, verdict=e.verdict, reason=reason, match=e.match
+    )
+
+
+def _split_planned(
+    planned: Iterable[Edit | Skip], display: str, *, strict: bool
+) -> tuple[list[Edit], list[Skip]]:
+    # The edits to make, and the sites left (``--strict`` leaves an edit whose query
+    # answers otherwise for a class of another page kind).
+    edits: list[Edit] = []
+    skips: list[Skip] = []
+    for one in planned:
+        if isinstance(one, Edit) and strict and one.differs_on:
+            skips.append(
+                _edit_skip(
+                    one,
+                    display,
+                    f"--strict: {one.after} answers otherwise for "
+                    f"{', '.join(one.differs_on)} (another page kind)",
+                )
+            )
+        elif isinstance(one, Edit):
+            edits.append(one)
+        else:
+            skips.append(one)
+    return edits, skips
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """What every file of one migration is planned with."""
+
+    universe: Universe
+    strict: bool
+    base_attributes: frozenset[str] | None
+
+
+def _plan_file(plan: MigrationPlan, path: Path, sites: list[Site], options: _Options) -> None:
+    # One file's rewrite, in memory, added to ``plan`` (or its refusal, every site left).
+    display = _display(path)
+    sites = [_with_path(s, display) for s in sites]
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+        index = SourceIndex(text)
+        cst.parse_module(text)
+    except (UnicodeDecodeError, SyntaxError, ValueError, cst.ParserSyntaxError) as exc:
+        plan.refused.append(Refusal(path=display, error=f"cannot parse: {exc}"))
+        plan.skips.extend(_site_skip(s, display, "the file does not parse") for s in sites)
+        return
+    pairs = [(site, plan_site(site, index, options.universe)) for site in sites]
+    edits, skips = _split_planned(keep_context(pairs), display, strict=options.strict)
+    plan.skips.extend(skips)
+    after, applied = rewrite_module(text, edits)
+    if applied and "traits_of" not in text:
+        # Only the calls the rewrite wrote: a module that asked traits already is its
+        # author's to arrange.
+        after, casts = narrow_casts(after, applied, options.base_attributes)
+        plan.casts += casts
+        after, left = hoist_traits(after)
+        plan.repeated_traits += left
+    plan.skips.extend(
+        _edit_skip(e, display, "LibCST did not find the check's span")
+        for e in edits
+        if e not in applied
+    )
+    if applied and after != text:
+        plan.files.append(
+            FilePlan(
+                path=path,
+                display=display,
+                sha256=_sha(data),
+                before=text,
+                after=after,
+                edits=applied,
+            )
+        )
+
+
 def plan_migration(
     targets: Sequence[Path],
     universe: Universe,
@@ -131,7 +223,7 @@ def plan_migration(
         roots, universe, exclude=exclude, max_file_bytes=max_file_bytes, display_root=Path("/")
     )
     plan = MigrationPlan(sites=len(result.sites))
-    base_attributes = _base_attributes(universe)
+    options = _Options(universe=universe, strict=strict, base_attributes=_base_attributes(universe))
     plan.refused.extend(
         Refusal(path=_display(Path("/") / e.path), error=e.error) for e in result.errors
     )
@@ -139,77 +231,7 @@ def plan_migration(
     for site in result.sites:
         by_file.setdefault(Path("/") / site.path, []).append(site)
     for path, sites in by_file.items():
-        display = _display(path)
-        sites = [_with_path(s, display) for s in sites]
-        data = path.read_bytes()
-        try:
-            text = data.decode("utf-8")
-            index = SourceIndex(text)
-            cst.parse_module(text)
-        except (UnicodeDecodeError, SyntaxError, ValueError, cst.ParserSyntaxError) as exc:
-            plan.refused.append(Refusal(path=display, error=f"cannot parse: {exc}"))
-            plan.skips.extend(
-                Skip(
-                    path=display,
-                    line=s.raw.line,
-                    text=s.raw.text,
-                    verdict=s.verdict,
-                    reason="the file does not parse",
-                    match=s.answer.match if s.answer else "",
-                )
-                for s in sites
-            )
-            continue
-        edits: list[Edit] = []
-        pairs = [(site, plan_site(site, index, universe)) for site in sites]
-        for planned in keep_context(pairs):
-            if isinstance(planned, Edit) and strict and planned.differs_on:
-                plan.skips.append(
-                    Skip(
-                        path=display,
-                        line=planned.line,
-                        text=planned.before,
-                        verdict=planned.verdict,
-                        match=planned.match,
-                        reason=f"--strict: {planned.after} answers otherwise for "
-                        f"{', '.join(planned.differs_on)} (another page kind)",
-                    )
-                )
-            elif isinstance(planned, Edit):
-                edits.append(planned)
-            else:
-                plan.skips.append(planned)
-        after, applied = rewrite_module(text, edits)
-        if applied and "traits_of" not in text:
-            # Only the calls the rewrite wrote: a module that asked traits already is its
-            # author's to arrange.
-            after, casts = narrow_casts(after, applied, base_attributes)
-            plan.casts += casts
-            after, left = hoist_traits(after)
-            plan.repeated_traits += left
-        plan.skips.extend(
-            Skip(
-                path=display,
-                line=e.line,
-                text=e.before,
-                verdict=e.verdict,
-                reason="LibCST did not find the check's span",
-                match=e.match,
-            )
-            for e in edits
-            if e not in applied
-        )
-        if applied and after != text:
-            plan.files.append(
-                FilePlan(
-                    path=path,
-                    display=display,
-                    sha256=_sha(data),
-                    before=text,
-                    after=after,
-                    edits=applied,
-                )
-            )
+        _plan_file(plan, path, sites, options)
     plan.skips.sort(key=lambda s: (s.path, s.line))
     return plan
 

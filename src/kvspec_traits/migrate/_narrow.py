@@ -390,12 +390,8 @@ def _imports_cast_elsewhere(module: cst.Module) -> bool:
     return False
 
 
-def narrow_casts(
-    code: str, edits: Sequence[Edit], base_attributes: frozenset[str] | None
-) -> tuple[str, int]:
-    """``code`` (rewritten by ``edits``) with the casts that keep the narrowing the checks
-    gave, and how many were written. ``base_attributes``: what every spec has (vLLM's
-    ``KVCacheSpec``), read without a cast; None casts every attribute read."""
+def _guards_of(edits: Sequence[Edit]) -> dict[str, set[_Guard]]:
+    # Each written query (and an `and` chain's first part) with the casts it keeps.
     guards: dict[str, set[_Guard]] = {}
     for edit in edits:
         first = _first_part(edit)
@@ -407,6 +403,35 @@ def narrow_casts(
         else:
             # A query written for a check that gets no cast makes its text ambiguous.
             guards.setdefault(_flat(edit.after), set()).add(_Guard("", True))
+    return guards
+
+
+def _query_around(
+    call: cst.Call,
+    parents: dict[cst.CSTNode, cst.CSTNode],
+    narrow: _Narrow,
+    guards: dict[str, set[_Guard]],
+) -> tuple[cst.BaseExpression, set[_Guard]] | None:
+    # The outermost written query over a `traits_of(...)` call (`not q` over `q`).
+    node: cst.CSTNode = call
+    match: tuple[cst.BaseExpression, set[_Guard]] | None = None
+    for _ in range(4):
+        node = parents.get(node, node)
+        if not isinstance(node, (cst.Attribute, cst.Comparison, cst.UnaryOperation)):
+            break
+        found = guards.get(narrow.code(node))
+        if found is not None:
+            match = (node, found)
+    return match
+
+
+def narrow_casts(
+    code: str, edits: Sequence[Edit], base_attributes: frozenset[str] | None
+) -> tuple[str, int]:
+    """``code`` (rewritten by ``edits``) with the casts that keep the narrowing the checks
+    gave, and how many were written. ``base_attributes``: what every spec has (vLLM's
+    ``KVCacheSpec``), read without a cast; None casts every attribute read."""
+    guards = _guards_of(edits)
     if not any(g.cls for gs in guards.values() for g in gs):
         return code, 0
     module = cst.parse_module(code)
@@ -417,20 +442,10 @@ def narrow_casts(
     module.visit(find)
     narrow = _Narrow(module, parents, base_attributes)
     for call in find.calls:
-        if len(call.args) != 1:
-            continue
-        subject = dotted_name(call.args[0].value)
+        subject = dotted_name(call.args[0].value) if len(call.args) == 1 else None
         if subject is None:
             continue
-        node: cst.CSTNode = call
-        match: tuple[cst.BaseExpression, set[_Guard]] | None = None
-        for _ in range(4):
-            node = parents.get(node, node)
-            if not isinstance(node, (cst.Attribute, cst.Comparison, cst.UnaryOperation)):
-                break
-            found = guards.get(narrow.code(node))
-            if found is not None:
-                match = (node, found)  # the outermost: `not q` over `q`
+        match = _query_around(call, parents, narrow, guards)
         if match is not None and len(match[1]) == 1:
             (guard,) = match[1]
             if guard.cls:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Final
 
-from kvspec_traits.audit import Site, Universe
+from kvspec_traits.audit import Answer, Site, Universe
 from kvspec_traits.audit._questions import KIND_TRAITS, answer_values, ask, question_named
 from kvspec_traits.migrate._source import (
     REPRESENTATIVE,
@@ -196,13 +196,22 @@ def _differs_on(site: Site, u: Universe, negated: bool) -> tuple[tuple[str, ...]
     return tuple(sorted(differ - own)), tuple(sorted(own))
 
 
-def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip:
-    """The edit that rewrites ``site`` into its traits question, or why it is left."""
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """A site found again in the source: its check's nodes (one, or a chain's members),
+    whether it is a chain, and its subject (None for a spec-kind site)."""
+
+    members: list[ast.expr]
+    chain: bool
+    subject: ast.expr | None
+
+
+def _find(site: Site, index: SourceIndex) -> _Found | Skip:
+    # The site in the source, or why it is left as written.
     why = _why_not(site)
     if why is not None:
         return _skip(site, why)
-    answer = site.answer
-    if answer is None:  # _why_not returned a reason already
+    if site.answer is None:  # _why_not returned a reason already
         return _skip(site, "no trait question")
     found = locate(site, index)
     if found is None:
@@ -220,31 +229,76 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
             f"its classes are the name {bound!r}, bound more than once in the function: "
             f"which classes it holds depends on the path taken",
         )
+    return _Found(members=members, chain=chain, subject=subject)
 
-    def asked(subject: str, negated: bool) -> str:
-        return ask(answer.trait, answer.value, subject, negated=negated, unless=answer.unless)
 
-    # The audit wrote answer.expression on raw.subject; pick the polarity it used.
+def _asked(answer: Answer, subject: str, negated: bool) -> str:
+    return ask(answer.trait, answer.value, subject, negated=negated, unless=answer.unless)
+
+
+def _polarity(site: Site, answer: Answer) -> bool | None:
+    # The audit wrote answer.expression on raw.subject; the polarity it used (None: neither).
     raw_subject = site.raw.subject or "spec"
     if site.raw.form == "issubclass":
         raw_subject = f"<a {raw_subject} instance>"
-    negated = next(
+    return next(
         (
             n
             for n in ((False,) if answer.unless else (False, True))
-            if asked(raw_subject, n) == answer.expression
+            if _asked(answer, raw_subject, n) == answer.expression
         ),
         None,
     )
+
+
+def _written(site: Site, subject: ast.expr | None, index: SourceIndex) -> str:
+    # The subject as the source spells it (on one line).
+    if subject is None:
+        return site.raw.subject
+    written = source_of(subject, index.lines)
+    return ast.unparse(subject) if "\n" in written else written
+
+
+def _guarded(
+    site: Site,
+    universe: Universe,
+    query: tuple[str, str, bool],
+    reaches: dict[str, int],
+    other_kind: tuple[str, ...],
+) -> tuple[str, tuple[str, ...]] | Skip:
+    # Another page kind is compared apart only while it takes paths of its own; a
+    # function that names the class handles it here, so the check sees it too: the
+    # query also asks the page kind the branch's classes share, or is not written.
+    after, written, negated = query
+    answer = site.answer
+    guard = _kind_guard(universe, site.branch_classes, tuple(reaches))
+    if answer is None or guard is None or answer.unless:
+        named = ", ".join(f"{c} (line {line})" for c, line in sorted(reaches.items()))
+        return _skip(
+            site,
+            f"{after} would answer otherwise for {named}, which this function also "
+            f"handles: such a spec reaches the check",
+        )
+    trait, value = guard
+    kind = question_named(trait).expression(written, value, negated=False)
+    positive = _asked(answer, written, False)
+    after = f"not ({positive} and {kind})" if negated else f"{positive} and {kind}"
+    return after, tuple(c for c in other_kind if c not in reaches)
+
+
+def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip:
+    """The edit that rewrites ``site`` into its traits question, or why it is left."""
+    found = _find(site, index)
+    if isinstance(found, Skip):
+        return found
+    answer = site.answer
+    if answer is None:  # _find returned a reason already
+        return _skip(site, "no trait question")
+    negated = _polarity(site, answer)
     if negated is None:
         return _skip(site, f"unexpected answer expression {answer.expression!r}")
-    if subject is None:
-        written = site.raw.subject
-    else:
-        written = source_of(subject, index.lines)  # the subject as the source spells it
-        if "\n" in written:
-            written = ast.unparse(subject)
-    after = asked(written, negated)
+    written = _written(site, found.subject, index)
+    after = _asked(answer, written, negated)
     if site.raw.form in ("representative-type", "issubclass"):
         # the class of the group's first member: that member's traits (as vLLM's helper)
         after = after.replace(
@@ -257,24 +311,13 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
             f"{after} would answer otherwise for {', '.join(own_kind)}, "
             f"of the branch's own page kind",
         )
-    reaches = handled_nearby(members[0], index, other_kind)
+    reaches = handled_nearby(found.members[0], index, other_kind)
     if reaches:
-        # Another page kind is compared apart only while it takes paths of its own; a
-        # function that names the class handles it here, so the check sees it too: the
-        # query also asks the page kind the branch's classes share, or is not written.
-        guard = _kind_guard(universe, site.branch_classes, tuple(reaches))
-        if guard is None or answer.unless:
-            named = ", ".join(f"{c} (line {line})" for c, line in sorted(reaches.items()))
-            return _skip(
-                site,
-                f"{after} would answer otherwise for {named}, which this function also "
-                f"handles: such a spec reaches the check",
-            )
-        trait, value = guard
-        kind = question_named(trait).expression(written, value, negated=False)
-        positive = asked(written, False)
-        after = f"not ({positive} and {kind})" if negated else f"{positive} and {kind}"
-        other_kind = tuple(c for c in other_kind if c not in reaches)
+        guarded = _guarded(site, universe, (after, written, negated), reaches, other_kind)
+        if isinstance(guarded, Skip):
+            return guarded
+        after, other_kind = guarded
+    members = found.members
     return Edit(
         path=site.path,
         line=site.raw.line,
@@ -287,9 +330,9 @@ def plan_site(site: Site, index: SourceIndex, universe: Universe) -> Edit | Skip
         fixes_miss=site.verdict == "miss",
         missing=site.missing,
         spans=tuple(span_of(m, index.lines) for m in members),
-        chain=chain,
+        chain=found.chain,
         differs_on=other_kind,
-        parts=_parts(answer.unless, written, after, len(members) if chain else 1),
+        parts=_parts(answer.unless, written, after, len(members) if found.chain else 1),
     )
 
 

@@ -238,31 +238,8 @@ def request_pair(
     every = lists if rlists is None else lists + rlists
     sizes = [len(g) for g in every]
     total = sum(sizes)
-    try:
-        if total <= _SMALL:
-            flat = np.fromiter(chain.from_iterable(every), dtype=np.int64, count=total)
-        else:  # array's list path converts a Python int in 13 ns, fromiter in 17
-            buf = array("q", every[0])
-            for g in every[1:]:
-                buf.fromlist(g if type(g) is list else list(g))  # a tuple or range too
-            flat = np.frombuffer(buf, dtype=np.int64)
-    except OverflowError:
-        for i, g in enumerate(every):  # raises for the first list with an id past int64
-            _as_ids(g, "local" if i < len(lists) else "remote")
-        raise
-    bounds: list[tuple[int, int] | None]
-    if total <= _SMALL:  # Python's min and max of a few ints cost less than numpy calls
-        bounds = [(min(g), max(g)) if g else None for g in every]
-    else:
-        starts, pos = [], 0
-        for size in sizes:
-            if size:
-                starts.append(pos)
-            pos += size
-        lows = np.minimum.reduceat(flat, starts).tolist() if starts else []
-        highs = np.maximum.reduceat(flat, starts).tolist() if starts else []
-        found = iter(zip(lows, highs, strict=True))
-        bounds = [next(found) if size else None for size in sizes]
+    flat = _flat_ids(every, total, len(lists))
+    bounds = _bounds(every, sizes, flat, total)
     n = sum(sizes[:num_groups])
     lreq = Request._of_flat("local", flat[:n], sizes[:num_groups], bounds[:num_groups])
     if n <= _SMALL:  # a set of a few ids costs less than a numpy pass
@@ -276,6 +253,40 @@ def request_pair(
 
 
 _SMALL: Final = 64
+
+
+def _flat_ids(every: list[Sequence[int]], total: int, n_local: int) -> npt.NDArray[np.int64]:
+    # Every group's ids, local then remote, in one int64 array (the first ``n_local``
+    # lists are the local side's, named in an overflow's error).
+    try:
+        if total <= _SMALL:
+            return np.fromiter(chain.from_iterable(every), dtype=np.int64, count=total)
+        # array's list path converts a Python int in 13 ns, fromiter in 17
+        buf = array("q", every[0])
+        for g in every[1:]:
+            buf.fromlist(g if type(g) is list else list(g))  # a tuple or range too
+        return np.frombuffer(buf, dtype=np.int64)
+    except OverflowError:
+        for i, g in enumerate(every):  # raises for the first list with an id past int64
+            _as_ids(g, "local" if i < n_local else "remote")
+        raise
+
+
+def _bounds(
+    every: list[Sequence[int]], sizes: list[int], flat: npt.NDArray[np.int64], total: int
+) -> list[tuple[int, int] | None]:
+    # Each list's smallest and largest id (None for an empty one).
+    if total <= _SMALL:  # Python's min and max of a few ints cost less than numpy calls
+        return [(min(g), max(g)) if g else None for g in every]
+    starts, pos = [], 0
+    for size in sizes:
+        if size:
+            starts.append(pos)
+        pos += size
+    lows = np.minimum.reduceat(flat, starts).tolist() if starts else []
+    highs = np.maximum.reduceat(flat, starts).tolist() if starts else []
+    found = iter(zip(lows, highs, strict=True))
+    return [next(found) if size else None for size in sizes]
 
 
 class DescIndex:

@@ -46,10 +46,9 @@ class OneClassRuns:
     """Bytes the rows move (each id moves every row's length)."""
 
 
-def one_class_runs(table: ReadTable, lreq: Request, rreq: Request) -> OneClassRuns | None:
-    """The runs of a request checked by
-    :func:`~kvspec_traits.nixl._checked.checked_request`, or ``None`` when a bucket it
-    touches mixes join classes or has a strided one (then :func:`request_runs`)."""
+def _keys(table: ReadTable, lreq: Request) -> tuple[list[tuple[int, int]], bool, int, int] | None:
+    # Per bucket key, the (first, end) position of its ids; whether a bucket touched is
+    # dense; the ids' rows per block and bytes. None: a bucket touched is strided.
     sizes = [g.size for g in lreq.groups] if table.mapped else [lreq.all.size]
     keys: list[tuple[int, int]] = []
     pos, dense, per_block, nbytes = 0, False, 0, 0
@@ -63,51 +62,70 @@ def one_class_runs(table: ReadTable, lreq: Request, rreq: Request) -> OneClassRu
                 dense |= bucket.one_class is not None
                 per_block += bucket.regions.size * size
                 nbytes += bucket.row_bytes * size
-    local, remote, n = lreq.all, rreq.all, pos
+    return keys, dense, per_block, nbytes
+
+
+def _run_starts(
+    lreq: Request, rreq: Request, keys: list[tuple[int, int]], n: int
+) -> tuple[npt.NDArray[np.intp], list[int]]:
+    # A run breaks where an id is not its predecessor + 1, on either side, and
+    # where a group starts; brk[n] closes the last run (starts[1:] - starts[:-1]
+    # are then the runs' lengths).
+    local, remote = lreq.all, rreq.all
+    brk = np.empty(n + 1, dtype=np.bool_)
+    if n > 1:
+        pair = lreq.pair
+        if pair is not None:  # both sides in one pass
+            steps = pair[:, 1:] - pair[:, :-1] != 1
+            np.bitwise_or(steps[0], steps[1], out=brk[1:n])
+        else:
+            np.not_equal(local[1:] - local[:-1], 1, out=brk[1:n])
+            if remote is not local:
+                brk[1:n] |= remote[1:] - remote[:-1] != 1
+    for a, b in keys:
+        if b > a:  # a run never spans two groups
+            brk[a] = True
+    brk[n] = True
+    starts = brk.nonzero()[0]
+    return starts, starts.searchsorted([a for a, _ in keys] + [n]).tolist()
+
+
+def one_class_runs(table: ReadTable, lreq: Request, rreq: Request) -> OneClassRuns | None:
+    """The runs of a request checked by
+    :func:`~kvspec_traits.nixl._checked.checked_request`, or ``None`` when a bucket it
+    touches mixes join classes or has a strided one (then :func:`request_runs`)."""
+    found = _keys(table, lreq)
+    if found is None:
+        return None
+    keys, dense, per_block, nbytes = found
+    n = keys[-1][1] if keys else 0
     starts = None
     cuts: list[int] = []
     if dense:
-        # A run breaks where an id is not its predecessor + 1, on either side, and
-        # where a group starts; brk[n] closes the last run (starts[1:] - starts[:-1]
-        # are then the runs' lengths).
-        brk = np.empty(n + 1, dtype=np.bool_)
-        if n > 1:
-            pair = lreq.pair
-            if pair is not None:  # both sides in one pass
-                steps = pair[:, 1:] - pair[:, :-1] != 1
-                np.bitwise_or(steps[0], steps[1], out=brk[1:n])
-            else:
-                np.not_equal(local[1:] - local[:-1], 1, out=brk[1:n])
-                if remote is not local:
-                    brk[1:n] |= remote[1:] - remote[:-1] != 1
-        for a, b in keys:
-            if b > a:  # a run never spans two groups
-                brk[a] = True
-        brk[n] = True
-        starts = brk.nonzero()[0]
-        cuts = starts.searchsorted([a for a, _ in keys] + [n]).tolist()
+        starts, cuts = _run_starts(lreq, rreq, keys, n)
     count = 0
     for key, (a, b) in enumerate(keys):
         if b > a:
             for bucket in table.buckets[key].values():
                 runs = b - a if bucket.one_class is None else cuts[key + 1] - cuts[key]
                 count += bucket.regions.size * runs
-    return OneClassRuns(table, local, remote, keys, starts, cuts, count, per_block, nbytes)
+    return OneClassRuns(table, lreq.all, rreq.all, keys, starts, cuts, count, per_block, nbytes)
 
 
-def one_class_rows(runs: OneClassRuns) -> list[TransferItems]:
-    """:func:`merged_rows` of one-class runs: per bucket, both sides' rows written by
-    :func:`_write_runs`, run-major within each (region, read) row. Rows are merged
-    across rows only where a seam joins, which is tested on Python ints from the first
-    and the last run of each bucket (``_Bucket.steps``), not on the rows."""
-    table, keys, n = runs.table, runs.keys, runs.keys[-1][1]
-    local, remote = runs.local.view(np.uint64), runs.remote.view(np.uint64)
-    uniform = table.uniform
-    per_run: npt.NDArray[np.uint64] | None = None  # (side, run, (first id, ids, -))
-    per_id: npt.NDArray[np.uint64] | None = None  # (side, id, (id, 1, -))
-    plans: list[tuple[_Bucket, int, int, int, tuple[int, int, int, int, int]]] = []
+_Ends = tuple[int, int, int, int, int]
+"""A bucket's (first local id, first remote id, last run's local and remote first ids,
+its length)."""
+_Planned = tuple[_Bucket, int, int, int, _Ends]
+"""A bucket, its remote rank, its first run (or id), how many, and its ends."""
+
+
+def _planned(
+    runs: OneClassRuns, local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64]
+) -> tuple[list[_Planned], dict[int, int]]:
+    # Every touched bucket's runs, and the rows each remote rank gets.
+    plans: list[_Planned] = []
     sizes: dict[int, int] = {}
-    for key, (a, b) in enumerate(keys):
+    for key, (a, b) in enumerate(runs.keys):
         if b == a:
             continue
         # (first local id, first remote id, last run's local and remote first ids, its
@@ -118,27 +136,64 @@ def one_class_rows(runs: OneClassRuns) -> list[TransferItems]:
         if runs.starts is not None:
             p = int(runs.starts[runs.cuts[key + 1] - 1])
             dense = (lf, rf, int(local[p]), int(remote[p]), b - p)
-        for rank, bucket in table.buckets[key].items():
+        for rank, bucket in runs.table.buckets[key].items():
             if bucket.one_class is None:
                 first, r, ends = a, b - a, never
             else:
                 first, r, ends = runs.cuts[key], runs.cuts[key + 1] - runs.cuts[key], dense
             plans.append((bucket, rank, first, r, ends))
             sizes[rank] = sizes.get(rank, 0) + bucket.regions.size * r
+    return plans, sizes
+
+
+def _per_id(
+    n: int,
+    local: npt.NDArray[np.uint64],
+    remote: npt.NDArray[np.uint64],
+    uniform: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None,
+) -> npt.NDArray[np.uint64]:
+    """``(side, id, 3)``: each id as a run of one, (id, 1, -), or on a uniform table its
+    whole row but for the base."""
+    per_id = np.empty((2, n, 3), dtype=np.uint64)
+    per_id[0, :, 0], per_id[1, :, 0] = local, remote
+    per_id[:, :, 1] = 1
+    if uniform is not None:
+        per_id[:, :, :2] *= uniform[0]
+        per_id[:, :, 2:] = uniform[1]
+    return per_id
+
+
+def _seam(before: tuple[_Bucket, _Ends] | None, bucket: _Bucket, ends: _Ends, k: int) -> str | None:
+    # "rows" (merge the rows) or "test" (test every seam) once a seam may join.
+    if before is not None and _joins(before[0], before[1], bucket, ends):
+        return "rows"
+    if k > 1 and bucket.steps is None and bucket.inner_seams:
+        return "test"  # not uniform: its seams tested on the rows
+    if k > 1 and bucket.steps and _step(bucket, ends) in bucket.steps:
+        return "rows"
+    return None
+
+
+def one_class_rows(runs: OneClassRuns) -> list[TransferItems]:
+    """:func:`merged_rows` of one-class runs: per bucket, both sides' rows written by
+    :func:`_write_runs`, run-major within each (region, read) row. Rows are merged
+    across rows only where a seam joins, which is tested on Python ints from the first
+    and the last run of each bucket (``_Bucket.steps``), not on the rows."""
+    n = runs.keys[-1][1]
+    local, remote = runs.local.view(np.uint64), runs.remote.view(np.uint64)
+    uniform = runs.table.uniform
+    per_run: npt.NDArray[np.uint64] | None = None  # (side, run, (first id, ids, -))
+    per_id: npt.NDArray[np.uint64] | None = None  # (side, id, (id, 1, -))
+    plans, sizes = _planned(runs, local, remote)
     out = {rank: np.empty((2, size, 3), dtype=np.uint64) for rank, size in sorted(sizes.items())}
     pos = dict.fromkeys(out, 0)
-    last: dict[int, tuple[_Bucket, tuple[int, int, int, int, int]]] = {}
+    last: dict[int, tuple[_Bucket, _Ends]] = {}
     seams: dict[int, str] = {}  # rank -> "rows" (merge the rows) or "test" (test every seam)
     placed: dict[int, list[tuple[int, int, int]]] = {rank: [] for rank in out}
     for bucket, rank, first, r, ends in plans:
         if bucket.one_class is None:
             if per_id is None:
-                per_id = np.empty((2, n, 3), dtype=np.uint64)
-                per_id[0, :, 0], per_id[1, :, 0] = local, remote
-                per_id[:, :, 1] = 1
-                if uniform is not None:
-                    per_id[:, :, :2] *= uniform[0]
-                    per_id[:, :, 2:] = uniform[1]
+                per_id = _per_id(n, local, remote, uniform)
             source = per_id
         else:
             if per_run is None:
@@ -155,14 +210,8 @@ def one_class_rows(runs: OneClassRuns) -> list[TransferItems]:
             _write_runs(rows, bucket, source[:, None, first : first + r], k, r)
         pos[rank] = at + k * r
         placed[rank].append((at, k, r))
-        if rank not in seams:
-            before = last.get(rank)
-            if before is not None and _joins(before[0], before[1], bucket, ends):
-                seams[rank] = "rows"
-            elif k > 1 and bucket.steps is None and bucket.inner_seams:
-                seams[rank] = "test"  # not uniform: its seams tested on the rows
-            elif k > 1 and bucket.steps and _step(bucket, ends) in bucket.steps:
-                seams[rank] = "rows"
+        if rank not in seams and (seam := _seam(last.get(rank), bucket, ends, k)) is not None:
+            seams[rank] = seam
         last[rank] = (bucket, ends)
     items = [TransferItems(rank, buf[0], buf[1]) for rank, buf in out.items()]
     return [

@@ -583,8 +583,20 @@ def kind_tag(kind: GroupKind) -> type[Any]:
 
 
 def group_spec_types(kinds: Sequence[GroupKind]) -> tuple[type[Any], ...]:
-    """vLLM's per-group types for transfer groups of these kinds."""
-    return tuple(kind_tag(kind) for kind in kinds)
+    """vLLM's per-group types for transfer groups of these kinds.
+
+    vLLM's descriptor code builds attention descriptors for every region and takes their
+    TP split from the first attention-typed group (``_build_fa_remote``,
+    ``_build_local_splits_from_plan``: ``next(...)``). A model whose only caches are
+    states has none, and vLLM's handshake stopped there on a bare ``StopIteration``
+    (issue 47); a trailing attention tag that no transfer group owns stands in (every
+    use of the list past that lookup is by a group's index, so no group reads it)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    tags = tuple(kind_tag(kind) for kind in kinds)
+    if tags and not any(issubclass(tag, AttentionSpec) for tag in tags):
+        tags += (AttentionSpec,)
+    return tags
 
 
 def conv_split_info(split: StateSplit) -> Any:
