@@ -519,10 +519,7 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     pair: tuple[ModelCase, ServerPair], prompt_name: str
 ) -> None:
     case, servers = pair
-    if case.transport != "nixl":
-        pytest.skip("a Mooncake pair: test_..._moves_kv_through_mooncake")
-    if case.require_traits_peer:
-        pytest.skip("refuses its upstream producer: test_..._refuses_an_upstream_producer")
+    _skip_unless_answered_through_nixl(case)
     prompt = PROMPTS[prompt_name]
     baseline = complete(servers.prefill, prompt, MAX_TOKENS)
     expected = baseline["choices"][0]["text"]
@@ -543,11 +540,7 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
     what = f"{case.describe()}, prompt {prompt_name!r}"
     assert got.text == expected, (what, got.text, expected)
     assert got.decode_response["usage"]["completion_tokens"] == MAX_TOKENS, what
-    if case.upstream_side is not None:
-        # A traits producer offers its lease beside upstream's kv_transfer_params (an
-        # upstream consumer reads past it); upstream's producer offers none.
-        offered = LEASE_KEY in (got.kv_transfer_params or {})
-        assert offered == case.runs_ours("prefill"), (what, got.kv_transfer_params)
+    _assert_lease_offered_by_ours(case, got.kv_transfer_params, what)
 
     prompt_tokens = int(got.decode_response["usage"]["prompt_tokens"])
     local_hits = delta("vllm:prefix_cache_hits_total")
@@ -602,6 +595,25 @@ def test_disaggregated_equals_baseline_and_moves_kv_through_nixl(
                 f"{what}: prefix caching is off on this server"
             )
             assert local_hits == 0, what
+
+
+def _skip_unless_answered_through_nixl(case: ModelCase) -> None:
+    """Skip the pairs that do not answer disaggregated requests through NIXL."""
+    if case.transport != "nixl":
+        pytest.skip("a Mooncake pair: test_..._moves_kv_through_mooncake")
+    if case.require_traits_peer:
+        pytest.skip("refuses its upstream producer: test_..._refuses_an_upstream_producer")
+
+
+def _assert_lease_offered_by_ours(
+    case: ModelCase, params: dict[str, object] | None, what: str
+) -> None:
+    """A mixed pair's traits producer offers its lease beside upstream's
+    ``kv_transfer_params`` (an upstream consumer reads past it); upstream's producer
+    offers none."""
+    if case.upstream_side is not None:
+        offered = LEASE_KEY in (params or {})
+        assert offered == case.runs_ours("prefill"), (what, params)
 
 
 # The connector's own metrics (docs/vllm.md, "Logs and metrics"), beside upstream's.
