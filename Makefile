@@ -35,7 +35,7 @@ test-fast: setup  ## the inner loop: lint, the series-independent tests, the 0.3
 conformance: setup  ## vLLM's NIXL tests, upstream vs ours (0.32-0.34); its whole kv_connector suite, unpatched vs patched (0.32-0.34); the unpatched baseline and the mixed server pairs
 	KVSPEC_PASSES="conformance032 conformance033 conformance034" bash scripts/test.sh; \
 	status=$$?; $(PY) scripts/conformance/run_migrated.py 0.32 0.33 0.34 || status=1; \
-	PYTHONPATH=src KVSPEC_EXPECT_VLLM=0.32 $(PY) -m pytest -p no:cacheprovider -m "upstream_baseline or mixed" tests/e2e || status=1; \
+	PYTHONPATH=src KVSPEC_EXPECT_VLLM=0.32 $(PY) -m pytest -p no:cacheprovider -m "upstream_baseline or mixed or hetero_tp" tests/e2e || status=1; \
 	exit $$status
 
 conformance-migrated: setup  ## vLLM's whole kv_connector unit suite on the unmigrated and the migrated kv_transfer: the per-file table (VLLM=0.34; default 0.32 0.33 0.34)

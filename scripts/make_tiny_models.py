@@ -67,6 +67,14 @@ MODELS: dict[str, ModelRecipe] = {
         config={**_LLAMA, "num_attention_heads": 8, "head_dim": 16},
         seed=1234,
     ),
+    # One KV head (MQA): at TP 2 each rank holds a replica of it (issue 47's pairs of
+    # other TP sizes on real servers).
+    "llama-kv1": ModelRecipe(
+        name="llama-kv1",
+        architecture="LlamaForCausalLM",
+        config={**_LLAMA, "num_key_value_heads": 1},
+        seed=1234,
+    ),
     # Hybrid: layer 0 full attention, layer 1 a 64-token sliding window (vLLM's Llama
     # reads `layer_types`), so vLLM builds a full and a sliding-window cache group.
     "llama-swa": ModelRecipe(

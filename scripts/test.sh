@@ -50,7 +50,7 @@ lint() {
 # runs them). --durations keeps each pass's cost visible in its log.
 pytest_on() {
   local version=$1 prefix=$2 extra=${3:-}
-  local m="not series_independent and not upstream_baseline and not mixed${extra:+ and $extra}${mark:+ and ($mark)}"
+  local m="not series_independent and not upstream_baseline and not mixed and not hetero_tp${extra:+ and $extra}${mark:+ and ($mark)}"
   PYTHONPATH=${prefix:+$prefix:}$SRC KVSPEC_EXPECT_VLLM=$version \
     "$PY" -m pytest -p no:cacheprovider --durations=15 -m "$m"
 }
