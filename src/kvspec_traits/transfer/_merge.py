@@ -40,65 +40,12 @@ def merge_region(index: int, members: list[Piece]) -> Region:
     paged = [m for m in members if not is_state(m.traits)]
     states = [m for m in members if is_state(m.traits)]
 
-    state_layout: TPLayout | None = None
-    components: tuple[StateComponent, ...] = ()
-    # A replicated state (the PLE state of CSA-linear models) may share a region with a
-    # TP-sharded one (vLLM registers both there): the sharded states' layout and
-    # components describe the region's state; the replicated one is flagged.
-    sharded_states = [m for m in states if m.traits.tp_layout is not TPLayout.REPLICATED]
-    replicated_state = len(sharded_states) < len(states)
-    if states:
-        described = sharded_states or states
-        state_layout = _agree(
-            name,
-            layers,
-            "tp_layout of the state layers",
-            {m.layer: m.traits.tp_layout for m in described},
-        )
-        shapes = _agree(
-            name,
-            layers,
-            "state components",
-            {m.layer: tuple(_component(c) for c in m.traits.components) for m in described},
-        )
-        offset, parts = 0, []
-        for comp_name, nbytes, runs in shapes:
-            parts.append(StateComponent(name=comp_name, offset=offset, nbytes=nbytes, runs=runs))
-            offset += nbytes
-        components = tuple(parts)
-
-    # Members that disagree on replication: a head-sharded member with one head slot
-    # holds the same bytes on every rank (vLLM replicates a single KV head), so a
-    # replicated member decides; otherwise the split members decide, and a replicated
-    # member of a split region is read in slices from ranks that all hold its bytes,
-    # which is right (REPLICATE over heads would not be). vLLM's class list gives the
-    # same answers for the layouts it registers (MLA with a ring; main KV with states).
-    deciding = paged or sharded_states or states
-    split = [m for m in deciding if m.traits.tp_layout is not TPLayout.REPLICATED]
-    if len(split) < len(deciding) and any(m.traits.num_head_slots != 1 for m in split):
-        deciding = split
-    elif len(split) < len(deciding):
-        deciding = [m for m in deciding if m.traits.tp_layout is TPLayout.REPLICATED]
+    state_layout, components, replicated_state = _state_facts(name, layers, states)
+    deciding = _deciding(paged, states)
     layout = _agree(name, layers, "tp_layout", {m.layer: m.traits.tp_layout for m in deciding})
     shards = _agree(name, layers, "tp_shards", {m.layer: m.traits.tp_shards for m in deciding})
     replicated = layout is TPLayout.REPLICATED
-    heads: int | None = None
-    if paged and not replicated:
-        slots = {
-            m.layer: m.traits.num_head_slots
-            for m in paged
-            if m.traits.tp_layout is not TPLayout.REPLICATED
-        }
-        if len(set(slots.values())) > 1 and all(
-            m.head_major and m.traits.kv_head_contiguous for m in paged
-        ):
-            # Pages of other head counts at one base (MiMo-V2: full layers of 4 KV heads
-            # and window layers of 8, paged to equal bytes), each heads-outermost: a
-            # block splits into gcd(slots) byte slices that each hold whole heads of
-            # every member, which is what a TP split reads.
-            heads = gcd(*slots.values())
-        else:
-            heads = _agree(name, layers, "num_head_slots", slots)
+    heads = None if replicated else _head_slots(name, layers, paged)
     group_ids = tuple(sorted({m.group_id for m in members}))
     return Region(
         index=index,
@@ -139,6 +86,75 @@ def merge_region(index: int, members: list[Piece]) -> Region:
         ),
         state_group_ids=tuple(sorted({m.group_id for m in states})),
     )
+
+
+def _state_facts(
+    name: str, layers: tuple[str, ...], states: list[Piece]
+) -> tuple[TPLayout | None, tuple[StateComponent, ...], bool]:
+    """The state members' TP layout and components, and whether a replicated state is
+    among them. A replicated state (the PLE state of CSA-linear models) may share a
+    region with a TP-sharded one (vLLM registers both there): the sharded states' layout
+    and components describe the region's state; the replicated one is flagged."""
+    if not states:
+        return None, (), False
+    sharded_states = [m for m in states if m.traits.tp_layout is not TPLayout.REPLICATED]
+    described = sharded_states or states
+    state_layout = _agree(
+        name,
+        layers,
+        "tp_layout of the state layers",
+        {m.layer: m.traits.tp_layout for m in described},
+    )
+    shapes = _agree(
+        name,
+        layers,
+        "state components",
+        {m.layer: tuple(_component(c) for c in m.traits.components) for m in described},
+    )
+    offset, parts = 0, []
+    for comp_name, nbytes, runs in shapes:
+        parts.append(StateComponent(name=comp_name, offset=offset, nbytes=nbytes, runs=runs))
+        offset += nbytes
+    return state_layout, tuple(parts), len(sharded_states) < len(states)
+
+
+def _deciding(paged: list[Piece], states: list[Piece]) -> list[Piece]:
+    """The members whose replication decides the region's.
+
+    Members that disagree on replication: a head-sharded member with one head slot
+    holds the same bytes on every rank (vLLM replicates a single KV head), so a
+    replicated member decides; otherwise the split members decide, and a replicated
+    member of a split region is read in slices from ranks that all hold its bytes,
+    which is right (REPLICATE over heads would not be). vLLM's class list gives the
+    same answers for the layouts it registers (MLA with a ring; main KV with states)."""
+    sharded_states = [m for m in states if m.traits.tp_layout is not TPLayout.REPLICATED]
+    deciding = paged or sharded_states or states
+    split = [m for m in deciding if m.traits.tp_layout is not TPLayout.REPLICATED]
+    if len(split) < len(deciding) and any(m.traits.num_head_slots != 1 for m in split):
+        return split
+    if len(split) < len(deciding):
+        return [m for m in deciding if m.traits.tp_layout is TPLayout.REPLICATED]
+    return deciding
+
+
+def _head_slots(name: str, layers: tuple[str, ...], paged: list[Piece]) -> int | None:
+    """Head slots of a head-sharded region on this rank (``None`` without paged
+    members). Pages of other head counts at one base (MiMo-V2: full layers of 4 KV heads
+    and window layers of 8, paged to equal bytes), each heads-outermost: a block splits
+    into gcd(slots) byte slices that each hold whole heads of every member, which is
+    what a TP split reads."""
+    if not paged:
+        return None
+    slots = {
+        m.layer: m.traits.num_head_slots
+        for m in paged
+        if m.traits.tp_layout is not TPLayout.REPLICATED
+    }
+    if len(set(slots.values())) > 1 and all(
+        m.head_major and m.traits.kv_head_contiguous for m in paged
+    ):
+        return gcd(*slots.values())
+    return _agree(name, layers, "num_head_slots", slots)
 
 
 def _component(component: PageComponent) -> tuple[str, int, tuple[int, ...] | None]:

@@ -99,9 +99,7 @@ def plan_regions(
     rows = layout.rows
     if rows is None:
         rows = Rows.NONE if has_ring(layer_traits.values()) else Rows.SCATTERED
-    by_storage: dict[tuple[int, str], list[Piece]] = {}
-    registrations: dict[tuple[int, str], MemoryRange] = {}
-    spans: dict[tuple[int, str], list[tuple[str, int, int]]] = {}
+    storages = _Storages()
     ordered = sorted(kv_caches, key=region_sort_key) if layout.order == "model" else kv_caches
     for layer in ordered:
         traits = layer_traits.get(layer)
@@ -109,24 +107,8 @@ def plan_regions(
             skipped.setdefault(layer, "no KV cache spec for this layer")
             continue
         cache = kv_caches[layer]
-        storage = cache.untyped_storage()
-        key = (storage.data_ptr(), mem_type_of(cache))
-        if key not in registrations:
-            registrations[key] = MemoryRange(
-                base=key[0], length=storage.nbytes(), device_id=device_id_of(cache), mem_type=key[1]
-            )
-        spans.setdefault(key, []).append(
-            # (layer, first byte, bytes its view spans): strides are non-negative
-            (
-                layer,
-                cache.data_ptr(),
-                cache.element_size()
-                * (1 + sum((n - 1) * s for n, s in zip(cache.shape, cache.stride(), strict=True)))
-                if cache.numel()
-                else 0,
-            )
-        )
-        by_storage.setdefault(key, []).extend(
+        key = storages.add(layer, cache)
+        storages.pieces.setdefault(key, []).extend(
             layer_pieces(
                 layer,
                 cache,
@@ -134,36 +116,13 @@ def plan_regions(
                 layer_groups[layer],
                 layer_blocks.get(layer, n_blocks),
                 layout.sub_blocks,
-                registrations[key] if Rows.SCATTERED in rows else None,
+                storages.registrations[key] if Rows.SCATTERED in rows else None,
             )
         )
-
-    one_stride = (
-        Rows.LATENT in rows
-        and len(registrations) == 1
-        and len(
-            {
-                kv_caches[layer].stride(0) * kv_caches[layer].element_size()
-                for layer in kv_caches
-                if layer in layer_traits
-            }
-        )
-        == 1
-    )
-    pieces: dict[tuple[int, str, int, str], list[Piece]] = {}
-    apart = layout.replicated_states_apart
-    for key, storage_pieces in by_storage.items():
-        for piece in rows_of(storage_pieces, registrations[key], rows, one_stride=one_stride):
-            size = piece.block_len if layout.separate_page_sizes else 0
-            if piece.layer in apart:
-                # Its own region, moving the state's content (the same on every rank).
-                piece = replace(piece, block_len=piece.traits.unpadded_page_size_bytes)
-            own = piece.layer if piece.layer in apart else ""
-            pieces.setdefault((piece.base, piece.mem_type, size, own), []).append(piece)
-
+    one_stride = Rows.LATENT in rows and _one_stride(storages, kv_caches, layer_traits)
     regions = tuple(
         with_kv_heads(merge_region(index, members), total_kv_heads)
-        for index, members in enumerate(pieces.values())
+        for index, members in enumerate(_region_members(storages, rows, layout, one_stride))
     )
     for region in regions:
         shard_count(region.tp_layout, region.tp_shards, tp_size, region=region.name)
@@ -174,7 +133,8 @@ def plan_regions(
     return RegionPlan(
         regions=regions,
         registrations=tuple(
-            replace(reg, layers=tuple(spans[key])) for key, reg in registrations.items()
+            replace(reg, layers=tuple(storages.spans[key]))
+            for key, reg in storages.registrations.items()
         ),
         num_blocks=n_blocks,
         tp_size=tp_size,
@@ -182,3 +142,62 @@ def plan_regions(
         skipped_layers=skipped,
         num_groups=max(num_groups, 1),
     )
+
+
+class _Storages:
+    """Per storage allocation (base, memory type): what to register, where each layer's
+    view lies in it, and the region candidates of its layers."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[tuple[int, str], list[Piece]] = {}
+        self.registrations: dict[tuple[int, str], MemoryRange] = {}
+        self.spans: dict[tuple[int, str], list[tuple[str, int, int]]] = {}
+
+    def add(self, layer: str, cache: torch.Tensor) -> tuple[int, str]:
+        """Note ``layer``'s view; the key of the storage it lies in."""
+        storage = cache.untyped_storage()
+        key = (storage.data_ptr(), mem_type_of(cache))
+        if key not in self.registrations:
+            self.registrations[key] = MemoryRange(
+                base=key[0], length=storage.nbytes(), device_id=device_id_of(cache), mem_type=key[1]
+            )
+        # (layer, first byte, bytes its view spans): strides are non-negative
+        spanned = (
+            cache.element_size()
+            * (1 + sum((n - 1) * s for n, s in zip(cache.shape, cache.stride(), strict=True)))
+            if cache.numel()
+            else 0
+        )
+        self.spans.setdefault(key, []).append((layer, cache.data_ptr(), spanned))
+        return key
+
+
+def _one_stride(
+    storages: _Storages, kv_caches: Mapping[str, torch.Tensor], layer_traits: Mapping[str, object]
+) -> bool:
+    """One storage, every planned view at one block stride (what whole latent rows need)."""
+    strides = {
+        kv_caches[layer].stride(0) * kv_caches[layer].element_size()
+        for layer in kv_caches
+        if layer in layer_traits
+    }
+    return len(storages.registrations) == 1 and len(strides) == 1
+
+
+def _region_members(
+    storages: _Storages, rows: Rows, layout: PlanLayout, one_stride: bool
+) -> list[list[Piece]]:
+    """The pieces of each region, in order: pieces at one base (and memory type) share a
+    region, apart from pages of other sizes where the layout separates them and the
+    replicated states it plans apart (moving their content, the same on every rank)."""
+    regions: dict[tuple[int, str, int, str], list[Piece]] = {}
+    apart = layout.replicated_states_apart
+    for key, storage_pieces in storages.pieces.items():
+        registration = storages.registrations[key]
+        for piece in rows_of(storage_pieces, registration, rows, one_stride=one_stride):
+            size = piece.block_len if layout.separate_page_sizes else 0
+            if piece.layer in apart:
+                piece = replace(piece, block_len=piece.traits.unpadded_page_size_bytes)
+            own = piece.layer if piece.layer in apart else ""
+            regions.setdefault((piece.base, piece.mem_type, size, own), []).append(piece)
+    return list(regions.values())
