@@ -618,7 +618,7 @@ def conv_split_info(split: StateSplit) -> Any:
 _TOPOLOGIES: dict[type, type] = {}
 
 
-def gathering_topology(topology: type) -> type:
+def gathering_topology(topology: Any) -> Any:
     """vLLM's ``TransferTopology`` class (``topology``, looked up where vLLM's tests patch
     it) with one answer of its own: a producer of more ranks than ours, whose ranks hold
     replicas of the model's KV heads, is not "replicated" to this consumer, which gathers
@@ -627,6 +627,8 @@ def gathering_topology(topology: type) -> type:
     asks ``is_kv_replicated`` and asserts the pair away (issue 47). Every other answer is
     vLLM's. The plan decides the pair first (``check_tp_pair``), and the connector's
     tests compare every decode byte (``tests/test_connector_replica_tp.py``)."""
+    if not isinstance(topology, type):
+        return topology  # a stand-in (vLLM's tests patch the name with a Mock): as given
     found = _TOPOLOGIES.get(topology)
     base: Any = topology
     if found is None:
@@ -638,7 +640,7 @@ def gathering_topology(topology: type) -> type:
             return bool(base.is_kv_replicated(self, remote_engine_id, remote_pp_rank))
 
         found = _TOPOLOGIES[topology] = type(
-            f"Gathering{topology.__name__}", (topology,), {"is_kv_replicated": is_kv_replicated}
+            "GatheringTransferTopology", (topology,), {"is_kv_replicated": is_kv_replicated}
         )
     return found
 
