@@ -30,18 +30,17 @@ from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import _families as families
-from kvspec_traits.mooncake import TraitsMooncakeEngine, fetch_record, request_moves, routes_of
+from kvspec_traits.mooncake import TraitsMooncakeEngine, fetch_record
 from kvspec_traits.transfer import (
     HandshakeMismatchError,
     UnsupportedLayoutError,
     block_reads,
     check_handshake,
-    peer_regions,
     plan_regions,
 )
 from tests.mooncake_helpers.remote import Remote
 from tests.nixl_helpers import layouts
-from tests.test_tp_matrix import Rank, _apply
+from tests.test_tp_matrix import Rank, move_all
 
 NB = 24
 TOKENS = 128  # a request: whole blocks at 16, 32 and 64 tokens a block
@@ -137,26 +136,12 @@ def _move(name: str, p_tp: int, d_tp: int, p_block: int, d_block: int, write: bo
             with pytest.raises(HandshakeMismatchError, match="block_sizes"):
                 check_handshake(c.plan, p.plan.fingerprint())  # the one-to-one pairing refuses
             check_handshake(c.plan, p.plan.fingerprint(), block_ratio=True)
-    tokens = [p_block] * len(producers[0].plan.regions)
+    p_tokens: list[int | None] = [p_block] * len(producers[0].plan.regions)
+    d_tokens: list[int | None] = [d_block] * len(consumers[0].plan.regions)
     if write:
-        d_tokens = [d_block] * len(consumers[0].plan.regions)
-        for p in producers.values():
-            regions = {r: peer_regions(c.plan) for r, c in consumers.items()}
-            routes = routes_of(p.plan, d_tp, regions, write=True, remote_tokens=d_tokens)
-            _apply(
-                p,
-                consumers,
-                request_moves(routes, groups, p_ids, d_ids, write=True),
-                write=True,
-                me=p,
-            )
+        move_all(producers, consumers, d_tp, p_ids, d_ids, write=True, peer_tokens=d_tokens)
     else:
-        for c in consumers.values():
-            regions = {r: peer_regions(p.plan) for r, p in producers.items()}
-            routes = routes_of(c.plan, p_tp, regions, write=False, remote_tokens=tokens)
-            _apply(
-                c, producers, request_moves(routes, groups, d_ids, p_ids, write=False), write=False
-            )
+        move_all(consumers, producers, p_tp, d_ids, p_ids, write=False, peer_tokens=p_tokens)
     for rank, c in consumers.items():
         want = _rank(name, d_tp, rank, d_block)
         _write_request(want, truth, d_tp, rank, d_block, d_ids)

@@ -304,6 +304,25 @@ def _apply(
     return moved
 
 
+def move_all(
+    movers: dict[int, Rank],
+    peers: dict[int, Rank],
+    peer_tp: int,
+    ids: list[list[int]],
+    peer_ids: list[list[int]] | None,
+    *,
+    write: bool,
+    peer_tokens: list[int | None] | None = None,
+) -> None:
+    """Every mover rank's moves against all peer ranks, as a Mooncake engine would be
+    handed them (reads into the movers, or writes from them), applied in memory."""
+    for me in movers.values():
+        regions = {rank: peer_regions(peer.plan) for rank, peer in peers.items()}
+        routes = routes_of(me.plan, peer_tp, regions, write=write, remote_tokens=peer_tokens)
+        moves = request_moves(routes, me.plan.num_groups, ids, peer_ids, write=write)
+        _apply(me, peers, moves, write=write, me=me)
+
+
 CELLS = [(name, p, d) for name in LAYOUTS for p, d in PAIRS]
 
 # Cells refused by name before anything moves, and why. The GDN hybrid at TP 4 and
@@ -347,36 +366,10 @@ def test_every_cell_moves_each_consumer_ranks_own_share(
     for c in consumers.values():
         for p in producers.values():
             check_handshake(c.plan, p.plan.fingerprint())
-    groups = consumers[0].plan.num_groups
     if write:
-        for p in producers.values():
-            routes = routes_of(
-                p.plan,
-                consumer_tp,
-                {r: peer_regions(c.plan) for r, c in consumers.items()},
-                write=True,
-            )
-            _apply(
-                p,
-                consumers,
-                request_moves(routes, groups, block_ids, None, write=True),
-                write=True,
-                me=p,
-            )
+        move_all(producers, consumers, consumer_tp, block_ids, None, write=True)
     else:
-        for c in consumers.values():
-            routes = routes_of(
-                c.plan,
-                producer_tp,
-                {r: peer_regions(p.plan) for r, p in producers.items()},
-                write=False,
-            )
-            _apply(
-                c,
-                producers,
-                request_moves(routes, groups, block_ids, None, write=False),
-                write=False,
-            )
+        move_all(consumers, producers, producer_tp, block_ids, None, write=False)
     for rank, c in consumers.items():
         expected = _rank(name, consumer_tp, rank)
         _fill(name, truth, expected, consumer_tp, rank, block_ids, only=True)
