@@ -87,6 +87,8 @@ LINK_DOWN_S = 10.0
 # Requests that finish before the link goes down; the rest of the batch is in flight.
 FAULT_AFTER = 4
 
+# How ss writes "every interface": IPv4, IPv6 (dual stack), either.
+WILDCARD = ("0.0.0.0", "::", "*")
 # UCX over TCP on the link only (see the module's docstring).
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": DEVICE}
 
@@ -212,11 +214,12 @@ def _only(pair: tuple[str, ServerPair], transport: str) -> ServerPair:
 def test_listeners_are_on_the_namespace_address_or_loopback(
     pair: tuple[str, ServerPair],
 ) -> None:
-    """What each server listens on, inside its namespace: the HTTP API on 127.0.0.1 (as
-    ``--host`` says), the NIXL side channel on the namespace's address (as
-    ``VLLM_NIXL_SIDE_CHANNEL_HOST`` says), never on every interface; vLLM's Mooncake
-    bootstrap server on 0.0.0.0 whatever the settings (docs/operating.md, "Across
-    hosts", which lists every socket bound to all interfaces: checked here)."""
+    """What each server listens on, inside its namespace (printed in full): the HTTP API
+    on 127.0.0.1 (as ``--host`` says). A NIXL pair's side channel on the namespace's
+    address (as ``VLLM_NIXL_SIDE_CHANNEL_HOST`` says) and nothing on every interface. A
+    Mooncake pair's bootstrap server on every interface whatever the settings (vLLM
+    hard-codes 0.0.0.0), its producer's side channel on ``VLLM_HOST_IP``.
+    docs/operating.md ("Across hosts") lists the sockets bound to every interface."""
     transport, servers = pair
     for server in servers.servers():
         assert server.host is not None
@@ -224,16 +227,15 @@ def test_listeners_are_on_the_namespace_address_or_loopback(
         print(f"\n{transport} {server.name} in {server.host.netns} listens on:")
         print("\n".join(f"  {listener}" for listener in found))
         ports = {listener.port: listener.address for listener in found}
+        wildcard = {listener.port for listener in found if listener.address in WILDCARD}
+        on_link = {listener.port for listener in found if listener.address == server.host.address}
         assert ports.get(server.port) == "127.0.0.1", (server.name, found)
         if transport == "nixl":
-            assert ports.get(server.side_channel_port) == server.host.address, (server.name, found)
-        wildcard = sorted(
-            listener.port for listener in found if listener.address in ("0.0.0.0", "*", "::")
-        )
-        expected = []
-        if transport == "mooncake" and server is servers.prefill:
-            expected = [int(server.extra_env[MOONCAKE_BOOTSTRAP_PORT])]
-        assert wildcard == expected, (transport, server.name, found)
+            assert server.side_channel_port in on_link, (server.name, found)
+            assert not wildcard, (server.name, found)
+        elif server is servers.prefill:
+            assert int(server.extra_env[MOONCAKE_BOOTSTRAP_PORT]) in wildcard, found
+            assert on_link, found  # the producer's side channel (a random port)
 
 
 def _baseline(servers: ServerPair, prompts: list[Prompt]) -> dict[int, tuple[int, ...]]:
