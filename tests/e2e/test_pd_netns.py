@@ -97,7 +97,8 @@ LLAMA_TOKEN_BYTES = 2 * 2 * 2 * 32 * 4
 MOONCAKE_PREFILL_ENGINE_ID = "kvspec-netns-prefill"
 MOONCAKE_PROMPTS = (
     "hello world, once upon a time",
-    " ".join(["the quick brown fox jumps over the lazy dog"] * 30),
+    # 180 words, about 300 tokens: three blocks of 128 (as test_pd_serving's "many blocks").
+    " ".join(["the quick brown fox jumps over the lazy dog"] * 20),
 )
 
 
