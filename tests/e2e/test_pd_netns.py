@@ -81,9 +81,14 @@ MODULE = "kvspec_traits.vllm_connector"
 REQUESTS = 24
 CONCURRENCY = 8
 MAX_TOKENS = 16
-# How long the link stays down: past vLLM's fixed 5 s NIXL side-channel timeout, well
-# within the client's 90 s request deadline (pd_soak.REQUEST_TIMEOUT_S).
-LINK_DOWN_S = 10.0
+# How long the link stays down. 10 s: past vLLM's fixed 5 s NIXL side-channel timeout,
+# within vLLM's 30 s lease (kv_lease_duration) of the producer's blocks: reads in flight
+# stall in TCP and resume. 40 s: past the lease, so the producer may release and reuse
+# blocks a stalled read has yet to fetch (the lease check must fail that read: vLLM's
+# error, never a wrong answer); TCP's retransmissions (backoff from 0.2 s, doubling)
+# resume about 51 s after the cut, within the client's 90 s request deadline
+# (pd_soak.REQUEST_TIMEOUT_S).
+OUTAGES_S = (10.0, 40.0)
 # Requests that finish before the link goes down; the rest of the batch is in flight.
 FAULT_AFTER = 4
 
@@ -302,11 +307,12 @@ def test_nixl_across_namespaces_is_token_exact_and_crosses_the_link(
     assert sent >= read, (sent, read)
 
 
+@pytest.mark.parametrize("outage_s", OUTAGES_S, ids=lambda s: f"{s:.0f}s")
 def test_nixl_link_down_mid_batch_then_exact_after_it_returns(
-    pair: tuple[str, ServerPair], hosts: TwoHosts
+    pair: tuple[str, ServerPair], hosts: TwoHosts, outage_s: float
 ) -> None:
     """The link goes down once ``FAULT_AFTER`` requests of the batch have finished (the
-    others in flight) and comes back ``LINK_DOWN_S`` later. Every request ends exactly
+    others in flight) and comes back ``outage_s`` later. Every request ends exactly
     or through vLLM's failure path (an HTTP error or an error event: "fail" policy),
     never wrong, short (``protocol``), hung (``timeout``), or cut off (``unreachable``:
     the client's path is its server's loopback, which the link does not carry). Then the
@@ -320,19 +326,30 @@ def test_nixl_link_down_mid_batch_then_exact_after_it_returns(
     def partition() -> None:
         window["down"] = time.monotonic()
         states.append(set_link(hosts, up=False))
-        time.sleep(LINK_DOWN_S)
+        time.sleep(outage_s)
         states.append(set_link(hosts, up=True))
         window["up"] = time.monotonic()
 
+    before = scrape_metrics(servers.decode)
     faulted = run_load(
-        "link down mid-batch",
+        f"link down {outage_s:.0f} s mid-batch",
         lambda p: disaggregated_request(servers, p, MAX_TOKENS),
         prompts,
         CONCURRENCY,
         baseline,
         after=(FAULT_AFTER, partition),
     )
-    print(faulted.summary(), f"link down {window}, states {states}", *faulted.failures(), sep="\n")
+    after = scrape_metrics(servers.decode)
+    counted = {
+        name: metric_total(after, name) - metric_total(before, name)
+        for name in (
+            "vllm:kvspec_traits_leases_declined_total",
+            "vllm:nixl_num_failed_transfers_total",
+            "vllm:nixl_num_kv_expired_reqs_total",
+        )
+    }
+    print(faulted.summary(), f"link down {window}, states {states}", counted, sep="\n")
+    print(*faulted.failures(), sep="\n")
     # The fault happened, while requests were in flight: the link's ends went down
     # (the peer's carrier with it) and came back, and some request spanned the outage.
     assert states == [("DOWN", "DOWN"), ("UP", "UP")], states
