@@ -85,10 +85,33 @@ MAX_TOKENS = 16
 # within vLLM's 30 s lease (kv_lease_duration) of the producer's blocks: reads in flight
 # stall in TCP and resume. 40 s: past the lease, so the producer may release and reuse
 # blocks a stalled read has yet to fetch (the lease check must fail that read: vLLM's
-# error, never a wrong answer); TCP's retransmissions (backoff from 0.2 s, doubling)
-# resume about 51 s after the cut, within the client's 90 s request deadline
-# (pd_soak.REQUEST_TIMEOUT_S).
-OUTAGES_S = (10.0, 40.0)
+# error, never a wrong answer). Both within the client's 90 s request deadline
+# (pd_soak.REQUEST_TIMEOUT_S): the stalled reads resumed within 2-3 s of the link's return.
+
+
+class ReadAfterReleaseError(AssertionError):
+    """A consumer kept a read of blocks its producer had already released."""
+
+
+# The 40 s outage fails so far (seen 9 of 24 reads kept, answers exact only because no
+# block was reused): the consumer's lease bound counts a heartbeat as extending the lease
+# once sent (vllm_connector/_lease.py, LeaseBook.bound), but a heartbeat sent while the
+# link is down reaches the producer after its lease expired and it released the blocks.
+OUTAGES_S = (
+    10.0,
+    pytest.param(
+        40.0,
+        marks=pytest.mark.xfail(
+            raises=ReadAfterReleaseError,
+            reason="a heartbeat sent during an outage extends the consumer's lease bound "
+            "but reaches the producer after it released the blocks (LeaseBook.bound)",
+        ),
+    ),
+)
+# The producer's count of read-done notifications for requests it no longer held, and the
+# consumer's count of reads it declined or failed by the lease.
+AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"
+DECLINED = "vllm:kvspec_traits_leases_declined_total"
 # Requests that finish before the link goes down; the rest of the batch is in flight.
 FAULT_AFTER = 4
 
@@ -331,6 +354,7 @@ def test_nixl_link_down_mid_batch_then_exact_after_it_returns(
         window["up"] = time.monotonic()
 
     before = scrape_metrics(servers.decode)
+    producer_before = scrape_metrics(servers.prefill)
     faulted = run_load(
         f"link down {outage_s:.0f} s mid-batch",
         lambda p: disaggregated_request(servers, p, MAX_TOKENS),
@@ -343,7 +367,7 @@ def test_nixl_link_down_mid_batch_then_exact_after_it_returns(
     counted = {
         name: metric_total(after, name) - metric_total(before, name)
         for name in (
-            "vllm:kvspec_traits_leases_declined_total",
+            DECLINED,
             "vllm:nixl_num_failed_transfers_total",
             "vllm:nixl_num_kv_expired_reqs_total",
         )
@@ -372,6 +396,25 @@ def test_nixl_link_down_mid_batch_then_exact_after_it_returns(
     print(recovered.summary(), *recovered.failures(), sep="\n")
     assert recovered.clean, (recovered.summary(), recovered.failures())
     assert recovered.token_differences == 0, recovered.summary()
+
+    # Reads of blocks the producer had released: vLLM's producer counts each read-done
+    # notification for a request it no longer holds (its lease expired first). Each such
+    # read must have been failed by the consumer's lease check ("before it completed"),
+    # or its answer came from blocks that may have been reused: exact here only because
+    # nothing reused them. Read after the recovery batch, whose engine steps carry both
+    # workers' stats to /metrics.
+    late = metric_total(scrape_metrics(servers.prefill), AFTER_EXPIRY) - metric_total(
+        producer_before, AFTER_EXPIRY
+    )
+    declined = metric_total(scrape_metrics(servers.decode), DECLINED) - metric_total(
+        before, DECLINED
+    )
+    print(f"{late:.0f} read(s) after the producer released; {declined:.0f} declined")
+    if declined < late:
+        raise ReadAfterReleaseError(
+            f"{outage_s:.0f} s outage: the producer saw {late:.0f} read(s) of released "
+            f"blocks, the consumer declined {declined:.0f}"
+        )
 
 
 def test_mooncake_across_namespaces_is_token_exact(pair: tuple[str, ServerPair]) -> None:
