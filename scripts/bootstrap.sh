@@ -125,5 +125,15 @@ if command -v dpkg-query >/dev/null &&
     exit 1
   fi
 fi
+# iproute2 (`ip`, `ss`): the `netns` e2e pairs (tests/e2e/test_pd_netns.py, `make conformance`)
+# make two network namespaces with it. Those tests skip, saying why, where it cannot be had.
+if ! command -v ip >/dev/null || ! command -v ss >/dev/null; then
+  SUDO=
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  if ! { command -v apt-get >/dev/null && $SUDO apt-get update -q &&
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends iproute2; }; then
+    echo "bootstrap: could not install iproute2 (ip, ss): the netns e2e tests will skip" >&2
+  fi
+fi
 # The package itself (editable), the dev tools and the Mooncake engine: cheap, so always refreshed.
 $PIP install -q -e '.[dev,mooncake]' -e examples/kvspec_traits_example -e examples/kvspec_traits_ascend $PIN

@@ -19,6 +19,7 @@ dtype, so a failure on one CPU kind reads differently from one on another.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import random
@@ -43,6 +44,7 @@ __all__ = [
     "DEFAULT_SERVING",
     "MOONCAKE_BOOTSTRAP_PORT",
     "PREFILL_PARAMS",
+    "Host",
     "PromptResult",
     "RequestFailedError",
     "ServerFailedError",
@@ -53,9 +55,11 @@ __all__ = [
     "complete",
     "disaggregated_complete",
     "free_port",
+    "in_netns",
     "metric_total",
     "machine_snapshot",
     "mooncake_disaggregated_complete",
+    "open_url",
     "process_group_usage",
     "proxy_headers",
     "running_server",
@@ -190,6 +194,50 @@ def free_port() -> int:
     raise RuntimeError(f"no free TCP port in [{low}, {high}) on 127.0.0.1")
 
 
+@dataclass(frozen=True)
+class Host:
+    """Where a server runs when not in this process's network namespace: ``netns`` (a
+    namespace ``ip netns add`` made), ``address`` (the one its NIXL side channel, vLLM's
+    ``VLLM_HOST_IP`` and a Mooncake peer's address are on) and ``env`` (more environment,
+    e.g. UCX's device). Its HTTP API stays on the namespace's own 127.0.0.1, which this
+    process reaches by opening its sockets there (:func:`open_url`)."""
+
+    netns: str
+    address: str
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int) -> None:
+    # os.setns is Python 3.12's; libc's is the same call.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns(CLONE_NEWNET): {os.strerror(err)}")
+
+
+@contextmanager
+def in_netns(netns: str | None) -> Iterator[None]:
+    """The calling thread in network namespace ``netns`` (``/run/netns/<netns>``) for the
+    block, then back in its own; None changes nothing. A network namespace belongs to a
+    thread, not the process, so the other threads are untouched, and a socket opened
+    inside stays in the namespace after the block (an HTTP answer is read later)."""
+    if netns is None:
+        yield
+        return
+    with (
+        open("/proc/thread-self/ns/net", "rb") as home,
+        open(f"/run/netns/{netns}", "rb") as target,
+    ):
+        _setns(target.fileno())
+        try:
+            yield
+        finally:
+            _setns(home.fileno())
+
+
 @dataclass
 class VllmServer:
     """One ``vllm`` OpenAI server. ``kv_transfer_config`` None serves without a connector."""
@@ -202,6 +250,8 @@ class VllmServer:
     serving: Serving = DEFAULT_SERVING
     kv_transfer_config: Mapping[str, Any] | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # None: this process's network namespace, everything on 127.0.0.1.
+    host: Host | None = None
     port: int = 0
     side_channel_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
@@ -216,7 +266,13 @@ class VllmServer:
 
     @property
     def url(self) -> str:
+        """The HTTP API, on the loopback of the server's namespace (:func:`open_url`)."""
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        """The address its peers reach it on: its side channel's and ``VLLM_HOST_IP``."""
+        return "127.0.0.1" if self.host is None else self.host.address
 
     def describe(self) -> str:
         return f"{self.name} ({self.model.name}, {self.serving.describe()}, port {self.port})"
@@ -229,7 +285,9 @@ class VllmServer:
         return args
 
     def command(self) -> list[str]:
+        netns = [] if self.host is None else ["ip", "netns", "exec", self.host.netns]
         return [
+            *netns,
             str(PYTHON),
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -254,8 +312,8 @@ class VllmServer:
                 "TRANSFORMERS_OFFLINE": "1",
                 "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
                 "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
-                "VLLM_HOST_IP": "127.0.0.1",
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_HOST_IP": self.address,
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": self.address,
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                 "VLLM_RPC_BASE_PATH": str(rpc_dir),
                 "VLLM_NO_USAGE_STATS": "1",
@@ -268,6 +326,8 @@ class VllmServer:
             }
         )
         env.update(self.extra_env)
+        if self.host is not None:
+            env.update(self.host.env)
         return env
 
     def start(self) -> None:
@@ -344,7 +404,7 @@ class VllmServer:
             if code is not None:
                 raise self.fail(f"exited with code {code} while starting")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                with open_url(self, f"{self.url}/health", timeout=5) as resp:
                     if resp.status == 200:
                         return
             except (urllib.error.URLError, OSError):
@@ -449,11 +509,14 @@ def running_pair(
     extra_env: Mapping[str, str] | None = None,
     prefill_env: Mapping[str, str] | None = None,
     decode_env: Mapping[str, str] | None = None,
+    hosts: tuple[Host, Host] | None = None,
 ) -> Iterator[ServerPair]:
     """Start both servers at once, wait for both, check they serve as ``serving`` says,
     yield, and always kill both. ``extra_env`` goes to both servers' environment,
     ``prefill_env`` and ``decode_env`` over it to one server's (a mixed pair's sides run
-    different connectors, which need different switches).
+    different connectors, which need different switches). ``hosts``: the prefill and
+    decode servers' network namespaces (:class:`Host`), None for this process's, both on
+    127.0.0.1.
 
     Refuses to start while another server of this process runs: one pair at a time.
     """
@@ -474,6 +537,7 @@ def running_pair(
             extra_env=extra_env,
             prefill_env=prefill_env,
             decode_env=decode_env,
+            hosts=hosts,
         )
 
 
@@ -550,8 +614,10 @@ def _run_pair(
     extra_env: Mapping[str, str] | None,
     prefill_env: Mapping[str, str] | None,
     decode_env: Mapping[str, str] | None,
+    hosts: tuple[Host, Host] | None,
 ) -> Iterator[ServerPair]:
     env = dict(extra_env or {})
+    prefill_host, decode_host = (None, None) if hosts is None else hosts
     pair = ServerPair(
         prefill=VllmServer(
             name="prefill",
@@ -562,6 +628,7 @@ def _run_pair(
             serving=serving,
             kv_transfer_config=prefill_kv,
             extra_env={**env, **(prefill_env or {})},
+            host=prefill_host,
         ),
         decode=VllmServer(
             name="decode",
@@ -572,6 +639,7 @@ def _run_pair(
             serving=serving,
             kv_transfer_config=decode_kv,
             extra_env={**env, **(decode_env or {})},
+            host=decode_host,
         ),
     )
     try:
@@ -611,6 +679,13 @@ def proxy_headers(request_id: str | None = None) -> dict[str, str]:
     return headers
 
 
+def open_url(server: VllmServer, request: str | urllib.request.Request, timeout: float) -> Any:
+    """``urllib.request.urlopen`` from the server's network namespace (its API listens on
+    that namespace's 127.0.0.1); the answer is read as any other."""
+    with in_netns(None if server.host is None else server.host.netns):
+        return urllib.request.urlopen(request, timeout=timeout)
+
+
 def _post(
     server: VllmServer, path: str, payload: Mapping[str, Any], request_id: str | None = None
 ) -> dict[str, Any]:
@@ -621,7 +696,7 @@ def _post(
         headers=proxy_headers(request_id),
     )
     try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as resp:
+        with open_url(server, request, timeout=REQUEST_TIMEOUT_S) as resp:
             body: dict[str, Any] = json.loads(resp.read())
             return body
     except urllib.error.HTTPError as err:
@@ -715,11 +790,11 @@ def mooncake_disaggregated_complete(pair: ServerPair, prompt: str, max_tokens: i
     ``kv_transfer_params``; the proxy names one ``transfer_id`` to both servers, and tells
     the consumer the producer's engine id (its ``kv_transfer_config`` ``engine_id``) and the
     address of its bootstrap server (``VLLM_MOONCAKE_BOOTSTRAP_PORT`` in its environment,
-    on 127.0.0.1). The consumer's worker asks that server where the producer's worker
-    listens, sends it its block ids, and the producer WRITEs its blocks with Mooncake's
-    ``batch_transfer_sync_write``. The producer's finished request holds its blocks until
-    then (at most ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``, 480 s), so the two requests go
-    one after the other, as in :func:`disaggregated_complete`."""
+    on its :attr:`VllmServer.address`). The consumer's worker asks that server where the
+    producer's worker listens, sends it its block ids, and the producer WRITEs its blocks
+    with Mooncake's ``batch_transfer_sync_write``. The producer's finished request holds
+    its blocks until then (at most ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``, 480 s), so the
+    two requests go one after the other, as in :func:`disaggregated_complete`."""
     config = pair.prefill.kv_transfer_config or {}
     engine_id = config.get("engine_id")
     port = pair.prefill.extra_env.get(MOONCAKE_BOOTSTRAP_PORT)
@@ -740,7 +815,7 @@ def mooncake_disaggregated_complete(pair: ServerPair, prompt: str, max_tokens: i
     params = {
         "do_remote_prefill": True,
         "remote_engine_id": engine_id,
-        "remote_bootstrap_addr": f"http://127.0.0.1:{port}",
+        "remote_bootstrap_addr": f"http://{pair.prefill.address}:{port}",
         "transfer_id": transfer_id,
     }
     second = complete(pair.decode, prompt, max_tokens, params, request_id)
@@ -755,7 +830,7 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 def scrape_metrics(server: VllmServer) -> dict[str, float]:
     """``/metrics`` as ``{"name{labels}": value}``."""
     try:
-        with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+        with open_url(server, f"{server.url}/metrics", timeout=30) as resp:
             text = resp.read().decode()
     except (urllib.error.URLError, OSError) as err:
         raise server.fail(f"GET /metrics failed: {err!r}") from err

@@ -41,6 +41,7 @@ from tests.e2e.pd_harness import (
     VllmServer,
     completion_payload,
     metric_total,
+    open_url,
     process_group_usage,
     proxy_headers,
     scrape_metrics,
@@ -153,7 +154,7 @@ def _open(
         headers=proxy_headers(request_id),
     )
     try:
-        return urllib.request.urlopen(request, timeout=remaining)
+        return open_url(server, request, remaining)
     except urllib.error.HTTPError as err:
         text = err.read().decode(errors="replace")[:300]
         raise _RequestError("vllm-error", f"{server.name}: HTTP {err.code}: {text}") from err
