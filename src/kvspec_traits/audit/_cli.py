@@ -362,8 +362,9 @@ def _write_report(
             handle.close()
 
 
-class _UsageError(Exception):
-    """A refusal ``main`` writes to stderr before it returns :data:`EXIT_USAGE`."""
+class _UsageError(KVSpecTraitsError, ValueError):
+    """A refusal ``main`` writes to stderr before it returns :data:`EXIT_USAGE` (never
+    raised past ``main``; a library error all the same, under the one root)."""
 
 
 def _universe(args: argparse.Namespace, err: TextIO) -> Universe:

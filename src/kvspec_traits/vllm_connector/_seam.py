@@ -591,11 +591,9 @@ def group_spec_types(kinds: Sequence[GroupKind]) -> tuple[type[Any], ...]:
     states has none, and vLLM's handshake stopped there on a bare ``StopIteration``
     (issue 47); a trailing attention tag that no transfer group owns stands in (every
     use of the list past that lookup is by a group's index, so no group reads it)."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
-
     tags = tuple(kind_tag(kind) for kind in kinds)
-    if tags and not any(issubclass(tag, AttentionSpec) for tag in tags):
-        tags += (AttentionSpec,)
+    if kinds and all(kind is GroupKind.STATE for kind in kinds):
+        tags += (kind_tag(GroupKind.PAGED),)
     return tags
 
 
