@@ -39,6 +39,7 @@ from kvspec_traits import __version__
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import is_state
 from kvspec_traits.nixl._progress import progress_delay
+from kvspec_traits.nixl._ratio_descs import ratio_lanes
 from kvspec_traits.nixl._register import register_ranges
 from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
 from kvspec_traits.vllm_connector import _quirks as quirks
@@ -63,6 +64,7 @@ from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
 from kvspec_traits.vllm_connector._observe import planned_bytes, refusal_reason, startup_lines
 from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
+from kvspec_traits.vllm_connector._ratio_peer import RatioPeer, at_our_block_size, read_request
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
 from kvspec_traits.vllm_connector._shm_wait import holding_shm_wait, release_shm_wait
 from kvspec_traits.vllm_connector._staging import transfer_caches
@@ -431,9 +433,19 @@ class TraitsWorkerBase(seam.SeamWorker):
             stage_of=lambda: pipeline_stage(self),
             stage_view=self.stage_view,
             keep_region_offset=self._keep_region_offset,
+            read_ratio=self.ratio_reader(agent_metadata.engine_id),
         )
         if getattr(agent_metadata, "kvspec_traits_fingerprint", None) is None:
             traits_stats(self).record_upstream_peer()  # accepted (and warned about)
+
+    def ratio_reader(
+        self, engine_id: str
+    ) -> Callable[[int, tuple[int, ...] | None], None] | None:
+        """What keeps the reads of peer ``engine_id`` whose blocks hold other token
+        counts than ours (given its TP size and tokens per block of each region), or
+        ``None`` where this worker does not read between block sizes (push: vLLM's push
+        worker writes with its own descriptors, so such a peer is refused by name)."""
+        return None
 
     def _keep_region_offset(self, offset: int) -> None:
         """vLLM 0.32/0.33 slice a PP 1 peer's regions from this offset for a stage:
@@ -451,13 +463,66 @@ class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):
             # Past the handshake vLLM reads now (before it, it starts the handshake and
             # comes back): the bytes this rank's plan moves for the request.
             plan = self.region_plan
-            if plan is not None and request.remote.engine_id in self.remote_agents:
+            engine = request.remote.engine_id
+            if plan is not None and engine in self.remote_agents:
                 nbytes = planned_bytes(plan, request.local_physical_block_ids)
                 if nbytes:
                     traits_stats(self).record_planned_bytes(nbytes)
+                peer = self._ratio_peers().get(engine)
+                if peer is not None and any(request.local_physical_block_ids):
+                    read_request(self, peer, req, request)  # another block size: ours
+                    return
             upstream(req, request)
 
         super().read_blocks_for_req(req_id, meta, read)
+
+    # -- peers of another block size (._ratio_peer) ---------------------------------------
+
+    def _ratio_peers(self) -> dict[str, RatioPeer]:
+        # Lazily: vLLM's tests build workers with object.__new__.
+        peers: dict[str, RatioPeer] = self.__dict__.setdefault("_kvspec_ratio_peers", {})
+        return peers
+
+    def ratio_reader(self, engine_id: str) -> Callable[[int, tuple[int, ...] | None], None]:
+        peers = self._ratio_peers()
+
+        def keep(remote_tp: int, tokens: tuple[int, ...] | None) -> None:
+            # Called once per remote rank's handshake: the ranks kept so far stay while
+            # the peer's layout stays; a peer handshaken again at our size is forgotten.
+            plan = self.region_plan
+            if tokens is None or plan is None:
+                peers.pop(engine_id, None)
+                return
+            lanes = ratio_lanes(plan, remote_tp, tokens)
+            kept = peers.get(engine_id)
+            if kept is None or (kept.lanes, kept.remote_tp) != (lanes, remote_tp):
+                peers[engine_id] = RatioPeer(lanes, remote_tp)
+
+        return keep
+
+    def add_remote_agent(
+        self,
+        nixl_agent_meta: NixlAgentMetadata,
+        remote_tp_rank: int = 0,
+        remote_tp_size: int = 1,
+        remote_dcp_size: int = 1,
+    ) -> str:
+        """vLLM's registration of a peer rank; a peer of another block size is kept for
+        the connector's reads and handed to vLLM at this worker's block size
+        (:func:`._ratio_peer.at_our_block_size`)."""
+        peer = self._ratio_peers().get(nixl_agent_meta.engine_id)
+        if peer is not None:
+            peer.keep_rank(remote_tp_rank, nixl_agent_meta)
+            nixl_agent_meta = at_our_block_size(
+                nixl_agent_meta,
+                peer,
+                self.block_size,
+                self.physical_blocks_per_logical_kv_block,
+            )
+        name: str = super().add_remote_agent(
+            nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size
+        )
+        return name
 
     # -- who reads from this producer (._consumers) ---------------------------------------
 

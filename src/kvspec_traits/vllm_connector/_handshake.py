@@ -23,6 +23,7 @@ from kvspec_traits.transfer import (
     PlanFingerprint,
     RegionPlan,
     StageLayersError,
+    UnsupportedLayoutError,
     check_peer,
     check_peer_geometry,
     check_region_bounds,
@@ -54,6 +55,7 @@ __all__ = [
     "check_state_tp",
     "check_remote_fingerprint",
     "handshake_with",
+    "peer_block_tokens",
     "pipeline_stage",
     "stage_view",
 ]
@@ -245,6 +247,7 @@ def check_remote_fingerprint(
     stage_of: Callable[[], PipelineStage] = PipelineStage,
     stage_view: RegionPlan | None = None,
     keep_region_offset: Callable[[int], None] | None = None,
+    read_ratio: Callable[[int, tuple[int, ...] | None], None] | None = None,
 ) -> None:
     """Check the peer's per-region traits fingerprint and regions against ``local``
     (this rank's plan, held by pipeline stage ``stage_of()``, asked once the peer's
@@ -264,6 +267,14 @@ def check_remote_fingerprint(
     whole rows of several layers pairs by its ``stage_view`` (ours) or the peer's
     ``kvspec_traits_stage_view``: its layers' pages as the stage lays them out.
 
+    A peer whose blocks hold other token counts than ours (a block-size ratio, issue
+    48) is compared per token where the worker reads between block sizes
+    (``read_ratio``, given the peer's TP size and tokens per block of each region, or
+    ``None`` for a peer of our block sizes, once the peer passed: it plans the reads,
+    and raises the planner's
+    :class:`~kvspec_traits.transfer.UnsupportedLayoutError` for what cannot move);
+    elsewhere (push, pipeline stages) it is a layout mismatch naming both block sizes.
+
     A layout mismatch raises :class:`~kvspec_traits.transfer.HandshakeMismatchError`
     naming the region and every differing trait; a region on another memory type than
     ours (a device-memory peer of a host-memory cache) raises
@@ -280,28 +291,7 @@ def check_remote_fingerprint(
     peer = getattr(_handshake_peer, "name", None) or "unknown address"
     fingerprint = getattr(agent_metadata, "kvspec_traits_fingerprint", None)
     if fingerprint is None:
-        # The peer sent upstream's NixlAgentMetadata: it runs vLLM's NixlConnector,
-        # which this connector is a drop-in for. vLLM's checks (the compatibility
-        # hash, the geometry checks of add_remote_agent) guard the pair, as between
-        # two upstream connectors; the opt-in refuses such peers.
-        if require_traits_peer:
-            raise PeerWithoutTraitsError(peer)
-        # No layout to check its addresses against; they must still address
-        # something sane before vLLM builds descriptors from them.
-        try:
-            check_region_bounds(peer_regions_of(agent_metadata))
-        except MalformedMetadataError as exc:
-            raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
-        logger.warning(
-            "%s: NIXL peer %s (engine %s) runs upstream's NixlConnector "
-            "(no kvspec-traits fingerprint); its layout is checked by "
-            "vLLM's compatibility hash only. Set kv_connector_extra_config "
-            "%s=true to refuse such peers.",
-            CONNECTOR_NAME,
-            peer,
-            agent_metadata.engine_id,
-            REQUIRE_TRAITS_PEER,
-        )
+        _accept_upstream_peer(agent_metadata, peer, require_traits_peer=require_traits_peer)
         return
     try:  # hostile JSON (deep, huge integers, not UTF-8) is a named error too
         remote = decode_fingerprint(fingerprint)
@@ -311,6 +301,9 @@ def check_remote_fingerprint(
     stage = stage_of()
     check_pipeline_parallel(stage, remote.pp[1])
     view = _peer_stage_view(agent_metadata, peer) if stage.size > 1 else None
+    tokens = peer_block_tokens(local, remote)
+    ratio = read_ratio is not None and tokens is not None and view is None
+    ratio = ratio and stage.size == 1 and remote.pp[1] == 1
     try:
         if view is not None:
             # The peer registers whole rows: our pages pair with the pages of its rows
@@ -329,20 +322,74 @@ def check_remote_fingerprint(
                 remote.tp_size,
                 peer=f"peer {peer}",
                 pp=(stage.rank, stage.size),
+                block_ratio=ratio,
             )
         _check_positions(stage, pairs, len(remote.regions), keep_region_offset)
         _check_members(remote, agent_metadata)
-    except (HandshakeMismatchError, MemoryTypeMismatchError, StageLayersError) as err:
+        if read_ratio is not None:  # the planner's reads (or its refusal); None: same size
+            read_ratio(remote.tp_size, tokens if ratio else None)
+    except (
+        HandshakeMismatchError,
+        MemoryTypeMismatchError,
+        StageLayersError,
+        UnsupportedLayoutError,
+    ) as err:
         _refuse(peer, agent_metadata, err)
         raise
     except MalformedMetadataError as exc:
         _refuse(peer, agent_metadata, exc)
         raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
     logger.info(
-        "%s: peer %s has the same KV layout (fingerprint %s)",
+        "%s: peer %s has the same KV layout (fingerprint %s%s)",
         CONNECTOR_NAME,
         peer,
         remote.digest[:16],
+        f"; tokens per block here {_tokens(local)}, the peer {list(tokens)}"
+        if ratio and tokens is not None
+        else "",
+    )
+
+
+def peer_block_tokens(local: RegionPlan, remote: PlanFingerprint) -> tuple[int, ...] | None:
+    """The peer's tokens per block of each region where its block sizes differ from
+    ours (region for region), else ``None``. A region of several block sizes on the
+    peer counts as 0 (the planner refuses it by name)."""
+    if len(local.regions) != len(remote.regions):
+        return None
+    theirs = [record.get("block_sizes") for record in remote.regions]
+    if all(list(r.block_sizes) == t for r, t in zip(local.regions, theirs, strict=True)):
+        return None
+    return tuple(
+        t[0] if isinstance(t, list) and len(t) == 1 and type(t[0]) is int else 0 for t in theirs
+    )
+
+
+def _tokens(plan: RegionPlan) -> list[int]:
+    return [r.block_sizes[0] if len(r.block_sizes) == 1 else 0 for r in plan.regions]
+
+
+def _accept_upstream_peer(agent_metadata: Any, peer: str, *, require_traits_peer: bool) -> None:
+    """A peer that sent upstream's NixlAgentMetadata runs vLLM's NixlConnector, which
+    this connector is a drop-in for. vLLM's checks (the compatibility hash, the geometry
+    checks of add_remote_agent) guard the pair, as between two upstream connectors; the
+    opt-in refuses such peers (:class:`PeerWithoutTraitsError`)."""
+    if require_traits_peer:
+        raise PeerWithoutTraitsError(peer)
+    # No layout to check its addresses against; they must still address
+    # something sane before vLLM builds descriptors from them.
+    try:
+        check_region_bounds(peer_regions_of(agent_metadata))
+    except MalformedMetadataError as exc:
+        raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
+    logger.warning(
+        "%s: NIXL peer %s (engine %s) runs upstream's NixlConnector "
+        "(no kvspec-traits fingerprint); its layout is checked by "
+        "vLLM's compatibility hash only. Set kv_connector_extra_config "
+        "%s=true to refuse such peers.",
+        CONNECTOR_NAME,
+        peer,
+        agent_metadata.engine_id,
+        REQUIRE_TRAITS_PEER,
     )
 
 

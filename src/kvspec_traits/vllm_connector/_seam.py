@@ -206,6 +206,9 @@ NAMES: tuple[VllmName, ...] = (
     VllmName(_PW, "_recving_transfers", _A, _ALL, "tells reads from writes; no getter"),
     VllmName(_PW, "_recving_metadata", _A, _ALL, "the request of a done read; no getter"),
     VllmName(_PW, "_recv_failures", _A, _ALL, "where vLLM collects failed reads; no API"),
+    VllmName(
+        _W, "_engine_last_active", _A, _ALL, "a read stamps its engine as vLLM's reads do; no API"
+    ),
     # The scheduler's decisions from spec classes, and the lease it keeps.
     VllmName(_S, "_is_hma_required", _A, _ALL, _CLASS_RULE),
     VllmName(_S, "_ssm_spec_blocks", _A, _ALL, _CLASS_RULE),
@@ -434,6 +437,7 @@ class SeamPullWorker(NixlPullConnectorWorker):
     remote_agents = _Alias["dict[str, Any]"]("_remote_agents")
     recving_transfers = _Alias["dict[str, Any]"]("_recving_transfers")
     recving_metadata = _Alias["dict[str, Any]"]("_recving_metadata")
+    engine_last_active = _Alias["dict[str, float]"]("_engine_last_active")
 
     def _send_heartbeats(self, metadata: NixlConnectorMetadata) -> None:
         self.send_heartbeats(metadata, super()._send_heartbeats)

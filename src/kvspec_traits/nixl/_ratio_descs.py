@@ -1,0 +1,194 @@
+"""NIXL descriptors for reads between blocks of other token counts (a block-size ratio
+between prefill and decode, issue 48): per region, the pieces
+:func:`~kvspec_traits.transfer.block_reads` plans, and per request the local and remote
+``(address, length, device)`` rows they name, one pair of lists per remote rank.
+
+The mirror of ``mooncake/_ratio_moves.py`` for NIXL's read path (a pull consumer reads;
+the producer never writes here). Pure: numpy only, no NIXL and no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvspec_traits.transfer import (
+    BlockIdShapeError,
+    BlockRead,
+    PeerRegion,
+    RegionPlan,
+    UnsupportedLayoutError,
+    block_reads,
+)
+from kvspec_traits.transfer._blocks import check_block_range
+
+__all__ = ["RatioLane", "RatioReads", "ratio_lanes", "ratio_reads"]
+
+
+@dataclass(frozen=True, slots=True)
+class RatioLane:
+    """One region read from peers whose blocks hold ``remote_tokens`` tokens (ours
+    ``local_tokens``): the ``a``-th block of a request takes ``phases[a % len(phases)]``,
+    each piece from the peer's ``a * local_tokens // remote_tokens + q``-th block."""
+
+    name: str
+    index: int
+    group_ids: tuple[int, ...]
+    base: int
+    stride: int
+    num_blocks: int
+    device_id: int
+    local_tokens: int
+    remote_tokens: int
+    phases: tuple[tuple[BlockRead, ...], ...]
+
+
+def ratio_lanes(
+    plan: RegionPlan, remote_tp: int, remote_tokens: Sequence[int]
+) -> tuple[RatioLane, ...]:
+    """The lanes of every region of ``plan`` against a peer of ``remote_tp`` ranks whose
+    region ``i`` holds ``remote_tokens[i]`` tokens a block. Raises
+    :class:`~kvspec_traits.transfer.UnsupportedLayoutError` (naming the region and why)
+    where the planner cannot read a region between the two block sizes: a recurrent
+    state, a ring, members of several block sizes, sizes of which neither divides the
+    other."""
+    if len(remote_tokens) != len(plan.regions):
+        raise UnsupportedLayoutError(
+            plan.regions[0].name if plan.regions else "(none)",
+            f"the peer names block sizes for {len(remote_tokens)} regions, this rank "
+            f"registers {len(plan.regions)}",
+        )
+    lanes = []
+    for region, theirs in zip(plan.regions, remote_tokens, strict=True):
+        mine = region.block_sizes[0] if len(region.block_sizes) == 1 else 0
+        phases = block_reads(
+            region, local_tp=plan.tp_size, local_rank=plan.tp_rank, remote_tp=remote_tp,
+            local_tokens=mine, remote_tokens=theirs,
+        )  # fmt: skip
+        lanes.append(
+            RatioLane(
+                name=region.name,
+                index=region.index,
+                group_ids=region.group_ids,
+                base=region.base_addr,
+                stride=region.block_stride,
+                num_blocks=region.num_blocks,
+                device_id=region.device_id,
+                local_tokens=mine,
+                remote_tokens=theirs,
+                phases=phases,
+            )
+        )
+    return tuple(lanes)
+
+
+@dataclass
+class RatioReads:
+    """One remote rank's part of a request: rows ``(address, length, device)``."""
+
+    local: list[tuple[int, int, int]]
+    remote: list[tuple[int, int, int]]
+
+    def arrays(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+        """The rows as NIXL's ``get_xfer_descs`` takes them."""
+        return (
+            np.array(self.local, dtype=np.uint64).reshape(-1, 3),
+            np.array(self.remote, dtype=np.uint64).reshape(-1, 3),
+        )
+
+
+def ratio_reads(
+    lanes: Sequence[RatioLane],
+    peers: Mapping[int, Sequence[PeerRegion]],
+    local_ids: Sequence[Sequence[int]],
+    remote_ids: Sequence[Sequence[int]],
+    local_starts: Sequence[int] | None = None,
+) -> dict[int, RatioReads]:
+    """What one request reads from each remote rank (``peers``: each handshaken rank's
+    regions). ``local_ids[g]`` are the request's blocks of group ``g`` from its
+    ``local_starts[g]``-th block on (the blocks a prefix-cache hit left to read; default
+    0), ``remote_ids[g]`` the peer's blocks of the whole request. A piece past the
+    peer's list (a last, partly filled block) is skipped.
+
+    Every id is checked before a row is built: :class:`~kvspec_traits.transfer.
+    BlockIdError` outside a region, :class:`~kvspec_traits.transfer.BlockIdShapeError`
+    where the lists do not cover the same tokens; a rank a piece needs that ``peers``
+    lacks is an :class:`~kvspec_traits.transfer.UnsupportedLayoutError`."""
+    starts = list(local_starts) if local_starts is not None else [0] * len(local_ids)
+    todo: list[tuple[RatioLane, int]] = []
+    for lane in lanes:
+        for group in lane.group_ids:
+            mine, theirs = local_ids[group], remote_ids[group]
+            if not mine:
+                continue
+            _check_lists(lane, group, starts[group], len(mine), theirs, peers)
+            todo.append((lane, group))
+    out: dict[int, RatioReads] = {}
+    for lane, group in todo:
+        _lane_rows(lane, starts[group], local_ids[group], remote_ids[group], peers, out)
+    return {rank: out[rank] for rank in sorted(out)}
+
+
+def _check_lists(
+    lane: RatioLane,
+    group: int,
+    start: int,
+    count: int,
+    theirs: Sequence[int],
+    peers: Mapping[int, Sequence[PeerRegion]],
+) -> None:
+    """Our blocks ``start .. start + count`` of a request are covered by the peer's
+    list: each has a token in it, and the list ends within our last block."""
+    mine_t, theirs_t = lane.local_tokens, lane.remote_tokens
+    low = ((start + count - 1) * mine_t) // theirs_t + 1
+    high = -(-(start + count) * mine_t // theirs_t)
+    if not low <= len(theirs) <= high:
+        raise BlockIdShapeError(
+            "both",
+            low,
+            len(theirs),
+            f"region {lane.name!r} group {group}: blocks {start}..{start + count - 1} of "
+            f"{mine_t} tokens are covered by {low}..{high} blocks of {theirs_t} tokens, "
+            f"not {len(theirs)}",
+        )
+    for rank in {piece.remote_rank for phase in lane.phases for piece in phase}:
+        if rank not in peers:
+            raise UnsupportedLayoutError(
+                lane.name, f"it reads from remote rank {rank}, not handshaken ({sorted(peers)})"
+            )
+        peer = peers[rank][lane.index]
+        check_block_range((min(theirs), max(theirs)), peer.num_blocks, [(lane.name, peer.num_blocks)], "remote")
+
+
+def _lane_rows(
+    lane: RatioLane,
+    start: int,
+    mine: Sequence[int],
+    theirs: Sequence[int],
+    peers: Mapping[int, Sequence[PeerRegion]],
+    out: dict[int, RatioReads],
+) -> None:
+    check_block_range((min(mine), max(mine)), lane.num_blocks, [(lane.name, lane.num_blocks)], "local")
+    for i, block in enumerate(mine):
+        a = start + i
+        first = a * lane.local_tokens // lane.remote_tokens
+        local_at = lane.base + block * lane.stride
+        for piece in lane.phases[a % len(lane.phases)]:
+            if first + piece.remote_block >= len(theirs):
+                continue
+            peer = peers[piece.remote_rank][lane.index]
+            source = theirs[first + piece.remote_block]
+            reads = out.get(piece.remote_rank)
+            if reads is None:
+                reads = out[piece.remote_rank] = RatioReads([], [])
+            reads.local.append((local_at + piece.local_offset, piece.length, lane.device_id))
+            reads.remote.append(
+                (
+                    peer.base_addr + source * peer.block_stride + piece.remote_offset,
+                    piece.length,
+                    peer.device_id,
+                )
+            )

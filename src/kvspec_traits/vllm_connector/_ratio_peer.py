@@ -1,0 +1,143 @@
+"""A pull consumer's peers of another block size (issue 48): what the worker keeps of each
+(the planner's lanes, the peer's regions per rank) and the read of one request from them,
+with descriptors built by :mod:`kvspec_traits.nixl._ratio_descs` from
+:func:`~kvspec_traits.transfer.block_reads`, never by vLLM's block-size branch.
+
+vLLM's own read path splits each larger local block into contiguous chunks of the peer's
+block length and permutes heads-outermost pages after the read; it asserts where decode
+blocks are the smaller, and where the producer has more TP ranks. The connector keeps
+vLLM's bookkeeping of the peer (agents, TP mapping, notifications, failure paths) by
+handing ``add_remote_agent`` the peer's geometry at this worker's block size
+(:func:`at_our_block_size`: the same bytes cut at our block length, inside the peer's
+registered memory), so vLLM neither converts nor permutes what the connector read; the
+reads of such a peer are the connector's alone (:func:`read_request`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvspec_traits._errors import KVSpecTraitsError
+from kvspec_traits.nixl._ratio_descs import RatioLane, ratio_reads
+from kvspec_traits.transfer import PeerRegion, UnsupportedLayoutError
+from kvspec_traits.vllm_connector._fields import peer_regions_of
+from kvspec_traits.vllm_connector._log import logger
+from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
+
+__all__ = ["RatioPeer", "at_our_block_size", "read_request"]
+
+
+@dataclass
+class RatioPeer:
+    """A producer engine whose blocks hold other token counts than ours."""
+
+    lanes: tuple[RatioLane, ...]
+    remote_tp: int
+    ranks: dict[int, list[PeerRegion]] = field(default_factory=dict)
+    """Each handshaken remote rank's regions, as its metadata placed them."""
+    remote_blocks_per_logical: int = 1
+
+    def keep_rank(self, rank: int, metadata: Any) -> None:
+        self.ranks[rank] = peer_regions_of(metadata)
+        self.remote_blocks_per_logical = int(metadata.physical_blocks_per_logical_kv_block or 1)
+
+
+def at_our_block_size(metadata: Any, peer: RatioPeer, block_size: int, per_logical: int) -> Any:
+    """The peer's metadata with its regions cut at our block length (``block_size``
+    tokens a block, ``per_logical`` kernel blocks per block): vLLM's bookkeeping of the
+    peer then sees no ratio to convert. The descriptors vLLM builds from it lie inside
+    the peer's registered memory and are never read from (:func:`read_request` reads).
+    Raises :class:`~kvspec_traits.transfer.UnsupportedLayoutError` where a region's
+    block stride does not divide at our block length."""
+    lanes = {lane.index: lane for lane in peer.lanes}
+    if int(metadata.physical_blocks_per_logical_kv_block or 1) != per_logical:
+        first = peer.lanes[0].name if peer.lanes else "(none)"
+        raise UnsupportedLayoutError(
+            first,
+            f"the peer splits a block into {metadata.physical_blocks_per_logical_kv_block} "
+            f"kernel blocks, this worker into {per_logical}; run both sides with one "
+            f"attention backend, or the same --block-size",
+        )
+
+    def scaled(index: int, value: int) -> int:
+        lane = lanes[index]
+        if (value * lane.local_tokens) % lane.remote_tokens:
+            raise UnsupportedLayoutError(
+                lane.name,
+                f"its {value}-byte block steps on the peer ({lane.remote_tokens} tokens a "
+                f"block) do not divide into blocks of {lane.local_tokens} tokens; run both "
+                f"sides with the same --block-size",
+            )
+        return value * lane.local_tokens // lane.remote_tokens
+
+    def count(index: int, blocks: int) -> int:
+        lane = lanes[index]
+        return blocks * lane.remote_tokens // lane.local_tokens
+
+    regions = range(len(metadata.kv_caches_base_addr))
+    region_blocks = metadata.region_num_blocks
+    return dataclasses.replace(
+        metadata,
+        block_size=block_size,
+        block_lens=[scaled(i, n) for i, n in zip(regions, metadata.block_lens, strict=True)],
+        block_strides=[
+            scaled(i, n) for i, n in zip(regions, metadata.block_strides, strict=True)
+        ],
+        num_blocks=min(count(i, metadata.num_blocks) for i in regions),
+        region_num_blocks=None
+        if region_blocks is None
+        else [count(i, n) for i, n in zip(regions, region_blocks, strict=True)],
+    )
+
+
+def read_request(worker: Any, peer: RatioPeer, req_id: str, meta: Any) -> None:
+    """Read request ``req_id`` (vLLM's ``ReqMeta``) from ``peer``: one NIXL read per
+    remote rank the plan names, the producer's notification on each, and on every
+    handshaken rank not read from (as vLLM's path notifies them). Ids that do not pair
+    (:class:`~kvspec_traits.KVSpecTraitsError`) and a read NIXL refuses fail the
+    request through vLLM's failed-read path, before (or instead of) any further read."""
+    engine = meta.remote.engine_id
+    worker.engine_last_active[engine] = time.perf_counter()
+    worker.recving_transfers.setdefault(req_id, [])
+    per_logical = worker.physical_blocks_per_logical_kv_block
+    computed = getattr(meta, "local_num_computed_blocks", ()) or ()
+    try:
+        reads = ratio_reads(
+            peer.lanes,
+            peer.ranks,
+            meta.local_physical_block_ids,
+            worker.logical_to_kernel_block_ids(
+                meta.remote.block_ids, peer.remote_blocks_per_logical
+            ),
+            [n * per_logical for n in computed] if computed else None,
+        )
+    except KVSpecTraitsError as err:
+        logger.error("%s: request %s not read: %s", CONNECTOR_NAME, req_id, err)
+        worker.fail_read(req_id)
+        return
+    consumers = worker.tp_mappings[engine].local_consumers
+    notif = f"{meta.remote.request_id}:{consumers}".encode()
+    agents = worker.remote_agents[engine]
+    agent = worker.nixl_wrapper
+    remote_mem = {r.mem_type for regions in peer.ranks.values() for r in regions}
+    try:
+        for rank, rows in reads.items():
+            local, remote = rows.arrays()
+            handle = agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs(local, worker.nixl_memory_type),
+                agent.get_xfer_descs(remote, next(iter(remote_mem))),
+                agents[(0, rank)],
+                notif,
+            )
+            agent.transfer(handle)
+            worker.recving_transfers[req_id].append(handle)
+        for (_, rank), name in agents.items():
+            if rank not in reads:
+                agent.send_notif(name, notif_msg=notif)
+    except Exception as err:  # NIXL's errors are untyped; vLLM's failed-read path follows
+        logger.error("%s: read of request %s failed: %r", CONNECTOR_NAME, req_id, err)
+        worker.fail_read(req_id)
