@@ -1,6 +1,20 @@
 """Different block sizes on prefill and decode through ``TraitsNixlConnectorWorker``
 (issue 48): real NIXL agents, vLLM's own request path (handshake, ``start_load_kv``,
-``get_finished``), the reads planned by ``kvspec_traits.transfer.block_reads``.
+``get_finished``), the reads planned by ``kvspec_traits.transfer.block_reads`` and built
+into NIXL descriptors by the connector (``nixl/_ratio_descs.py``), never by vLLM's
+block-size branch.
+
+The truth is test_block_ratio's, computed by hand token by token: a request of 128
+tokens has token ``t`` in block ``t // N`` at row ``t % N`` (``N`` tokens a block) of
+every head slot a rank holds (vLLM-CPU's LBHNC page is ``[heads, tokens, bytes]``, so a
+block of ``r`` times the tokens holds, in each head slot, the rows of ``r`` peer blocks
+one after another: not ``r`` peer blocks side by side). Producer ranks are seeded
+everywhere, then the request written; each decode rank starts at zero and must end
+holding exactly its share in the request's blocks and zero everywhere else.
+
+CPU attention takes blocks of a multiple of 32 tokens (the worker checks), so the ratios
+are 32<->64 and 32<->128, both ways, at P1->D1, P2->D1 and P1->D2, for GQA (8 KV heads),
+MLA (DeepSeek-V3's latent) and gpt-oss's full + sliding-window groups in one pool.
 """
 
 from __future__ import annotations
@@ -10,21 +24,26 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from unittest.mock import patch
 
+import msgspec
 import pytest
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
+from kvspec_traits.transfer import UnsupportedLayoutError
+from kvspec_traits.vllm_connector._connector import (
+    TraitsNixlAgentMetadata,
+    TraitsNixlConnectorWorker,
+)
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
 from tests.nixl_helpers.receive import receive, serving
 from tests.test_block_ratio import LAYOUT, MODELS, NB, _rank, _request_ids, _truth, _write_request
-from tests.test_connector_differential import _construct, _vllm_config, distributed
+from tests.test_connector_differential import Built, _construct, _vllm_config, build, distributed
 
 pytestmark = [pytest.mark.timeout(300)]
 
-__all__ = ["distributed"]  # a fixture, imported for its name
+__all__ = ["build", "distributed"]  # fixtures, imported for their names
 
 
 @pytest.fixture
@@ -64,7 +83,11 @@ def rank_worker(
 
 def move(
     rank_worker: Callable[..., tuple[Any, dict[str, torch.Tensor]]],
-    name: str, p_tp: int, d_tp: int, p_block: int, d_block: int,
+    name: str,
+    p_tp: int,
+    d_tp: int,
+    p_block: int,
+    d_block: int,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """One request of test_block_ratio's TOKENS tokens from prefill to decode: per decode
     rank, (its whole allocation after the read, its share computed by hand)."""
@@ -78,15 +101,22 @@ def move(
         layouts.fill_pattern(caches, 7 + rank)
         _write_request(type(p)(p.config, caches, p.plan), truth, p_tp, rank, p_block, p_ids)
         producers.append(worker)
+    sent = [layouts.backing(w.device_kv_caches).clone() for w in producers]
     out = {}
     with serving(producers) as port:
         for rank in range(d_tp):
             consumer, caches = rank_worker(name, f"decode-{rank}", d_tp, rank, d_block)
             receive(consumer, port=port, local=d_ids, remote=p_ids, remote_tp=p_tp)
+            # Read by the connector's descriptors (a peer of another block size), not
+            # vLLM's: its topology sees the peer at our block size, so it converts nothing.
+            assert ("prefill" in consumer._ratio_peers()) is (p_block != d_block)
+            assert consumer.transfer_topo.block_size_ratio(d_block) == 1
             want = _rank(name, d_tp, rank, d_block)
             _write_request(want, truth, d_tp, rank, d_block, d_ids)
             out[rank] = (layouts.backing(caches).clone(), want.raw)
             consumer.shutdown()
+    for worker, before in zip(producers, sent, strict=True):
+        assert torch.equal(layouts.backing(worker.device_kv_caches), before)  # reads only
     return out
 
 
@@ -105,3 +135,47 @@ def test_a_block_size_ratio_moves_each_token_to_its_row(
 ) -> None:
     for rank, (got, want) in move(rank_worker, name, p_tp, d_tp, p_block, d_block).items():
         assert torch.equal(got, want), (rank, int((got != want).sum()))
+
+
+# -- refused by name at the handshake, before any byte moves -------------------------
+
+
+def _metadata(worker: Any) -> TraitsNixlAgentMetadata:
+    payload = worker.xfer_handshake_metadata
+    return msgspec.msgpack.Decoder(TraitsNixlAgentMetadata).decode(payload.agent_metadata_bytes)
+
+
+def test_block_sizes_that_do_not_divide_are_refused_naming_both(
+    rank_worker: Callable[..., Any],
+) -> None:
+    """Prefill at 64 tokens a block, decode at 96: neither divides the other, so no
+    token of a decode block lies in whole prefill blocks. Refused by the planner's
+    check in the handshake (no read planned, no peer kept, no byte written)."""
+    producer, _ = rank_worker("gqa", "prefill", 1, 0, 64)
+    consumer, caches = rank_worker("gqa", "decode-0", 1, 0, 96)
+    with pytest.raises(UnsupportedLayoutError, match="blocks of 96 tokens here and 64 on the peer"):
+        consumer.check_remote_fingerprint(_metadata(producer))
+    assert consumer._ratio_peers() == {}
+    assert not layouts.backing(caches).any()
+
+
+@pytest.mark.parametrize(
+    ("family", "why"),
+    [
+        ("qwen35", "recurrent state, whose block is not addressed by token"),
+        ("deepseek_v4", "ring buffer|packed row|differ in block size"),
+    ],
+)
+def test_layouts_not_addressed_by_token_are_refused_by_name(
+    build: Callable[..., Built], family: str, why: str
+) -> None:
+    """What the connector keeps for a peer of twice our block size (its handshake's
+    call, with the tokens a peer fingerprint carries): the planner's refusal, naming
+    the region and the fix, for Qwen3.5's GDN state and DeepSeek-V4's rings and rows."""
+    worker = build(layouts.FAMILIES[family]).traits
+    plan = worker.region_plan
+    doubled = tuple(2 * r.block_sizes[0] if r.block_sizes else 0 for r in plan.regions)
+    with pytest.raises(UnsupportedLayoutError, match=why) as info:
+        worker.ratio_reader("peer")(1, doubled)
+    assert "--block-size" in str(info.value) or "divide" in str(info.value)
+    assert worker._ratio_peers() == {}

@@ -63,7 +63,8 @@ def ratio_lanes(
         )
     lanes = []
     for region, theirs in zip(plan.regions, remote_tokens, strict=True):
-        mine = region.block_sizes[0] if len(region.block_sizes) == 1 else 0
+        # A region of several block sizes is refused by the planner, naming them.
+        mine = region.block_sizes[0] if region.block_sizes else 0
         phases = block_reads(
             region, local_tp=plan.tp_size, local_rank=plan.tp_rank, remote_tp=remote_tp,
             local_tokens=mine, remote_tokens=theirs,
@@ -160,7 +161,9 @@ def _check_lists(
                 lane.name, f"it reads from remote rank {rank}, not handshaken ({sorted(peers)})"
             )
         peer = peers[rank][lane.index]
-        check_block_range((min(theirs), max(theirs)), peer.num_blocks, [(lane.name, peer.num_blocks)], "remote")
+        check_block_range(
+            (min(theirs), max(theirs)), peer.num_blocks, [(lane.name, peer.num_blocks)], "remote"
+        )
 
 
 def _lane_rows(
@@ -171,7 +174,9 @@ def _lane_rows(
     peers: Mapping[int, Sequence[PeerRegion]],
     out: dict[int, RatioReads],
 ) -> None:
-    check_block_range((min(mine), max(mine)), lane.num_blocks, [(lane.name, lane.num_blocks)], "local")
+    check_block_range(
+        (min(mine), max(mine)), lane.num_blocks, [(lane.name, lane.num_blocks)], "local"
+    )
     for i, block in enumerate(mine):
         a = start + i
         first = a * lane.local_tokens // lane.remote_tokens

@@ -55,6 +55,9 @@ def block_reads(
     rows, members of other block sizes or head slots), or token counts of which neither
     divides the other.
     """
+    # What the region is comes first (a state or a ring is refused for that, whatever
+    # the peer's block size), then whether the two sizes divide.
+    slots, token_bytes = _token_rows(region, local_tokens)
     big, small = max(local_tokens, remote_tokens), min(local_tokens, remote_tokens)
     if small < 1 or big % small:
         raise UnsupportedLayoutError(
@@ -62,7 +65,6 @@ def block_reads(
             f"blocks of {local_tokens} tokens here and {remote_tokens} on the peer: neither "
             f"divides the other; run both sides with block sizes that divide",
         )
-    slots, token_bytes = _token_rows(region, local_tokens)
     # Where each head slot's rows come from at one token a block: the TP decision.
     one_token = replace(region, block_len=slots * token_bytes)
     reads = tp_reads(one_token, local_tp=local_tp, local_rank=local_rank, remote_tp=remote_tp)

@@ -221,27 +221,7 @@ class TraitsWorkerBase(seam.SeamWorker):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV caches with NIXL, regions planned from traits."""
-        # Through base_worker's names: vLLM's tests (and users' hooks) patch them there.
-        topology = seam.gathering_topology(_bw.TransferTopology)  # type: ignore[attr-defined]
-        self.transfer_topo = topology(
-            tp_rank=self.transfer_tp_rank,
-            tp_size=self.transfer_tp_size,
-            block_size=self.block_size,
-            engine_id=self.engine_id,
-            is_mla=self.use_mla,
-            total_num_kv_heads=1 if self.use_mla else self.model_config.get_total_num_kv_heads(),
-            attn_backends=self.attn_backends,
-            dcp_size=self.dcp_size,
-            tensor_shape=None if self.has_mamba else next(iter(kv_caches.values())).shape,
-            is_mamba=self.has_mamba,
-        )
-        # As upstream: a push worker hashes every backend of a packed cache (PP reorders them).
-        names = {self.backend_name}
-        if self.supports_pp_hma and self.has_packed_cache:
-            names = {b.get_name() for b in self.attn_backends}
-        self.compat_hash = _bw.compute_nixl_compatibility_hash(  # type: ignore[attr-defined]
-            self.vllm_config, ",".join(sorted(names)), transfer_mode=self.transfer_mode
-        )
+        self._set_topology_and_hash(kv_caches)
 
         # The caches, or (kv_buffer_device "cpu" on an accelerator) the host buffer upstream's
         # copies fill before a send and after a receive: regions and fingerprint of what NIXL moves.
@@ -280,7 +260,44 @@ class TraitsWorkerBase(seam.SeamWorker):
             self.region_is_mla,
         )
         self._log_startup(plan)
-        agent_metadata = TraitsNixlAgentMetadata(
+        if self.compat_hash is None:
+            raise RuntimeError("compatibility hash was not computed")
+        self.xfer_handshake_metadata = NixlHandshakePayload(
+            compatibility_hash=self.compat_hash,
+            agent_metadata_bytes=msgspec.msgpack.Encoder().encode(self._agent_metadata(plan)),
+        )
+
+    def _set_topology_and_hash(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """vLLM's transfer topology (gathering replicas: issue 47) and compatibility
+        hash, as its ``register_kv_caches`` sets them."""
+        # Through base_worker's names: vLLM's tests (and users' hooks) patch them there.
+        topology = seam.gathering_topology(_bw.TransferTopology)  # type: ignore[attr-defined]
+        self.transfer_topo = topology(
+            tp_rank=self.transfer_tp_rank,
+            tp_size=self.transfer_tp_size,
+            block_size=self.block_size,
+            engine_id=self.engine_id,
+            is_mla=self.use_mla,
+            total_num_kv_heads=1 if self.use_mla else self.model_config.get_total_num_kv_heads(),
+            attn_backends=self.attn_backends,
+            dcp_size=self.dcp_size,
+            tensor_shape=None if self.has_mamba else next(iter(kv_caches.values())).shape,
+            is_mamba=self.has_mamba,
+        )
+        # As upstream: a push worker hashes every backend of a packed cache (PP reorders them).
+        names = {self.backend_name}
+        if self.supports_pp_hma and self.has_packed_cache:
+            names = {b.get_name() for b in self.attn_backends}
+        self.compat_hash = _bw.compute_nixl_compatibility_hash(  # type: ignore[attr-defined]
+            self.vllm_config, ",".join(sorted(names)), transfer_mode=self.transfer_mode
+        )
+
+    def _agent_metadata(self, plan: RegionPlan) -> TraitsNixlAgentMetadata:
+        """What a peer's handshake receives: vLLM's agent metadata of the planned
+        regions, with the traits fingerprint (and a PP 1 push worker's stage view)."""
+        if self.traits_fingerprint is None:
+            raise RuntimeError("the traits fingerprint was not computed")
+        return TraitsNixlAgentMetadata(
             engine_id=self.engine_id,
             agent_metadata=self.nixl_wrapper.get_agent_metadata(),
             device_id=self.device_id,
@@ -309,12 +326,6 @@ class TraitsWorkerBase(seam.SeamWorker):
             if self.stage_view is not None
             else None,
             **self._layer_group_ids(),
-        )
-        if self.compat_hash is None:
-            raise RuntimeError("compatibility hash was not computed")
-        self.xfer_handshake_metadata = NixlHandshakePayload(
-            compatibility_hash=self.compat_hash,
-            agent_metadata_bytes=msgspec.msgpack.Encoder().encode(agent_metadata),
         )
 
     def _log_startup(self, plan: RegionPlan) -> None:
@@ -438,9 +449,7 @@ class TraitsWorkerBase(seam.SeamWorker):
         if getattr(agent_metadata, "kvspec_traits_fingerprint", None) is None:
             traits_stats(self).record_upstream_peer()  # accepted (and warned about)
 
-    def ratio_reader(
-        self, engine_id: str
-    ) -> Callable[[int, tuple[int, ...] | None], None] | None:
+    def ratio_reader(self, engine_id: str) -> Callable[[int, tuple[int, ...] | None], None] | None:
         """What keeps the reads of peer ``engine_id`` whose blocks hold other token
         counts than ours (given its TP size and tokens per block of each region), or
         ``None`` where this worker does not read between block sizes (push: vLLM's push

@@ -20,6 +20,7 @@ from kvspec_traits.transfer import (
     HandshakeMismatchError,
     MalformedMetadataError,
     MemoryTypeMismatchError,
+    PeerRegion,
     PlanFingerprint,
     RegionPlan,
     StageLayersError,
@@ -256,24 +257,15 @@ def check_remote_fingerprint(
     (:func:`~kvspec_traits.transfer.check_peer`).
 
     Where either side is a pipeline stage (push mode only, else
-    :class:`UnsupportedPipelineParallelError`), the stage's regions are paired with the
-    peer's by the layers they hold: a stage layer the peer lacks raises
-    :class:`~kvspec_traits.transfer.StageLayersError`, a paired region laid out
-    otherwise :class:`~kvspec_traits.transfer.HandshakeMismatchError`; where vLLM pairs
-    them by position (0.32/0.33 without layer-name routing), the first peer region
-    paired is the offset vLLM slices the peer's regions from (``keep_region_offset``
-    is called with it), and a pairing that is not one run of the peer's regions raises
-    :class:`UnsupportedStagePairingError`. A PP 1 side registering
-    whole rows of several layers pairs by its ``stage_view`` (ours) or the peer's
-    ``kvspec_traits_stage_view``: its layers' pages as the stage lays them out.
+    :class:`UnsupportedPipelineParallelError`), regions pair as :func:`_pair_regions`
+    says (``keep_region_offset``: where vLLM pairs them by position, the first peer
+    region paired).
 
-    A peer whose blocks hold other token counts than ours (a block-size ratio, issue
-    48) is compared per token where the worker reads between block sizes
-    (``read_ratio``, given the peer's TP size and tokens per block of each region, or
-    ``None`` for a peer of our block sizes, once the peer passed: it plans the reads,
-    and raises the planner's
-    :class:`~kvspec_traits.transfer.UnsupportedLayoutError` for what cannot move);
-    elsewhere (push, pipeline stages) it is a layout mismatch naming both block sizes.
+    A peer of other tokens per block (issue 48) is compared per token where the worker
+    reads between block sizes: ``read_ratio`` (called once the peer passed, with its TP
+    size and tokens per block of each region, ``None`` for our sizes) plans the reads or
+    raises the planner's :class:`~kvspec_traits.transfer.UnsupportedLayoutError`;
+    elsewhere (push, pipeline stages) it is a mismatch naming both block sizes.
 
     A layout mismatch raises :class:`~kvspec_traits.transfer.HandshakeMismatchError`
     naming the region and every differing trait; a region on another memory type than
@@ -305,25 +297,9 @@ def check_remote_fingerprint(
     ratio = read_ratio is not None and tokens is not None and view is None
     ratio = ratio and stage.size == 1 and remote.pp[1] == 1
     try:
-        if view is not None:
-            # The peer registers whole rows: our pages pair with the pages of its rows
-            # (vLLM addresses them by packed_member_layouts, checked against the view).
-            check_peer_geometry(remote, regions, remote.tp_size)
-            pairs = pair_stages(local.fingerprint(pp=(stage.rank, stage.size)), view)
-            _check_packed_pages(view, agent_metadata)
-        else:
-            # vLLM's metadata carries no registrations: placement is checked against
-            # our plan's overlaps and rows (check_peer_placement), not bound to them.
-            mine = stage_view if stage_view is not None and remote.pp[1] > 1 else local
-            pairs = check_peer(
-                mine,
-                remote,
-                regions,
-                remote.tp_size,
-                peer=f"peer {peer}",
-                pp=(stage.rank, stage.size),
-                block_ratio=ratio,
-            )
+        pairs = _pair_regions(
+            local, remote, regions, agent_metadata, peer, stage, view, stage_view, ratio=ratio
+        )
         _check_positions(stage, pairs, len(remote.regions), keep_region_offset)
         _check_members(remote, agent_metadata)
         if read_ratio is not None:  # the planner's reads (or its refusal); None: same size
@@ -339,14 +315,55 @@ def check_remote_fingerprint(
     except MalformedMetadataError as exc:
         _refuse(peer, agent_metadata, exc)
         raise MalformedMetadataError(f"peer {peer}: {exc.reason}") from exc
-    logger.info(
-        "%s: peer %s has the same KV layout (fingerprint %s%s)",
-        CONNECTOR_NAME,
-        peer,
-        remote.digest[:16],
-        f"; tokens per block here {_tokens(local)}, the peer {list(tokens)}"
-        if ratio and tokens is not None
-        else "",
+    _log_accepted(peer, local, remote, tokens if ratio else None)
+
+
+def _pair_regions(
+    local: RegionPlan,
+    remote: PlanFingerprint,
+    regions: Sequence[PeerRegion],
+    agent_metadata: Any,
+    peer: str,
+    stage: PipelineStage,
+    view: PlanFingerprint | None,
+    stage_view: RegionPlan | None,
+    *,
+    ratio: bool,
+) -> tuple[tuple[int, int], ...]:
+    """Our regions paired with the peer's, ``(local index, remote index)``, after the
+    checks every backend runs (:func:`~kvspec_traits.transfer.check_peer`; per token
+    with ``ratio``).
+
+    Where either side is a pipeline stage (push mode only, else
+    :class:`UnsupportedPipelineParallelError`), the stage's regions are paired with the
+    peer's by the layers they hold: a stage layer the peer lacks raises
+    :class:`~kvspec_traits.transfer.StageLayersError`, a paired region laid out
+    otherwise :class:`~kvspec_traits.transfer.HandshakeMismatchError`; where vLLM pairs
+    them by position (0.32/0.33 without layer-name routing), the first peer region
+    paired is the offset vLLM slices the peer's regions from (``keep_region_offset``
+    is called with it), and a pairing that is not one run of the peer's regions raises
+    :class:`UnsupportedStagePairingError`. A PP 1 side registering
+    whole rows of several layers pairs by its ``stage_view`` (ours) or the peer's
+    ``kvspec_traits_stage_view``: its layers' pages as the stage lays them out.
+    """
+    if view is not None:
+        # The peer registers whole rows: our pages pair with the pages of its rows
+        # (vLLM addresses them by packed_member_layouts, checked against the view).
+        check_peer_geometry(remote, regions, remote.tp_size)
+        pairs = pair_stages(local.fingerprint(pp=(stage.rank, stage.size)), view)
+        _check_packed_pages(view, agent_metadata)
+        return pairs
+    # vLLM's metadata carries no registrations: placement is checked against
+    # our plan's overlaps and rows (check_peer_placement), not bound to them.
+    mine = stage_view if stage_view is not None and remote.pp[1] > 1 else local
+    return check_peer(
+        mine,
+        remote,
+        regions,
+        remote.tp_size,
+        peer=f"peer {peer}",
+        pp=(stage.rank, stage.size),
+        block_ratio=ratio,
     )
 
 
@@ -364,8 +381,17 @@ def peer_block_tokens(local: RegionPlan, remote: PlanFingerprint) -> tuple[int, 
     )
 
 
-def _tokens(plan: RegionPlan) -> list[int]:
-    return [r.block_sizes[0] if len(r.block_sizes) == 1 else 0 for r in plan.regions]
+def _log_accepted(
+    peer: str, local: RegionPlan, remote: PlanFingerprint, tokens: tuple[int, ...] | None
+) -> None:
+    ours = [r.block_sizes[0] if len(r.block_sizes) == 1 else 0 for r in local.regions]
+    logger.info(
+        "%s: peer %s has the same KV layout (fingerprint %s%s)",
+        CONNECTOR_NAME,
+        peer,
+        remote.digest[:16],
+        "" if tokens is None else f"; tokens per block here {ours}, the peer {list(tokens)}",
+    )
 
 
 def _accept_upstream_peer(agent_metadata: Any, peer: str, *, require_traits_peer: bool) -> None:

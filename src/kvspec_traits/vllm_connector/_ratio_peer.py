@@ -83,9 +83,7 @@ def at_our_block_size(metadata: Any, peer: RatioPeer, block_size: int, per_logic
         metadata,
         block_size=block_size,
         block_lens=[scaled(i, n) for i, n in zip(regions, metadata.block_lens, strict=True)],
-        block_strides=[
-            scaled(i, n) for i, n in zip(regions, metadata.block_strides, strict=True)
-        ],
+        block_strides=[scaled(i, n) for i, n in zip(regions, metadata.block_strides, strict=True)],
         num_blocks=min(count(i, metadata.num_blocks) for i in regions),
         region_num_blocks=None
         if region_blocks is None
