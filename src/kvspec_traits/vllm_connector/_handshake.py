@@ -257,7 +257,7 @@ def check_remote_fingerprint(
     (:func:`~kvspec_traits.transfer.check_peer`).
 
     Where either side is a pipeline stage (push mode only, else
-    :class:`UnsupportedPipelineParallelError`), regions pair as :func:`_pair_regions`
+    :class:`UnsupportedPipelineParallelError`), regions pair as :func:`_region_pairs`
     says (``keep_region_offset``: where vLLM pairs them by position, the first peer
     region paired).
 
@@ -297,7 +297,7 @@ def check_remote_fingerprint(
     ratio = read_ratio is not None and tokens is not None and view is None
     ratio = ratio and stage.size == 1 and remote.pp[1] == 1
     try:
-        pairs = _pair_regions(
+        pairs = _region_pairs(
             local, remote, regions, agent_metadata, peer, stage, view, stage_view, ratio=ratio
         )
         _check_positions(stage, pairs, len(remote.regions), keep_region_offset)
@@ -318,7 +318,7 @@ def check_remote_fingerprint(
     _log_accepted(peer, local, remote, tokens if ratio else None)
 
 
-def _pair_regions(
+def _region_pairs(
     local: RegionPlan,
     remote: PlanFingerprint,
     regions: Sequence[PeerRegion],
