@@ -32,10 +32,10 @@ test: setup  ## lint, typing, and the whole test suite (on vLLM 0.32, the 0.33 a
 test-fast: setup  ## the inner loop: lint, the series-independent tests, the 0.32 suite without servers
 	KVSPEC_PASSES="lint common v032" KVSPEC_MARK="not slow" bash scripts/test.sh
 
-conformance: setup  ## vLLM's NIXL tests, upstream vs ours (0.32-0.34); its whole kv_connector suite, unpatched vs patched (0.32-0.34); the unpatched baseline, mixed and heterogeneous-TP server pairs; the pairs across network namespaces (root)
+conformance: setup  ## vLLM's NIXL tests, upstream vs ours (0.32-0.34); its whole kv_connector suite, unpatched vs patched (0.32-0.34); the unpatched baseline, mixed, heterogeneous-TP and block-ratio server pairs; the pairs across network namespaces (root)
 	KVSPEC_PASSES="conformance032 conformance033 conformance034" bash scripts/test.sh; \
 	status=$$?; $(PY) scripts/conformance/run_migrated.py 0.32 0.33 0.34 || status=1; \
-	PYTHONPATH=src KVSPEC_EXPECT_VLLM=0.32 $(PY) -m pytest -p no:cacheprovider -m "upstream_baseline or mixed or hetero_tp" tests/e2e || status=1; \
+	PYTHONPATH=src KVSPEC_EXPECT_VLLM=0.32 $(PY) -m pytest -p no:cacheprovider -m "upstream_baseline or mixed or hetero_tp or block_ratio" tests/e2e || status=1; \
 	PYTHONPATH=src KVSPEC_EXPECT_VLLM=0.32 $(PY) -m pytest -p no:cacheprovider -m netns tests/e2e || status=1; \
 	exit $$status
 

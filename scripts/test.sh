@@ -47,11 +47,11 @@ lint() {
 # pytest_on VERSION [PYTHONPATH-PREFIX] [extra marker]: the suite on one vLLM series, less
 # the series-independent modules (the common pass runs those once) and the pairs that serve
 # the installed vLLM alone or on one side (`upstream_baseline`, `mixed`), at other TP
-# sizes (`hetero_tp`) or across network namespaces (`netns`): `make conformance` runs
+# sizes (`hetero_tp`) or block sizes (`block_ratio`) or across network namespaces (`netns`): `make conformance` runs
 # them. --durations keeps each pass's cost visible in its log.
 pytest_on() {
   local version=$1 prefix=$2 extra=${3:-}
-  local m="not series_independent and not upstream_baseline and not mixed and not hetero_tp and not netns${extra:+ and $extra}${mark:+ and ($mark)}"
+  local m="not series_independent and not upstream_baseline and not mixed and not hetero_tp and not block_ratio and not netns${extra:+ and $extra}${mark:+ and ($mark)}"
   PYTHONPATH=${prefix:+$prefix:}$SRC KVSPEC_EXPECT_VLLM=$version \
     "$PY" -m pytest -p no:cacheprovider --durations=15 -m "$m"
 }
