@@ -19,6 +19,7 @@ MLA (DeepSeek-V3's latent) and gpt-oss's full + sliding-window groups in one poo
 
 from __future__ import annotations
 
+import ctypes
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +31,8 @@ import torch
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-from kvspec_traits.transfer import UnsupportedLayoutError
+from kvspec_traits.nixl._ratio_descs import ratio_lanes, ratio_reads
+from kvspec_traits.transfer import BlockIdShapeError, UnsupportedLayoutError, peer_regions
 from kvspec_traits.vllm_connector._connector import (
     TraitsNixlAgentMetadata,
     TraitsNixlConnectorWorker,
@@ -180,3 +182,39 @@ def test_layouts_not_addressed_by_token_are_refused_by_name(
         worker.ratio_reader("peer")(1, doubled)
     assert "--block-size" in str(info.value)
     assert worker._ratio_peers() == {}
+
+
+# -- a request's rows: a prefix held locally, a window's tail ---------------------------
+
+
+def _apply(rows: dict[int, Any]) -> None:
+    """Carry out the reads in this process (what NIXL does with the two row lists)."""
+    for reads in rows.values():
+        for (dst, length, _), (src, _, _) in zip(reads.local, reads.remote, strict=True):
+            ctypes.memmove(dst, src, length)
+
+
+@pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32)])
+def test_a_prefix_held_locally_reads_only_the_rest_into_its_rows(
+    p_block: int, d_block: int
+) -> None:
+    """Decode holds the request's first 64 tokens already (vLLM's
+    ``local_num_computed_blocks``: 1 block of 64, or 2 of 32); its list names only the
+    blocks after them, the peer's names the whole request. Those blocks get tokens
+    64..127 in their rows (hand-computed truth), the held blocks stay as they were."""
+    truth = _truth("gqa")
+    p, d = _rank("gqa", 1, 0, p_block), _rank("gqa", 1, 0, d_block)
+    p_ids, d_ids = _request_ids(1, p_block), _request_ids(1, d_block)
+    layouts.fill_pattern(p.caches, 7)
+    _write_request(p, truth, 1, 0, p_block, p_ids)
+    held = 64 // d_block
+    lanes = ratio_lanes(d.plan, 1, [p_block] * len(d.plan.regions))
+    peers = {0: peer_regions(p.plan)}
+    _apply(ratio_reads(lanes, peers, [d_ids[0][held:]], p_ids, [held], request_tokens=128))
+    want = _rank("gqa", 1, 0, d_block)
+    _write_request(want, truth, 1, 0, d_block, d_ids)
+    for layer in want.caches:
+        want.caches[layer].view(torch.uint8)[d_ids[0][:held]] = 0  # held: not read
+    assert torch.equal(d.raw, want.raw)
+    with pytest.raises(BlockIdShapeError, match="a window's tail"):
+        ratio_reads(lanes, peers, [d_ids[0][-1:]], [p_ids[0][-1:]], [1], request_tokens=128)

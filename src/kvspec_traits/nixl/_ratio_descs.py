@@ -107,17 +107,24 @@ def ratio_reads(
     local_ids: Sequence[Sequence[int]],
     remote_ids: Sequence[Sequence[int]],
     local_starts: Sequence[int] | None = None,
+    request_tokens: int | None = None,
 ) -> dict[int, RatioReads]:
     """What one request reads from each remote rank (``peers``: each handshaken rank's
     regions). ``local_ids[g]`` are the request's blocks of group ``g`` from its
     ``local_starts[g]``-th block on (the blocks a prefix-cache hit left to read; default
-    0), ``remote_ids[g]`` the peer's blocks of the whole request. A piece past the
-    peer's list (a last, partly filled block) is skipped.
+    0), ``remote_ids[g]`` the peer's blocks of the whole request (of ``request_tokens``
+    tokens, where known: a list of fewer blocks, a window's tail, is refused, since its
+    first block's position is not known here). A piece past the peer's list (a last,
+    partly filled block) is skipped.
 
     Every id is checked before a row is built: :class:`~kvspec_traits.transfer.
     BlockIdError` outside a region, :class:`~kvspec_traits.transfer.BlockIdShapeError`
     where the lists do not cover the same tokens; a rank a piece needs that ``peers``
     lacks is an :class:`~kvspec_traits.transfer.UnsupportedLayoutError`."""
+    if len(remote_ids) != len(local_ids):
+        raise BlockIdShapeError(
+            "remote", len(local_ids), len(remote_ids), "not one list per cache group"
+        )
     starts = list(local_starts) if local_starts is not None else [0] * len(local_ids)
     todo: list[tuple[RatioLane, int]] = []
     for lane in lanes:
@@ -125,7 +132,7 @@ def ratio_reads(
             mine, theirs = local_ids[group], remote_ids[group]
             if not mine:
                 continue
-            _check_lists(lane, group, starts[group], len(mine), theirs, peers)
+            _check_lists(lane, group, starts[group], len(mine), theirs, peers, request_tokens)
             todo.append((lane, group))
     out: dict[int, RatioReads] = {}
     for lane, group in todo:
@@ -140,10 +147,22 @@ def _check_lists(
     count: int,
     theirs: Sequence[int],
     peers: Mapping[int, Sequence[PeerRegion]],
+    request_tokens: int | None,
 ) -> None:
     """Our blocks ``start .. start + count`` of a request are covered by the peer's
-    list: each has a token in it, and the list ends within our last block."""
+    list: each has a token in it, and the list ends within our last block; the list is
+    the whole request's (``request_tokens``, where known)."""
     mine_t, theirs_t = lane.local_tokens, lane.remote_tokens
+    whole = -(-request_tokens // theirs_t) if request_tokens is not None else len(theirs)
+    if len(theirs) != whole:
+        raise BlockIdShapeError(
+            "remote",
+            whole,
+            len(theirs),
+            f"region {lane.name!r} group {group}: {request_tokens} tokens are {whole} "
+            f"blocks of {theirs_t} on the peer, not {len(theirs)} (a window's tail cannot "
+            f"be placed between block sizes)",
+        )
     low = ((start + count - 1) * mine_t) // theirs_t + 1
     high = -(-(start + count) * mine_t // theirs_t)
     if not low <= len(theirs) <= high:

@@ -111,6 +111,7 @@ def read_request(worker: Any, peer: RatioPeer, req_id: str, meta: Any) -> None:
                 meta.remote.block_ids, peer.remote_blocks_per_logical
             ),
             [n * per_logical for n in computed] if computed else None,
+            meta.remote.num_tokens or None,
         )
     except KVSpecTraitsError as err:
         logger.error("%s: request %s not read: %s", CONNECTOR_NAME, req_id, err)
