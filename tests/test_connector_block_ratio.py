@@ -4,13 +4,16 @@
 into NIXL descriptors by the connector (``nixl/_ratio_descs.py``), never by vLLM's
 block-size branch.
 
-The truth is test_block_ratio's, computed by hand token by token: a request of 128
-tokens has token ``t`` in block ``t // N`` at row ``t % N`` (``N`` tokens a block) of
-every head slot a rank holds (vLLM-CPU's LBHNC page is ``[heads, tokens, bytes]``, so a
-block of ``r`` times the tokens holds, in each head slot, the rows of ``r`` peer blocks
-one after another: not ``r`` peer blocks side by side). Producer ranks are seeded
-everywhere, then the request written; each decode rank starts at zero and must end
-holding exactly its share in the request's blocks and zero everywhere else.
+The truth: a request of 128 tokens has token ``t`` in block ``t // N`` (``N`` tokens a
+block) of every head slot a rank holds. Attention layers are written by vLLM-CPU's own
+kernel (``cpu_attn_reshape_and_cache``), which keeps each head's K transposed
+(``[head_size, tokens]``) before its V (``[tokens, head_size]``): a block of ``r`` times the
+tokens is neither ``r`` blocks side by side nor ``r`` runs of token rows per head slot
+(what the page's ``[heads, tokens, K|V]`` view suggests, and what a real server pair
+showed wrong tokens for), but ``r`` runs in each of K's rows and in V. MLA latents are
+token rows (test_block_ratio's writer). Producer ranks are seeded everywhere, then the
+request written; each decode rank starts at zero and must end holding exactly its share in
+the request's blocks, written by the same kernel at its block size, and zero elsewhere.
 
 CPU attention takes blocks of a multiple of 32 tokens (the worker checks), so the ratios
 are 32<->64 and 32<->128, both ways, at P1->D1, P2->D1 and P1->D2, for GQA (8 KV heads),
@@ -28,11 +31,13 @@ from unittest.mock import patch
 import msgspec
 import pytest
 import torch
+from vllm import _custom_ops as ops
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
 from kvspec_traits.nixl._ratio_descs import ratio_lanes, ratio_reads
 from kvspec_traits.transfer import BlockIdShapeError, UnsupportedLayoutError, peer_regions
+from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._connector import (
     TraitsNixlAgentMetadata,
     TraitsNixlConnectorWorker,
@@ -40,7 +45,17 @@ from kvspec_traits.vllm_connector._connector import (
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
 from tests.nixl_helpers.receive import receive, serving
-from tests.test_block_ratio import LAYOUT, MODELS, NB, _rank, _request_ids, _truth, _write_request
+from tests.test_block_ratio import (
+    LAYOUT,
+    MODELS,
+    NB,
+    TOKENS,
+    _heads,
+    _rank,
+    _request_ids,
+    _truth,
+    _write_request,
+)
 from tests.test_connector_differential import Built, _construct, _vllm_config, build, distributed
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -93,7 +108,7 @@ def move(
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """One request of test_block_ratio's TOKENS tokens from prefill to decode: per decode
     rank, (its whole allocation after the read, its share computed by hand)."""
-    truth = _truth(name)
+    truth = _truth(name) if name == "mla" else _kernel_truth(name)
     groups = len(MODELS[name].groups(1, p_block))
     p_ids, d_ids = _request_ids(groups, p_block), _request_ids(groups, d_block)
     producers = []
@@ -101,7 +116,7 @@ def move(
         worker, caches = rank_worker(name, "prefill", p_tp, rank, p_block)
         p = _rank(name, p_tp, rank, p_block)
         layouts.fill_pattern(caches, 7 + rank)
-        _write_request(type(p)(p.config, caches, p.plan), truth, p_tp, rank, p_block, p_ids)
+        _write(type(p)(p.config, caches, p.plan), truth, p_tp, rank, p_block, p_ids)
         producers.append(worker)
     sent = [layouts.backing(w.device_kv_caches).clone() for w in producers]
     out = {}
@@ -114,12 +129,60 @@ def move(
             assert ("prefill" in consumer._ratio_peers()) is (p_block != d_block)
             assert consumer.transfer_topo.block_size_ratio(d_block) == 1
             want = _rank(name, d_tp, rank, d_block)
-            _write_request(want, truth, d_tp, rank, d_block, d_ids)
+            _write(want, truth, d_tp, rank, d_block, d_ids)
             out[rank] = (layouts.backing(caches).clone(), want.raw)
             consumer.shutdown()
     for worker, before in zip(producers, sent, strict=True):
         assert torch.equal(layouts.backing(worker.device_kv_caches), before)  # reads only
     return out
+
+
+# -- the truth as vLLM-CPU's attention kernel writes it ---------------------------------
+
+
+def _kernel_truth(name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per attention layer, every token's K and V at TP 1 (``[TOKENS, heads, head_size]``,
+    finite values of the cache dtype: the kernel converts what it stores)."""
+    config = layouts.kv_cache_config(MODELS[name].groups(1, 32), NB, LAYOUT)
+    gen = torch.Generator().manual_seed(48)
+    out = {}
+    for group in config.kv_cache_groups:
+        spec: Any = group.kv_cache_spec
+        for layer in group.layer_names:
+            k, v = (
+                torch.randn(TOKENS, spec.num_kv_heads, spec.head_size, generator=gen).to(spec.dtype)
+                for _ in range(2)
+            )
+            out[layer] = (k, v)
+    return out
+
+
+def _write(
+    r: Any, truth: dict[str, Any], tp: int, rank: int, block: int, ids: list[list[int]]
+) -> None:
+    """The request's tokens into rank ``rank``'s blocks ``ids``: an MLA latent as token
+    rows (test_block_ratio's writer: vLLM's MLA cache is ``[blocks, tokens, latent]``),
+    attention K and V by vLLM-CPU's own ``cpu_attn_reshape_and_cache``, viewed as its
+    attention layer views the cache (``[blocks, heads, 2 x tokens, head_size]``, K then V),
+    for the ISA vLLM picks: each head's K lands transposed (``[head_size, tokens]``)."""
+    if not isinstance(next(iter(truth.values())), tuple):
+        _write_request(r, truth, tp, rank, block, ids)
+        return
+    for gid, group in enumerate(r.config.kv_cache_groups):
+        for layer in group.layer_names:
+            cache = r.caches[layer]
+            blocks, heads, tokens, _ = cache.shape
+            kc, vc = cache.view(blocks, heads, tokens * 2, -1).chunk(2, dim=2)
+            k, v = truth[layer]
+            hs = _heads(heads, k.shape[1], tp, rank)
+            slots = torch.tensor(
+                [ids[gid][t // block] * block + t % block for t in range(TOKENS)],
+                dtype=torch.int64,
+            )
+            isa = seam.cpu_attention_isa(cache.dtype, block, k.shape[2], "auto")
+            ops.cpu_attn_reshape_and_cache(
+                k[:, hs].contiguous(), v[:, hs].contiguous(), kc, vc, slots, isa
+            )
 
 
 RATIOS = [(32, 64), (64, 32), (32, 128), (128, 32)]  # (prefill tokens a block, decode)
@@ -202,19 +265,41 @@ def test_a_prefix_held_locally_reads_only_the_rest_into_its_rows(
     ``local_num_computed_blocks``: 1 block of 64, or 2 of 32); its list names only the
     blocks after them, the peer's names the whole request. Those blocks get tokens
     64..127 in their rows (hand-computed truth), the held blocks stay as they were."""
-    truth = _truth("gqa")
+    truth = _kernel_truth("gqa")
     p, d = _rank("gqa", 1, 0, p_block), _rank("gqa", 1, 0, d_block)
     p_ids, d_ids = _request_ids(1, p_block), _request_ids(1, d_block)
     layouts.fill_pattern(p.caches, 7)
-    _write_request(p, truth, 1, 0, p_block, p_ids)
+    _write(p, truth, 1, 0, p_block, p_ids)
     held = 64 // d_block
-    lanes = ratio_lanes(d.plan, 1, [p_block] * len(d.plan.regions))
+    k_then_v = ((64 * 2, 2), (64 * 2, 0))  # bf16 K transposed, then V: 128 B a token each
+    lanes = ratio_lanes(d.plan, 1, [p_block] * len(d.plan.regions), [k_then_v] * 2)
     peers = {0: peer_regions(p.plan)}
     _apply(ratio_reads(lanes, peers, [d_ids[0][held:]], p_ids, [held], request_tokens=128))
     want = _rank("gqa", 1, 0, d_block)
-    _write_request(want, truth, 1, 0, d_block, d_ids)
+    _write(want, truth, 1, 0, d_block, d_ids)
     for layer in want.caches:
         want.caches[layer].view(torch.uint8)[d_ids[0][:held]] = 0  # held: not read
     assert torch.equal(d.raw, want.raw)
     with pytest.raises(BlockIdShapeError, match="a window's tail"):
         ratio_reads(lanes, peers, [d_ids[0][-1:]], [p_ids[0][-1:]], [1], request_tokens=128)
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_vllm_cpu_attention_keeps_k_transposed_inside_a_head_slot(block: int) -> None:
+    """Why the connector reads a head slot as K ``[head_size, tokens]`` then V
+    ``[tokens, head_size]`` (``_ratio_peer.K_TRANSPOSED_ISAS``), not as the
+    ``[heads, tokens, K|V]`` view of the page: vLLM-CPU's own kernel, 2 heads of 32 (fp32),
+    token ``t`` of head ``h`` element ``i`` of K lands at ``h * 2 * 32 * block + i * block
+    + t``, of V at ``h * 2 * 32 * block + 32 * block + t * 32 + i`` (in elements)."""
+    heads, head, n = 2, 32, block
+    cache = torch.zeros(1, heads, n, 2 * head)
+    kc, vc = cache.view(1, heads, 2 * n, head).chunk(2, dim=2)
+    k = torch.arange(n * heads * head, dtype=torch.float32).view(n, heads, head) + 1
+    ops.cpu_attn_reshape_and_cache(
+        k, -k, kc, vc, torch.arange(n), seam.cpu_attention_isa(torch.float32, n, head, "auto")
+    )
+    flat = cache.flatten()
+    for t, h, i in [(0, 0, 1), (1, 0, 0), (n - 1, 1, head - 1)]:
+        slot = h * 2 * head * n
+        assert flat[slot + i * n + t] == k[t, h, i]
+        assert flat[slot + head * n + t * head + i] == -k[t, h, i]

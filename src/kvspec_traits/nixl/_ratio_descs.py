@@ -47,10 +47,15 @@ class RatioLane:
 
 
 def ratio_lanes(
-    plan: RegionPlan, remote_tp: int, remote_tokens: Sequence[int]
+    plan: RegionPlan,
+    remote_tp: int,
+    remote_tokens: Sequence[int],
+    parts: Sequence[Sequence[tuple[int, int]] | None] | None = None,
 ) -> tuple[RatioLane, ...]:
     """The lanes of every region of ``plan`` against a peer of ``remote_tp`` ranks whose
-    region ``i`` holds ``remote_tokens[i]`` tokens a block. Raises
+    region ``i`` holds ``remote_tokens[i]`` tokens a block (``parts[i]``: how a head slot
+    of region ``i`` keeps its tokens, :func:`~kvspec_traits.transfer.block_reads`'
+    ``parts``; default token rows). Raises
     :class:`~kvspec_traits.transfer.UnsupportedLayoutError` (naming the region and why)
     where the planner cannot read a region between the two block sizes: a recurrent
     state, a ring, members of several block sizes, sizes of which neither divides the
@@ -62,12 +67,13 @@ def ratio_lanes(
             f"registers {len(plan.regions)}",
         )
     lanes = []
-    for region, theirs in zip(plan.regions, remote_tokens, strict=True):
+    kept = list(parts) if parts is not None else [None] * len(plan.regions)
+    for region, theirs, layout in zip(plan.regions, remote_tokens, kept, strict=True):
         # A region of several block sizes is refused by the planner, naming them.
         mine = region.block_sizes[0] if region.block_sizes else 0
         phases = block_reads(
             region, local_tp=plan.tp_size, local_rank=plan.tp_rank, remote_tp=remote_tp,
-            local_tokens=mine, remote_tokens=theirs,
+            local_tokens=mine, remote_tokens=theirs, parts=layout,
         )  # fmt: skip
         lanes.append(
             RatioLane(

@@ -10,6 +10,7 @@ rows placed slot by slot, never one contiguous range where there are several slo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvspec_traits._traits import TokenScope
@@ -40,6 +41,7 @@ def block_reads(
     remote_tp: int,
     local_tokens: int,
     remote_tokens: int,
+    parts: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[tuple[BlockRead, ...], ...]:
     """The pieces of a local block of ``region`` when the peer's blocks hold
     ``remote_tokens`` tokens, per phase.
@@ -49,6 +51,14 @@ def block_reads(
     blocks hold ``k = remote_tokens / local_tokens`` local blocks: ``k`` phases; local
     block ``a`` takes phase ``a % k`` from the peer's ``a // k``-th block. Reads beyond
     the peer's list (a request's last, partly filled block) are skipped by the caller.
+
+    ``parts``: how a head slot (the whole page where tokens are outermost) keeps its
+    tokens' bytes, in order, each ``(bytes per token, e)``: ``e == 0`` a run of token
+    rows, ``e > 0`` a matrix whose rows are the part's ``e``-byte elements and whose
+    columns are the tokens (an attention kernel's transposed K: vLLM-CPU's keeps each
+    head's K as ``[head_size, tokens]`` before V as ``[tokens, head_size]``). Default:
+    one run of token rows. Parts that do not add up to a token's bytes in a slot are
+    refused (:class:`UnsupportedLayoutError`).
 
     Raises :class:`UnsupportedLayoutError` for a region whose blocks are not addressed by
     token (a recurrent state, a ring whose rows are slots, a page padded past its token
@@ -69,7 +79,13 @@ def block_reads(
     one_token = replace(region, block_len=slots * token_bytes)
     reads = tp_reads(one_token, local_tp=local_tp, local_rank=local_rank, remote_tp=remote_tp)
     slot_bytes = token_bytes  # bytes of one token in one head slot
-    ratio = local_tokens // remote_tokens if local_tokens >= remote_tokens else 1
+    layout = tuple(parts) if parts is not None else ((slot_bytes, 0),)
+    if sum(b for b, _ in layout) != slot_bytes or any(
+        b < 1 or e < 0 or (e and b % e) for b, e in layout
+    ):
+        raise UnsupportedLayoutError(
+            region.name, f"parts {layout} are not the {slot_bytes} bytes of a token in a slot"
+        )
     phases = 1 if local_tokens >= remote_tokens else remote_tokens // local_tokens
     out: list[tuple[BlockRead, ...]] = []
     for phase in range(phases):
@@ -81,19 +97,51 @@ def block_reads(
             for n in range(read.length // slot_bytes):
                 local_at = (first + n) * local_tokens * slot_bytes
                 remote_at = (theirs + n) * remote_tokens * slot_bytes
-                if phases == 1:
-                    step = remote_tokens * slot_bytes
-                    pieces += [
-                        BlockRead(read.remote_rank, local_at + q * step, remote_at, step, q)
-                        for q in range(ratio)
-                    ]
-                else:
-                    step = local_tokens * slot_bytes
-                    pieces.append(
-                        BlockRead(read.remote_rank, local_at, remote_at + phase * step, step, 0)
+                for part, (at_l, at_r) in _part_runs(layout, local_tokens, remote_tokens):
+                    pieces += _part_pieces(
+                        read.remote_rank,
+                        local_at + at_l,
+                        remote_at + at_r,
+                        part,
+                        (local_tokens, remote_tokens, phase),
                     )
         out.append(tuple(pieces))
     return tuple(out)
+
+
+def _part_runs(
+    layout: tuple[tuple[int, int], ...], local_tokens: int, remote_tokens: int
+) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Each part of a slot with where it starts in a local and in a remote slot."""
+    out, at_l, at_r = [], 0, 0
+    for part in layout:
+        out.append((part, (at_l, at_r)))
+        at_l, at_r = at_l + part[0] * local_tokens, at_r + part[0] * remote_tokens
+    return out
+
+
+def _part_pieces(
+    rank: int, local_at: int, remote_at: int, part: tuple[int, int], sizes: tuple[int, int, int]
+) -> list[BlockRead]:
+    """The pieces of one part of one slot: per row of token bytes (``e == 0``: one
+    row of all the part's bytes a token), ``r`` peer blocks' tokens one after another
+    (peer blocks ``r`` times smaller), or this phase's tokens of the peer's block."""
+    local_tokens, remote_tokens, phase = sizes
+    nbytes, e = part
+    width, rows = (e, nbytes // e) if e else (nbytes, 1)
+    pieces = []
+    for j in range(rows):
+        row_l, row_r = local_at + j * local_tokens * width, remote_at + j * remote_tokens * width
+        if local_tokens >= remote_tokens:
+            step = remote_tokens * width
+            pieces += [
+                BlockRead(rank, row_l + q * step, row_r, step, q)
+                for q in range(local_tokens // remote_tokens)
+            ]
+        else:
+            step = local_tokens * width
+            pieces.append(BlockRead(rank, row_l, row_r + phase * step, step, 0))
+    return pieces
 
 
 def _token_rows(region: Region, tokens: int) -> tuple[int, int]:

@@ -64,7 +64,12 @@ from kvspec_traits.vllm_connector._names import CONNECTOR_NAME, PUSH_IMPL_MODULE
 from kvspec_traits.vllm_connector._observe import planned_bytes, refusal_reason, startup_lines
 from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
 from kvspec_traits.vllm_connector._policy import VllmLayoutPolicy, layout_policy
-from kvspec_traits.vllm_connector._ratio_peer import RatioPeer, at_our_block_size, read_request
+from kvspec_traits.vllm_connector._ratio_peer import (
+    RatioPeer,
+    at_our_block_size,
+    read_request,
+    slot_parts,
+)
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlConnectorScheduler
 from kvspec_traits.vllm_connector._shm_wait import holding_shm_wait, release_shm_wait
 from kvspec_traits.vllm_connector._staging import transfer_caches
@@ -502,7 +507,7 @@ class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):
             if tokens is None or plan is None:
                 peers.pop(engine_id, None)
                 return
-            lanes = ratio_lanes(plan, remote_tp, tokens)
+            lanes = ratio_lanes(plan, remote_tp, tokens, slot_parts(self, plan))
             kept = peers.get(engine_id)
             if kept is None or (kept.lanes, kept.remote_tp) != (lanes, remote_tp):
                 peers[engine_id] = RatioPeer(lanes, remote_tp)

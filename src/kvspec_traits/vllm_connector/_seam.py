@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
+from vllm.v1.attention.backends import cpu_attn as vllm_cpu_attn
 
 from kvspec_traits.transfer import RegionPlan
 from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
@@ -225,6 +226,13 @@ NAMES: tuple[VllmName, ...] = (
         _A,
         _ALL,
         "its getter is private too, and asserts",
+    ),
+    VllmName(
+        vllm_cpu_attn,
+        "_get_attn_isa",
+        _C,
+        _ALL,
+        "how vLLM-CPU's attention kernel packs a block (reads between block sizes); private",
     ),
     VllmName(
         vllm_utils,
@@ -699,3 +707,10 @@ _QUEUE_WAIT = QueueWaitSwitch()
 def queue_wait_switch() -> QueueWaitSwitch:
     """The switch of this process (one: the flag is process-wide)."""
     return _QUEUE_WAIT
+
+
+def cpu_attention_isa(dtype: Any, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
+    """The instruction set vLLM-CPU's attention kernel packs a block for (``"vec"``,
+    ``"vec16"``, ``"amx"``, ...): vLLM's own choice, for these settings."""
+    isa: str = vllm_cpu_attn._get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+    return isa
