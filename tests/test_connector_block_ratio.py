@@ -33,7 +33,7 @@ import pytest
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.v1.attention.backends.cpu_attn import ops  # its series' module (0.34: _cpu_ops)
+from vllm.v1.attention.backends import cpu_attn
 
 from kvspec_traits.nixl._ratio_descs import ratio_lanes, ratio_reads
 from kvspec_traits.transfer import BlockIdShapeError, UnsupportedLayoutError, peer_regions
@@ -205,6 +205,7 @@ def _kernel_write(
     kc, vc = cache.view(blocks, heads, tokens * 2, -1).chunk(2, dim=2)
     slots = torch.tensor([ids[t // block] * block + t % block for t in range(TOKENS)])
     isa = seam.cpu_attention_isa(cache.dtype, block, k.shape[2], "auto")
+    ops: Any = vars(cpu_attn)["ops"]  # the module its series calls (0.34: _cpu_ops)
     ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
 
 
