@@ -10,13 +10,13 @@ from __future__ import annotations
 import inspect
 import sys
 from fractions import Fraction
-from pathlib import Path
 
 from kvspec_traits._traits import KVLayoutTraits, trait_names
+from kvspec_workbench import REPO
 
 __all__ = ["render_pages"]
 
-_DOCS = Path(__file__).resolve().parents[1] / "docs" / "traits"
+_DOCS = REPO / "docs" / "traits"
 
 
 def _fmt(value: object) -> str:

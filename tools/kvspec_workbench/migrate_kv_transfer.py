@@ -29,9 +29,7 @@ from pathlib import Path
 
 from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration, write_plan
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hand_edits import apply_hand_edits
+from kvspec_workbench.hand_edits import apply_hand_edits
 
 __all__ = ["SEED_FILE", "SEED_LINE", "Measured", "installed_tree", "migrate_copy", "restore_seed"]
 

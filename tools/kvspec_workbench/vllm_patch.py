@@ -31,16 +31,12 @@ from pathlib import Path
 
 from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixture_corrections import WHY, Correction, fixture_diff
-from hand_edits import HandEdit, apply_hand_edits
-from patch_answers import answers_that_change, probe_changes
+from kvspec_workbench import REPO
+from kvspec_workbench.conformance.fixture_corrections import WHY, Correction, fixture_diff
+from kvspec_workbench.hand_edits import HandEdit, apply_hand_edits
+from kvspec_workbench.patch_answers import answers_that_change, probe_changes
 
 KV_TRANSFER = Path("vllm") / "distributed" / "kv_transfer"
-REPO = Path(__file__).resolve().parents[1]
 SDISTS = Path(os.environ.get("KVSPEC_CACHE", Path.home() / ".cache" / "kvspec-traits")) / "sdists"
 
 

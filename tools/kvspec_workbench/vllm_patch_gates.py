@@ -27,12 +27,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_patch import vllm_patch, vllm_pyproject, vllm_root, vllm_version
-
 from kvspec_traits.migrate import MigrationPlan
-
-REPO = Path(__file__).resolve().parents[1]
+from kvspec_workbench.vllm_patch import vllm_patch, vllm_pyproject, vllm_root, vllm_version
 
 
 @dataclass(frozen=True, order=True)

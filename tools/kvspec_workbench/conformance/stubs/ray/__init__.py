@@ -1,7 +1,7 @@
-"""Stand-in for Ray on a machine without it (the conformance pass puts this directory on
-sys.path only when ``import ray`` fails). vLLM's NIXL tests import ray at module level and
-use it in one Ray-executor test; that test fails here with either connector (it also needs
-model weights from the hub), so the counts stay comparable."""
+"""Stand-in for Ray on a machine without it (the conformance judges put this directory on
+PYTHONPATH only when ``import ray`` fails: run.series_env). vLLM's NIXL tests import ray at
+module level and use it in one Ray-executor test; that test fails here with either connector
+(it also needs model weights from the hub), so the counts stay comparable."""
 
 
 class _Unavailable(RuntimeError):
