@@ -123,8 +123,8 @@ def test_operating_names_the_option_and_each_unsafe_layout() -> None:
 
 
 def test_the_connector_page_lists_every_expected_difference() -> None:
-    """scripts/conformance/expected_differences.toml's header says docs/vllm.md lists its
-    entries: each ``[[difference]]``'s vLLM test is named there."""
+    """The workbench's conformance/expected_differences.toml's header says docs/vllm.md
+    lists its entries: each ``[[difference]]``'s vLLM test is named there."""
     entries = tomllib.loads(
         (
             ROOT / "tools" / "kvspec_workbench" / "conformance" / "expected_differences.toml"

@@ -109,7 +109,7 @@ def test_classes_injected_into_group_spec_types_become_their_traits(
     corrected: dict[str, tuple[str, str, list[Any]]],
 ) -> None:
     """The patch's NIXL worker keeps each group's traits in ``_group_spec_types`` (hand
-    edit, scripts/hand_edits.py). Every test that injects classes there, or passes them to
+    edit, kvspec_workbench.hand_edits). Every test that injects classes there, or passes them to
     ``compute_tp_mapping``, gets ``group_traits(...)``; the helper the rule adds to the
     suite's utils.py, run here on vLLM's classes, answers the patched helpers' questions
     as ``issubclass`` answered them on the class."""

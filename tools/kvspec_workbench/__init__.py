@@ -11,5 +11,5 @@ from pathlib import Path
 
 __all__ = ["REPO"]
 
-# The checkout the tools work on: this package lies at tools/kvspec_workbench/.
+# The checkout the tools work on: this package lies at .
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """Generate ``docs/traits/*.md``: one page per trait, with its value for every catalog spec.
 
-``make docs`` (``.venv/bin/python scripts/docgen.py``) rewrites the pages; a test fails when
+``make docs`` (``python -m kvspec_workbench.docgen``) rewrites the pages; a test fails when
 the committed pages differ from what the installed vLLM and the adapters give. A repository
 tool, not part of the package: it writes into this checkout's docs/.
 """

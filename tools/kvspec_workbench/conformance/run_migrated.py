@@ -3,13 +3,16 @@
 test file of the release that imports a migrated module, on the unmigrated tree and on
 the migrated one.
 
-    run_migrated.py [SERIES ...]           # default 0.32 0.33 0.34 (make conformance-migrated)
-    run_migrated.py 0.34 --tree DIR        # DIR/kv_transfer: a copy migrated beforehand
-    run_migrated.py 0.34 --summarize       # the verdict of a run in progress, so far
+    python -m kvspec_workbench.conformance.run_migrated [SERIES ...]
+    python -m kvspec_workbench.conformance.run_migrated 0.34 --tree DIR
+    python -m kvspec_workbench.conformance.run_migrated 0.34 --summarize
 
-Per series: ``scripts/migrate_kv_transfer.py --out --hand-edits`` migrates a copy of that
+SERIES: default 0.32 0.33 0.34 (make conformance-migrated); ``--tree DIR``: DIR/kv_transfer,
+a copy migrated beforehand; ``--summarize``: the verdict of a run in progress, so far.
+
+Per series: ``migrate_kv_transfer.py --out --hand-edits`` migrates a copy of that
 release's kv_transfer (``kvspec-traits migrate --write``, whatever its rules rewrite today,
-then the patch's hand edits, scripts/hand_edits.py); the
+then the patch's hand edits, hand_edits.py); the
 modules whose text changed are the migrated modules. A test file outside the unit folder
 is judged when it imports one by name (``ImportGraph``: not through kv_transfer's own
 imports nor the tests' helpers, which would take in every test that touches the
@@ -587,7 +590,7 @@ def verdict(
         print(f"!! listed but not lost (remove it from [[migrated]]): {k}")
     print(
         f"passed unmigrated, not migrated: {len(lost)} ({len(lost) - len(unlisted)} listed "
-        f"in scripts/conformance/expected_differences.toml [[migrated]])"
+        f"in tools/kvspec_workbench/conformance/expected_differences.toml [[migrated]])"
     )
     return 1 if unlisted or no_proof or stale else 0
 
