@@ -177,6 +177,8 @@ def upstream_cache(series: str, tests_root: Path, files: Sequence[str] = FILES) 
     shared = [p for p in sorted(unit.rglob("*.py")) if not p.name.startswith("test_")]
     shared += [tests_root / "tests" / "conftest.py", tests_root / "tests" / "v1" / "conftest.py"]
     harness = sorted(HERE.glob("**/*.py")) + sorted((HERE / "hub").glob("*.json"))
+    # Each file by its path from its folder's parent ("conformance/kvspec_conformance.py"):
+    # the key does not depend on where the workbench lies, only on what the harness holds.
     for path in shared + [p for p in harness if p.name not in RUNNERS]:
         if path.exists():
             common.update(str(path.relative_to(path.parents[1])).encode() + path.read_bytes())
