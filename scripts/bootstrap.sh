@@ -81,7 +81,7 @@ pure_vllm 0.34.0
 # builds its metadata, which reads +cpu here, and discards it. Kept outside the checkout.
 for v in 0.32.0 0.33.0 0.34.0; do
   if [ ! -d ".cache/vllm-tests-$v/tests" ]; then
-    "$VENV/bin/python" scripts/conformance/fetch_vllm_tests.py "$v" \
+    PYTHONPATH=tools "$VENV/bin/python" -m kvspec_workbench.conformance.fetch_vllm_tests "$v" \
       "${KVSPEC_CACHE:-$HOME/.cache/kvspec-traits}/sdists" ".cache/vllm-tests-$v"
   fi
 done

@@ -17,6 +17,9 @@ export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFL
 # This checkout's src (and its example extension's) first, so a clone or worktree is tested
 # as it is, never the copy an editable install points at.
 SRC=$PWD/src:$PWD/examples/kvspec_traits_example/src:$PWD/examples/kvspec_traits_ascend/src
+# The workbench (tools/kvspec_workbench: the patch builder, the conformance judges), which
+# tests import and the conformance passes run: on the path as src is, never installed.
+TOOLS=$PWD/tools
 LOGS=$PWD/.cache/test-logs
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
@@ -41,8 +44,8 @@ start() {
 }
 
 lint() {
-  "$PY" -m ruff check src tests examples benchmarks scripts &&
-    "$PY" -m ruff format --check src tests examples benchmarks scripts && "$PY" -m mypy
+  "$PY" -m ruff check src tests examples benchmarks scripts tools &&
+    "$PY" -m ruff format --check src tests examples benchmarks scripts tools && "$PY" -m mypy
 }
 # pytest_on VERSION [PYTHONPATH-PREFIX] [extra marker]: the suite on one vLLM series, less
 # the series-independent modules (the common pass runs those once) and the pairs that serve
@@ -52,20 +55,20 @@ lint() {
 pytest_on() {
   local version=$1 prefix=$2 extra=${3:-}
   local m="not series_independent and not upstream_baseline and not mixed and not hetero_tp and not block_ratio and not netns${extra:+ and $extra}${mark:+ and ($mark)}"
-  PYTHONPATH=${prefix:+$prefix:}$SRC KVSPEC_EXPECT_VLLM=$version \
+  PYTHONPATH=${prefix:+$prefix:}$SRC:$TOOLS KVSPEC_EXPECT_VLLM=$version \
     "$PY" -m pytest -p no:cacheprovider --durations=15 -m "$m"
 }
 # The modules whose outcome cannot depend on the vLLM series (tests/conftest.py's
 # SERIES_INDEPENDENT), once, with vLLM and torch hidden so that none of them can reach a series.
 common() {
-  PYTHONPATH=$SRC KVSPEC_HIDE_VLLM=1 "$PY" -m pytest -p no:cacheprovider --durations=15 \
+  PYTHONPATH=$SRC:$TOOLS KVSPEC_HIDE_VLLM=1 "$PY" -m pytest -p no:cacheprovider --durations=15 \
     ${mark:+-m "$mark"}
 }
 
 # conformance SERIES: vLLM's own NIXL connector tests with upstream's classes and with
-# ours (scripts/conformance/run.py; the two runs share the pass's core, one process each).
+# ours (kvspec_workbench.conformance.run; the two runs share the pass's core, one process each).
 conformance() {
-  "$PY" scripts/conformance/run.py "$1"
+  PYTHONPATH=$SRC:$TOOLS "$PY" -m kvspec_workbench.conformance.run "$1"
 }
 
 # Longest first (each slot takes the next pass when one ends, so a long pass started last

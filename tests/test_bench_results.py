@@ -101,3 +101,6 @@ def test_every_benchmark_make_runs_writes_its_result_file() -> None:
     ):
         source = (REPO / "benchmarks" / f"{name}.py").read_text()
         assert re.search(rf'(record_run|write_result)\(\s*"{name}"', source), name
+    # The soak writes one file per transport: soak.md (NIXL) and soak_mooncake.md.
+    source = (REPO / "benchmarks" / "soak.py").read_text()
+    assert re.search(r'write_result\(\s*"soak_mooncake"', source)

@@ -1,5 +1,6 @@
-"""The judge of the migrated kv_transfer (scripts/conformance/run_migrated.py, issue 20): which
-of vLLM's test files it runs, where it keeps their unmigrated outcomes, and when it fails.
+"""The judge of the migrated kv_transfer (kvspec_workbench.conformance.run_migrated,
+issue 20): which of vLLM's test files it runs, where it keeps their unmigrated outcomes, and
+when it fails.
 
 Everything here works on small trees written under tmp_path (a tests tree and a migrated
 kv_transfer with the shapes vLLM's have) and on the real expected_differences.toml; nothing
@@ -8,30 +9,24 @@ imports vLLM or torch (a series-independent module).
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 import tomllib
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-CONFORMANCE = Path(__file__).resolve().parents[1] / "scripts" / "conformance"
+import kvspec_workbench.conformance
+
+CONFORMANCE = Path(kvspec_workbench.conformance.__file__).parent
 UNIT = "tests/v1/kv_connector/unit"
 KVT = "vllm.distributed.kv_transfer"
 
 
 def _load(name: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, CONFORMANCE / f"{name}.py")
-    if spec is None or spec.loader is None:
-        raise ImportError(name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """A module of the workbench's conformance judges (its ``name`` there)."""
+    return importlib.import_module(f"kvspec_workbench.conformance.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +171,7 @@ def test_the_verdict_fails_on_a_lost_test_unless_listed_with_a_proof(
 def test_every_proof_of_the_migrated_list_exists(judge: ModuleType) -> None:
     """The ``[[migrated]]`` list is empty (issue 35: a patch a maintainer could take
     leaves no test of vLLM's suite lost; the invalid fixtures it met are corrected in the
-    patch, scripts/conformance/fixture_corrections.py). An entry added again must name a
+    patch, kvspec_workbench.conformance.fixture_corrections). An entry added again must name a
     test of ours that exists and have every field the runners read; ``proof_exists``
     tells an existing proof from an absent one."""
     data = tomllib.loads((CONFORMANCE / "expected_differences.toml").read_text())
@@ -187,7 +182,7 @@ def test_every_proof_of_the_migrated_list_exists(judge: ModuleType) -> None:
     )
     assert {"test", "series", "unmigrated", "migrated", "why", "proof"} <= run.KINDS["migrated"]
     assert not judge.proof_exists("tests/test_conformance_judge.py::test_absent")
-    assert not judge.proof_exists("scripts/conformance/run.py::main")
+    assert not judge.proof_exists("tools/kvspec_workbench/conformance/run.py::main")
 
 
 def test_a_crashed_file_is_not_complete(judge: ModuleType) -> None:

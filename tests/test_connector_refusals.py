@@ -1,6 +1,6 @@
 """Layouts the traits connector refuses where vLLM's own tests pass with upstream's worker:
 each one shown here to be one upstream cannot transfer either (the proof the
-expected-difference list in scripts/conformance/expected_differences.toml cites).
+expected-difference list in tools/kvspec_workbench/conformance/expected_differences.toml cites).
 """
 
 from __future__ import annotations

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import tomllib
 from pathlib import Path
 
 from kvspec_traits._traits import trait_names
+from kvspec_workbench import docgen
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "traits"
 
 
 def render_pages() -> dict[str, str]:
-    """scripts/docgen.py's pages (a repository tool, loaded from its file)."""
-    spec = importlib.util.spec_from_file_location("docgen", ROOT / "scripts" / "docgen.py")
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(ROOT / "scripts" / "docgen.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    pages: dict[str, str] = module.render_pages()
-    return pages
+    """The workbench's doc generator's pages (``make docs``)."""
+    return docgen.render_pages()
 
 
 def test_one_committed_page_per_trait_and_each_is_current() -> None:
@@ -129,10 +123,12 @@ def test_operating_names_the_option_and_each_unsafe_layout() -> None:
 
 
 def test_the_connector_page_lists_every_expected_difference() -> None:
-    """scripts/conformance/expected_differences.toml's header says docs/vllm.md lists its
-    entries: each ``[[difference]]``'s vLLM test is named there."""
+    """The workbench's conformance/expected_differences.toml's header says docs/vllm.md
+    lists its entries: each ``[[difference]]``'s vLLM test is named there."""
     entries = tomllib.loads(
-        (ROOT / "scripts" / "conformance" / "expected_differences.toml").read_text()
+        (
+            ROOT / "tools" / "kvspec_workbench" / "conformance" / "expected_differences.toml"
+        ).read_text()
     )
     text = (ROOT / "docs" / "vllm.md").read_text()
     named = [e["test"].split("::")[-1].split("[")[0] for e in entries.get("difference", [])]

@@ -1,13 +1,11 @@
 """The corrections the vLLM patch makes to vLLM's own kv_connector test fixtures
-(scripts/conformance/fixture_corrections.py, issue 35), on the release's real tests tree
+(kvspec_workbench.conformance.fixture_corrections, issue 35), on the release's real tests tree
 of the series on the path: each rule finds its fixtures, and each corrected fixture
 states what vLLM's page math already gave the test, or what it should have."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,21 +15,14 @@ import torch
 import vllm
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
+from kvspec_workbench.conformance import fixture_corrections
+
 REPO = Path(__file__).resolve().parents[1]
 SERIES_TESTS = {"0.32": "0.32.0", "0.33": "0.33.0", "0.34": "0.34.0"}
 
 
 def _module() -> ModuleType:
-    path = REPO / "scripts" / "conformance" / "fixture_corrections.py"
-    loaded = sys.modules.get("fixture_corrections")
-    if loaded is not None and Path(loaded.__file__ or "").resolve() == path.resolve():
-        return loaded  # the one the patch's script imported: its answers are kept
-    spec = importlib.util.spec_from_file_location("fixture_corrections", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return fixture_corrections
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +109,7 @@ def test_classes_injected_into_group_spec_types_become_their_traits(
     corrected: dict[str, tuple[str, str, list[Any]]],
 ) -> None:
     """The patch's NIXL worker keeps each group's traits in ``_group_spec_types`` (hand
-    edit, scripts/hand_edits.py). Every test that injects classes there, or passes them to
+    edit, kvspec_workbench.hand_edits). Every test that injects classes there, or passes them to
     ``compute_tp_mapping``, gets ``group_traits(...)``; the helper the rule adds to the
     suite's utils.py, run here on vLLM's classes, answers the patched helpers' questions
     as ``issubclass`` answered them on the class."""

@@ -1,27 +1,18 @@
-"""scripts/hand_edits.py: the patch's hand edits apply whole or not at all (issue 35)."""
+"""kvspec_workbench.hand_edits: the patch's hand edits apply whole or not at all (issue 35)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvspec_traits.migrate import MigrationPlan, Skip
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hand_edits.py"
+from kvspec_workbench import hand_edits
 
 
 def _module() -> Any:
-    spec = importlib.util.spec_from_file_location("hand_edits", SCRIPT)
-    if spec is None or spec.loader is None:
-        raise ImportError(SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return hand_edits
 
 
 def _moriio(module: Any) -> Any:

@@ -1,5 +1,5 @@
 """``kvspec-traits migrate`` on real code: a copy of the installed vLLM's kv_transfer tree
-(scripts/migrate_kv_transfer.py), and the seed line restored into a copy of NIXL's worker.
+(kvspec_workbench.migrate_kv_transfer), and the seed line restored into a copy of NIXL's worker.
 
 EXPECTED pins, per series, the spec-class sites, the exact trait matches (the audit's
 verdicts) and how many of those are rewritten; the exact sites left ask a class held
@@ -10,9 +10,7 @@ the checks a deliberate exact-type check rests on. docs/migration.md quotes them
 from __future__ import annotations
 
 import ast
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,18 +21,11 @@ from kvspec_traits import traits_of
 from kvspec_traits.audit import Universe, load_universe
 from kvspec_traits.catalog import representative_specs
 from kvspec_traits.migrate import plan_migration, write_plan
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "migrate_kv_transfer.py"
+from kvspec_workbench import migrate_kv_transfer, patch_answers
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("migrate_kv_transfer", SCRIPT)
-    if spec is None or spec.loader is None:
-        raise ImportError(SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks itself up there
-    spec.loader.exec_module(module)
-    return module
+    return migrate_kv_transfer
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +65,7 @@ EXPECTED = {
     "0.34": (105, 95, 99, ["issubclass", "issubclass", "kept", "kept"]),
 }
 # All sites rewritten by migrate (exact matches, the miss fixed), per series. On 0.34, 96
-# of 105 (91.4%). Left to migrate there, and rewritten by scripts/hand_edits.py: among
+# of 105 (91.4%). Left to migrate there, and rewritten by kvspec_workbench.hand_edits: among
 # them a class set built at run time (`supported += (CircularBufferSpec,)` under a
 # condition, moriio_connector.py:655), which one line cannot ask since the set differs by
 # path (and whose classes no set of token scopes names: a bare AttentionSpec has the FULL
@@ -171,16 +162,9 @@ def _function_text(path: Path, name: str) -> str:
 
 
 def _answers() -> ModuleType:
-    """scripts/patch_answers.py: the evaluator the patch header's "Answers that change"
+    """kvspec_workbench.patch_answers: the evaluator the patch header's "Answers that change"
     comes from (an edit's check and its query compiled over one subject)."""
-    path = SCRIPT.parent / "patch_answers.py"
-    spec = importlib.util.spec_from_file_location("patch_answers", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return patch_answers
 
 
 _representative_type = _answers()._representative_type

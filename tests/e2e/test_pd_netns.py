@@ -93,22 +93,12 @@ class ReadAfterReleaseError(AssertionError):
     """A consumer kept a read of blocks its producer had already released."""
 
 
-# The 40 s outage fails so far: the consumer kept 8-9 of 24 reads whose blocks the
-# producer had released (answers exact only because nothing reused those blocks), and
-# declined none. Suspected: its lease bound counts a heartbeat as extending the lease once
-# sent (vllm_connector/_lease.py, LeaseBook.bound), but a heartbeat sent while the link is
-# down reaches the producer after its lease expired and it released the blocks.
-OUTAGES_S = (
-    10.0,
-    pytest.param(
-        40.0,
-        marks=pytest.mark.xfail(
-            raises=ReadAfterReleaseError,
-            reason="the consumer keeps reads of blocks released during the outage "
-            "(suspected: LeaseBook.bound counts heartbeats the producer got too late)",
-        ),
-    ),
-)
+# The 40 s outage used to fail: the consumer kept 8-9 of 24 reads whose blocks the
+# producer had released (exact only because nothing reused them), and declined none: its
+# lease bound counted each heartbeat it sent, and those sent while the link was down
+# reached the producer after it had released the blocks. The bound is now the producer's
+# exported deadline alone (vllm_connector/_lease.py; tests/test_lease.py).
+OUTAGES_S = (10.0, 40.0)
 # The producer's count of read-done notifications for requests it no longer held, and the
 # consumer's count of reads it declined or failed by the lease.
 AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"

@@ -20,7 +20,7 @@ ways), not the layout the traits plan, which the pull cases cover per model.
 The *patched* cases serve vLLM's own ``NixlConnector`` / ``NixlPushConnector`` (not ours)
 from the installed vLLM with ``make vllm-patch``'s patch applied (issue 35:
 ``tests/e2e/patched_vllm.py`` copies the installed ``distributed/kv_transfer``, writes its
-patch with ``scripts/vllm_patch.py`` and applies it with ``git apply``; each server imports
+patch with ``kvspec_workbench.vllm_patch`` and applies it with ``git apply``; each server imports
 that copy through ``tests/e2e/overlay/sitecustomize.py`` and says so in its log): Llama and
 DeepSeek-V2, pull and push, held to the same checks.
 

@@ -6,8 +6,8 @@ collect this folder). Builds the release as ``make dist`` does (``python -m buil
 ``twine check --strict`` on both), then:
 
 1. checks what the wheel carries: the package with ``py.typed``, LICENSE in its
-   dist-info, nothing from ``tests/``, ``scripts/``, ``benchmarks/`` or ``examples/``,
-   and no metadata that points to a page that does not exist;
+   dist-info, nothing from ``tests/``, ``scripts/``, ``tools/`` (the workbench),
+   ``benchmarks/`` or ``examples/``, and no metadata that points to a page that does not exist;
 2. installs the built wheel into a bare venv without vLLM: import, ``traits_of`` on a
    non-spec and the CLI commands (``kvspec-traits report`` among them) give the
    documented messages, with no traceback;
@@ -171,7 +171,9 @@ def test_the_wheel_is_pure_python_and_the_sdist_builds_it(dist: Dist) -> None:
     # The package (typed) and its dist-info, and nothing of the repository's workbench.
     assert "kvspec_traits/py.typed" in names
     assert {n.split("/", 1)[0] for n in names} == {"kvspec_traits", "kvspec_traits-0.1.0.dist-info"}
-    assert not [n for n in names if re.search(r"(^|/)(tests|scripts|benchmarks|examples)/", n)]
+    assert not [
+        n for n in names if re.search(r"(^|/)(tests|scripts|tools|benchmarks|examples)/", n)
+    ]
     with zipfile.ZipFile(dist.wheel) as whl:
         license_text = whl.read("kvspec_traits-0.1.0.dist-info/licenses/LICENSE").decode()
     assert license_text == (REPO / "LICENSE").read_text()
@@ -183,7 +185,9 @@ def test_the_wheel_is_pure_python_and_the_sdist_builds_it(dist: Dist) -> None:
     with tarfile.open(dist.sdist) as tar:
         in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     assert {"LICENSE", "CHANGELOG.md", "README.md", "docs/api.md", "docs/extending.md"} <= in_sdist
-    assert not [n for n in in_sdist if n.split("/", 1)[0] in ("tests", "scripts", "benchmarks")]
+    assert not [
+        n for n in in_sdist if n.split("/", 1)[0] in ("tests", "scripts", "tools", "benchmarks")
+    ]
     # The core depends on nothing; no extra names vLLM or torch (a pin would replace the
     # user's vLLM distribution); the extras say what each part needs.
     requires = re.findall(r"^Requires-Dist: (.+)$", metadata, re.MULTILINE)

@@ -30,7 +30,7 @@ __all__ = [
 
 SHIPPED_DIR: Final = Path(__file__).resolve().parent / "class_sets"
 """``vllm-<series>.json``: the class sets of each supported vLLM series, written by
-``scripts/audit_class_sets.py`` (``make audit-class-sets``)."""
+``tools/kvspec_workbench/audit_class_sets.py`` (``make audit-class-sets``)."""
 
 _VERSION_LINE: Final = re.compile(
     r"""^(?:__version__|version)\s*(?::\s*str\s*)?=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""",

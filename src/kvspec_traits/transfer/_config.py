@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvspec_traits._group import traits_for_layer
 from kvspec_traits._registry import Registry
@@ -28,7 +28,10 @@ __all__ = [
     "CacheGroupTraits",
     "TransferGroup",
     "cache_group_traits",
+    "LayerFacts",
     "config_facts",
+    "facts_of_config",
+    "facts_of_specs",
     "transfer_groups",
 ]
 
@@ -113,6 +116,21 @@ def _not_transferable(traits: KVLayoutTraits) -> str:
     return f"{traits.spec_name} is not transferable (scope {traits.token_scope.value})"
 
 
+class LayerFacts(NamedTuple):
+    """What planning needs of every layer, from the config or the specs."""
+
+    traits: dict[str, KVLayoutTraits]
+    """Each transferable layer's traits."""
+    groups: dict[str, int]
+    """Each transferable layer's transfer group id."""
+    blocks: dict[str, int]
+    """A layer's block count where it is not the pool's (``num_blocks``)."""
+    num_blocks: int
+    """The pool's block count."""
+    skipped: dict[str, str]
+    """The layers not transferred, each with why."""
+
+
 def config_facts(
     kv_caches: Mapping[str, Any],
     config: KVCacheConfig | None,
@@ -120,47 +138,65 @@ def config_facts(
     group_ids: Mapping[str, int] | None,
     num_blocks: int | None,
     reg: Registry,
-) -> tuple[dict[str, KVLayoutTraits], dict[str, int], dict[str, int], int, dict[str, str]]:
+) -> LayerFacts:
     """Traits, transfer group and (where it differs from the pool's) block count of
-    every layer: one traits lookup per layer (or per group spec), never per request."""
-    traits: dict[str, KVLayoutTraits] = {}
-    groups: dict[str, int] = {}
-    blocks: dict[str, int] = {}
-    skipped: dict[str, str] = {}
+    every layer: one traits lookup per layer (or per group spec), never per request.
+    From ``config`` (:func:`facts_of_config`) or from ``specs`` and ``num_blocks``
+    (:func:`facts_of_specs`); ``ValueError`` for both or neither."""
+    del kv_caches
     if config is not None:
         if specs is not None:
             raise ValueError("pass kv_cache_config or specs, not both")
-        n_blocks = config.num_blocks if num_blocks is None else num_blocks
-        transferred = {g.kv_cache_group: g for g in cache_group_traits(config, reg)}
-        for position, group in enumerate(config.kv_cache_groups):
-            found = transferred.get(position)
-            if found is None or found.transfer is None:
-                for layer in group.layer_names:
-                    skipped[layer] = "its cache group has enable_kv_transfer=False"
-                continue
-            transfer = found.transfer
-            for layer, layer_traits in found.layers.items():
-                if transfer.num_blocks is not None:
-                    blocks[layer] = transfer.num_blocks
-                if not layer_traits.transferable:
-                    skipped[layer] = _not_transferable(layer_traits)
-                    continue
-                traits[layer] = layer_traits
-                groups[layer] = transfer.index
-        return traits, groups, blocks, n_blocks, skipped
+        return facts_of_config(config, num_blocks, reg)
     if specs is None or num_blocks is None:
         raise ValueError("plan_regions needs kv_cache_config, or specs and num_blocks")
+    return facts_of_specs(specs, group_ids, num_blocks, reg)
+
+
+def facts_of_config(config: KVCacheConfig, num_blocks: int | None, reg: Registry) -> LayerFacts:
+    """The :class:`LayerFacts` of a ``KVCacheConfig``: its transferred groups' layers, one
+    traits lookup per group spec; ``num_blocks`` (if given) instead of the config's."""
+    facts = LayerFacts({}, {}, {}, config.num_blocks if num_blocks is None else num_blocks, {})
+    transferred = {g.kv_cache_group: g for g in cache_group_traits(config, reg)}
+    for position, group in enumerate(config.kv_cache_groups):
+        found = transferred.get(position)
+        if found is None or found.transfer is None:
+            for layer in group.layer_names:
+                facts.skipped[layer] = "its cache group has enable_kv_transfer=False"
+            continue
+        transfer = found.transfer
+        for layer, layer_traits in found.layers.items():
+            if transfer.num_blocks is not None:
+                facts.blocks[layer] = transfer.num_blocks
+            if not layer_traits.transferable:
+                facts.skipped[layer] = _not_transferable(layer_traits)
+                continue
+            facts.traits[layer] = layer_traits
+            facts.groups[layer] = transfer.index
+    return facts
+
+
+def facts_of_specs(
+    specs: Mapping[str, KVCacheSpec],
+    group_ids: Mapping[str, int] | None,
+    num_blocks: int,
+    reg: Registry,
+) -> LayerFacts:
+    """The :class:`LayerFacts` of per-layer ``specs``, each transferable layer in its
+    ``group_ids`` group (every layer in group 0 without them); :class:`MissingLayerError`
+    for a transferable layer ``group_ids`` leaves out."""
+    facts = LayerFacts({}, {}, {}, num_blocks, {})
     without_group = []
     for layer, spec in specs.items():
         layer_traits = reg.traits_of(spec)
         if not layer_traits.transferable:
-            skipped[layer] = _not_transferable(layer_traits)
+            facts.skipped[layer] = _not_transferable(layer_traits)
             continue
-        traits[layer] = layer_traits
+        facts.traits[layer] = layer_traits
         if group_ids is None:
-            groups[layer] = 0
+            facts.groups[layer] = 0
         elif layer in group_ids:
-            groups[layer] = group_ids[layer]
+            facts.groups[layer] = group_ids[layer]
         else:
             without_group.append(layer)
     if without_group:
@@ -170,5 +206,4 @@ def config_facts(
             "give every transferable layer of specs its transfer group id (0, 1, ...), "
             "or omit group_ids to put every layer in group 0",
         )
-    del kv_caches
-    return traits, groups, blocks, num_blocks, skipped
+    return facts

@@ -69,6 +69,40 @@ def _dense(sizes: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class _PieceOf:
+    """Makes the pieces of one layer: what every piece of it shares."""
+
+    layer: str
+    traits: KVLayoutTraits
+    group_id: int
+    mem_type: str
+    device_id: int
+
+    def __call__(
+        self,
+        base: int,
+        block_len: int,
+        stride: int,
+        blocks: int,
+        head_major: bool,
+        segment: tuple[int, int] | None = None,
+    ) -> Piece:
+        return Piece(
+            layer=self.layer,
+            traits=self.traits,
+            group_id=self.group_id,
+            base=base,
+            block_len=block_len,
+            block_stride=stride,
+            num_blocks=blocks,
+            mem_type=self.mem_type,
+            device_id=self.device_id,
+            head_major=head_major,
+            head_segment=segment,
+        )
+
+
 def layer_pieces(
     layer: str,
     cache: torch.Tensor,
@@ -82,103 +116,122 @@ def layer_pieces(
     (:attr:`PlanLayout.sub_blocks`). With ``storage`` (the allocation the view lies
     in), a paged view whose block is not one dense page is the whole row of its
     block-major storage (:attr:`Rows.SCATTERED`)."""
-    mem_type, device_id = mem_type_of(cache), device_id_of(cache)
-    page = traits.page_size_bytes
-    state = is_state(traits)
-
-    def piece(
-        base: int,
-        block_len: int,
-        stride: int,
-        blocks: int,
-        head_major: bool,
-        segment: tuple[int, int] | None = None,
-    ) -> Piece:
-        return Piece(
-            layer=layer,
-            traits=traits,
-            group_id=group_id,
-            base=base,
-            block_len=block_len,
-            block_stride=stride,
-            num_blocks=blocks,
-            mem_type=mem_type,
-            device_id=device_id,
-            head_major=head_major,
-            head_segment=segment,
-        )
-
-    if state and sub_blocks is not None and sub_blocks > 1:
-        # A state page as `sub_blocks` sub-blocks (a region it can share with split
-        # pages), read back whole `sub_blocks` apart: valid only when state pages abut.
-        rows = cache.shape[0] if cache.ndim > 1 else num_blocks
-        logical_stride = (
-            cache.stride(0) * cache.element_size() * (rows // num_blocks)
-            if cache.ndim > 1 and num_blocks
-            else page
-        )
-        if page % sub_blocks or rows % max(num_blocks, 1) or logical_stride != page:
-            raise UnsupportedLayoutError(
-                layer,
-                f"state pages of {page} bytes at stride {logical_stride} cannot "
-                f"be registered as {sub_blocks} kernel blocks each",
-            )
-        kernel_page = page // sub_blocks
-        return [piece(cache.data_ptr(), kernel_page, kernel_page, num_blocks * sub_blocks, True)]
+    piece = _PieceOf(layer, traits, group_id, mem_type_of(cache), device_id_of(cache))
+    split = sub_blocks is not None and sub_blocks > 1
+    if is_state(traits) and split:
+        return [_state_sub_blocks(piece, cache, num_blocks, sub_blocks or 1)]
     if cache.ndim <= 1:
-        # A flat byte view (a raw buffer shared between layer types) has no block
-        # dimension: blocks abut, one page apart.
-        if sub_blocks is not None and sub_blocks > 1 and not state:
-            if page % sub_blocks:
-                raise UnsupportedLayoutError(
-                    layer, f"page of {page} bytes does not split into {sub_blocks} kernel blocks"
-                )
-            kernel_page = page // sub_blocks
-            return [
-                piece(cache.data_ptr(), kernel_page, kernel_page, num_blocks * sub_blocks, True)
-            ]
-        return [piece(cache.data_ptr(), page, page, num_blocks, True)]
-    itemsize = cache.element_size()
+        return [_flat_piece(piece, cache, num_blocks, sub_blocks)]
+    ratio = _kernel_ratio(piece, cache, num_blocks, sub_blocks)
+    if ratio > 1 and sub_blocks is None:
+        return [_manager_page(piece, cache, num_blocks, ratio)]
+    return _paged_pieces(piece, cache, num_blocks, ratio, storage)
+
+
+def _state_sub_blocks(
+    piece: _PieceOf, cache: torch.Tensor, num_blocks: int, sub_blocks: int
+) -> Piece:
+    """A state page as ``sub_blocks`` sub-blocks (a region it can share with split pages),
+    read back whole ``sub_blocks`` apart: valid only when state pages abut."""
+    page = piece.traits.page_size_bytes
+    rows = cache.shape[0] if cache.ndim > 1 else num_blocks
+    logical_stride = (
+        cache.stride(0) * cache.element_size() * (rows // num_blocks)
+        if cache.ndim > 1 and num_blocks
+        else page
+    )
+    if page % sub_blocks or rows % max(num_blocks, 1) or logical_stride != page:
+        raise UnsupportedLayoutError(
+            piece.layer,
+            f"state pages of {page} bytes at stride {logical_stride} cannot "
+            f"be registered as {sub_blocks} kernel blocks each",
+        )
+    kernel_page = page // sub_blocks
+    return piece(cache.data_ptr(), kernel_page, kernel_page, num_blocks * sub_blocks, True)
+
+
+def _flat_piece(
+    piece: _PieceOf, cache: torch.Tensor, num_blocks: int, sub_blocks: int | None
+) -> Piece:
+    """A flat byte view (a raw buffer shared between layer types) has no block dimension:
+    blocks abut, one page apart (or ``sub_blocks`` kernel pages a block)."""
+    page = piece.traits.page_size_bytes
+    if sub_blocks is None or sub_blocks <= 1:
+        return piece(cache.data_ptr(), page, page, num_blocks, True)
+    if page % sub_blocks:
+        raise UnsupportedLayoutError(
+            piece.layer, f"page of {page} bytes does not split into {sub_blocks} kernel blocks"
+        )
+    kernel_page = page // sub_blocks
+    return piece(cache.data_ptr(), kernel_page, kernel_page, num_blocks * sub_blocks, True)
+
+
+def _kernel_ratio(
+    piece: _PieceOf, cache: torch.Tensor, num_blocks: int, sub_blocks: int | None
+) -> int:
+    """How many rows of the view make one block: kernel block splitting views a manager
+    block as that many kernel blocks; a recurrent state is indivisible and never split.
+    Raises when the rows do not hold the blocks, or do not split as the worker's
+    ``sub_blocks`` say."""
+    state = is_state(piece.traits)
     rows = cache.shape[0]
-    stride0 = cache.stride(0) * itemsize
-    # Kernel block splitting views a manager block as `ratio` kernel blocks; a
-    # recurrent state is indivisible and never split.
     ratio = 1 if state else rows // num_blocks
     if sub_blocks is not None and not state and ratio != sub_blocks:
         raise UnsupportedLayoutError(
-            layer,
+            piece.layer,
             f"{rows} rows for {num_blocks} blocks are not split into the worker's "
             f"{sub_blocks} kernel blocks per block (shape {tuple(cache.shape)})",
         )
     if ratio < 1 or (not state and rows != ratio * num_blocks) or rows < num_blocks:
         raise UnsupportedLayoutError(
-            layer,
+            piece.layer,
             f"{rows} rows cannot hold {num_blocks} blocks "
-            f"(shape {tuple(cache.shape)}, {traits.spec_name})",
+            f"(shape {tuple(cache.shape)}, {piece.traits.spec_name})",
         )
+    return ratio
+
+
+def _manager_page(piece: _PieceOf, cache: torch.Tensor, num_blocks: int, ratio: int) -> Piece:
+    """vLLM splits a manager block into kernel blocks only when the block is one dense page
+    (create_kv_cache_views), so ``ratio`` abutting kernel pages are the manager page: plan
+    in manager blocks, the ids requests use (vLLM's worker registers kernel blocks:
+    block_len / ratio, num_blocks x ratio)."""
+    page = piece.traits.page_size_bytes
+    itemsize = cache.element_size()
+    stride0 = cache.stride(0) * itemsize
     sizes = tuple(cache.shape[1:])
     strides = tuple(s * itemsize for s in cache.stride()[1:])
-    if ratio > 1 and sub_blocks is None:
-        # vLLM splits a manager block into kernel blocks only when the block is one
-        # dense page (create_kv_cache_views), so `ratio` abutting kernel pages are the
-        # manager page: plan in manager blocks, the ids requests use (vLLM's worker
-        # registers kernel blocks: block_len / ratio, num_blocks x ratio).
-        kernel_page = prod(sizes) * itemsize
-        if not (
-            _dense(sizes, strides, itemsize)
-            and kernel_page == stride0
-            and kernel_page * ratio == page
-        ):
-            raise UnsupportedLayoutError(
-                layer,
-                f"{ratio} kernel blocks of {kernel_page} bytes at stride {stride0} "
-                f"do not tile its {page}-byte page",
-            )
-        return [piece(cache.data_ptr(), page, page, num_blocks, sizes[0] == 1)]
+    kernel_page = prod(sizes) * itemsize
+    if not (
+        _dense(sizes, strides, itemsize) and kernel_page == stride0 and kernel_page * ratio == page
+    ):
+        raise UnsupportedLayoutError(
+            piece.layer,
+            f"{ratio} kernel blocks of {kernel_page} bytes at stride {stride0} "
+            f"do not tile its {page}-byte page",
+        )
+    return piece(cache.data_ptr(), page, page, num_blocks, sizes[0] == 1)
+
+
+def _paged_pieces(
+    piece: _PieceOf,
+    cache: torch.Tensor,
+    num_blocks: int,
+    ratio: int,
+    storage: MemoryRange | None,
+) -> list[Piece]:
+    """A paged view of ``ratio`` rows a block: the whole row of its block-major storage
+    when its block is not one dense page, else one dense page a block, else one segment
+    per head (heads outside blocks)."""
+    page = piece.traits.page_size_bytes
     if page % ratio:
         raise UnsupportedLayoutError(
-            layer, f"page of {page} bytes does not split into {ratio} kernel blocks"
+            piece.layer, f"page of {page} bytes does not split into {ratio} kernel blocks"
         )
+    itemsize = cache.element_size()
+    stride0 = cache.stride(0) * itemsize
+    sizes = tuple(cache.shape[1:])
+    strides = tuple(s * itemsize for s in cache.stride()[1:])
     block_len, blocks = page // ratio, num_blocks * ratio
     page_dense = _dense(sizes, strides, itemsize)
     if storage is not None and not (page_dense and prod(sizes) * itemsize == block_len):
@@ -192,12 +245,24 @@ def layer_pieces(
     if page_dense:
         if blocks > 1 and block_len > stride0:
             raise UnsupportedLayoutError(
-                layer, f"pages of {block_len} bytes overlap at block stride {stride0}"
+                piece.layer, f"pages of {block_len} bytes overlap at block stride {stride0}"
             )
         head_major = sizes[0] == 1 or (
             _dense(sizes[1:], strides[1:], itemsize) and strides[0] == prod(sizes[1:]) * itemsize
         )
         return [piece(cache.data_ptr(), block_len, stride0, blocks, head_major)]
+    return _head_segments(piece, cache, block_len, blocks)
+
+
+def _head_segments(
+    piece: _PieceOf, cache: torch.Tensor, block_len: int, blocks: int
+) -> list[Piece]:
+    """Heads outside blocks (an H-before-B layout): each head is its own segment of
+    ``blocks`` strided sub-pages. Raises when the view is not that either."""
+    itemsize = cache.element_size()
+    stride0 = cache.stride(0) * itemsize
+    sizes = tuple(cache.shape[1:])
+    strides = tuple(s * itemsize for s in cache.stride()[1:])
     heads = sizes[0]
     if (
         heads > 1
@@ -205,8 +270,6 @@ def layer_pieces(
         and _dense(sizes[1:], strides[1:], itemsize)
         and block_len % heads == 0
     ):
-        # Heads outside blocks (an H-before-B layout): each head is its own segment
-        # of `blocks` strided sub-pages.
         return [
             piece(
                 cache.data_ptr() + h * strides[0],
@@ -219,7 +282,7 @@ def layer_pieces(
             for h in range(heads)
         ]
     raise UnsupportedLayoutError(
-        layer,
+        piece.layer,
         f"shape {tuple(cache.shape)} with strides {tuple(cache.stride())} is neither "
         f"a dense page per block nor one segment per head",
     )

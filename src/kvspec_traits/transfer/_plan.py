@@ -9,12 +9,17 @@ names a spec class.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits._traits import has_ring
-from kvspec_traits.transfer._config import config_facts, transfer_groups
+from kvspec_traits.transfer._config import (
+    LayerFacts,
+    facts_of_config,
+    facts_of_specs,
+    transfer_groups,
+)
 from kvspec_traits.transfer._errors import MissingLayerError
 from kvspec_traits.transfer._geometry import (
     Piece,
@@ -77,17 +82,72 @@ def plan_regions(
     (a tensor with no spec is skipped, as vLLM's worker skips it), ``ValueError`` for
     inconsistent arguments.
     """
-    layout = layout if layout is not None else PlanLayout()
-    reg = registry if registry is not None else default_registry
+    options = _Options(
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        registry=registry if registry is not None else default_registry,
+        layout=layout if layout is not None else PlanLayout(),
+        total_kv_heads=total_kv_heads,
+    )
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} is not a rank of tp_size {tp_size}")
-    layer_traits, layer_groups, layer_blocks, n_blocks, skipped = config_facts(
-        kv_caches, kv_cache_config, specs, group_ids, num_blocks, reg
-    )
+    if kv_cache_config is not None:
+        if specs is not None:
+            raise ValueError("pass kv_cache_config or specs, not both")
+        return _plan_of_config(kv_caches, kv_cache_config, num_blocks, options)
+    if specs is None or num_blocks is None:
+        raise ValueError("plan_regions needs kv_cache_config, or specs and num_blocks")
+    return _plan_of_specs(kv_caches, specs, group_ids, num_blocks, options)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What both modes of :func:`plan_regions` plan with besides the layers' facts."""
+
+    tp_size: int
+    tp_rank: int
+    registry: Registry
+    layout: PlanLayout
+    total_kv_heads: int | None
+
+
+def _plan_of_config(
+    kv_caches: Mapping[str, torch.Tensor],
+    config: KVCacheConfig,
+    num_blocks: int | None,
+    options: _Options,
+) -> RegionPlan:
+    """:func:`plan_regions` from a ``KVCacheConfig``: its ``enable_kv_transfer`` groups,
+    numbered as vLLM's ``transfer_groups``, over its ``num_blocks`` (or the one given)."""
+    facts = facts_of_config(config, num_blocks, options.registry)
+    return _plan(kv_caches, facts, len(transfer_groups(config)), options)
+
+
+def _plan_of_specs(
+    kv_caches: Mapping[str, torch.Tensor],
+    specs: Mapping[str, KVCacheSpec],
+    group_ids: Mapping[str, int] | None,
+    num_blocks: int,
+    options: _Options,
+) -> RegionPlan:
+    """:func:`plan_regions` from per-layer specs, each layer in its ``group_ids`` group
+    (default 0), over ``num_blocks``."""
+    facts = facts_of_specs(specs, group_ids, num_blocks, options.registry)
+    num_groups = max(group_ids.values(), default=0) + 1 if group_ids else 1
+    return _plan(kv_caches, facts, num_groups, options)
+
+
+def _plan(
+    kv_caches: Mapping[str, torch.Tensor],
+    facts: LayerFacts,
+    num_groups: int,
+    options: _Options,
+) -> RegionPlan:
+    """Both modes' plan once each layer's facts are known."""
     # vLLM allocates a tensor for every layer of a transfer group (layers that share
     # another layer's cache get that tensor too), so a transferable spec without one
     # is a caller error; planning on would silently leave the layer's blocks behind.
-    without_tensor = layer_traits.keys() - kv_caches.keys()
+    without_tensor = facts.traits.keys() - kv_caches.keys()
     if without_tensor:
         raise MissingLayerError(
             sorted(without_tensor, key=region_sort_key),
@@ -95,16 +155,43 @@ def plan_regions(
             "pass every layer's KV cache tensor (the kv_caches vLLM gives "
             "register_kv_caches), or a config/specs without those layers",
         )
-
+    layout = options.layout
     rows = layout.rows
     if rows is None:
-        rows = Rows.NONE if has_ring(layer_traits.values()) else Rows.SCATTERED
+        rows = Rows.NONE if has_ring(facts.traits.values()) else Rows.SCATTERED
+    storages = _storages_of(kv_caches, facts, layout, rows)
+    one_stride = Rows.LATENT in rows and _one_stride(storages, kv_caches, facts.traits)
+    regions = tuple(
+        with_kv_heads(merge_region(index, members), options.total_kv_heads)
+        for index, members in enumerate(_region_members(storages, rows, layout, one_stride))
+    )
+    for region in regions:
+        shard_count(region.tp_layout, region.tp_shards, options.tp_size, region=region.name)
+    return RegionPlan(
+        regions=regions,
+        registrations=tuple(
+            replace(reg, layers=tuple(storages.spans[key]))
+            for key, reg in storages.registrations.items()
+        ),
+        num_blocks=facts.num_blocks,
+        tp_size=options.tp_size,
+        tp_rank=options.tp_rank,
+        skipped_layers=facts.skipped,
+        num_groups=max(num_groups, 1),
+    )
+
+
+def _storages_of(
+    kv_caches: Mapping[str, torch.Tensor], facts: LayerFacts, layout: PlanLayout, rows: Rows
+) -> _Storages:
+    """Every planned layer's view noted in its storage, with its region candidates; a
+    tensor with no spec is skipped (noted in ``facts.skipped``), as vLLM's worker skips it."""
     storages = _Storages()
     ordered = sorted(kv_caches, key=region_sort_key) if layout.order == "model" else kv_caches
     for layer in ordered:
-        traits = layer_traits.get(layer)
+        traits = facts.traits.get(layer)
         if traits is None:
-            skipped.setdefault(layer, "no KV cache spec for this layer")
+            facts.skipped.setdefault(layer, "no KV cache spec for this layer")
             continue
         cache = kv_caches[layer]
         key = storages.add(layer, cache)
@@ -113,35 +200,13 @@ def plan_regions(
                 layer,
                 cache,
                 traits,
-                layer_groups[layer],
-                layer_blocks.get(layer, n_blocks),
+                facts.groups[layer],
+                facts.blocks.get(layer, facts.num_blocks),
                 layout.sub_blocks,
                 storages.registrations[key] if Rows.SCATTERED in rows else None,
             )
         )
-    one_stride = Rows.LATENT in rows and _one_stride(storages, kv_caches, layer_traits)
-    regions = tuple(
-        with_kv_heads(merge_region(index, members), total_kv_heads)
-        for index, members in enumerate(_region_members(storages, rows, layout, one_stride))
-    )
-    for region in regions:
-        shard_count(region.tp_layout, region.tp_shards, tp_size, region=region.name)
-    if kv_cache_config is not None:
-        num_groups = len(transfer_groups(kv_cache_config))
-    else:
-        num_groups = max(group_ids.values(), default=0) + 1 if group_ids else 1
-    return RegionPlan(
-        regions=regions,
-        registrations=tuple(
-            replace(reg, layers=tuple(storages.spans[key]))
-            for key, reg in storages.registrations.items()
-        ),
-        num_blocks=n_blocks,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        skipped_layers=skipped,
-        num_groups=max(num_groups, 1),
-    )
+    return storages
 
 
 class _Storages:

@@ -2,9 +2,9 @@
 producer may already have released.
 
 vLLM's pull producer holds a finished prefill's blocks for ``kv_lease_duration`` (30 s
-by default). Each heartbeat from the consumer extends the lease to 2/3 of that duration
-after the heartbeat is received. When the lease expires, the producer releases the blocks
-and may reuse them. vLLM's consumer reads whenever it reaches the request. NIXL then
+by default). Each heartbeat from the consumer that the producer handles extends the lease
+to 2/3 of that duration after it is handled. When the lease expires, the producer releases
+the blocks and may reuse them. vLLM's consumer reads whenever it reaches the request. NIXL then
 reports a read of released, reused blocks as successful, so the answer is silently wrong
 (measured: docs/vllm.md "Soak", "Leases"). Upstream exports a deadline only for the
 turn-2 readback of bidirectional transfers.
@@ -13,14 +13,19 @@ Here the producer (``TraitsNixlConnector``) adds its deadline and its extension 
 ``kv_transfer_params`` under :data:`LEASE_KEY`. The deadline is in the producer
 scheduler's ``perf_counter``, the clock that vLLM's handshake measures the offset
 against. The consumer keeps a lower bound on each request's deadline in its own clock:
-the exported deadline less the handshake's clock offset. A heartbeat sent while that
-bound still held by ``margin`` raises the bound to the heartbeat's send time plus the
-extension. This holds because the producer handles its notifications before it reaps
-expired leases, and the producer receives a heartbeat after it is sent. The consumer
-declines a read that would start within ``margin`` of the bound, and it fails a read
-that completes within ``margin`` of it. vLLM's failure path then applies the consumer's
-``kv_load_failure_policy``: the blocks are recomputed, or the request ends with an error.
-The answer is never wrong.
+the exported deadline less the handshake's clock offset. Heartbeats do not raise it.
+vLLM's heartbeat is a one-way NIXL notification that the producer never acknowledges, so
+the consumer learns neither whether nor when the producer handled one, and a heartbeat
+sent in time may be handled after the deadline, when the blocks are gone: with the link
+between the two down longer than the lease, UCX over TCP delivers the queued heartbeats
+once it returns (tests/e2e/test_pd_netns.py, a 40 s outage: the consumer used to raise its
+bound at each heartbeat it sent, and kept reads of released blocks). The one deadline the
+producer is known to keep is the one it exported. The consumer declines a read that would
+start within ``margin`` of the bound, and it fails a read that completes within ``margin``
+of it; ``kv_lease_duration`` must therefore cover a request's wait on the consumer (from
+the prefill's end to its read's end), which heartbeats do not stretch for this check.
+vLLM's failure path then applies the consumer's ``kv_load_failure_policy``: the blocks
+are recomputed, or the request ends with an error. The answer is never wrong.
 
 A producer that exports no lease (upstream's ``NixlConnector``) leaves the consumer
 with upstream's behaviour, and the consumer logs this once per engine. A malformed
@@ -30,7 +35,7 @@ lease value is refused for its request, because it comes from the wire.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -65,7 +70,8 @@ DEFAULT_MARGIN: Final = 2.0
 @dataclass(frozen=True, slots=True)
 class LeaseOffer:
     """A producer's lease on one request's blocks: ``expiry`` in the producer
-    scheduler's ``perf_counter``, ``extension`` the seconds one heartbeat adds."""
+    scheduler's ``perf_counter``, ``extension`` the seconds one heartbeat adds once the
+    producer handles it (on the wire for the record; the consumer's bound uses none)."""
 
     expiry: float
     extension: float
@@ -125,8 +131,6 @@ class LeaseBook:
     def __init__(self, margin: float = DEFAULT_MARGIN) -> None:
         self.margin = margin  # a checked option (ConnectorOptions.lease_margin)
         self._tracked: dict[str, _Tracked] = {}
-        # (before, after) the heartbeat sends for (engine, remote request), oldest first.
-        self._beats: dict[tuple[str, str], list[tuple[float, float]]] = {}
         self._unleased_engines: set[str] = set()
 
     def track(self, req_id: str, engine_id: str, remote_request_id: str, raw: object) -> None:
@@ -156,19 +160,6 @@ class LeaseBook:
             offer = None
         self._tracked[req_id] = _Tracked(engine_id, remote_request_id, offer)
 
-    def heartbeats_sent(
-        self, engine_id: str, remote_request_ids: Iterable[str], before: float, after: float
-    ) -> None:
-        """Record heartbeats sent between local times ``before`` and ``after``; forget
-        the beats of this engine's requests that are no longer heartbeated or guarded."""
-        live = set(remote_request_ids)
-        for rid in live:
-            self._beats.setdefault((engine_id, rid), []).append((before, after))
-        guarded = {(t.engine_id, t.remote_request_id) for t in self._tracked.values()}
-        for key in [k for k in self._beats if k[0] == engine_id and k[1] not in live]:
-            if key not in guarded:
-                del self._beats[key]
-
     def bound(self, req_id: str, clock_offset: float | None) -> float | None:
         """The local time before which the producer still holds ``req_id``'s blocks;
         ``None`` for a request read without a check; ``-inf`` when it must not be read
@@ -178,13 +169,8 @@ class LeaseBook:
             return None
         if tracked.offer is None or clock_offset is None or not math.isfinite(clock_offset):
             return -math.inf
-        bound = tracked.offer.expiry - clock_offset
-        # A beat counts if it was surely sent (after) a margin before the bound; the
-        # producer then extends from no earlier than the moment it was sent (before).
-        for before, after in self._beats.get((tracked.engine_id, tracked.remote_request_id), ()):
-            if after + self.margin < bound:
-                bound = max(bound, before + tracked.offer.extension)
-        return bound
+        # The exported deadline, never a heartbeat's extension (see the module's docstring).
+        return tracked.offer.expiry - clock_offset
 
     def expired(self, req_id: str, clock_offset: float | None, now: float) -> bool:
         """Whether ``req_id``'s blocks may be gone at local time ``now`` (with margin)."""
@@ -192,9 +178,7 @@ class LeaseBook:
         return bound is not None and now + self.margin >= bound
 
     def forget(self, req_id: str) -> None:
-        tracked = self._tracked.pop(req_id, None)
-        if tracked is not None:
-            self._beats.pop((tracked.engine_id, tracked.remote_request_id), None)
+        self._tracked.pop(req_id, None)
 
     def tracked(self) -> set[str]:
         """The guarded requests."""

@@ -1,11 +1,10 @@
 """The pull worker's half of :mod:`._lease`: vLLM's receive path, with reads that the
 producer's lease may no longer cover turned into vLLM's failed reads.
 
-Four points of upstream's ``NixlPullConnectorWorker`` (the same in 0.32, 0.33 and 0.34;
+Three points of upstream's ``NixlPullConnectorWorker`` (the same in 0.32, 0.33 and 0.34;
 the private ones forwarded by :class:`~._seam.SeamPullWorker`):
 
 - ``start_load_kv``: each received request's lease starts being tracked;
-- ``send_heartbeats``: the heartbeats sent (to engines already handshaken) are recorded;
 - ``read_blocks_for_req``: a read that would start too late is declined, the way
   upstream declines an expired turn-2 readback (its failed-read path without a
   transport failure, ``record_kv_expired_req``);
@@ -76,18 +75,6 @@ class LeasedPullWorker(SeamPullWorker):
                     remote = meta.remote
                     book.track(req_id, remote.engine_id, remote.request_id, offered[req_id])
         super().start_load_kv(metadata)
-
-    def send_heartbeats(
-        self, metadata: NixlConnectorMetadata, upstream: Callable[[NixlConnectorMetadata], None]
-    ) -> None:
-        before = time.perf_counter()
-        ready = {e for e in metadata.heartbeat_by_engine if e in self.remote_agents}
-        upstream(metadata)
-        after = time.perf_counter()
-        book = self._leases()
-        for engine_id, info in metadata.heartbeat_by_engine.items():
-            if engine_id in ready and engine_id in self.remote_agents:
-                book.heartbeats_sent(engine_id, info.req_ids, before, after)
 
     def read_blocks_for_req(
         self, req_id: str, meta: Any, upstream: Callable[[str, Any], None]

@@ -35,7 +35,7 @@ one device a CPU process has, which vLLM's ``CpuPlatform.set_device`` then accep
 process prints ``kvspec-overlay: torch.accelerator.current_device_index -> 0 ...`` to
 stderr, which the tests read in the worker's log. Nothing else changes, and a process with
 an accelerator is left alone. The conformance harness carries the same shim for vLLM's
-Mooncake unit tests (scripts/conformance/kvspec_conformance.py).
+Mooncake unit tests (tools/kvspec_workbench/conformance/kvspec_conformance.py).
 
 Test harness only: the library never loads it.
 """

@@ -1,6 +1,6 @@
 """Generate ``docs/traits/*.md``: one page per trait, with its value for every catalog spec.
 
-``make docs`` (``.venv/bin/python scripts/docgen.py``) rewrites the pages; a test fails when
+``make docs`` (``python -m kvspec_workbench.docgen``) rewrites the pages; a test fails when
 the committed pages differ from what the installed vLLM and the adapters give. A repository
 tool, not part of the package: it writes into this checkout's docs/.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 import inspect
 import sys
 from fractions import Fraction
-from pathlib import Path
 
 from kvspec_traits._traits import KVLayoutTraits, trait_names
+from kvspec_workbench import REPO
 
 __all__ = ["render_pages"]
 
-_DOCS = Path(__file__).resolve().parents[1] / "docs" / "traits"
+_DOCS = REPO / "docs" / "traits"
 
 
 def _fmt(value: object) -> str:

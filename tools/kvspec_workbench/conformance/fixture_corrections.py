@@ -34,7 +34,7 @@ test already relied on; no test is skipped and no assertion is loosened:
   True]``.
 
 - ``group traits``: NIXL's worker keeps, per transfer group, the traits of its first member
-  in ``_group_spec_types`` (the patch's hand edit, scripts/hand_edits.py), where it kept
+  in ``_group_spec_types`` (the patch's hand edit, hand_edits.py), where it kept
   that member's class. Tests that inject classes there (``worker._group_spec_types =
   (FullAttentionSpec, MambaSpec)``) or pass them to ``compute_tp_mapping`` get the traits of
   one spec of each class instead (``group_traits``, added to the suite's ``utils.py``):

@@ -1,6 +1,6 @@
 """Migrate a copy of the installed vLLM's ``distributed/kv_transfer`` tree and report.
 
-    scripts/migrate_kv_transfer.py [--out DIR] [--seed] [--demo] [--json]
+    python -m kvspec_workbench.migrate_kv_transfer [--out DIR] [--seed] [--demo] [--json]
 
 Copies the tree to ``DIR/kv_transfer`` (default: a new temporary folder), runs
 ``kvspec-traits migrate --write`` on it in-process and prints: the sites rewritten against
@@ -11,7 +11,7 @@ branch left with why. ``--seed`` first restores the seed line of NIXL's
 line before vLLM added ``SlidingWindowMLASpec``) into the copy. ``--demo`` (``make
 migrate-demo``) implies ``--seed`` and shows that line before and after, evaluated on the
 catalog's real SlidingWindowMLASpec. The migrated copy is what
-``scripts/conformance/run_migrated.py`` puts first on the path. A repository tool, not
+``conformance/run_migrated.py`` puts first on the path. A repository tool, not
 part of the package.
 """
 
@@ -29,9 +29,7 @@ from pathlib import Path
 
 from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration, write_plan
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hand_edits import apply_hand_edits
+from kvspec_workbench.hand_edits import apply_hand_edits
 
 __all__ = ["SEED_FILE", "SEED_LINE", "Measured", "installed_tree", "migrate_copy", "restore_seed"]
 
@@ -100,7 +98,7 @@ class Measured:
 
 def migrate_copy(out: Path, *, seed: bool = False, hand_edits: bool = False) -> Measured:
     """Copy the installed tree into ``out``, optionally restore the seed, migrate it with
-    ``--write`` (with the patch's hand edits, scripts/hand_edits.py, if ``hand_edits``:
+    ``--write`` (with the patch's hand edits, hand_edits.py, if ``hand_edits``:
     the copy is then the patch's code) and measure."""
     root = out / "kv_transfer"
     if root.exists():
@@ -188,7 +186,7 @@ def main() -> int:
     p.add_argument(
         "--hand-edits",
         action="store_true",
-        help="apply the patch's hand edits too (scripts/hand_edits.py): the patch's code",
+        help="apply the patch's hand edits too (hand_edits.py): the patch's code",
     )
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="kvspec-migrate-"))

@@ -2,15 +2,15 @@
 exact text before and after, the reason, and the sites left by ``migrate`` that it rewrites
 (issue 35 item 2: "by a listed hand edit where [a rule] does not [fit every series]").
 
-They apply to the migrated text, before vLLM's pre-commit fixers (``scripts/vllm_patch.py``)
-and in the migrated copy ``run_migrated.py`` judges (``scripts/migrate_kv_transfer.py``), so
+They apply to the migrated text, before vLLM's pre-commit fixers (``vllm_patch.py``)
+and in the migrated copy ``run_migrated.py`` judges (``migrate_kv_transfer.py``), so
 the judge runs vLLM's tests on the code the patch carries. An edit whose before-text is not
 found exactly once in its file, or whose site is not among the sites ``migrate`` left,
 raises ``HandEditError`` before any file is changed: a hand edit is never guessed, never
 half-applied, and one that a new release made stale says so.
 
 Each edit carries ``probes``: the class check it replaces and the traits query it asks
-instead, as two expressions of one spec ``spec``. ``scripts/patch_answers.py`` evaluates
+instead, as two expressions of one spec ``spec``. ``patch_answers.py`` evaluates
 them on the catalog's spec of every class and on a group wrapper of each, and the patch
 header lists every spec on which they answer otherwise. A repository tool, not part of the
 package.
@@ -222,7 +222,7 @@ _CERTIFY_PROBE = (
 # The worker kept the class of each group's first member (`_group_spec_types`) and asked
 # issubclass of it; it now keeps that member's traits and asks them. The names stay (a
 # smaller diff); vLLM's tests that inject classes get them as traits (fixture rule
-# "group traits", scripts/conformance/fixture_corrections.py).
+# "group traits", conformance/fixture_corrections.py).
 
 _TP_HELPERS_BEFORE = """\
 def _is_attention_spec(spec_type: type[KVCacheSpec]) -> bool:
@@ -539,7 +539,7 @@ def apply_hand_edits(
         if count != 1:
             raise HandEditError(
                 f"hand edit of {h.path} ({version}): its before-text is found {count} times, "
-                "not once; the release changed it (update scripts/hand_edits.py)"
+                "not once; the release changed it (update tools/kvspec_workbench/hand_edits.py)"
             )
         texts[path] = _with_imports(texts[path].replace(h.before, h.after), h.imports)
         texts[path] = _with_typing(texts[path], h.typing)

