@@ -30,12 +30,13 @@ from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import _families as families
-from kvspec_traits.mooncake import TraitsMooncakeEngine, fetch_record
+from kvspec_traits.mooncake import TraitsMooncakeEngine, fetch_record, routes_of
 from kvspec_traits.transfer import (
     HandshakeMismatchError,
     UnsupportedLayoutError,
     block_reads,
     check_handshake,
+    peer_regions,
     plan_regions,
 )
 from tests.mooncake_helpers.remote import Remote
@@ -122,6 +123,14 @@ TP = [(1, 1), (2, 1), (1, 2)]
 CELLS = [(name, p, d, bp, bd) for name in MODELS for p, d in TP for bp, bd in RATIOS]
 
 
+def _token_rows(regions: int) -> list[tuple[tuple[int, int], ...] | None]:
+    """The block interior this module's truth is written in (:func:`_write_request`:
+    each head slot's tokens as rows of their bytes), declared to the Mooncake backend as
+    its owner must (``slot_parts``; vLLM-CPU's own kernel keeps K transposed, which
+    tests/test_connector_block_ratio.py moves)."""
+    return [None] * regions
+
+
 def _move(name: str, p_tp: int, d_tp: int, p_block: int, d_block: int, write: bool) -> None:
     truth = _truth(name)
     producers = {rank: _rank(name, p_tp, rank, p_block) for rank in range(p_tp)}
@@ -138,10 +147,17 @@ def _move(name: str, p_tp: int, d_tp: int, p_block: int, d_block: int, write: bo
             check_handshake(c.plan, p.plan.fingerprint(), block_ratio=True)
     p_tokens: list[int | None] = [p_block] * len(producers[0].plan.regions)
     d_tokens: list[int | None] = [d_block] * len(consumers[0].plan.regions)
+    rows = _token_rows(len(producers[0].plan.regions))
     if write:
-        move_all(producers, consumers, d_tp, p_ids, d_ids, write=True, peer_tokens=d_tokens)
+        move_all(
+            producers, consumers, d_tp, p_ids, d_ids, write=True, peer_tokens=d_tokens,
+            slot_parts=rows,
+        )  # fmt: skip
     else:
-        move_all(consumers, producers, p_tp, d_ids, p_ids, write=False, peer_tokens=p_tokens)
+        move_all(
+            consumers, producers, p_tp, d_ids, p_ids, write=False, peer_tokens=p_tokens,
+            slot_parts=rows,
+        )  # fmt: skip
     for rank, c in consumers.items():
         want = _rank(name, d_tp, rank, d_block)
         _write_request(want, truth, d_tp, rank, d_block, d_ids)
@@ -199,6 +215,35 @@ def test_block_sizes_that_do_not_divide_are_refused_by_name() -> None:
         )
 
 
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
+def test_mooncake_moves_between_block_sizes_only_with_the_block_interior_declared(
+    write: bool,
+) -> None:
+    """The interior of a block (rows of token bytes, or vLLM-CPU's K transposed per
+    head) is the attention kernel's, not the spec's: without its owner's ``slot_parts``
+    the Mooncake backend refuses a peer of another block size by name, before any route
+    exists, rather than move rows that may be columns; with the same block size it
+    needs none."""
+    producer, consumer = _rank("gqa", 1, 0, 16), _rank("gqa", 1, 0, 32)
+    mover, peer = (producer, consumer) if write else (consumer, producer)
+    regions = {0: peer_regions(peer.plan)}
+    theirs: list[int | None] = [32 if write else 16] * len(peer.plan.regions)
+    with pytest.raises(UnsupportedLayoutError, match="slot_parts") as refused:
+        routes_of(mover.plan, 1, regions, write=write, remote_tokens=theirs)
+    assert "--block-size" in str(refused.value)
+    assert routes_of(
+        mover.plan,
+        1,
+        regions,
+        write=write,
+        remote_tokens=theirs,
+        slot_parts=_token_rows(len(mover.plan.regions)),
+    )  # declared: rows of token bytes
+    same = {0: peer_regions(_rank("gqa", 1, 0, 16 if write else 32).plan)}
+    same_tokens: list[int | None] = [16 if write else 32] * len(mover.plan.regions)
+    assert routes_of(mover.plan, 1, same, write=write, remote_tokens=same_tokens)
+
+
 # -- through real Mooncake engines ------------------------------------------------------
 
 
@@ -243,7 +288,7 @@ def test_mooncake_engines_read_between_block_sizes(
             c = _rank(name, d_tp, rank, d_block)
             engine = TraitsMooncakeEngine("127.0.0.1")
             engines.append(engine)
-            engine.register_plan(c.plan)
+            engine.register_plan(c.plan, slot_parts=_token_rows(len(c.plan.regions)))
             peers = {
                 r: engine.connect(fetch_record("127.0.0.1", port), "127.0.0.1")
                 for r, port in ports.items()

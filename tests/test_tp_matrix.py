@@ -313,12 +313,20 @@ def move_all(
     *,
     write: bool,
     peer_tokens: list[int | None] | None = None,
+    slot_parts: list[tuple[tuple[int, int], ...] | None] | None = None,
 ) -> None:
     """Every mover rank's moves against all peer ranks, as a Mooncake engine would be
     handed them (reads into the movers, or writes from them), applied in memory."""
     for me in movers.values():
         regions = {rank: peer_regions(peer.plan) for rank, peer in peers.items()}
-        routes = routes_of(me.plan, peer_tp, regions, write=write, remote_tokens=peer_tokens)
+        routes = routes_of(
+            me.plan,
+            peer_tp,
+            regions,
+            write=write,
+            remote_tokens=peer_tokens,
+            slot_parts=slot_parts,
+        )
         moves = request_moves(routes, me.plan.num_groups, ids, peer_ids, write=write)
         _apply(me, peers, moves, write=write, me=me)
 

@@ -25,7 +25,7 @@ from kvspec_traits._errors import MissingDependencyError
 from kvspec_traits.mooncake._channel import RecordServer
 from kvspec_traits.mooncake._errors import MissingPeerError, TransferFailedError
 from kvspec_traits.mooncake._moves import Route, pieces_of, request_moves, routes_of
-from kvspec_traits.mooncake._ratio_moves import RatioRoute
+from kvspec_traits.mooncake._ratio_moves import RatioRoute, SlotParts
 from kvspec_traits.mooncake._wire import PeerRecord, decode_record, encode_record
 from kvspec_traits.transfer import (
     MalformedMetadataError,
@@ -129,6 +129,7 @@ class TraitsMooncakeEngine:
         self.rpc_port: int = int(self._engine.get_rpc_port())
         self.session = f"{host}:{self.rpc_port}"
         self._plan: RegionPlan | None = None
+        self._slot_parts: SlotParts | None = None
         self._registered: list[int] = []
         self._published = False
         self._peers: dict[str, MooncakePeer] = {}
@@ -145,11 +146,17 @@ class TraitsMooncakeEngine:
             raise RuntimeError(f"engine {self.session}: call register_plan() first")
         return self._plan
 
-    def register_plan(self, plan: RegionPlan) -> None:
+    def register_plan(self, plan: RegionPlan, *, slot_parts: SlotParts | None = None) -> None:
         """Register every memory range of ``plan`` with the engine. Must precede
         :meth:`record`. A plan with memory other than host memory is refused by name
         (:class:`~kvspec_traits.transfer.UnsupportedLayoutError`) before anything is
-        registered; a registration the engine refuses is undone."""
+        registered; a registration the engine refuses is undone.
+
+        ``slot_parts``: per region of ``plan``, how a head slot of its blocks holds its
+        tokens (:func:`~kvspec_traits.transfer.block_reads`' ``parts``; None: rows of
+        token bytes), as the attention kernel that writes the cache lays them out. Only a
+        peer of another block size needs it; without it such a peer's reads are refused
+        by name."""
         if self._published:
             raise RuntimeError(
                 f"engine {self.session}: register_plan() after record() would register "
@@ -161,6 +168,11 @@ class TraitsMooncakeEngine:
             raise ValueError(
                 "the plan has no regions (every layer was skipped: see "
                 "RegionPlan.skipped_layers); there is nothing to register"
+            )
+        if slot_parts is not None and len(slot_parts) != len(plan.regions):
+            raise ValueError(
+                f"slot_parts has {len(slot_parts)} entries for a plan of "
+                f"{len(plan.regions)} regions; give one per region (None for token rows)"
             )
         for region in plan.regions:
             if region.mem_type != HOST_MEMORY:
@@ -179,6 +191,7 @@ class TraitsMooncakeEngine:
             )
         self._registered = bases
         self._plan = plan
+        self._slot_parts = None if slot_parts is None else tuple(slot_parts)
 
     def record(self) -> bytes:
         """The handshake record for peers (fingerprint, region geometry, registrations,
@@ -234,6 +247,7 @@ class TraitsMooncakeEngine:
                 {peer.tp_rank: peer.regions},
                 write=write,
                 remote_tokens=peer.tokens,
+                slot_parts=self._slot_parts,
             )
         self._peers[session] = peer
         return peer
@@ -343,6 +357,7 @@ class TraitsMooncakeEngine:
             {rank: p.regions for rank, p in by_rank.items()},
             write=write,
             remote_tokens=next(iter(by_rank.values())).tokens,
+            slot_parts=self._slot_parts,
         )
         self._routes[key] = routes
         return routes

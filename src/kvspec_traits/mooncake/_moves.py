@@ -15,12 +15,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvspec_traits.mooncake._errors import MissingPeerError
-from kvspec_traits.mooncake._ratio_moves import RatioRoute, ratio_route, reader_pairs
+from kvspec_traits.mooncake._ratio_moves import (
+    Parts,
+    RatioRoute,
+    SlotParts,
+    ratio_route,
+    reader_pairs,
+)
 from kvspec_traits.transfer import (
     DuplicateBlockIdError,
     PeerRegion,
     Region,
     RegionPlan,
+    UnsupportedLayoutError,
     block_reads,
     lanes_of,
     peer_view,
@@ -34,7 +41,7 @@ from kvspec_traits.transfer._blocks import (
     group_lists,
 )
 
-__all__ = ["Moves", "Piece", "Route", "pieces_of", "request_moves", "routes_of"]
+__all__ = ["Moves", "Piece", "Route", "parts_of", "pieces_of", "request_moves", "routes_of"]
 
 Piece = tuple[int, int, int, int]
 """``(remote rank, offset in our block, offset in the peer's block, bytes)``."""
@@ -62,6 +69,7 @@ def pieces_of(
     *,
     write: bool,
     remote_tokens: Sequence[int | None] | None = None,
+    slot_parts: SlotParts | None = None,
 ) -> tuple[tuple[Piece, ...], ...]:
     """Per lane of each region of ``plan`` (:func:`lanes_of`, in region order), the
     pieces a block moves between our block and the peers' (``remote_regions``: each
@@ -73,7 +81,10 @@ def pieces_of(
     with the consumer's block length (the handshake proved every other trait equal).
     A lane whose blocks hold other token counts than the peer's (``remote_tokens``: per
     region, the peer's tokens per block) has no one-to-one pieces: it is checked here
-    (:func:`~kvspec_traits.transfer.block_reads`) and moved by a :class:`RatioRoute`.
+    (:func:`~kvspec_traits.transfer.block_reads`) and moved by a :class:`RatioRoute`,
+    with ``slot_parts[i]`` saying how region ``i``'s head slots hold their tokens (its
+    ``parts``; None: rows of token bytes): the writer's attention kernel decides it, so a
+    lane of another block size without ``slot_parts`` is refused (:func:`parts_of`).
 
     Raises :class:`~kvspec_traits.transfer.UnsupportedLayoutError` for a region that
     cannot move between the two TP sizes or block sizes.
@@ -84,7 +95,8 @@ def pieces_of(
         tokens = _ratio_tokens(region, remote_tokens)
         for _, states in lanes_of(region):
             if tokens is not None:
-                _check_ratio(plan, region, remote_tp, remote_regions, tokens, write)
+                parts = parts_of(region, slot_parts)
+                _check_ratio(plan, region, remote_tp, remote_regions, (tokens, parts), write)
                 out.append(())
                 continue
             out.append(
@@ -103,19 +115,44 @@ def _ratio_tokens(region: Region, remote_tokens: Sequence[int | None] | None) ->
     return theirs
 
 
+def parts_of(region: Region, slot_parts: SlotParts | None) -> Parts | None:
+    """How ``region``'s head slots hold their tokens (``block_reads``' ``parts``), as the
+    engine's owner declared it (``slot_parts``, one entry per region). A page's interior
+    is the attention kernel's choice, not a layout fact of its spec: vLLM-CPU's keeps
+    each head's K transposed before V, where rows of token bytes would move every token
+    to the wrong place. Without a declaration there is nothing to read between block
+    sizes by: :class:`~kvspec_traits.transfer.UnsupportedLayoutError`."""
+    if slot_parts is None:
+        raise UnsupportedLayoutError(
+            region.name,
+            "how its blocks hold their tokens is the attention kernel's choice (vLLM-CPU's "
+            "keeps each head's K transposed), which the plan does not know; declare it with "
+            "register_plan(plan, slot_parts=...) (one entry per region, None for rows of "
+            "token bytes), or run prefill and decode with the same --block-size",
+        )
+    if region.index >= len(slot_parts):
+        raise ValueError(
+            f"slot_parts has {len(slot_parts)} entries, none for region {region.index} "
+            f"({region.name!r}); give one per region of the plan (None for token rows)"
+        )
+    declared = slot_parts[region.index]
+    return None if declared is None else tuple(declared)
+
+
 def _check_ratio(
     plan: RegionPlan,
     region: Region,
     remote_tp: int,
     remote_regions: Mapping[int, Sequence[PeerRegion]],
-    tokens: int,
+    theirs: tuple[int, Parts | None],
     write: bool,
 ) -> None:
+    tokens, parts = theirs
     mine = region.block_sizes[0] if len(region.block_sizes) == 1 else 0
     if not write:
         block_reads(
             region, local_tp=plan.tp_size, local_rank=plan.tp_rank, remote_tp=remote_tp,
-            local_tokens=mine, remote_tokens=tokens,
+            local_tokens=mine, remote_tokens=tokens, parts=parts,
         )  # fmt: skip
         return
     for rank, regions in remote_regions.items():
@@ -128,6 +165,7 @@ def _check_ratio(
         block_reads(
             dataclasses.replace(viewed, block_sizes=(tokens,)), local_tp=remote_tp,
             local_rank=rank, remote_tp=plan.tp_size, local_tokens=tokens, remote_tokens=mine,
+            parts=parts,
         )  # fmt: skip
 
 
@@ -197,6 +235,7 @@ def routes_of(
     *,
     write: bool,
     remote_tokens: Sequence[int | None] | None = None,
+    slot_parts: SlotParts | None = None,
 ) -> tuple[Route | RatioRoute, ...]:
     """:func:`pieces_of` with the geometry of both sides, per lane of each region (what
     a set of peers keeps across requests). :class:`MissingPeerError` names a rank a
@@ -205,13 +244,29 @@ def routes_of(
     routes: list[Route | RatioRoute] = []
     for (region, group), pieces in zip(
         lanes,
-        pieces_of(plan, remote_tp, remote_regions, write=write, remote_tokens=remote_tokens),
+        pieces_of(
+            plan,
+            remote_tp,
+            remote_regions,
+            write=write,
+            remote_tokens=remote_tokens,
+            slot_parts=slot_parts,
+        ),
         strict=True,
     ):
         tokens = _ratio_tokens(region, remote_tokens)
         if tokens is not None:
             routes.append(
-                ratio_route(plan, region, group, remote_tp, remote_regions, tokens, write=write)
+                ratio_route(
+                    plan,
+                    region,
+                    group,
+                    remote_tp,
+                    remote_regions,
+                    tokens,
+                    write=write,
+                    parts=parts_of(region, slot_parts),
+                )
             )
             continue
         flat = []

@@ -20,7 +20,13 @@ from kvspec_traits.transfer import (
     peer_view,
 )
 
-__all__ = ["RatioRoute", "ratio_route", "reader_pairs"]
+__all__ = ["Parts", "RatioRoute", "SlotParts", "ratio_route", "reader_pairs"]
+
+Parts = tuple[tuple[int, int], ...]
+"""How a head slot keeps its tokens' bytes (:func:`~kvspec_traits.transfer.block_reads`'
+``parts``)."""
+SlotParts = Sequence[Sequence[tuple[int, int]] | None]
+"""Per region of a plan, its :data:`Parts` (None: rows of token bytes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,7 @@ def ratio_route(
     remote_tokens: int,
     *,
     write: bool,
+    parts: Parts | None = None,
 ) -> RatioRoute:
     """The route of ``region``'s lane ``group`` against peers whose blocks hold
     ``remote_tokens`` tokens. Raises :class:`~kvspec_traits.transfer.
@@ -71,12 +78,12 @@ def ratio_route(
             )
             got = block_reads(
                 viewed, local_tp=remote_tp, local_rank=reader, remote_tp=plan.tp_size,
-                local_tokens=remote_tokens, remote_tokens=local_tokens,
+                local_tokens=remote_tokens, remote_tokens=local_tokens, parts=parts,
             )  # fmt: skip
         else:
             got = block_reads(
                 region, local_tp=plan.tp_size, local_rank=plan.tp_rank, remote_tp=remote_tp,
-                local_tokens=local_tokens, remote_tokens=remote_tokens,
+                local_tokens=local_tokens, remote_tokens=remote_tokens, parts=parts,
             )  # fmt: skip
         while len(phases) < len(got):
             phases.append([])
