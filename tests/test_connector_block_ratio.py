@@ -26,13 +26,10 @@ import ctypes
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
-from unittest.mock import patch
 
 import msgspec
 import pytest
 import torch
-from vllm.config import set_current_vllm_config
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.v1.attention.backends import cpu_attn
 
 from kvspec_traits.nixl._ratio_descs import ratio_lanes, ratio_reads
@@ -56,7 +53,13 @@ from tests.test_block_ratio import (
     _truth,
     _write_request,
 )
-from tests.test_connector_differential import Built, _construct, _vllm_config, build, distributed
+from tests.test_connector_differential import (
+    Built,
+    _vllm_config,
+    build,
+    distributed,
+    registered_worker,
+)
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -83,14 +86,14 @@ def rank_worker(
             vllm_config.model_config.model_arch_config.total_num_kv_heads = model.kv_heads
         config = layouts.kv_cache_config(model.groups(tp, block), NB, LAYOUT)
         caches = layouts.allocate(config, LAYOUT)
-        with (
-            set_current_vllm_config(vllm_config),
-            patch.object(base_worker, "get_tensor_model_parallel_rank", return_value=rank),
-            patch.object(base_worker, "get_tensor_model_parallel_world_size", return_value=tp),
-        ):
-            worker = _construct(lambda: TraitsNixlConnectorWorker(vllm_config, engine, config))
-            made.append(worker)
-            worker.register_kv_caches(caches)
+        worker = registered_worker(
+            lambda: TraitsNixlConnectorWorker(vllm_config, engine, config),
+            vllm_config,
+            caches,
+            rank,
+            tp,
+        )
+        made.append(worker)
         return worker, caches
 
     yield _make

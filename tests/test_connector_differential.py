@@ -304,6 +304,22 @@ def _construct(make: Callable[[], Any]) -> Any:
         os.sched_setaffinity(0, cores)
 
 
+def registered_worker(
+    make: Callable[[], Any], vllm_config: Any, caches: dict[str, Any], rank: int, tp: int
+) -> Any:
+    """A worker ``make`` builds as TP rank ``rank`` of ``tp`` under ``vllm_config``, its
+    ``caches`` registered (vLLM's NIXL worker asks its rank of the distributed state,
+    which these single-process tests stand in for)."""
+    with (
+        set_current_vllm_config(vllm_config),
+        patch.object(base_worker, "get_tensor_model_parallel_rank", return_value=rank),
+        patch.object(base_worker, "get_tensor_model_parallel_world_size", return_value=tp),
+    ):
+        worker = _construct(make)
+        worker.register_kv_caches(caches)
+    return worker
+
+
 @pytest.fixture
 def build(
     distributed: None, tiny_models: pathlib.Path, monkeypatch: pytest.MonkeyPatch

@@ -23,12 +23,9 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
-from unittest.mock import patch
 
 import pytest
 import torch
-from vllm.config import set_current_vllm_config
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import _families as families
@@ -36,7 +33,7 @@ from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
 from tests.nixl_helpers.receive import receive, serving
-from tests.test_connector_differential import _construct, _vllm_config, distributed
+from tests.test_connector_differential import _vllm_config, distributed, registered_worker
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -71,14 +68,14 @@ def rank_worker(
         vllm_config.model_config.model_arch_config.total_num_kv_heads = kv_heads
         config = layouts.kv_cache_config(_groups(kv_heads, tp), NB, LAYOUT)
         caches = layouts.allocate(config, LAYOUT)
-        with (
-            set_current_vllm_config(vllm_config),
-            patch.object(base_worker, "get_tensor_model_parallel_rank", return_value=rank),
-            patch.object(base_worker, "get_tensor_model_parallel_world_size", return_value=tp),
-        ):
-            worker = _construct(lambda: TraitsNixlConnectorWorker(vllm_config, engine, config))
-            made.append(worker)
-            worker.register_kv_caches(caches)
+        worker = registered_worker(
+            lambda: TraitsNixlConnectorWorker(vllm_config, engine, config),
+            vllm_config,
+            caches,
+            rank,
+            tp,
+        )
+        made.append(worker)
         return worker, caches
 
     yield _make

@@ -56,13 +56,10 @@ import pathlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-from unittest.mock import patch
 
 import pytest
 import torch
 import vllm
-from vllm.config import set_current_vllm_config
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
@@ -76,7 +73,7 @@ from tests.mla_backends import CPU_MLA
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import DSV2, LLAMA
 from tests.nixl_helpers.receive import receive, serving
-from tests.test_connector_differential import _construct, _vllm_config, distributed
+from tests.test_connector_differential import _vllm_config, distributed, registered_worker
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -274,14 +271,10 @@ def rank_worker(
             groups.insert(0, layouts.group([STEP5_MAIN], step5_main_spec(tp)))
         config = layouts.kv_cache_config(groups, NB, layout)
         caches = layouts.allocate(config, layout)
-        with (
-            set_current_vllm_config(vllm_config),
-            patch.object(base_worker, "get_tensor_model_parallel_rank", return_value=rank),
-            patch.object(base_worker, "get_tensor_model_parallel_world_size", return_value=tp),
-        ):
-            worker = _construct(lambda: cls(vllm_config, engine, config))
-            made.append(worker)
-            worker.register_kv_caches(caches)
+        worker = registered_worker(
+            lambda: cls(vllm_config, engine, config), vllm_config, caches, rank, tp
+        )
+        made.append(worker)
         return worker, caches
 
     yield _make

