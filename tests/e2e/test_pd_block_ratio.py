@@ -39,8 +39,16 @@ UPSTREAM_CONNECTOR = "NixlConnector"
 PAIRS = [("ours", p, d) for p, d in BLOCKS] + [("upstream", p, d) for p, d in BLOCKS]
 # What upstream's NixlConnector returns for each prompt of PROMPTS at each pair
 # (``exact``, ``wrong``: answered with other tokens, or ``failed``: an error status),
-# measured on the installed vLLM 0.32 by this module.
-UPSTREAM: dict[tuple[int, int], dict[str, str]] = {}
+# measured on the installed vLLM 0.32 by this module. Decode blocks larger: upstream
+# splits each decode block into contiguous chunks of the prefill's block length, which
+# on vLLM-CPU's pages (each head's K transposed, then V) is not where the tokens are:
+# every answer wrong, no transfer reported failed. Decode blocks smaller: its handshake
+# asserts ("Local block size 128 is not divisible by remote block size 256"), and every
+# disaggregated request ends in an error.
+UPSTREAM: dict[tuple[int, int], dict[str, str]] = {
+    (128, 256): dict.fromkeys(PROMPTS, "wrong"),
+    (256, 128): dict.fromkeys(PROMPTS, "failed"),
+}
 
 
 def _serving(block: int) -> h.Serving:
