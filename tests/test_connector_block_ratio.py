@@ -37,10 +37,8 @@ from kvspec_traits.transfer import BlockIdShapeError, UnsupportedLayoutError, pe
 from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._connector import (
     TraitsNixlAgentMetadata,
-    TraitsNixlConnectorWorker,
 )
 from tests.nixl_helpers import layouts
-from tests.nixl_helpers.layouts import LLAMA
 from tests.nixl_helpers.receive import receive, serving
 from tests.test_block_ratio import (
     LAYOUT,
@@ -55,10 +53,9 @@ from tests.test_block_ratio import (
 )
 from tests.test_connector_differential import (
     Built,
-    _vllm_config,
     build,
     distributed,
-    registered_worker,
+    llama_rank_worker,
 )
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -75,26 +72,13 @@ def rank_worker(
     caches (zeros) registered."""
     made: list[Any] = []
 
+    make = llama_rank_worker(tiny_models, made, NB, LAYOUT)
+
     def _make(
         name: str, engine: str, tp: int, rank: int, block: int
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         model = MODELS[name]
-        vllm_config = _vllm_config(tiny_models / LLAMA, LAYOUT, None)
-        vllm_config.parallel_config.tensor_parallel_size = tp
-        vllm_config.cache_config.block_size = block
-        if model.kv_heads is not None:
-            vllm_config.model_config.model_arch_config.total_num_kv_heads = model.kv_heads
-        config = layouts.kv_cache_config(model.groups(tp, block), NB, LAYOUT)
-        caches = layouts.allocate(config, LAYOUT)
-        worker = registered_worker(
-            lambda: TraitsNixlConnectorWorker(vllm_config, engine, config),
-            vllm_config,
-            caches,
-            rank,
-            tp,
-        )
-        made.append(worker)
-        return worker, caches
+        return make(model.groups(tp, block), engine, tp, rank, block, model.kv_heads)
 
     yield _make
     for worker in made:

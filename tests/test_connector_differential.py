@@ -320,6 +320,37 @@ def registered_worker(
     return worker
 
 
+def llama_rank_worker(
+    tiny_models: pathlib.Path, made: list[Any], num_blocks: int, layout: Any
+) -> Callable[..., tuple[Any, dict[str, torch.Tensor]]]:
+    """``make(groups, engine, tp, rank, block, kv_heads)``: our worker for the tiny Llama's
+    config as TP rank ``rank`` of ``tp``, ``block`` tokens a block, the model's KV heads
+    ``kv_heads`` (None: the config's), over ``groups`` (``num_blocks`` blocks in
+    ``layout``), its zeroed caches registered; appended to ``made``."""
+
+    def make(
+        groups: list[Any], engine: str, tp: int, rank: int, block: int, kv_heads: int | None
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        vllm_config = _vllm_config(tiny_models / LLAMA, layout, None)
+        vllm_config.parallel_config.tensor_parallel_size = tp
+        vllm_config.cache_config.block_size = block
+        if kv_heads is not None:
+            vllm_config.model_config.model_arch_config.total_num_kv_heads = kv_heads
+        config = layouts.kv_cache_config(groups, num_blocks, layout)
+        caches = layouts.allocate(config, layout)
+        worker = registered_worker(
+            lambda: TraitsNixlConnectorWorker(vllm_config, engine, config),
+            vllm_config,
+            caches,
+            rank,
+            tp,
+        )
+        made.append(worker)
+        return worker, caches
+
+    return make
+
+
 @pytest.fixture
 def build(
     distributed: None, tiny_models: pathlib.Path, monkeypatch: pytest.MonkeyPatch

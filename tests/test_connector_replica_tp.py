@@ -29,11 +29,9 @@ import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import _families as families
-from kvspec_traits.vllm_connector._connector import TraitsNixlConnectorWorker
 from tests.nixl_helpers import layouts
-from tests.nixl_helpers.layouts import LLAMA
 from tests.nixl_helpers.receive import receive, serving
-from tests.test_connector_differential import _vllm_config, distributed, registered_worker
+from tests.test_connector_differential import distributed, llama_rank_worker
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -59,24 +57,12 @@ def rank_worker(
     ``tp`` of a model with ``kv_heads`` KV heads, its caches registered."""
     made: list[Any] = []
 
+    make = llama_rank_worker(tiny_models, made, NB, LAYOUT)
+
     def _make(
         kv_heads: int, engine: str, tp: int, rank: int
     ) -> tuple[Any, dict[str, torch.Tensor]]:
-        vllm_config = _vllm_config(tiny_models / LLAMA, LAYOUT, None)
-        vllm_config.parallel_config.tensor_parallel_size = tp
-        vllm_config.cache_config.block_size = 32
-        vllm_config.model_config.model_arch_config.total_num_kv_heads = kv_heads
-        config = layouts.kv_cache_config(_groups(kv_heads, tp), NB, LAYOUT)
-        caches = layouts.allocate(config, LAYOUT)
-        worker = registered_worker(
-            lambda: TraitsNixlConnectorWorker(vllm_config, engine, config),
-            vllm_config,
-            caches,
-            rank,
-            tp,
-        )
-        made.append(worker)
-        return worker, caches
+        return make(_groups(kv_heads, tp), engine, tp, rank, 32, kv_heads)
 
     yield _make
     for worker in made:
