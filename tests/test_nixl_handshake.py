@@ -101,7 +101,7 @@ def test_order_of_data_inside_a_page_is_refused() -> None:
     assert nhd.fingerprint().digest != hnd.fingerprint().digest
     with pytest.raises(HandshakeMismatchError, match="head_major: local=True remote=False"):
         check_handshake(hnd, nhd.fingerprint())
-    assert FINGERPRINT_VERSION == 5
+    assert FINGERPRINT_VERSION == 6
 
 
 def test_replication_difference_is_refused() -> None:

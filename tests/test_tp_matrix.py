@@ -60,12 +60,15 @@ from kvspec_traits.mooncake import (
 )
 from kvspec_traits.transfer import (
     HandshakeMismatchError,
+    MalformedMetadataError,
     RegionPlan,
     check_handshake,
+    check_peer_geometry,
     check_tp_pair,
     peer_regions,
     plan_regions,
 )
+from kvspec_traits.transfer._fingerprint import record_page
 from tests.mooncake_helpers.remote import Remote
 from tests.nixl_helpers import checks, layouts
 
@@ -333,12 +336,12 @@ def move_all(
 
 CELLS = [(name, p, d) for name in LAYOUTS for p, d in PAIRS]
 
-# Cells refused by name before anything moves, and why. The GDN hybrid at TP 4 and
-# another size: its state page is padded to the attention page, which stops halving
-# at TP 4 (two KV heads: one replica per rank at TP 2 and TP 4), so the padded page is
-# not the same fraction of the model's at both sizes and the fingerprint's block_len
-# differs (the state's own bytes would move: the pad is nobody's; left open, issue 47).
-REFUSED = {("gdn_state_gqa2", p, d): "block_len" for p, d in PAIRS if 4 in (p, d) and p != d}
+# Cells refused by name before anything moves, and why: none. Some producer rank holds
+# every byte each consumer rank needs in every cell. The GDN hybrid at TP 4 and another
+# size was refused ("block_len") until the fingerprint compared the state's content
+# rather than its padded page (the padding to the two-head attention page stops halving
+# at TP 4, where the heads are replicas; it is nobody's bytes and never moves).
+REFUSED: dict[tuple[str, int, int], str] = {}
 
 
 @pytest.fixture(autouse=True)
@@ -391,6 +394,66 @@ def test_every_cell_moves_each_consumer_ranks_own_share(
         assert bool(c.raw.any())
 
 
+def _state_only(tp: int, *, padded: int, value_heads: int = 4) -> RegionPlan:
+    """A model of two GDN layers (no attention group), its state page padded to
+    ``padded`` bytes at every TP size (what a hybrid's unified page may do)."""
+    spec = families.gdn_state(
+        **{**GDN, "value_heads": value_heads},
+        dtypes=(BF16, BF16),
+        tp=tp,
+        conv_layout="DS",
+        mamba_type="GDN_ATTN",
+        block_size=64,
+        page_size_padded=padded,
+    )
+    names = ["model.layers.0.linear_attn", "model.layers.1.linear_attn"]
+    config = layouts.kv_cache_config([layouts.group(names, spec)], 4, KVCacheLayout.LBHNC)
+    caches = layouts.allocate(config, KVCacheLayout.LBHNC)
+    return plan_regions(caches, config, tp_size=tp, tp_rank=0)
+
+
+def test_a_state_pages_padding_is_compared_between_equal_tp_sizes_only() -> None:
+    """The GDN state at TP 2 is 1152 B of conv state ((384 / 2) x 3 x 2 B) and 4096 B of
+    SSM state (2 heads x 32 x 32 x 2 B), 5248 B of content; its page padded to 16384 or
+    20480 B. Between equal TP sizes whole pages move, so other padding is refused by
+    name (``state_pad``); between TP 2 and TP 4 only the components move, and the
+    record compares the content scaled to the TP group, 2 x 5248 = 10496 B, on both."""
+    two, two_wide = _state_only(2, padded=16384), _state_only(2, padded=20480)
+    with pytest.raises(HandshakeMismatchError, match="state_pad: local=11136 remote=15232"):
+        check_handshake(two, two_wide.fingerprint())
+    four = _state_only(4, padded=16384)
+    check_handshake(two, four.fingerprint())
+    check_handshake(two_wide, four.fingerprint())
+    record = two.fingerprint().regions[0]
+    assert (record["block_len"], record["state_pad"]) == (10496, 16384 - 5248)
+    # The geometry a peer's own record implies: content per rank plus its padding.
+    assert record_page(record, 0, 2) == 16384
+    assert record_page(four.fingerprint().regions[0], 0, 4) == 16384
+
+
+def test_a_genuinely_other_state_is_still_refused_between_tp_sizes() -> None:
+    """Twice the SSM heads (8 of 32 x 32, bf16: 16384 B at TP 1) is another model's
+    state, whatever the padding: refused between TP 2 and TP 4 with the content
+    (4 x 2304 + 8192 = 10496 B against 2304 + 16384 = 18688 B) and components named."""
+    two, other = _state_only(2, padded=16384), _state_only(4, padded=16384, value_heads=8)
+    with pytest.raises(HandshakeMismatchError) as info:
+        check_handshake(two, other.fingerprint())
+    diffs = {trait: (mine, theirs) for trait, mine, theirs in info.value.diffs}
+    assert diffs["block_len"] == (10496, 18688)
+    assert "state_components" in diffs
+
+
+def test_a_peer_whose_state_page_contradicts_its_record_is_refused() -> None:
+    """A peer's region must be the page its record implies (content per rank plus its
+    padding); one byte short is refused before any descriptor is built."""
+    four = _state_only(4, padded=16384)
+    regions = list(peer_regions(four))
+    check_peer_geometry(four.fingerprint(), regions, 4)
+    short = dataclasses.replace(regions[0], block_len=16383)
+    with pytest.raises(MalformedMetadataError, match="implies 16384 bytes per block at TP 4"):
+        check_peer_geometry(four.fingerprint(), [short, *regions[1:]], 4)
+
+
 def _first_diff(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a != b).nonzero()[0, 0]) if not torch.equal(a, b) else -1
 
@@ -410,7 +473,8 @@ def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Remote]:
 
 
 # The cells whose reads are new with issue 47 (replicated KV heads, the state read run by
-# run, a replicated state between TP sizes), both directions of TP. Every other cell's
+# run, a state page padded to a page that stops halving at TP 4, a replicated state
+# between TP sizes), both directions of TP. Every other cell's
 # moves are the same move lists, checked above; each real connection costs about a
 # second of Mooncake's handshake, so the whole matrix (44 cells, 190 s) stays out of the
 # suite's time budget.
@@ -421,6 +485,7 @@ MOVED = [
     ("mqa", 1, 2),
     ("gdn_state_gqa2", 2, 1),
     ("gdn_state_gqa2", 1, 2),
+    ("gdn_state_gqa2", 4, 2),  # the padded state page: other fractions at TP 4 and 2
     ("replicated_state_gqa", 2, 1),
 ]
 

@@ -30,7 +30,7 @@ from kvspec_traits._verify import _CHECKS
 from kvspec_traits.audit._questions import QUESTIONS
 from kvspec_traits.extend import LayoutTraits
 from kvspec_traits.transfer import FINGERPRINT_VERSION, Region
-from kvspec_traits.transfer._fingerprint import NOT_FINGERPRINTED, RECORD_KEYS
+from kvspec_traits.transfer._fingerprint import LOCAL_KEYS, NOT_FINGERPRINTED, RECORD_KEYS
 
 # Where each trait goes in the per-region handshake fingerprint (a key of the record
 # transfer/_fingerprint.py's traits_record derives from Region's fields), or why a peer
@@ -205,17 +205,18 @@ def _record_keys() -> set[str]:
     }
 
 
-# The record keys of fingerprint version 5 (4 added the stage, "pp", beside the records;
+# The record keys of fingerprint version 6 (4 added the stage, "pp", beside the records;
 # 5 the block sizes, the state groups of a shared region, each state component's TP
-# runs). A new
+# runs; 6 a state page's padding, "state_pad", a derived key compared between equal TP
+# sizes only: LOCAL_KEYS). A new
 # Region field joins the record by itself (traits_record iterates Region's fields): a
 # peer running the previous release would then be refused with a diff in every region,
 # so the version must say so.
-RECORD_V5 = {
+RECORD_V6 = {
     "name", "layers", "block_len", "replicated", "tp_layout", "tp_shards", "paged", "state",
     "state_tp_layout", "state_components", "scratch", "scope", "dtype", "kv_quant_mode",
     "num_head_slots", "head_segment", "head_major", "kv_head_contiguous", "group_id",
-    "replicated_state", "block_sizes", "page_head_slots", "state_group_ids",
+    "replicated_state", "block_sizes", "page_head_slots", "state_group_ids", "state_pad",
 }  # fmt: skip
 
 
@@ -223,8 +224,9 @@ def test_a_new_region_field_is_fingerprinted_or_says_why_not() -> None:
     names = {f.name for f in fields(Region)}
     assert set(NOT_FINGERPRINTED) <= names, set(NOT_FINGERPRINTED) - names
     assert set(RECORD_KEYS) <= names - set(NOT_FINGERPRINTED)
-    if FINGERPRINT_VERSION == 5:
-        assert _record_keys() == RECORD_V5, (
+    assert not set(LOCAL_KEYS) & names  # derived keys, not fields
+    if FINGERPRINT_VERSION == 6:
+        assert _record_keys() | set(LOCAL_KEYS) == RECORD_V6, (
             "the fingerprint record changed: bump FINGERPRINT_VERSION "
             "(transfer/_fingerprint.py), or add the field to NOT_FINGERPRINTED with why"
         )

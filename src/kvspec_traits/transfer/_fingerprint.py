@@ -24,10 +24,11 @@ from kvspec_traits.transfer._errors import (
     TraitDiff,
 )
 from kvspec_traits.transfer._region import Region
-from kvspec_traits.transfer._tp import shard_count
+from kvspec_traits.transfer._tp import shard_count, state_content
 
 __all__ = [
     "FINGERPRINT_VERSION",
+    "LOCAL_KEYS",
     "NOT_FINGERPRINTED",
     "RECORD_KEYS",
     "PlanFingerprint",
@@ -42,14 +43,25 @@ __all__ = [
     "traits_record",
 ]
 
-FINGERPRINT_VERSION: Final = 5
+FINGERPRINT_VERSION: Final = 6
 """Version of :func:`traits_record` and the payload around it; 2 added ``head_major``
 (the H/N/C order inside a page), 3 ``kv_head_contiguous`` (the order of head slots
 inside a page), 4 the pipeline stage (``pp``: rank and size) of the regions, so that a
 stage pairs with its peer by the layers both hold (:func:`pair_stages`), 5 the model's
 KV head count as a head-sharded region's ``tp_shards`` (replicated heads), each state
-component's TP runs, the ``state_group_ids`` and the ``block_sizes`` (tokens per block). A change to
-the record's keys (a new :class:`Region` field) needs a new version."""
+component's TP runs, the ``state_group_ids`` and the ``block_sizes`` (tokens per block),
+6 a TP-sharded state page's padding apart from its content (:data:`LOCAL_KEYS`). A
+change to the record's keys (a new :class:`Region` field) needs a new version."""
+
+LOCAL_KEYS: Final[Mapping[str, str]] = {
+    "state_pad": "a state page's padding to a hybrid's unified page (the attention page, "
+    "which need not shrink with TP, as replicated KV heads do not): between TP sizes "
+    "only the state's components move, so it is compared between equal TP sizes alone, "
+    "where whole pages move",
+}
+"""Record keys that are facts of one rank's page, not of the model's layout: compared
+only when both sides have the same TP size (:func:`check_handshake`). Derived, not
+:class:`Region` fields."""
 
 NOT_FINGERPRINTED: Final[Mapping[str, str]] = {
     "index": "its position: records are compared in region order",
@@ -150,7 +162,10 @@ def traits_record(region: Region, tp_size: int) -> dict[str, Any]:
     consumer with different TP sizes compare equal when their layouts agree. The order
     of data inside a page (``head_major``: LBHNC against LBNHC) and of head slots
     (``kv_head_contiguous``, vLLM 0.34's kv_head_major_slots) are in it: equal sizes in
-    another order would move every byte to the wrong place.
+    another order would move every byte to the wrong place. A TP-sharded state-only
+    page's ``block_len`` is its content (its components, scaled like them); the
+    padding past them is ``state_pad``, a fact of this rank's page (:data:`LOCAL_KEYS`),
+    ``None`` for any other region.
     """
     shards = shard_count(region.tp_layout, region.tp_shards, tp_size)
     state_shards = (
@@ -159,8 +174,16 @@ def traits_record(region: Region, tp_size: int) -> dict[str, Any]:
         else 1
     )
     scale = 1 if region.replicated or not region.paged else shards
+    # A state-only page is its components, then padding to the unified page: the
+    # components scale with TP, the padding need not (issue 47: replicated KV heads
+    # keep the attention page, so the padding, at TP 4 as at TP 2).
+    pad = None
+    page = region.block_len
+    if region.sharded_state and not region.paged:
+        content = state_content(region)
+        pad, page = region.block_len - content, content
     scaled: dict[str, object] = {
-        "block_len": region.block_len * (scale if region.paged else state_shards),
+        "block_len": page * (scale if region.paged else state_shards),
         "state_components": [
             [
                 c.name,
@@ -178,6 +201,7 @@ def traits_record(region: Region, tp_size: int) -> dict[str, Any]:
             continue
         value = scaled[f.name] if f.name in scaled else _plain(getattr(region, f.name))
         record[RECORD_KEYS.get(f.name, f.name)] = value
+    record["state_pad"] = pad
     return record
 
 
@@ -303,19 +327,32 @@ def check_handshake(
         if theirs - mine_names:
             diffs.append(("regions only remote", None, sorted(theirs - mine_names)))
         raise HandshakeMismatchError(None, "region count", (), diffs)
+    local_facts = mine.tp_size == remote.tp_size
     for index, (a, b) in enumerate(zip(mine.regions, remote.regions, strict=True)):
-        _check_record(index, a, b, block_ratio=block_ratio)
+        _check_record(index, a, b, block_ratio=block_ratio, local_facts=local_facts)
 
 
 def _check_record(
-    index: int, a: Mapping[str, Any], b: Mapping[str, Any], *, block_ratio: bool = False
+    index: int,
+    a: Mapping[str, Any],
+    b: Mapping[str, Any],
+    *,
+    block_ratio: bool = False,
+    local_facts: bool = True,
 ) -> None:
     """Refuse local record ``a`` (region ``index``) unless remote ``b`` equals it (per
-    token, with ``block_ratio``)."""
+    token, with ``block_ratio``; :data:`LOCAL_KEYS` only with ``local_facts``: equal TP
+    sizes)."""
     if block_ratio:
         a, b = _per_token(a), _per_token(b)
+    if not local_facts:
+        a, b = _without_local(a), _without_local(b)
     if not _same(a, b):
         raise _mismatch(index, a, b)
+
+
+def _without_local(record: Mapping[str, Any]) -> Mapping[str, Any]:
+    return {k: v for k, v in record.items() if k not in LOCAL_KEYS}
 
 
 def _per_token(record: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -419,7 +456,11 @@ def pair_stages(
             )
         local_i, remote_i = local_first(index, theirs[counts[held].index(index)])
         _check_record(
-            local_i, mine.regions[local_i], remote.regions[remote_i], block_ratio=block_ratio
+            local_i,
+            mine.regions[local_i],
+            remote.regions[remote_i],
+            block_ratio=block_ratio,
+            local_facts=mine.tp_size == remote.tp_size,
         )
         pairs.append((local_i, remote_i))
     return tuple(pairs)
@@ -433,7 +474,8 @@ def _same(a: object, b: object) -> bool:
 
 def record_page(record: Mapping[str, Any], index: int, tp_size: int) -> int:
     """The block length a rank of ``tp_size`` holds for a region whose fingerprint
-    record is ``record`` (the inverse of :func:`traits_record`'s scaling)."""
+    record is ``record`` (the inverse of :func:`traits_record`'s scaling, its
+    ``state_pad`` added)."""
 
     def layout(key: str) -> TPLayout | None:
         value = record.get(key)
@@ -469,6 +511,11 @@ def record_page(record: Mapping[str, Any], index: int, tp_size: int) -> int:
     if tp_layout is None:
         raise MalformedMetadataError(f"fingerprint record {index} has no tp_layout")
     replicated, paged = flags
+    pad = record.get("state_pad")
+    if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 0):
+        raise MalformedMetadataError(
+            f"fingerprint record {index}: state_pad {str(pad)[:40]} is not a byte count"
+        )
     shards = shard_count(tp_layout, shards_field, tp_size)
     state_shards = 1 if state_layout is None else shard_count(state_layout, None, tp_size)
     scale = (1 if replicated else shards) if paged else state_shards
@@ -476,4 +523,4 @@ def record_page(record: Mapping[str, Any], index: int, tp_size: int) -> int:
         raise MalformedMetadataError(
             f"fingerprint record {index}: block_len {whole} does not split into {scale} TP shards"
         )
-    return whole // scale
+    return whole // scale + (pad or 0)

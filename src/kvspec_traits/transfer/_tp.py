@@ -20,6 +20,7 @@ __all__ = [
     "lanes_of",
     "peer_view",
     "shard_count",
+    "state_content",
     "tp_reads",
     "with_kv_heads",
 ]
@@ -165,7 +166,7 @@ def tp_reads(
     if states and local_tp != remote_tp:
         # A replicated state: the same content on every rank, padded to a page whose
         # size may follow the TP size (a hybrid's unified page): the content alone.
-        return (Read(local_rank % remote_tp, 0, 0, _state_content(region)),)
+        return (Read(local_rank % remote_tp, 0, 0, state_content(region)),)
     if region.replicated or states:
         return (Read(local_rank % remote_tp, 0, 0, region.block_len),)
     return _paged_reads(region, local_tp, local_rank, remote_tp, remote_block_len)
@@ -236,8 +237,9 @@ def _state_reads(
     return tuple(reads)
 
 
-def _state_content(region: Region) -> int:
-    """Bytes of a state page up to its last component that is not padding."""
+def state_content(region: Region) -> int:
+    """Bytes of a state page up to its last component that is not padding (the whole
+    block where the components do not say)."""
     content = [c for c in region.state_components if not c.name.startswith("pad")]
     return content[-1].offset + content[-1].nbytes if content else region.block_len
 
