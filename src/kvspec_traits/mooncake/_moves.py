@@ -40,6 +40,7 @@ from kvspec_traits.transfer._blocks import (
     check_paired,
     group_lists,
 )
+from kvspec_traits.transfer._tp import lane_groups
 
 __all__ = ["Moves", "Piece", "Route", "parts_of", "pieces_of", "request_moves", "routes_of"]
 
@@ -224,6 +225,8 @@ class Route:
     base: int
     stride: int
     pieces: tuple[tuple[int, int, int, int, int, int, int], ...]
+    groups: tuple[int, ...]
+    """The groups whose blocks the lane moves (:func:`lane_groups`)."""
     """``(rank, our offset, peer's offset, bytes, peer's base, peer's stride, peer's
     block count)`` per piece."""
 
@@ -285,6 +288,7 @@ def routes_of(
                 region.base_addr,
                 region.block_stride,
                 tuple(flat),
+                lane_groups(region, group),
             )
         )
     return tuple(routes)
@@ -298,9 +302,10 @@ def _per_group(block_ids: object, groups: int, side: str) -> list[list[int]]:
     ]
 
 
-def _blocks_of(per_group: list[list[int]], group_id: int) -> list[int]:
-    # A region shared by several groups (group id < 0) serves every group's blocks.
-    return per_group[group_id] if group_id >= 0 else [b for ids in per_group for b in ids]
+def _blocks_of(per_group: list[list[int]], groups: tuple[int, ...]) -> list[int]:
+    # A lane of a region shared by several groups serves those groups' blocks (and no
+    # other group's: their pages are not in the region's tensors).
+    return per_group[groups[0]] if len(groups) == 1 else [b for g in groups for b in per_group[g]]
 
 
 def _check_distinct(blocks: list[int], group: int | None, side: str) -> None:
@@ -345,10 +350,10 @@ def request_moves(
         if isinstance(route, RatioRoute):
             _ratio_moves(route, local, remote, num_groups, by_rank)
             continue
-        mine = _blocks_of(local, route.group_id)
+        mine = _blocks_of(local, route.groups)
         if not mine:
             continue
-        theirs = _blocks_of(remote, route.group_id)
+        theirs = _blocks_of(remote, route.groups)
         check_block_range(
             (min(mine), max(mine)), route.num_blocks, [(route.name, route.num_blocks)], "local"
         )
@@ -399,7 +404,7 @@ def _ratio_moves(
     block takes phase ``a % k``'s pieces, each from the source's ``a * reader_tokens //
     source_tokens + q``-th block (skipped past the source's list: a request's last,
     partly filled block)."""
-    mine, theirs = _blocks_of(local, route.group_id), _blocks_of(remote, route.group_id)
+    mine, theirs = _blocks_of(local, route.groups), _blocks_of(remote, route.groups)
     if not mine and not theirs:
         return
     readers, sources = (theirs, mine) if route.write else (mine, theirs)

@@ -19,6 +19,7 @@ from kvspec_traits.transfer import (
     block_reads,
     peer_view,
 )
+from kvspec_traits.transfer._tp import lane_groups
 
 __all__ = ["Parts", "RatioRoute", "SlotParts", "ratio_route", "reader_pairs"]
 
@@ -48,6 +49,8 @@ class RatioRoute:
     phases: tuple[tuple[tuple[int, int, int, int, int, int, int, int], ...], ...]
     """``(rank, our offset, peer's offset, bytes, q, peer's base, peer's stride, peer's
     block count)``."""
+    groups: tuple[int, ...]
+    """The groups whose blocks the lane moves (:func:`lane_groups`)."""
 
 
 def ratio_route(
@@ -120,6 +123,7 @@ def ratio_route(
         reader_tokens=remote_tokens if write else local_tokens,
         source_tokens=local_tokens if write else remote_tokens,
         phases=tuple(tuple(p) for p in phases),
+        groups=lane_groups(region, group),
     )
 
 

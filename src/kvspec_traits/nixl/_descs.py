@@ -296,8 +296,9 @@ class DescIndex:
     per group), the smallest block count among them, and bytes per block.
 
     Order matches vLLM's ``_compute_desc_ids``: region-major over every group's blocks
-    when all regions take every group's blocks (one group, or only shared regions);
-    otherwise group-major, each group's regions in region order.
+    when all regions take every group's blocks (one group, or every region shared by
+    all groups); otherwise group-major, each group's regions
+    (:attr:`RegionPlan.group_regions`) in region order.
     """
 
     __slots__ = (
@@ -320,16 +321,17 @@ class DescIndex:
         self.names = tuple(r.name for r in plan.regions)
         self.counts = tuple(int(c) for c in counts)
         self.shared = bool((gids < 0).any())
-        self.mapped = plan.num_groups > 1 and not bool((gids < 0).all())
+        # Each group's blocks land in the regions of its own layers (the planner's
+        # group_regions): a region shared by some groups takes only theirs.
+        own = plan.group_regions
+        self.mapped = plan.num_groups > 1 and any(len(r) < gids.size for r in own)
         keys = range(plan.num_groups) if self.mapped else (-1,)
         self.by_group: list[npt.NDArray[np.intp]] = []
         self.columns: list[npt.NDArray[np.int64]] = []
         self.limits: list[int] = []
         self.bytes_per_block: list[int] = []
         for key in keys:
-            members = (
-                np.flatnonzero((gids == key) | (gids < 0)) if key >= 0 else np.arange(gids.size)
-            )
+            members = np.asarray(own[key], dtype=np.intp) if key >= 0 else np.arange(gids.size)
             self.by_group.append(members)
             self.columns.append(off[members][:, None].copy())
             self.limits.append(int(nb[members].min()) if members.size else INT64_MAX)

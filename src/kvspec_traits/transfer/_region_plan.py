@@ -39,6 +39,7 @@ class RegionPlan:
 
     # Asked for every region of every request: answered once, when the plan is built.
     _group_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _group_regions: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _desc_offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _memo: dict[tuple[object, ...], Any] = field(init=False, repr=False, compare=False)
 
@@ -52,6 +53,14 @@ class RegionPlan:
         if self.num_groups < 1:
             derived = max((g for r in self.regions for g in r.group_ids if g >= 0), default=0) + 1
             object.__setattr__(self, "num_groups", derived)
+        object.__setattr__(
+            self,
+            "_group_regions",
+            tuple(
+                tuple(i for i, r in enumerate(self.regions) if g in r.group_ids)
+                for g in range(self.num_groups)
+            ),
+        )
         # Per-request index arrays of descriptor ids, built once per offsets list.
         object.__setattr__(self, "_memo", {})
 
@@ -72,6 +81,16 @@ class RegionPlan:
     def region_group_ids(self) -> list[int]:
         """Each region's group id (:data:`SHARED_REGION_GROUP_ID` for a shared one)."""
         return list(self._group_ids)
+
+    @property
+    def group_regions(self) -> tuple[tuple[int, ...], ...]:
+        """Per transfer group, the indices of the regions whose pages some layer of the
+        group uses (:attr:`Region.group_ids`), in region order: the only regions a
+        transfer of that group's blocks touches. A region shared by several groups (a
+        hybrid allocator's tensors, shared by layer index) is in each of theirs and in
+        no other group's: where groups hold other layer counts, a block of the group
+        with fewer layers is a page of its own tensors only (issue 47)."""
+        return self._group_regions
 
     @property
     def region_names(self) -> list[str]:

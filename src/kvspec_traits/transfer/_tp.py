@@ -17,6 +17,7 @@ from kvspec_traits.transfer._region import Region
 __all__ = [
     "Read",
     "check_tp_pair",
+    "lane_groups",
     "lanes_of",
     "peer_view",
     "shard_count",
@@ -292,6 +293,15 @@ def lanes_of(region: Region) -> tuple[tuple[int, bool | None], ...]:
     if region.state and region.paged:
         return tuple((g, g in region.state_group_ids) for g in region.group_ids)
     return ((region.group_id, None),)
+
+
+def lane_groups(region: Region, group_id: int) -> tuple[int, ...]:
+    """The cache groups whose blocks a lane of ``region`` (:func:`lanes_of`) moves: its
+    group, or, for the lane of a region shared by several groups (group id < 0), the
+    region's own groups (:attr:`Region.group_ids`), never a group none of whose layers
+    uses the region's pages (:attr:`RegionPlan.group_regions` is the same answer per
+    group)."""
+    return (group_id,) if group_id >= 0 else region.group_ids
 
 
 def check_tp_pair(regions: Sequence[Region], *, local_tp: int, remote_tp: int) -> None:

@@ -19,6 +19,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _bw
@@ -41,7 +42,12 @@ from kvspec_traits._traits import is_state
 from kvspec_traits.nixl._progress import progress_delay
 from kvspec_traits.nixl._ratio_descs import ratio_lanes
 from kvspec_traits.nixl._register import register_ranges
-from kvspec_traits.transfer import PlanFingerprint, RegionPlan, plan_regions
+from kvspec_traits.transfer import (
+    SHARED_REGION_GROUP_ID,
+    PlanFingerprint,
+    RegionPlan,
+    plan_regions,
+)
 from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._consumers import HELLO, ConsumerCensus, ReplayedNotifs
@@ -190,6 +196,63 @@ class TraitsWorkerBase(seam.SeamWorker):
             if kinds[i] in (GroupKind.STATE, GroupKind.REPLICATED_STATE)
             else [b * ratio + k for b in group for k in range(ratio)]
             for i, group in enumerate(block_ids)
+        ]
+
+    def compute_desc_ids(self, block_ids: Any, upstream: Callable[[Any], Any]) -> Any:
+        """vLLM 0.32/0.33's descriptor ids, each group's blocks in the regions of its own
+        layers only (:attr:`RegionPlan.group_regions`: the planner's answer). vLLM reads
+        a group's blocks in regions none of its layers uses: with state descriptors, an
+        attention-typed group's in every region (three GDN layers beside one attention
+        layer: the attention blocks in all three tensors); without, every group's in
+        each region shared by several groups (gpt-oss with five layers: a group of one
+        layer in a tensor shared by two others). Upstream lists a group's ids region by
+        region, so its rows are narrowed to the group's regions; the rest is vLLM's.
+        Both sides of a read narrow alike (their region lists are equal)."""
+        plan = self.region_plan
+        if (
+            plan is None
+            or self.pp_size > 1  # stages route by layer name or region offset: vLLM's
+            or self.num_regions != len(plan.regions)
+            or self.transfer_layer_region_indices()
+        ):
+            return upstream(block_ids)
+        rows = self._upstream_regions(plan)
+        narrowed = {
+            g: [k for k, region in enumerate(read) if region in plan.group_regions[g]]
+            for g, read in enumerate(rows)
+            if read is not None and len(read) > len(plan.group_regions[g])
+        }
+        if not narrowed:
+            return upstream(block_ids)
+        empty: list[list[int]] = [[] for _ in block_ids]
+        parts = []
+        for g, ids in enumerate(block_ids):
+            if not len(ids):
+                continue
+            alone = list(empty)
+            alone[g] = ids
+            got = np.asarray(upstream(alone))
+            read = rows[g]
+            if g in narrowed and read is not None:
+                got = got.reshape(len(read), len(ids))[narrowed[g]].ravel()
+            parts.append(got)
+        return np.concatenate(parts) if parts else upstream(block_ids)
+
+    def _upstream_regions(self, plan: RegionPlan) -> list[list[int] | None]:
+        """Per transfer group, the regions vLLM 0.32/0.33's ``_compute_desc_ids`` reads
+        its blocks in, one row of ids each (``None``: not a row per region, or not
+        narrowed: state descriptors, a ring's scratch regions)."""
+        every = list(range(len(plan.regions)))
+        kinds = self._layout_facts().group_kinds
+        if self.has_mamba:
+            paged = (GroupKind.PAGED, GroupKind.REPLICATED_STATE)
+            return [every if kind in paged else None for kind in kinds]
+        gids = plan.region_group_ids
+        if len(set(gids)) == 1:  # one group, or every region shared: all regions
+            return [every for _ in kinds]
+        return [
+            [i for i, x in enumerate(gids) if x in (g, SHARED_REGION_GROUP_ID)]
+            for g in range(len(kinds))
         ]
 
     # -- register_kv_caches -------------------------------------------------------------

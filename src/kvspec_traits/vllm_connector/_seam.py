@@ -130,6 +130,13 @@ NAMES: tuple[VllmName, ...] = (
         _ALL,
         "expands by spec class; no hook for group kinds",
     ),
+    VllmName(
+        _W,
+        "_compute_desc_ids",
+        _O,
+        _ALL,
+        "0.32/0.33 read a group's blocks in every region with state; no hook for which",
+    ),
     # What register_kv_caches keeps (the worker's is replaced, not extended).
     VllmName(_W, "_region_is_mla", _A, _ALL, _BOOK),
     VllmName(_W, "_ssm_region_indices", _A, _ALL, _BOOK),
@@ -315,6 +322,19 @@ class SeamWorker(NixlBaseConnectorWorker):
     def logical_to_kernel_block_ids(self, block_ids: Any, ratio: int) -> Any:
         """Manager blocks to kernel blocks (``ratio`` per block), per transfer group."""
         return super()._logical_to_kernel_block_ids(block_ids, ratio)
+
+    def _compute_desc_ids(self, block_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        upstream = super()._compute_desc_ids
+        if hasattr(self, "_group_region_indices"):
+            # vLLM 0.34 reads each group in the regions kept per group from the plan
+            # (keep_group_region_indices): nothing to narrow.
+            return upstream(block_ids, *args, **kwargs)
+        return self.compute_desc_ids(block_ids, lambda ids: upstream(ids, *args, **kwargs))
+
+    def compute_desc_ids(self, block_ids: Any, upstream: Callable[[Any], Any]) -> Any:
+        """vLLM 0.32/0.33's descriptor ids of a request's ``block_ids`` (one list per
+        transfer group); ``upstream(ids)`` computes vLLM's for any ``ids``."""
+        return upstream(block_ids)
 
     def _nixl_handshake(
         self, host: str, port: int, remote_tp_size: int, *args: Any, **kwargs: Any
