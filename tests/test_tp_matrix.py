@@ -38,6 +38,7 @@ import os
 import pathlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -58,6 +59,7 @@ from kvspec_traits.mooncake import (
     request_moves,
     routes_of,
 )
+from kvspec_traits.nixl import TraitsNixlAgent
 from kvspec_traits.transfer import (
     HandshakeMismatchError,
     MalformedMetadataError,
@@ -71,6 +73,10 @@ from kvspec_traits.transfer import (
 from kvspec_traits.transfer._fingerprint import record_page
 from tests.mooncake_helpers.remote import Remote
 from tests.nixl_helpers import checks, layouts
+from tests.nixl_helpers.receive import receive, serving
+from tests.test_connector_differential import distributed, llama_rank_worker
+
+__all__ = ["distributed"]  # a fixture, imported for its name
 
 NB = 12  # DeepSeek-V4's four groups ask 2 disjoint blocks each
 PAIRS = [(1, 1), (2, 1), (1, 2), (4, 1), (4, 2), (1, 4), (2, 4)]
@@ -530,6 +536,106 @@ def test_mooncake_engines_move_every_heterogeneous_cell(
             engine.close()
         for key in keys:
             remote.command("close", key=key)
+
+
+# -- the GDN hybrid's TP-4 cells through the NIXL shim (real agents, in process) ---------
+
+NIXL_MOVED = [
+    ("gdn_state_gqa2", 2, 1),
+    ("gdn_state_gqa2", 4, 2),
+    ("gdn_state_gqa2", 2, 4),
+    ("gdn_state_gqa2", 4, 1),
+]
+"""The GDN hybrid between TP sizes (its regions shared by the state group and the
+attention group are read per group, ``lanes_of``), the TP-4 cells whose padded state
+page was refused among them: the shim reads them with the same ``tp_reads`` as the move
+lists above (the other layouts' reads through the shim are ``tests/test_nixl_transfer.py``'s,
+through the connector ``tests/test_connector_replica_tp.py``'s)."""
+
+
+@pytest.mark.parametrize(
+    ("name", "producer_tp", "consumer_tp"),
+    NIXL_MOVED,
+    ids=[f"{n}-P{p}D{d}" for n, p, d in NIXL_MOVED],
+)
+def test_the_nixl_shim_moves_the_gdn_hybrids_tp4_cells(
+    name: str, producer_tp: int, consumer_tp: int, agents: list[TraitsNixlAgent]
+) -> None:
+    truth = _truth(name)
+    producers = {rank: _rank(name, producer_tp, rank) for rank in range(producer_tp)}
+    block_ids = checks.request_blocks(producers[0].config, per_group=2)
+    served = {}
+    for rank, p in producers.items():
+        _fill(name, truth, p, producer_tp, rank, block_ids, only=False)
+        served[rank] = TraitsNixlAgent()
+        agents.append(served[rank])
+        served[rank].register_plan(p.plan)
+
+    def progress() -> None:
+        for agent in served.values():
+            agent.progress()
+
+    for rank in range(consumer_tp):
+        c = _rank(name, consumer_tp, rank)
+        consumer = TraitsNixlAgent()
+        agents.append(consumer)
+        consumer.register_plan(c.plan)
+        peers = {r: consumer.connect(agent.metadata()) for r, agent in served.items()}
+        consumer.read_blocks(peers, block_ids, timeout=20, progress=progress)
+        expected = _rank(name, consumer_tp, rank)
+        _fill(name, truth, expected, consumer_tp, rank, block_ids, only=True)
+        assert torch.equal(c.raw, expected.raw), (rank, _first_diff(c.raw, expected.raw))
+
+
+# -- the same cells through TraitsNixlConnectorWorker (real NIXL, vLLM's request path) ---
+
+CONNECTOR_MOVED = [("gdn_state_gqa2", 4, 2), ("gdn_state_gqa2", 2, 4)]
+"""The padded state page between TP 4 and TP 2 through the connector: vLLM's state-aware
+reads (the conv split in the DS layout) with the replicated KV heads' topology."""
+
+
+@pytest.mark.parametrize(
+    ("name", "producer_tp", "consumer_tp"),
+    CONNECTOR_MOVED,
+    ids=[f"{n}-P{p}D{d}" for n, p, d in CONNECTOR_MOVED],
+)
+def test_the_connector_moves_the_gdn_hybrids_tp4_cells(
+    name: str,
+    producer_tp: int,
+    consumer_tp: int,
+    distributed: None,
+    tiny_models: pathlib.Path,
+) -> None:
+    """Each decode rank (a worker of the tiny Llama's config, its model's two KV heads)
+    reads through vLLM's receive path and holds exactly its share afterwards: its whole
+    allocation is compared, every other byte zero."""
+    made: list[Any] = []
+    make = llama_rank_worker(tiny_models, made, NB, LAYOUTS[name].layout)
+    truth = _truth(name)
+    block_ids = checks.request_blocks(_rank(name, 1, 0).config, per_group=2)
+    heads = LAYOUTS[name].kv_heads
+    try:
+        producers = []
+        for rank in range(producer_tp):
+            worker, caches = make(
+                LAYOUTS[name].groups(producer_tp), "prefill", producer_tp, rank, 64, heads
+            )
+            held = Rank(_rank(name, producer_tp, rank).config, caches, worker.region_plan)
+            _fill(name, truth, held, producer_tp, rank, block_ids, only=False)
+            producers.append(worker)
+        with serving(producers) as port:
+            for rank in range(consumer_tp):
+                worker, caches = make(
+                    LAYOUTS[name].groups(consumer_tp), "decode", consumer_tp, rank, 64, heads
+                )
+                receive(worker, port=port, local=block_ids, remote=block_ids, remote_tp=producer_tp)
+                expected = _rank(name, consumer_tp, rank)
+                _fill(name, truth, expected, consumer_tp, rank, block_ids, only=True)
+                got = layouts.backing(caches)
+                assert torch.equal(got, expected.raw), (rank, _first_diff(got, expected.raw))
+    finally:
+        for worker in made:
+            worker.shutdown()
 
 
 # -- the table docs/tp-pairs.md shows, generated from the planner ------------------------

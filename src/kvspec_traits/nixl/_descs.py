@@ -324,7 +324,11 @@ class DescIndex:
         # Each group's blocks land in the regions of its own layers (the planner's
         # group_regions): a region shared by some groups takes only theirs.
         own = plan.group_regions
-        self.mapped = plan.num_groups > 1 and any(len(r) < gids.size for r in own)
+        # So are the groups of a region holding token pages and a recurrent state: its
+        # blocks are read as what each group keeps there (tp_reads' states).
+        self.mapped = plan.num_groups > 1 and (
+            any(len(r) < gids.size for r in own) or any(r.state and r.paged for r in plan.regions)
+        )
         keys = range(plan.num_groups) if self.mapped else (-1,)
         self.by_group: list[npt.NDArray[np.intp]] = []
         self.columns: list[npt.NDArray[np.int64]] = []

@@ -70,19 +70,22 @@ class ReadCache:
             if remote_regions is None
             else tuple(r.block_len for r in remote_regions)
         )
-        self._reads: list[tuple[Read, ...] | None] = [None] * len(plan.regions)
+        self._reads: dict[tuple[int, bool | None], tuple[Read, ...]] = {}
         self.tables: dict[tuple[tuple[int, int], ...], ReadTable] = {}
 
-    def __call__(self, index: int) -> tuple[Read, ...]:
-        reads = self._reads[index]
+    def __call__(self, index: int, states: bool | None = None) -> tuple[Read, ...]:
+        """The reads of region ``index``'s blocks (``states``: of a region holding token
+        pages and a state, which of the two the group keeps there, :func:`lanes_of`)."""
+        reads = self._reads.get((index, states))
         if reads is None:
             plan = self._plan
-            reads = self._reads[index] = tp_reads(
+            reads = self._reads[index, states] = tp_reads(
                 plan.regions[index],
                 local_tp=plan.tp_size,
                 local_rank=plan.tp_rank,
                 remote_tp=self._remote_tp,
                 remote_block_len=self._block_lens[index],
+                states=states,
             )
         return reads
 
@@ -246,13 +249,16 @@ class ReadTable:
         self.mapped = index.mapped
         self.buckets: list[dict[int, _Bucket]] = []
         self.errors: list[Exception | None] = []
-        for members in index.by_group:
+        for key, members in enumerate(index.by_group):
             rows: dict[int, list[_Row]] = {}
             error: Exception | None = None
             for i in members.tolist():
                 region = plan.regions[i]
+                # A region of token pages and a state (a hybrid's shared tensors) is read
+                # per group, as what the group keeps there (DescIndex maps such plans).
+                mixed = index.mapped and region.state and region.paged
                 try:
-                    region_reads = reads(i)
+                    region_reads = reads(i, key in region.state_group_ids if mixed else None)
                 except UnsupportedLayoutError as exc:
                     error = error or exc
                     continue
