@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import _families as families
@@ -75,8 +75,11 @@ class Case:
 def _gdn(replicated: bool) -> list[KVCacheGroupSpec]:
     groups = _state_hybrid(functools.partial(families.gdn_state, **TINY_GDN, tp=1), "linear_attn")
     if replicated:
-        state = dataclasses.replace(groups[0].kv_cache_spec, tp_replicated=True)
-        groups[0] = layouts.group(groups[0].layer_names, state)
+        spec = groups[0].kv_cache_spec
+        assert isinstance(spec, MambaSpec)  # gdn_state's
+        groups[0] = layouts.group(
+            groups[0].layer_names, dataclasses.replace(spec, tp_replicated=True)
+        )
     return groups
 
 

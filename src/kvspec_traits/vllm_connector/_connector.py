@@ -198,7 +198,9 @@ class TraitsWorkerBase(seam.SeamWorker):
             for i, group in enumerate(block_ids)
         ]
 
-    def compute_desc_ids(self, block_ids: Any, upstream: Callable[[Any], Any]) -> Any:
+    def compute_desc_ids(
+        self, block_ids: Any, upstream: Callable[[Any], Any], region_keys: Any
+    ) -> Any:
         """vLLM 0.32/0.33's descriptor ids, each group's blocks in the regions of its own
         layers only (:attr:`RegionPlan.group_regions`: the planner's answer). vLLM reads
         a group's blocks in regions none of its layers uses: with state descriptors, an
@@ -207,13 +209,16 @@ class TraitsWorkerBase(seam.SeamWorker):
         each region shared by several groups (gpt-oss with five layers: a group of one
         layer in a tensor shared by two others). Upstream lists a group's ids region by
         region, so its rows are narrowed to the group's regions; the rest is vLLM's.
-        Both sides of a read narrow alike (their region lists are equal)."""
+        Both sides of a read narrow alike (their region lists are equal); ids vLLM
+        expanded per region (``region_keys`` not the plan's group ids) are vLLM's."""
         plan = self.region_plan
         if (
             plan is None
             or self.pp_size > 1  # stages route by layer name or region offset: vLLM's
             or self.num_regions != len(plan.regions)
             or self.transfer_layer_region_indices()
+            or len(block_ids) != plan.num_groups
+            or (region_keys is not None and list(region_keys) != plan.region_group_ids)
         ):
             return upstream(block_ids)
         rows = self._upstream_regions(plan)

@@ -329,11 +329,17 @@ class SeamWorker(NixlBaseConnectorWorker):
             # vLLM 0.34 reads each group in the regions kept per group from the plan
             # (keep_group_region_indices): nothing to narrow.
             return upstream(block_ids, *args, **kwargs)
-        return self.compute_desc_ids(block_ids, lambda ids: upstream(ids, *args, **kwargs))
+        # vLLM passes every argument but block_ids by keyword (0.32, 0.33).
+        keys = kwargs.get("region_group_ids", args[4] if len(args) > 4 else None)
+        return self.compute_desc_ids(block_ids, lambda ids: upstream(ids, *args, **kwargs), keys)
 
-    def compute_desc_ids(self, block_ids: Any, upstream: Callable[[Any], Any]) -> Any:
+    def compute_desc_ids(
+        self, block_ids: Any, upstream: Callable[[Any], Any], region_keys: Any
+    ) -> Any:
         """vLLM 0.32/0.33's descriptor ids of a request's ``block_ids`` (one list per
-        transfer group); ``upstream(ids)`` computes vLLM's for any ``ids``."""
+        key of ``region_keys``: the regions' group ids, or ``range(num_regions)`` where
+        vLLM expanded the ids per region); ``upstream(ids)`` computes vLLM's for any
+        ``ids``."""
         return upstream(block_ids)
 
     def _nixl_handshake(
