@@ -174,14 +174,20 @@ def traits_record(region: Region, tp_size: int) -> dict[str, Any]:
         else 1
     )
     scale = 1 if region.replicated or not region.paged else shards
-    # A state-only page is its components, then padding to the unified page: the
-    # components scale with TP, the padding need not (issue 47: replicated KV heads
-    # keep the attention page, so the padding, at TP 4 as at TP 2).
+    # A TP-sharded state page is its components, then padding (to an alignment, to a
+    # hybrid's unified page): the components scale with TP, the padding need not (issue
+    # 47: two KV heads replicate at TP 4, so the attention page, and the state page
+    # padded to it, is as large at TP 4 as at TP 2). No byte of it moves between TP
+    # sizes (tp_reads), so it is left out, and a state-only page's is state_pad.
+    components = list(region.state_components)
     pad = None
     page = region.block_len
-    if region.sharded_state and not region.paged:
-        content = state_content(region)
-        pad, page = region.block_len - content, content
+    if region.sharded_state:
+        while components and components[-1].runs is None and components[-1].name.startswith("pad"):
+            components.pop()
+        if not region.paged:
+            content = state_content(region)
+            pad, page = region.block_len - content, content
     scaled: dict[str, object] = {
         "block_len": page * (scale if region.paged else state_shards),
         "state_components": [
@@ -190,7 +196,7 @@ def traits_record(region: Region, tp_size: int) -> dict[str, Any]:
                 c.nbytes * state_shards,
                 None if c.runs is None else [r * state_shards for r in c.runs],
             ]
-            for c in region.state_components
+            for c in components
         ],
         "num_head_slots": None if region.num_head_slots is None else region.num_head_slots * scale,
         "page_head_slots": [n * scale for n in region.page_head_slots],
