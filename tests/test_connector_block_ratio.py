@@ -36,8 +36,12 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.v1.attention.backends import cpu_attn
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.request import Request
 
 from kvspec_traits.nixl._ratio_descs import ratio_lanes, ratio_reads
 from kvspec_traits.transfer import BlockIdShapeError, UnsupportedLayoutError, peer_regions
@@ -47,7 +51,9 @@ from kvspec_traits.vllm_connector._connector import (
 )
 from kvspec_traits.vllm_connector._push import TraitsNixlPushConnectorWorker
 from kvspec_traits.vllm_connector._ratio_peer import RATIO_REGISTRATION_KEY
+from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
 from tests.nixl_helpers import layouts
+from tests.nixl_helpers.layouts import LLAMA
 from tests.nixl_helpers.receive import receive, serving
 from tests.test_block_ratio import (
     LAYOUT,
@@ -62,6 +68,7 @@ from tests.test_block_ratio import (
 )
 from tests.test_connector_differential import (
     Built,
+    _vllm_config,
     build,
     distributed,
     llama_rank_worker,
@@ -379,6 +386,60 @@ def test_block_sizes_that_do_not_divide_are_refused_naming_both(
         consumer.check_remote_fingerprint(_metadata(producer))
     assert consumer._ratio_peers() == {}
     assert not layouts.backing(caches).any()
+
+
+def test_push_between_sizes_that_do_not_divide_is_refused_naming_both(
+    rank_worker: Callable[..., Any],
+) -> None:
+    """Push mode, prefill at 64 tokens a block, decode at 96: refused on both sides by
+    the planner's check, from the call vLLM's handshake makes with the decoded metadata
+    (on 0.34 before vLLM's own push check, which would refuse any block-size pair with a
+    ``NotImplementedError`` that names no fix): nothing kept, no byte written."""
+    cls = TraitsNixlPushConnectorWorker
+    producer, _ = rank_worker("gqa", "prefill", 1, 0, 64, cls)
+    consumer, caches = rank_worker("gqa", "decode", 1, 0, 96, cls)
+    for worker, peer, ours, theirs in ((consumer, producer, 96, 64), (producer, consumer, 64, 96)):
+        with pytest.raises(
+            UnsupportedLayoutError, match=f"{ours} tokens here and {theirs} on"
+        ) as info:
+            worker._validate_remote_parallel_config(_metadata(peer))
+        assert "block sizes that divide" in str(info.value)
+        assert worker._ratio_peers() == {}
+    assert not layouts.backing(caches).any()
+
+
+def test_a_push_consumer_registers_where_its_lists_start(tiny_models: pathlib.Path) -> None:
+    """The decode side's push scheduler adds to vLLM's block registration the blocks its
+    prefix cache held (per group: hashed, not null, as vLLM's pull scheduler counts
+    them) and the request's tokens from the producer's params: with the first 2 of 5
+    blocks of 16 tokens held, the registered list is the last 3, starting at block 2."""
+    config = layouts.kv_cache_config(
+        layouts.llama_gqa(1, layers=2, block_size=16, num_kv_heads=2, head_size=32), 64, LAYOUT
+    )
+    scheduler = TraitsNixlPushConnectorScheduler(
+        _vllm_config(tiny_models / LLAMA, LAYOUT, None), "decode", config
+    )
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill",
+        "remote_request_id": "p-req",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "tp_size": 1,
+        "remote_num_tokens": 80,
+    }
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    request = Request("d-req", list(range(80)), sampling, None)
+    blocks = [KVCacheBlock(i) for i in (10, 11, 12, 13, 14)]
+    for n, block in enumerate(blocks[:2]):
+        block.set_block_hash(bytes([n]) * 8)  # type: ignore[arg-type]  # any hash marks it held
+    try:
+        scheduler.update_state_after_alloc(request, KVCacheBlocks(blocks=(blocks,)), 48)
+        registration = scheduler.push_pending_registrations["d-req"]
+    finally:
+        scheduler.shutdown()  # type: ignore[no-untyped-call]  # vLLM's
+    assert list(registration["local_block_ids"][0]) == [12, 13, 14]
+    assert registration[RATIO_REGISTRATION_KEY] == {"computed": [2], "tokens": 80}
 
 
 @pytest.mark.parametrize(

@@ -118,11 +118,14 @@ class TraitsNixlPushConnectorScheduler(TraitsSchedulerBase, NixlPushConnectorSch
         # Where the registered lists start (the blocks this side's prefix cache held,
         # per group, counted as the pull scheduler counts them) and the request's
         # tokens: a producer of another block size places a suffix of blocks by them.
+        # Blocks that do not list their KVCacheBlock objects (vLLM's own push tests
+        # stage a registration from ids alone) say nothing: the producer then places
+        # the lists from the request's first block, and refuses them if they are fewer.
         params = request.kv_transfer_params or {}
+        groups = getattr(blocks, "blocks", None)
         registration[RATIO_REGISTRATION_KEY] = {
-            "computed": [
-                sum(b.block_hash is not None and not b.is_null for b in group)
-                for group in blocks.blocks
-            ],
+            "computed": None
+            if groups is None
+            else [sum(b.block_hash is not None and not b.is_null for b in g) for g in groups],
             "tokens": int(params.get("remote_num_tokens") or 0) or None,
         }
