@@ -43,7 +43,12 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
-from kvspec_traits.nixl._ratio_descs import ratio_lanes, ratio_reads
+from kvspec_traits.nixl._ratio_descs import (
+    ratio_lanes,
+    ratio_reads,
+    ratio_write_lanes,
+    ratio_writes,
+)
 from kvspec_traits.transfer import BlockIdShapeError, UnsupportedLayoutError, peer_regions
 from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._connector import (
@@ -500,6 +505,38 @@ def test_a_prefix_held_locally_reads_only_the_rest_into_its_rows(
     assert torch.equal(d.raw, want.raw)
     with pytest.raises(BlockIdShapeError, match="a window's tail"):
         ratio_reads(lanes, peers, [d_ids[0][-1:]], [p_ids[0][-1:]], [1], request_tokens=128)
+
+
+@pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32)])
+def test_a_push_into_a_prefix_held_writes_only_the_rest_into_its_rows(
+    p_block: int, d_block: int
+) -> None:
+    """The push mirror of the test above: the decode side's registration names only the
+    blocks after the 64 tokens it holds (start: ``held``), the producer's list the whole
+    request; the producer writes tokens 64..127 into those blocks' rows, the held blocks
+    stay as they were. Without the start (a registration that does not say it), the
+    shorter list is refused before any row is built."""
+    truth = _kernel_truth("gqa")
+    p, d = _rank("gqa", 1, 0, p_block), _rank("gqa", 1, 0, d_block)
+    p_ids, d_ids = _request_ids(1, p_block), _request_ids(1, d_block)
+    layouts.fill_pattern(p.caches, 7)
+    _write(p, truth, 1, 0, p_block, p_ids)
+    held = 64 // d_block
+    k_then_v = ((64 * 2, 2), (64 * 2, 0))  # bf16 K transposed, then V: 128 B a token each
+    regions = len(p.plan.regions)
+    lanes = ratio_write_lanes(
+        p.plan, 1, 0, peer_regions(d.plan), [d_block] * regions, [k_then_v] * regions
+    )
+    rows = ratio_writes(p.plan, lanes, p_ids, [d_ids[0][held:]], [held], request_tokens=128)
+    for (src, length, _), (dst, _, _) in zip(rows.local, rows.remote, strict=True):
+        ctypes.memmove(dst, src, length)  # what NIXL's WRITE does with the two row lists
+    want = _rank("gqa", 1, 0, d_block)
+    _write(want, truth, 1, 0, d_block, d_ids)
+    for layer in want.caches:
+        want.caches[layer].view(torch.uint8)[d_ids[0][:held]] = 0  # held: not written
+    assert torch.equal(d.raw, want.raw)
+    with pytest.raises(BlockIdShapeError):
+        ratio_writes(p.plan, lanes, p_ids, [d_ids[0][held:]], None, request_tokens=128)
 
 
 @pytest.mark.skipif(

@@ -123,18 +123,18 @@ class TraitsNixlPushConnectorWorker(SeamPushWorker, TraitsWorkerBase):
         self, req_id: str, meta: Any, upstream: Callable[[str, Any], None]
     ) -> None:
         peer = self._ratio_peers().get(meta.remote.engine_id)
-        registration = self.__dict__.get("_kvspec_ratio_registrations", {}).pop(req_id, None)
+        placement = self.__dict__.get("_kvspec_ratio_registrations", {}).pop(req_id, None)
         if peer is None:
             upstream(req_id, meta)
             return
+        handles: list[int] = []
         try:
-            handles = write_request(self, peer, req_id, meta, registration)
+            write_request(self, peer, meta, placement, handles)
         except Exception as err:  # ids that do not pair, or NIXL's untyped errors
+            # vLLM's failed-WRITE bookkeeping: never reported sent; the lease frees it.
             logger.error("%s: request %s not written: %r", PUSH_CONNECTOR_NAME, req_id, err)
             with self.sending_transfers_lock:
                 self.send_failures.add(req_id)
-                self.sending_transfers.setdefault(req_id, [])
-            return
         # All of the request's WRITEs at once, as vLLM publishes them (none: the
         # request is done at the next poll, its notifications sent).
         with self.sending_transfers_lock:

@@ -234,20 +234,20 @@ def read_request(worker: Any, peer: RatioPeer, req_id: str, meta: Any) -> None:
 def write_request(
     worker: Any,
     peer: RatioPeer,
-    req_id: str,
     meta: Any,
-    registration: Any,
-) -> list[int]:
-    """Write request ``req_id`` (vLLM's push ``ReqMeta``: our blocks, the consumer's
-    registered ones) into ``peer``: one NIXL WRITE per handshaken consumer rank, each
-    carrying vLLM's completion notification, which a rank this one writes nothing to
-    gets alone (as vLLM's consumer counts one per producer rank). ``registration``: what
-    the consumer's scheduler added under :data:`RATIO_REGISTRATION_KEY` (where its
-    lists start, the request's tokens; absent: lists from the request's first block).
-    Returns the WRITE handles. Ids that do not pair
+    placement: Any,
+    handles: list[int],
+) -> None:
+    """Write one request (vLLM's push ``ReqMeta``: our blocks, the consumer's registered
+    ones) into ``peer``: one NIXL WRITE per handshaken consumer rank, each carrying
+    vLLM's completion notification, which a rank this one writes nothing to gets alone
+    (as vLLM's consumer counts one per producer rank). ``placement``: what the
+    consumer's scheduler added under :data:`RATIO_REGISTRATION_KEY` (where its lists
+    start, the request's tokens; absent: lists from the request's first block). Each
+    WRITE posted is appended to ``handles`` at once, so a later failure leaves the
+    caller every handle to track. Ids that do not pair
     (:class:`~kvspec_traits.KVSpecTraitsError`) raise before any WRITE is posted."""
-    engine = meta.remote.engine_id
-    extra = registration if isinstance(registration, dict) else {}
+    extra = placement if isinstance(placement, dict) else {}
     computed = extra.get("computed") or ()
     tokens = extra.get("tokens")
     theirs = worker.logical_to_kernel_block_ids(
@@ -266,11 +266,9 @@ def write_request(
         for rank, lanes in sorted(peer.writes.items())
     }
     notif = f"{meta.remote.request_id}:{worker.world_size}".encode()
-    agents = worker.remote_agents[engine]
     agent = worker.nixl_wrapper
     remote_mem = {r.mem_type for regions in peer.ranks.values() for r in regions}
-    handles = []
-    for (_, rank), name in sorted(agents.items()):
+    for (_, rank), name in sorted(worker.remote_agents[meta.remote.engine_id].items()):
         writes = rows.get(rank)
         if writes is None or not writes.local:
             agent.send_notif(name, notif_msg=notif)
@@ -283,6 +281,5 @@ def write_request(
             name,
             notif,
         )
-        agent.transfer(handle)
         handles.append(handle)
-    return handles
+        agent.transfer(handle)
