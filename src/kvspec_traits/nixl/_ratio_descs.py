@@ -132,9 +132,9 @@ def ratio_write_lanes(
     for region, theirs, peer, layout in zip(
         plan.regions, reader_tokens, reader_regions, kept, strict=True
     ):
-        mine = region.block_sizes[0] if region.block_sizes else 0
-        if len(region.block_sizes) != 1:
-            mine = 0  # several block sizes: the planner refuses it by name below
+        # A region of several block sizes is refused by the producer's own read lanes
+        # (ratio_lanes, in the handshake) by name; here 0 fails the planner's check.
+        mine = region.block_sizes[0] if len(region.block_sizes) == 1 else 0
         viewed = dataclasses.replace(
             peer_view(region, tp=plan.tp_size, peer_tp=reader_tp, peer_block_len=peer.block_len),
             block_sizes=(theirs,),
