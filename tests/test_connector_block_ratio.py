@@ -18,27 +18,47 @@ the request's blocks, written by the same kernel at its block size, and zero els
 CPU attention takes blocks of a multiple of 32 tokens (the worker checks), so the ratios
 are 32<->64 and 32<->128, both ways, at P1->D1, P2->D1 and P1->D2, for GQA (8 KV heads),
 MLA (DeepSeek-V3's latent) and gpt-oss's full + sliding-window groups in one pool.
+
+Push mode (``TraitsNixlPushConnectorWorker``: the prefill ranks WRITE what each decode
+rank would read from them) runs the same truth through vLLM's push path (registration
+notification, the producer's handshake with the decode engine, WRITEs, completion
+notifications) on a covering subset of those cells (``PUSH_CELLS``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import pathlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
 import pytest
 import torch
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.v1.attention.backends import cpu_attn
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.request import Request
 
-from kvspec_traits.nixl._ratio_descs import ratio_lanes, ratio_reads
+from kvspec_traits.nixl._ratio_descs import (
+    ratio_lanes,
+    ratio_reads,
+    ratio_write_lanes,
+    ratio_writes,
+)
 from kvspec_traits.transfer import BlockIdShapeError, UnsupportedLayoutError, peer_regions
 from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._connector import (
     TraitsNixlAgentMetadata,
 )
+from kvspec_traits.vllm_connector._push import TraitsNixlPushConnectorWorker
+from kvspec_traits.vllm_connector._ratio_peer import RATIO_REGISTRATION_KEY
+from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
 from tests.nixl_helpers import layouts
+from tests.nixl_helpers.layouts import LLAMA
 from tests.nixl_helpers.receive import receive, serving
 from tests.test_block_ratio import (
     LAYOUT,
@@ -53,6 +73,7 @@ from tests.test_block_ratio import (
 )
 from tests.test_connector_differential import (
     Built,
+    _vllm_config,
     build,
     distributed,
     llama_rank_worker,
@@ -75,10 +96,13 @@ def rank_worker(
     make = llama_rank_worker(tiny_models, made, NB, LAYOUT)
 
     def _make(
-        name: str, engine: str, tp: int, rank: int, block: int
+        name: str, engine: str, tp: int, rank: int, block: int, cls: Any = None
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         model = MODELS[name]
-        return make(model.groups(tp, block), engine, tp, rank, block, model.kv_heads)
+        groups = model.groups(tp, block)
+        if cls is None:
+            return make(groups, engine, tp, rank, block, model.kv_heads)
+        return make(groups, engine, tp, rank, block, model.kv_heads, cls)
 
     yield _make
     for worker in made:
@@ -122,6 +146,117 @@ def move(
     for worker, before in zip(producers, sent, strict=True):
         assert torch.equal(layouts.backing(worker.device_kv_caches), before)  # reads only
     return out
+
+
+def push(
+    rank_worker: Callable[..., tuple[Any, dict[str, torch.Tensor]]],
+    name: str,
+    p_tp: int,
+    d_tp: int,
+    p_block: int,
+    d_block: int,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`move` in push mode: the prefill ranks WRITE the request into the decode
+    engine's ranks (one engine of ``d_tp`` ranks, as the producer handshakes with it)
+    through vLLM's push path; per decode rank, (its whole allocation, its share by hand)."""
+    truth = _truth(name) if name == "mla" else _kernel_truth(name)
+    groups = len(MODELS[name].groups(1, p_block))
+    p_ids, d_ids = _request_ids(groups, p_block), _request_ids(groups, d_block)
+    cls = TraitsNixlPushConnectorWorker
+    producers, consumers = [], []
+    for rank in range(p_tp):
+        worker, caches = rank_worker(name, "prefill", p_tp, rank, p_block, cls)
+        layouts.fill_pattern(caches, 7 + rank)
+        p = _rank(name, p_tp, rank, p_block)
+        _write(type(p)(p.config, caches, p.plan), truth, p_tp, rank, p_block, p_ids)
+        producers.append(worker)
+    sent = [layouts.backing(w.device_kv_caches).clone() for w in producers]
+    received = [rank_worker(name, "decode", d_tp, rank, d_block, cls) for rank in range(d_tp)]
+    consumers = [worker for worker, _ in received]
+    with serving(producers) as p_port, serving(consumers) as d_port:
+        _push_request(producers, consumers, (p_port, d_port), p_ids, d_ids)
+    for worker in producers:
+        # Written by the connector's descriptors, as each decode rank's reads would be.
+        assert ("decode" in worker._ratio_peers()) is (p_block != d_block)
+    for consumer in consumers:
+        # vLLM's bookkeeping sees the producer at our block size, so it converts nothing.
+        assert consumer.transfer_topo.get_engine_info("prefill").remote_block_size == d_block
+    out = {}
+    for rank, (_, caches) in enumerate(received):
+        want = _rank(name, d_tp, rank, d_block)
+        _write(want, truth, d_tp, rank, d_block, d_ids)
+        out[rank] = (layouts.backing(caches).clone(), want.raw)
+    for worker, before in zip(producers, sent, strict=True):
+        assert torch.equal(layouts.backing(worker.device_kv_caches), before)  # writes only
+    return out
+
+
+def _push_request(
+    producers: list[Any],
+    consumers: list[Any],
+    ports: tuple[int, int],
+    p_ids: list[list[int]],
+    d_ids: list[list[int]],
+    timeout: float = 60,
+) -> None:
+    """One request (``"req"``) as vLLM's push schedulers stage it: each prefill rank gets
+    its finished blocks, each decode rank the request to receive and the registration
+    (upstream's fields, and where the lists start: from the first block, 128 tokens);
+    fails unless every rank reports it done within ``timeout`` seconds."""
+    (p_port, d_port), req = ports, "req"
+    for producer in producers:
+        meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
+        meta.reqs_in_batch.add(req)
+        meta.reqs_to_send[req] = time.perf_counter() + 600
+        meta.push_finished_blocks[req] = tuple(list(b) for b in p_ids)
+        producer.start_load_kv(meta)
+    peer = {"host": "127.0.0.1", "p_port": p_port, "p_tp": len(producers)}
+    registration = {
+        "request_id": req,
+        "decode_engine_id": "decode",
+        "decode_host": peer["host"],
+        "decode_port": d_port,
+        "decode_tp_size": len(consumers),
+        "local_block_ids": tuple(list(b) for b in d_ids),
+        "remote_engine_id": "prefill",
+        "remote_host": peer["host"],
+        "remote_port": p_port,
+        "remote_tp_size": len(producers),
+        "remote_pp_size": 1,
+        RATIO_REGISTRATION_KEY: {"computed": [0] * len(d_ids), "tokens": TOKENS},
+    }
+    for consumer in consumers:
+        meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
+        meta.add_new_req_to_recv(
+            request_id=req,
+            local_block_ids=tuple(list(b) for b in d_ids),
+            kv_transfer_params={
+                "remote_block_ids": (),  # push: the decode side does not know them
+                "remote_engine_id": "prefill",
+                "remote_request_id": req,
+                "remote_host": "127.0.0.1",
+                "remote_port": p_port,
+                "tp_size": len(producers),
+                "pp_size": 1,
+            },
+        )
+        meta.push_registrations[req] = dict(registration)
+        consumer.start_load_kv(meta)
+    sent: list[set[str]] = [set() for _ in producers]
+    got: list[set[str]] = [set() for _ in consumers]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for done, worker in zip(sent, producers, strict=True):
+            done |= worker.get_finished()[0]
+        for done, worker in zip(got, consumers, strict=True):
+            done |= worker.get_finished()[1]
+        if all(req in d for d in sent + got):
+            break
+        time.sleep(0.02)
+    assert all(req in d for d in got), f"not received in {timeout:.0f} s: {got}"
+    assert all(req in d for d in sent), f"not sent in {timeout:.0f} s: {sent}"
+    for consumer in consumers:
+        assert consumer.get_block_ids_with_load_errors() == set()
 
 
 # -- the truth as vLLM-CPU's attention kernel writes it ---------------------------------
@@ -213,6 +348,29 @@ def test_a_block_size_ratio_moves_each_token_to_its_row(
         assert torch.equal(got, want), (rank, int((got != want).sum()))
 
 
+# Push cells: every (ratio, TP pair) once, each model at every ratio and every TP pair
+# (model m, ratio i at TP pair (i + m) % 3): 12 cells, not the 36 of pull, since a push
+# cell (a decode engine's listener, the writer threads, the registration's round trip)
+# costs more than a read, and the descriptors are the reads' own, turned around.
+PUSH_CELLS = [
+    (name, *TP[(i + m) % len(TP)], bp, bd)
+    for m, name in enumerate(MODELS)
+    for i, (bp, bd) in enumerate(RATIOS)
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "p_tp", "d_tp", "p_block", "d_block"),
+    PUSH_CELLS,
+    ids=[f"{n}-P{p}D{d}-{bp}to{bd}" for n, p, d, bp, bd in PUSH_CELLS],
+)
+def test_push_between_block_sizes_writes_each_token_to_its_row(
+    rank_worker: Callable[..., Any], name: str, p_tp: int, d_tp: int, p_block: int, d_block: int
+) -> None:
+    for rank, (got, want) in push(rank_worker, name, p_tp, d_tp, p_block, d_block).items():
+        assert torch.equal(got, want), (rank, int((got != want).sum()))
+
+
 # -- refused by name at the handshake, before any byte moves -------------------------
 
 
@@ -233,6 +391,60 @@ def test_block_sizes_that_do_not_divide_are_refused_naming_both(
         consumer.check_remote_fingerprint(_metadata(producer))
     assert consumer._ratio_peers() == {}
     assert not layouts.backing(caches).any()
+
+
+def test_push_between_sizes_that_do_not_divide_is_refused_naming_both(
+    rank_worker: Callable[..., Any],
+) -> None:
+    """Push mode, prefill at 64 tokens a block, decode at 96: refused on both sides by
+    the planner's check, from the call vLLM's handshake makes with the decoded metadata
+    (on 0.34 before vLLM's own push check, which would refuse any block-size pair with a
+    ``NotImplementedError`` that names no fix): nothing kept, no byte written."""
+    cls = TraitsNixlPushConnectorWorker
+    producer, _ = rank_worker("gqa", "prefill", 1, 0, 64, cls)
+    consumer, caches = rank_worker("gqa", "decode", 1, 0, 96, cls)
+    for worker, peer, ours, theirs in ((consumer, producer, 96, 64), (producer, consumer, 64, 96)):
+        with pytest.raises(
+            UnsupportedLayoutError, match=f"{ours} tokens here and {theirs} on"
+        ) as info:
+            worker._validate_remote_parallel_config(_metadata(peer))
+        assert "block sizes that divide" in str(info.value)
+        assert worker._ratio_peers() == {}
+    assert not layouts.backing(caches).any()
+
+
+def test_a_push_consumer_registers_where_its_lists_start(tiny_models: pathlib.Path) -> None:
+    """The decode side's push scheduler adds to vLLM's block registration the blocks its
+    prefix cache held (per group: hashed, not null, as vLLM's pull scheduler counts
+    them) and the request's tokens from the producer's params: with the first 2 of 5
+    blocks of 16 tokens held, the registered list is the last 3, starting at block 2."""
+    config = layouts.kv_cache_config(
+        layouts.llama_gqa(1, layers=2, block_size=16, num_kv_heads=2, head_size=32), 64, LAYOUT
+    )
+    scheduler = TraitsNixlPushConnectorScheduler(
+        _vllm_config(tiny_models / LLAMA, LAYOUT, None), "decode", config
+    )
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill",
+        "remote_request_id": "p-req",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "tp_size": 1,
+        "remote_num_tokens": 80,
+    }
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    request = Request("d-req", list(range(80)), sampling, None)
+    blocks = [KVCacheBlock(i) for i in (10, 11, 12, 13, 14)]
+    for n, block in enumerate(blocks[:2]):
+        block.set_block_hash(bytes([n]) * 8)  # type: ignore[arg-type]  # any hash marks it held
+    try:
+        scheduler.update_state_after_alloc(request, KVCacheBlocks(blocks=(blocks,)), 48)
+        registration = scheduler.push_pending_registrations["d-req"]
+    finally:
+        scheduler.shutdown()  # type: ignore[no-untyped-call]  # vLLM's
+    assert list(registration["local_block_ids"][0]) == [12, 13, 14]
+    assert registration[RATIO_REGISTRATION_KEY] == {"computed": [2], "tokens": 80}
 
 
 @pytest.mark.parametrize(
@@ -293,6 +505,38 @@ def test_a_prefix_held_locally_reads_only_the_rest_into_its_rows(
     assert torch.equal(d.raw, want.raw)
     with pytest.raises(BlockIdShapeError, match="a window's tail"):
         ratio_reads(lanes, peers, [d_ids[0][-1:]], [p_ids[0][-1:]], [1], request_tokens=128)
+
+
+@pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32)])
+def test_a_push_into_a_prefix_held_writes_only_the_rest_into_its_rows(
+    p_block: int, d_block: int
+) -> None:
+    """The push mirror of the test above: the decode side's registration names only the
+    blocks after the 64 tokens it holds (start: ``held``), the producer's list the whole
+    request; the producer writes tokens 64..127 into those blocks' rows, the held blocks
+    stay as they were. Without the start (a registration that does not say it), the
+    shorter list is refused before any row is built."""
+    truth = _kernel_truth("gqa")
+    p, d = _rank("gqa", 1, 0, p_block), _rank("gqa", 1, 0, d_block)
+    p_ids, d_ids = _request_ids(1, p_block), _request_ids(1, d_block)
+    layouts.fill_pattern(p.caches, 7)
+    _write(p, truth, 1, 0, p_block, p_ids)
+    held = 64 // d_block
+    k_then_v = ((64 * 2, 2), (64 * 2, 0))  # bf16 K transposed, then V: 128 B a token each
+    regions = len(p.plan.regions)
+    lanes = ratio_write_lanes(
+        p.plan, 1, 0, peer_regions(d.plan), [d_block] * regions, [k_then_v] * regions
+    )
+    rows = ratio_writes(p.plan, lanes, p_ids, [d_ids[0][held:]], [held], request_tokens=128)
+    for (src, length, _), (dst, _, _) in zip(rows.local, rows.remote, strict=True):
+        ctypes.memmove(dst, src, length)  # what NIXL's WRITE does with the two row lists
+    want = _rank("gqa", 1, 0, d_block)
+    _write(want, truth, 1, 0, d_block, d_ids)
+    for layer in want.caches:
+        want.caches[layer].view(torch.uint8)[d_ids[0][:held]] = 0  # held: not written
+    assert torch.equal(d.raw, want.raw)
+    with pytest.raises(BlockIdShapeError):
+        ratio_writes(p.plan, lanes, p_ids, [d_ids[0][held:]], None, request_tokens=128)
 
 
 @pytest.mark.skipif(

