@@ -478,9 +478,9 @@ def test_a_peer_tail_that_starts_after_the_window_is_refused_naming_the_tokens()
     lanes = ratio_lanes(d.plan, 1, [32] * regions, [k_then_v] * regions)
     peers = {0: peer_regions(p.plan)}
     windows = [None, WINDOW]
-    with pytest.raises(BlockIdShapeError, match=r"tokens 64\.\.95 are gone from the peer"):
+    with pytest.raises(BlockIdShapeError, match=r"tokens 64\.\.95 are gone from the source"):
         ratio_reads(lanes, peers, d_ids, [p_ids[0], p_ids[1][-1:]], None, 128, windows)
-    with pytest.raises(BlockIdShapeError, match=r"our blocks needs tokens from 0 on.*0\.\.31"):
+    with pytest.raises(BlockIdShapeError, match=r"reader's blocks needs tokens from 0 on.*0\.\.31"):
         ratio_reads(lanes, peers, d_ids, [p_ids[0], p_ids[1][-3:]], None, 128)
     with pytest.raises(BlockIdShapeError, match="covered by"):
         ratio_reads(lanes, peers, d_ids, [p_ids[0], p_ids[1][-1:]], None, None, windows)

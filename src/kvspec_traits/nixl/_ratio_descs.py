@@ -29,7 +29,7 @@ from kvspec_traits.transfer import (
     peer_regions,
     peer_view,
 )
-from kvspec_traits.transfer._blocks import check_block_range
+from kvspec_traits.transfer._blocks import check_block_range, place_tail
 
 __all__ = [
     "RatioLane",
@@ -38,7 +38,6 @@ __all__ = [
     "ratio_reads",
     "ratio_write_lanes",
     "ratio_writes",
-    "tail_start",
 ]
 
 
@@ -219,12 +218,13 @@ def ratio_reads(
     A list that ends before the request's last block, a sliding window's tail as vLLM
     clips it (``blocks[-n:]`` on each side, ``n`` from each side's block size), is
     placed end-aligned where ``request_tokens`` is known: its last block holds the
-    request's last token (:func:`tail_start`). The tokens both tails hold are read. A
-    tail is refused where ``request_tokens`` is not known, and where the peer's starts
-    after a token the window needs: ``windows[g]`` is the tokens group ``g``'s window
-    keeps (``None``, or no ``windows``: every token of our blocks is needed); with it,
-    the tokens from ``request_tokens - windows[g]`` on, and tokens of our blocks before
-    the peer's tail, which no attention step reads, are left as they were.
+    request's last token (``transfer._blocks.place_tail``). The tokens both tails hold
+    are read. Where ``request_tokens`` is not known, lists are taken from the request's
+    first block; a tail is refused where the peer's starts after a token the window
+    needs. ``windows[g]`` is the tokens group ``g``'s window keeps (``None``, or no
+    ``windows``: every token of our blocks is needed); with it, the tokens from
+    ``request_tokens - windows[g]`` on are needed, and tokens of our blocks before the
+    peer's tail, which no attention step reads, are left as they were.
 
     Every id is checked before a row is built: :class:`~kvspec_traits.transfer.
     BlockIdError` outside a region, :class:`~kvspec_traits.transfer.BlockIdShapeError`
@@ -253,13 +253,6 @@ def ratio_reads(
     return {rank: out[rank] for rank in sorted(out)}
 
 
-def tail_start(request_tokens: int, block_tokens: int, count: int) -> int:
-    """Where a list of ``count`` blocks of ``block_tokens`` tokens starts when its last
-    block holds the last of ``request_tokens`` tokens (end-aligned: vLLM clips a
-    sliding-window group's list to its last blocks)."""
-    return -(-request_tokens // block_tokens) - count
-
-
 def _place(
     lane: RatioLane,
     group: int,
@@ -269,53 +262,10 @@ def _place(
     request_tokens: int | None,
     window: int | None,
 ) -> tuple[int, int]:
-    """Where our ``count`` blocks start and how many of the peer's blocks of the request
-    precede its list: ``(start, 0)`` for lists from the request's first block (the
-    peer's) and ``start`` (ours); end-aligned for a tail (:func:`tail_start`), which
-    must hold every token of our blocks the window (``window`` tokens; ``None``: all)
-    needs (:class:`BlockIdShapeError` naming those it lacks)."""
-    mine_t, theirs_t = lane.local_tokens, lane.remote_tokens
-    if request_tokens is None:
-        return start, 0
-    whole = -(-request_tokens // theirs_t)
-    ours = -(-request_tokens // mine_t)
-    if len(theirs) == whole and start + count >= ours:
-        return start, 0  # whole lists (or ours past the end: _check_lists names it)
-    if len(theirs) > whole or start + count > ours:
-        raise BlockIdShapeError(
-            "both",
-            whole,
-            len(theirs),
-            f"region {lane.name!r} group {group}: {request_tokens} tokens are {whole} "
-            f"blocks of {theirs_t} on the peer and {ours} of {mine_t} here; the lists "
-            f"name {len(theirs)} there and blocks {start}..{start + count - 1} here",
-        )
-    skipped = tail_start(request_tokens, theirs_t, len(theirs))
-    first = max(start, tail_start(request_tokens, mine_t, count))
-    if first + count != ours:
-        raise BlockIdShapeError(
-            "local",
-            ours - first,
-            count,
-            f"region {lane.name!r} group {group}: blocks from {first} on are "
-            f"{ours - first} blocks of {mine_t} to the request's last token, not {count}",
-        )
-    # The first token our window needs: each of our blocks' without a window; with
-    # one, the window's first (one more than a decode step at request_tokens reads).
-    need = first * mine_t if window is None else max(first * mine_t, request_tokens - window)
-    held = skipped * theirs_t
-    if held > need:
-        why = "our blocks" if window is None else f"a window of {window} tokens"
-        raise BlockIdShapeError(
-            "remote",
-            need,
-            held,
-            f"region {lane.name!r} group {group}: {why} needs tokens from {need} on, "
-            f"the peer's tail (a window's tail in blocks of {theirs_t}) holds them only "
-            f"from {held} on; tokens {need}..{held - 1} are gone from the peer, so the "
-            f"request cannot be read between block sizes {mine_t} and {theirs_t}",
-        )
-    return first, skipped
+    return place_tail(
+        f"region {lane.name!r} group {group}", lane.local_tokens, lane.remote_tokens,
+        start, count, len(theirs), request_tokens, window,
+    )  # fmt: skip
 
 
 def _check_lists(
