@@ -144,7 +144,8 @@ def windows(worker: Any) -> list[int | None]:
     facts = worker._layout_facts()
     out: list[int | None] = []
     for group in facts.transfer_groups:
-        kinds = [facts.layer_traits[name] for name in group.layer_names]
+        # A layer without traits here (none known) leaves the group's window unknown.
+        kinds = [facts.layer_traits[n] for n in group.layer_names if n in facts.layer_traits]
         sizes = {t.window_tokens for t in kinds if t.token_scope is TokenScope.SLIDING_WINDOW}
         whole = len(sizes) == 1 and all(t.token_scope is TokenScope.SLIDING_WINDOW for t in kinds)
         out.append(next(iter(sizes)) if whole else None)
