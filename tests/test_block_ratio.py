@@ -31,7 +31,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import _families as families
 from kvspec_traits.mooncake import TraitsMooncakeEngine, fetch_record, routes_of
+from kvspec_traits.mooncake._moves import request_moves
 from kvspec_traits.transfer import (
+    BlockIdShapeError,
     HandshakeMismatchError,
     UnsupportedLayoutError,
     block_reads,
@@ -42,6 +44,7 @@ from kvspec_traits.transfer import (
 from tests.mooncake_helpers.remote import Remote
 from tests.nixl_helpers import layouts
 from tests.test_tp_matrix import Rank, move_all
+from tests.test_tp_matrix import _apply as _apply_moves
 
 NB = 24
 TOKENS = 128  # a request: whole blocks at 16, 32 and 64 tokens a block
@@ -151,12 +154,12 @@ def _move(name: str, p_tp: int, d_tp: int, p_block: int, d_block: int, write: bo
     if write:
         move_all(
             producers, consumers, d_tp, p_ids, d_ids, write=True, peer_tokens=d_tokens,
-            slot_parts=rows,
+            slot_parts=rows, request_tokens=TOKENS,
         )  # fmt: skip
     else:
         move_all(
             consumers, producers, p_tp, d_ids, p_ids, write=False, peer_tokens=p_tokens,
-            slot_parts=rows,
+            slot_parts=rows, request_tokens=TOKENS,
         )  # fmt: skip
     for rank, c in consumers.items():
         want = _rank(name, d_tp, rank, d_block)
@@ -174,6 +177,77 @@ def test_a_block_size_ratio_moves_each_token_to_its_row(
     name: str, p_tp: int, d_tp: int, p_block: int, d_block: int, write: bool
 ) -> None:
     _move(name, p_tp, d_tp, p_block, d_block, write)
+
+
+@pytest.mark.parametrize(("p_block", "d_block", "write"), [(16, 32, False), (32, 16, True)])
+def test_a_windows_tail_moves_the_tokens_both_sides_hold(
+    p_block: int, d_block: int, write: bool
+) -> None:
+    """gpt-oss's hybrid (window 64) with the window group's lists clipped as vLLM's NIXL
+    scheduler clips them at each side's block size (its last ``cdiv(64, block) + 1``
+    blocks: 5 of 8 at 16 tokens a block, from token 48; 3 of 4 at 32, from token 32),
+    the request's 128 tokens given: both tails end-aligned, the decode rank's window
+    group gets tokens 48..127 (the ones both hold; the window needs 64..127), read into
+    decode or written by prefill; the full group every token, and every other byte of
+    the decode allocation keeps its sentinel."""
+    truth, sentinel, held = _truth("hybrid_full_swa"), 99, 48
+    p, d = _rank("hybrid_full_swa", 1, 0, p_block), _rank("hybrid_full_swa", 1, 0, d_block)
+    p_ids, d_ids = _request_ids(2, p_block), _request_ids(2, d_block)
+    p_ids[1] = p_ids[1][-(-(-64 // p_block) + 1) :]
+    d_ids[1] = d_ids[1][-(-(-64 // d_block) + 1) :]
+    layouts.fill_pattern(p.caches, 7)
+    _write_tail(p, truth, p_block, p_ids, [0, 0])
+    layouts.fill_pattern(d.caches, sentinel)
+    mover, peer, peer_block, ids, peer_ids = (
+        (p, d, d_block, p_ids, d_ids) if write else (d, p, p_block, d_ids, p_ids)
+    )
+    regions = {0: peer_regions(peer.plan)}
+    tokens: list[int | None] = [peer_block] * len(mover.plan.regions)
+    routes = routes_of(
+        mover.plan, 1, regions, write=write, remote_tokens=tokens,
+        slot_parts=_token_rows(len(mover.plan.regions)),
+    )  # fmt: skip
+    moves = request_moves(
+        routes, 2, ids, peer_ids, write=write, request_tokens=TOKENS, windows=[None, 64]
+    )
+    _apply_moves(mover, {0: peer}, moves, write=write, me=mover)
+    want = _rank("hybrid_full_swa", 1, 0, d_block)
+    layouts.fill_pattern(want.caches, sentinel)
+    _write_tail(want, truth, d_block, d_ids, [0, held])
+    assert torch.equal(d.raw, want.raw)
+
+
+def test_a_window_groups_lists_without_the_token_count_are_refused() -> None:
+    """The same tails without the request's token count: the prefill's last 3 blocks of
+    32 (tokens 32..127) and the decode's last 5 of 16 (tokens 48..127), taken from the
+    request's first block, would pass for tokens 0..95 covering 0..79 and be read from
+    the wrong places. Refused for it: by the window group's window where the caller
+    gives ``windows``, else by the region's token scopes (the hybrid's regions serve both
+    groups); the full group alone moves where ``windows`` says it keeps no window."""
+    p, d = _rank("hybrid_full_swa", 1, 0, 32), _rank("hybrid_full_swa", 1, 0, 16)
+    p_ids, d_ids = _request_ids(2, 32), _request_ids(2, 16)
+    p_ids[1], d_ids[1] = p_ids[1][-3:], d_ids[1][-5:]
+    routes = routes_of(
+        d.plan, 1, {0: peer_regions(p.plan)}, write=False,
+        remote_tokens=[32] * len(d.plan.regions), slot_parts=_token_rows(len(d.plan.regions)),
+    )  # fmt: skip
+    for windows in (None, [None, 64]):
+        with pytest.raises(BlockIdShapeError, match="only the request's token count places"):
+            request_moves(routes, 2, d_ids, p_ids, write=False, windows=windows)
+    assert request_moves(routes, 2, [d_ids[0], []], [p_ids[0], []], write=False, windows=[None, 64])
+
+
+def _write_tail(
+    r: Rank, truth: dict[str, torch.Tensor], block: int, ids: list[list[int]], since: list[int]
+) -> None:
+    """:func:`_write_request` at TP 1 for lists that may be tails (each list's last block
+    holds the request's last token): group ``g`` gets tokens ``since[g]`` on only."""
+    for gid, group in enumerate(r.config.kv_cache_groups):
+        skipped = TOKENS // block - len(ids[gid])
+        for layer in group.layer_names:
+            view = r.caches[layer].view(torch.uint8)
+            for t in range(since[gid], TOKENS):
+                view[ids[gid][t // block - skipped], :, t % block] = truth[layer][:, t]
 
 
 def test_heads_outermost_pages_are_read_slot_by_slot() -> None:
@@ -293,7 +367,7 @@ def test_mooncake_engines_read_between_block_sizes(
                 r: engine.connect(fetch_record("127.0.0.1", port), "127.0.0.1")
                 for r, port in ports.items()
             }
-            assert engine.read_blocks(peers, d_ids, p_ids).nbytes > 0
+            assert engine.read_blocks(peers, d_ids, p_ids, request_tokens=TOKENS).nbytes > 0
             want = _rank(name, d_tp, rank, d_block)
             _write_request(want, truth, d_tp, rank, d_block, d_ids)
             assert torch.equal(c.raw, want.raw), rank

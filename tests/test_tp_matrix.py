@@ -323,9 +323,12 @@ def move_all(
     write: bool,
     peer_tokens: list[int | None] | None = None,
     slot_parts: list[tuple[tuple[int, int], ...] | None] | None = None,
+    request_tokens: int | None = None,
 ) -> None:
     """Every mover rank's moves against all peer ranks, as a Mooncake engine would be
-    handed them (reads into the movers, or writes from them), applied in memory."""
+    handed them (reads into the movers, or writes from them), applied in memory;
+    ``request_tokens``: the request's token count (between block sizes, a window
+    group's lists are placed by it)."""
     for me in movers.values():
         regions = {rank: peer_regions(peer.plan) for rank, peer in peers.items()}
         routes = routes_of(
@@ -336,7 +339,9 @@ def move_all(
             remote_tokens=peer_tokens,
             slot_parts=slot_parts,
         )
-        moves = request_moves(routes, me.plan.num_groups, ids, peer_ids, write=write)
+        moves = request_moves(
+            routes, me.plan.num_groups, ids, peer_ids, write=write, request_tokens=request_tokens
+        )
         _apply(me, peers, moves, write=write, me=me)
 
 

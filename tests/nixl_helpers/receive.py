@@ -8,7 +8,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -58,10 +58,12 @@ def receive(
     remote_engine: str = "prefill",
     remote_tp: int = 1,
     timeout: float = 120,
+    params: Mapping[str, Any] | None = None,
 ) -> None:
     """One request (``"req"``) through vLLM's receive path: the prefill engine's blocks
     ``remote`` (per group) into ``local``; fails unless it finishes within ``timeout``
-    seconds with no block in error."""
+    seconds with no block in error. ``params``: more of the producer's
+    ``kv_transfer_params`` (``remote_num_tokens``, ...)."""
     metadata = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
     metadata.add_new_req_to_recv(
         request_id="req",
@@ -73,6 +75,7 @@ def receive(
             "remote_host": "127.0.0.1",
             "remote_port": port,
             "tp_size": remote_tp,
+            **(params or {}),
         },
     )
     consumer.start_load_kv(metadata)

@@ -16,7 +16,7 @@ handshake (``host:rpc_port``), and plans travel on this backend's own side chann
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -264,6 +264,9 @@ class TraitsMooncakeEngine:
         peers: MooncakePeer | Mapping[int, MooncakePeer],
         block_ids: IdLists,
         remote_block_ids: IdLists | None = None,
+        *,
+        request_tokens: int | None = None,
+        windows: Sequence[int | None] | None = None,
     ) -> TransferResult:
         """Fill our ``block_ids`` (one list per cache group) from the peers'
         ``remote_block_ids`` (default: the same ids) with ``batch_transfer_sync_read``.
@@ -273,21 +276,36 @@ class TraitsMooncakeEngine:
         one rank). Every id is checked before a byte moves (the block-id errors of
         :mod:`kvspec_traits.transfer`, :class:`MissingPeerError`);
         :class:`TransferFailedError` if Mooncake reports a failure.
+
+        Between block sizes, ``request_tokens`` places lists shorter than the request
+        (a sliding window's tail, as vLLM clips it at each side's block size)
+        end-aligned, ``windows[g]`` the tokens group ``g``'s window keeps (the tokens
+        the reader needs); without ``request_tokens`` lists start at the request's
+        first block.
         """
-        return self._transfer(peers, block_ids, remote_block_ids, write=False)
+        return self._transfer(
+            peers, block_ids, remote_block_ids, write=False,
+            request_tokens=request_tokens, windows=windows,
+        )  # fmt: skip
 
     def write_blocks(
         self,
         peers: MooncakePeer | Mapping[int, MooncakePeer],
         block_ids: IdLists,
         remote_block_ids: IdLists | None = None,
+        *,
+        request_tokens: int | None = None,
+        windows: Sequence[int | None] | None = None,
     ) -> TransferResult:
         """Push our ``block_ids`` into the peers' ``remote_block_ids`` (default: the
         same) with ``batch_transfer_sync_write``: the peers are consumer ranks by TP
         rank, each given the pieces of its blocks this rank holds (the consumer's reads
         from this rank, reversed). Destinations (the peers' ids) must be distinct; the
-        errors are :meth:`read_blocks`'."""
-        return self._transfer(peers, block_ids, remote_block_ids, write=True)
+        errors, ``request_tokens`` and ``windows`` are :meth:`read_blocks`'."""
+        return self._transfer(
+            peers, block_ids, remote_block_ids, write=True,
+            request_tokens=request_tokens, windows=windows,
+        )  # fmt: skip
 
     def _transfer(
         self,
@@ -296,6 +314,8 @@ class TraitsMooncakeEngine:
         remote_block_ids: IdLists | None,
         *,
         write: bool,
+        request_tokens: int | None,
+        windows: Sequence[int | None] | None,
     ) -> TransferResult:
         start = time.perf_counter()
         by_rank = {peers.tp_rank: peers} if isinstance(peers, MooncakePeer) else dict(peers)
@@ -305,6 +325,8 @@ class TraitsMooncakeEngine:
             block_ids,
             remote_block_ids,
             write=write,
+            request_tokens=request_tokens,
+            windows=windows,
         )
         call = (
             self._engine.batch_transfer_sync_write

@@ -39,6 +39,7 @@ from kvspec_traits.transfer._blocks import (
     check_id_list,
     check_paired,
     group_lists,
+    place_tail,
 )
 from kvspec_traits.transfer._tp import lane_groups
 
@@ -324,6 +325,8 @@ def request_moves(
     remote_block_ids: IdLists | None,
     *,
     write: bool,
+    request_tokens: int | None = None,
+    windows: Sequence[int | None] | None = None,
 ) -> list[Moves]:
     """The moves of one request over ``routes`` (:func:`routes_of`), one
     :class:`Moves` per remote rank that takes part.
@@ -332,7 +335,10 @@ def request_moves(
     :class:`BlockIdShapeError` (not one list per group; local and remote lists of
     different lengths), :class:`BlockIdError` (outside a region, either side),
     :class:`DuplicateBlockIdError` (a destination block named twice: ours for a read,
-    the peer's for a write).
+    the peer's for a write). Between block sizes, ``request_tokens`` (the request's
+    tokens, where known) places lists shorter than the request, a sliding window's
+    tails, end-aligned (:func:`~kvspec_traits.transfer._blocks.place_tail`, with
+    ``windows[g]`` the tokens group ``g``'s window keeps).
     """
     local = _per_group(local_block_ids, num_groups, "local")
     remote = (
@@ -348,7 +354,7 @@ def request_moves(
     by_rank: dict[int, Moves] = {}
     for route in routes:
         if isinstance(route, RatioRoute):
-            _ratio_moves(route, local, remote, num_groups, by_rank)
+            _ratio_moves(route, local, remote, num_groups, by_rank, request_tokens, windows)
             continue
         mine = _blocks_of(local, route.groups)
         if not mine:
@@ -399,16 +405,31 @@ def _ratio_moves(
     remote: list[list[int]],
     num_groups: int,
     by_rank: dict[int, Moves],
+    request_tokens: int | None = None,
+    windows: Sequence[int | None] | None = None,
 ) -> None:
     """One request's moves over a lane read between block sizes: the reader's ``a``-th
     block takes phase ``a % k``'s pieces, each from the source's ``a * reader_tokens //
     source_tokens + q``-th block (skipped past the source's list: a request's last,
-    partly filled block)."""
+    partly filled block; before it: a window's tail, tokens no window step reads). A
+    region of several groups (pools that alias) places each of its groups' lists
+    (``route.groups``) on their own, since each may be a tail of its own length."""
     mine, theirs = _blocks_of(local, route.groups), _blocks_of(remote, route.groups)
     if not mine and not theirs:
         return
-    readers, sources = (theirs, mine) if route.write else (mine, theirs)
-    reader_pairs(route, len(readers), len(sources))
+    groups = list(route.groups)
+    placed = []
+    for g in groups:
+        readers, sources = (remote[g], local[g]) if route.write else (local[g], remote[g])
+        if not readers and not sources:
+            continue
+        first, skipped = place_tail(
+            f"region {route.name!r} group {g}", route.reader_tokens, route.source_tokens,
+            0, len(readers), len(sources), request_tokens, windows[g] if windows else None,
+            may_be_tail=route.may_be_tail and not windows,  # the caller's windows say
+        )  # fmt: skip
+        reader_pairs(route, first + len(readers), skipped + len(sources))
+        placed.append((readers, sources, first, skipped))
     check_block_range(
         (min(mine), max(mine)), route.num_blocks, [(route.name, route.num_blocks)], "local"
     )
@@ -418,19 +439,20 @@ def _ratio_moves(
                 (min(theirs), max(theirs)), piece[7], [(route.name, piece[7])], "remote"
             )
     group = None if route.group_id < 0 or num_groups == 1 else route.group_id
-    _check_distinct(readers, group, "remote" if route.write else "local")
-    for a, reader in enumerate(readers):
-        start = a * route.reader_tokens // route.source_tokens
-        for rank, ours, peers, length, q, r_base, r_stride, _ in route.phases[
-            a % len(route.phases)
-        ]:
-            if start + q >= len(sources):
-                continue
-            source = sources[start + q]
-            local_block, remote_block = (source, reader) if route.write else (reader, source)
-            moves = by_rank.get(rank)
-            if moves is None:
-                moves = by_rank[rank] = Moves(rank, [], [], [])
-            moves.local.append(route.base + local_block * route.stride + ours)
-            moves.remote.append(r_base + remote_block * r_stride + peers)
-            moves.lengths.append(length)
+    _check_distinct(theirs if route.write else mine, group, "remote" if route.write else "local")
+    for readers, sources, first, skipped in placed:
+        for a, reader in enumerate(readers, start=first):
+            start = a * route.reader_tokens // route.source_tokens - skipped
+            for rank, ours, peers, length, q, r_base, r_stride, _ in route.phases[
+                a % len(route.phases)
+            ]:
+                if not 0 <= start + q < len(sources):
+                    continue
+                source = sources[start + q]
+                local_block, remote_block = (source, reader) if route.write else (reader, source)
+                moves = by_rank.get(rank)
+                if moves is None:
+                    moves = by_rank[rank] = Moves(rank, [], [], [])
+                moves.local.append(route.base + local_block * route.stride + ours)
+                moves.remote.append(r_base + remote_block * r_stride + peers)
+                moves.lengths.append(length)

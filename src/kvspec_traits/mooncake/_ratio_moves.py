@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from kvspec_traits._traits import TokenScope
 from kvspec_traits.transfer import (
     BlockIdShapeError,
     PeerRegion,
@@ -51,6 +52,10 @@ class RatioRoute:
     block count)``."""
     groups: tuple[int, ...]
     """The groups whose blocks the lane moves (:func:`lane_groups`)."""
+    may_be_tail: bool = False
+    """Whether the region's pages keep fewer than all of a request's tokens (a window),
+    so that a group's lists may be its tail (:func:`~kvspec_traits.transfer._blocks.
+    place_tail`)."""
 
 
 def ratio_route(
@@ -124,6 +129,7 @@ def ratio_route(
         source_tokens=local_tokens if write else remote_tokens,
         phases=tuple(tuple(p) for p in phases),
         groups=lane_groups(region, group),
+        may_be_tail=any(scope is not TokenScope.FULL for scope in region.token_scopes),
     )
 
 

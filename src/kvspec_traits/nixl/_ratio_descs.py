@@ -29,7 +29,7 @@ from kvspec_traits.transfer import (
     peer_regions,
     peer_view,
 )
-from kvspec_traits.transfer._blocks import check_block_range
+from kvspec_traits.transfer._blocks import check_block_range, place_tail
 
 __all__ = [
     "RatioLane",
@@ -170,6 +170,7 @@ def ratio_writes(
     reader_ids: Sequence[Sequence[int]],
     reader_starts: Sequence[int] | None = None,
     request_tokens: int | None = None,
+    windows: Sequence[int | None] | None = None,
 ) -> RatioReads:
     """What this rank (``plan``) writes of one request into one consumer rank
     (``lanes``: :func:`ratio_write_lanes`): the reads that rank would make from us
@@ -178,7 +179,7 @@ def ratio_writes(
     Raises what :func:`ratio_reads` raises, before a row is built."""
     reads = ratio_reads(
         lanes, {plan.tp_rank: peer_regions(plan)}, reader_ids, our_ids, reader_starts,
-        request_tokens,
+        request_tokens, windows,
     )  # fmt: skip
     got = reads.get(plan.tp_rank)
     return RatioReads([], []) if got is None else RatioReads(got.remote, got.local)
@@ -206,14 +207,24 @@ def ratio_reads(
     remote_ids: Sequence[Sequence[int]],
     local_starts: Sequence[int] | None = None,
     request_tokens: int | None = None,
+    windows: Sequence[int | None] | None = None,
 ) -> dict[int, RatioReads]:
     """What one request reads from each remote rank (``peers``: each handshaken rank's
     regions). ``local_ids[g]`` are the request's blocks of group ``g`` from its
     ``local_starts[g]``-th block on (the blocks a prefix-cache hit left to read; default
     0), ``remote_ids[g]`` the peer's blocks of the whole request (of ``request_tokens``
-    tokens, where known: a list of fewer blocks, a window's tail, is refused, since its
-    first block's position is not known here). A piece past the peer's list (a last,
-    partly filled block) is skipped.
+    tokens). A piece past the peer's list (a last, partly filled block) is skipped.
+
+    A list that ends before the request's last block, a sliding window's tail as vLLM
+    clips it (``blocks[-n:]`` on each side, ``n`` from each side's block size), is
+    placed end-aligned where ``request_tokens`` is known: its last block holds the
+    request's last token (``transfer._blocks.place_tail``). The tokens both tails hold
+    are read. Where ``request_tokens`` is not known, lists are taken from the request's
+    first block; a tail is refused where the peer's starts after a token the window
+    needs. ``windows[g]`` is the tokens group ``g``'s window keeps (``None``, or no
+    ``windows``: every token of our blocks is needed); with it, the tokens from
+    ``request_tokens - windows[g]`` on are needed, and tokens of our blocks before the
+    peer's tail, which no attention step reads, are left as they were.
 
     Every id is checked before a row is built: :class:`~kvspec_traits.transfer.
     BlockIdError` outside a region, :class:`~kvspec_traits.transfer.BlockIdShapeError`
@@ -224,18 +235,37 @@ def ratio_reads(
             "remote", len(local_ids), len(remote_ids), "not one list per cache group"
         )
     starts = list(local_starts) if local_starts is not None else [0] * len(local_ids)
-    todo: list[tuple[RatioLane, int]] = []
+    todo: list[tuple[RatioLane, int, int, int]] = []
     for lane in lanes:
         for group in lane.group_ids:
             mine, theirs = local_ids[group], remote_ids[group]
             if not mine:
                 continue
-            _check_lists(lane, group, starts[group], len(mine), theirs, peers, request_tokens)
-            todo.append((lane, group))
+            window = windows[group] if windows is not None else None
+            start, skipped = _place(
+                lane, group, starts[group], len(mine), theirs, request_tokens, window
+            )
+            _check_lists(lane, group, start, len(mine), skipped, theirs, peers)
+            todo.append((lane, group, start, skipped))
     out: dict[int, RatioReads] = {}
-    for lane, group in todo:
-        _lane_rows(lane, starts[group], local_ids[group], remote_ids[group], peers, out)
+    for lane, group, start, skipped in todo:
+        _lane_rows(lane, start, skipped, local_ids[group], remote_ids[group], peers, out)
     return {rank: out[rank] for rank in sorted(out)}
+
+
+def _place(
+    lane: RatioLane,
+    group: int,
+    start: int,
+    count: int,
+    theirs: Sequence[int],
+    request_tokens: int | None,
+    window: int | None,
+) -> tuple[int, int]:
+    return place_tail(
+        f"region {lane.name!r} group {group}", lane.local_tokens, lane.remote_tokens,
+        start, count, len(theirs), request_tokens, window,
+    )  # fmt: skip
 
 
 def _check_lists(
@@ -243,34 +273,24 @@ def _check_lists(
     group: int,
     start: int,
     count: int,
+    skipped: int,
     theirs: Sequence[int],
     peers: Mapping[int, Sequence[PeerRegion]],
-    request_tokens: int | None,
 ) -> None:
     """Our blocks ``start .. start + count`` of a request are covered by the peer's
-    list: each has a token in it, and the list ends within our last block; the list is
-    the whole request's (``request_tokens``, where known)."""
+    list (its blocks ``skipped ..``): each has a token in it, and the list ends within
+    our last block."""
     mine_t, theirs_t = lane.local_tokens, lane.remote_tokens
-    whole = -(-request_tokens // theirs_t) if request_tokens is not None else len(theirs)
-    if len(theirs) != whole:
-        raise BlockIdShapeError(
-            "remote",
-            whole,
-            len(theirs),
-            f"region {lane.name!r} group {group}: {request_tokens} tokens are {whole} "
-            f"blocks of {theirs_t} on the peer, not {len(theirs)} (a window's tail cannot "
-            f"be placed between block sizes)",
-        )
     low = ((start + count - 1) * mine_t) // theirs_t + 1
     high = -(-(start + count) * mine_t // theirs_t)
-    if not low <= len(theirs) <= high:
+    if not low <= skipped + len(theirs) <= high:
         raise BlockIdShapeError(
             "both",
             low,
-            len(theirs),
+            skipped + len(theirs),
             f"region {lane.name!r} group {group}: blocks {start}..{start + count - 1} of "
             f"{mine_t} tokens are covered by {low}..{high} blocks of {theirs_t} tokens, "
-            f"not {len(theirs)}",
+            f"not {skipped + len(theirs)}",
         )
     for rank in {piece.remote_rank for phase in lane.phases for piece in phase}:
         if rank not in peers:
@@ -286,6 +306,7 @@ def _check_lists(
 def _lane_rows(
     lane: RatioLane,
     start: int,
+    skipped: int,
     mine: Sequence[int],
     theirs: Sequence[int],
     peers: Mapping[int, Sequence[PeerRegion]],
@@ -296,10 +317,12 @@ def _lane_rows(
     )
     for i, block in enumerate(mine):
         a = start + i
-        first = a * lane.local_tokens // lane.remote_tokens
+        # The peer's list starts at its block ``skipped`` (a tail); a piece before it
+        # holds tokens no window step reads (_place refused the request otherwise).
+        first = a * lane.local_tokens // lane.remote_tokens - skipped
         local_at = lane.base + block * lane.stride
         for piece in lane.phases[a % len(lane.phases)]:
-            if first + piece.remote_block >= len(theirs):
+            if not 0 <= first + piece.remote_block < len(theirs):
                 continue
             peer = peers[piece.remote_rank][lane.index]
             source = theirs[first + piece.remote_block]

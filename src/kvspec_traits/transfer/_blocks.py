@@ -24,6 +24,7 @@ __all__ = [
     "check_paired",
     "group_lists",
     "is_id_array",
+    "place_tail",
 ]
 
 INT64_MAX: Final = (1 << 63) - 1
@@ -167,3 +168,75 @@ def check_paired(local_sizes: Sequence[int], remote_sizes: Sequence[int]) -> Non
                 f"cache group {group} has {local} local but {remote} remote ids; each "
                 f"local block is filled from the remote block at the same position",
             )
+
+
+def place_tail(
+    where: str,
+    reader_tokens: int,
+    source_tokens: int,
+    start: int,
+    count: int,
+    sources: int,
+    request_tokens: int | None,
+    window: int | None = None,
+    *,
+    may_be_tail: bool = False,
+) -> tuple[int, int]:
+    """Where a reader's ``count`` blocks of ``reader_tokens`` tokens (from its
+    ``start``-th on) lie in a request of ``request_tokens`` tokens, and how many of the
+    source's blocks of ``source_tokens`` precede its list of ``sources``: ``(start, 0)``
+    for a source list from the request's first block and a reader's that reaches its
+    last (or where ``request_tokens`` is not known: lists are then taken as placed);
+    otherwise both end-aligned, their last blocks holding the request's last token, as
+    vLLM clips a sliding-window group's list to its last ``cdiv(window, block) + 1``
+    blocks at each side's block size. A source's tail must hold every token the reader
+    needs: each of its blocks' (``window`` ``None``), or a window's, from
+    ``request_tokens - window`` on; tokens before it are left unread.
+    :class:`BlockIdShapeError` (``where`` begins its message) names the tokens a
+    source's tail lacks, or lists longer than the request. A group that keeps a window
+    (``window`` given, or ``may_be_tail``: a region whose pages keep fewer than all of a
+    request's tokens) is refused without ``request_tokens``: its lists may be a tail
+    that covers ours from the wrong first block, and nothing here could tell."""
+    if request_tokens is None:
+        if window is not None or may_be_tail:
+            raise BlockIdShapeError(
+                "both",
+                count,
+                sources,
+                f"{where}: a sliding window's lists may be its tail, which only the "
+                f"request's token count places between block sizes {reader_tokens} and "
+                f"{source_tokens}; none was given (pass the request's token count)",
+            )
+        return start, 0
+    whole = -(-request_tokens // source_tokens)
+    ours = -(-request_tokens // reader_tokens)
+    if sources == whole and start + count >= ours:
+        return start, 0  # whole lists (a reader's past the end: its pairing check names it)
+    if sources > whole or start + count > ours:
+        raise BlockIdShapeError(
+            "both",
+            whole,
+            sources,
+            f"{where}: {request_tokens} tokens are {whole} blocks of {source_tokens} at the "
+            f"source and {ours} of {reader_tokens} at the reader; the lists name {sources} "
+            f"there and blocks {start}..{start + count - 1} here",
+        )
+    first, skipped = ours - count, whole - sources
+    # The first token the reader needs: each of its blocks' without a window; with one,
+    # the window's first (one more than a decode step at request_tokens attends to).
+    need = first * reader_tokens
+    if window is not None:
+        need = max(need, request_tokens - window)
+    held = skipped * source_tokens
+    if held > need:
+        why = "the reader's blocks" if window is None else f"a window of {window} tokens"
+        raise BlockIdShapeError(
+            "remote",
+            need,
+            held,
+            f"{where}: {why} needs tokens from {need} on, the source's tail (a window's "
+            f"tail in blocks of {source_tokens}) holds them only from {held} on; tokens "
+            f"{need}..{held - 1} are gone from the source, so the request cannot be moved "
+            f"between block sizes {reader_tokens} and {source_tokens}",
+        )
+    return first, skipped

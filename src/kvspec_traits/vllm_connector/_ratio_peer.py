@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvspec_traits._errors import KVSpecTraitsError
+from kvspec_traits._kinds import TokenScope
 from kvspec_traits.nixl._ratio_descs import (
     RatioLane,
     ratio_reads,
@@ -43,6 +44,7 @@ __all__ = [
     "at_our_block_size",
     "read_request",
     "slot_parts",
+    "windows",
     "write_request",
 ]
 
@@ -134,6 +136,22 @@ def _attention_parts(worker: Any, region: Region) -> tuple[tuple[int, int], ...]
     return ((half, elem), (half, 0))
 
 
+def windows(worker: Any) -> list[int | None]:
+    """Per transfer group, the tokens its sliding window keeps (``None`` for a group
+    with a layer that keeps more): where a window's tail of blocks of another size
+    starts after ours, the tokens before the window are not read, and only those
+    (:func:`~kvspec_traits.nixl._ratio_descs.ratio_reads`)."""
+    facts = worker._layout_facts()
+    out: list[int | None] = []
+    for group in facts.transfer_groups:
+        # A layer without traits here (none known) leaves the group's window unknown.
+        kinds = [facts.layer_traits[n] for n in group.layer_names if n in facts.layer_traits]
+        sizes = {t.window_tokens for t in kinds if t.token_scope is TokenScope.SLIDING_WINDOW}
+        whole = len(sizes) == 1 and all(t.token_scope is TokenScope.SLIDING_WINDOW for t in kinds)
+        out.append(next(iter(sizes)) if whole else None)
+    return out
+
+
 def at_our_block_size(metadata: Any, peer: RatioPeer, block_size: int, per_logical: int) -> Any:
     """The peer's metadata with its regions cut at our block length (``block_size``
     tokens a block, ``per_logical`` kernel blocks per block): vLLM's bookkeeping of the
@@ -201,6 +219,7 @@ def read_request(worker: Any, peer: RatioPeer, req_id: str, meta: Any) -> None:
             ),
             [n * per_logical for n in computed] if computed else None,
             meta.remote.num_tokens or None,
+            windows(worker),
         )
     except KVSpecTraitsError as err:
         logger.error("%s: request %s not read: %s", CONNECTOR_NAME, req_id, err)
@@ -262,6 +281,7 @@ def write_request(
             theirs,
             starts,
             int(tokens) if tokens else None,
+            windows(worker),  # the consumer's: the same model's layers
         )
         for rank, lanes in sorted(peer.writes.items())
     }
