@@ -23,6 +23,7 @@ from kvspec_traits.transfer import (
     BlockIdShapeError,
     BlockRead,
     PeerRegion,
+    Region,
     RegionPlan,
     UnsupportedLayoutError,
     block_reads,
@@ -88,20 +89,7 @@ def ratio_lanes(
             region, local_tp=plan.tp_size, local_rank=plan.tp_rank, remote_tp=remote_tp,
             local_tokens=mine, remote_tokens=theirs, parts=layout,
         )  # fmt: skip
-        lanes.append(
-            RatioLane(
-                name=region.name,
-                index=region.index,
-                group_ids=region.group_ids,
-                base=region.base_addr,
-                stride=region.block_stride,
-                num_blocks=region.num_blocks,
-                device_id=region.device_id,
-                local_tokens=mine,
-                remote_tokens=theirs,
-                phases=phases,
-            )
-        )
+        lanes.append(_lane(region, region, mine, theirs, phases))
     return tuple(lanes)
 
 
@@ -146,21 +134,31 @@ def ratio_write_lanes(
         served = tuple(
             tuple(piece for piece in phase if piece.remote_rank == plan.tp_rank) for phase in phases
         )
-        lanes.append(
-            RatioLane(
-                name=region.name,
-                index=region.index,
-                group_ids=region.group_ids,
-                base=peer.base_addr,
-                stride=peer.block_stride,
-                num_blocks=peer.num_blocks,
-                device_id=peer.device_id,
-                local_tokens=theirs,
-                remote_tokens=mine,
-                phases=served,
-            )
-        )
+        lanes.append(_lane(region, peer, theirs, mine, served))
     return tuple(lanes)
+
+
+def _lane(
+    region: Region,
+    blocks: Region | PeerRegion,
+    local_tokens: int,
+    remote_tokens: int,
+    phases: tuple[tuple[BlockRead, ...], ...],
+) -> RatioLane:
+    """``region``'s lane over the blocks of ``blocks`` (the region itself for our reads,
+    the reader's region for the writes mirroring them)."""
+    return RatioLane(
+        name=region.name,
+        index=region.index,
+        group_ids=region.group_ids,
+        base=blocks.base_addr,
+        stride=blocks.block_stride,
+        num_blocks=blocks.num_blocks,
+        device_id=blocks.device_id,
+        local_tokens=local_tokens,
+        remote_tokens=remote_tokens,
+        phases=phases,
+    )
 
 
 def ratio_writes(
