@@ -16,6 +16,9 @@ A producer of more ranks than the consumer whose ranks hold replicas moves too: 
 read path reads the first rank of each distinct head there (``compute_tp_mapping``), and
 only its handshake validation asserted the pair away; the connector's topology answers
 that the consumer gathers (``_seam.gathering_topology``).
+
+Every cell is read by the connector's planned reads (``_tp_peer``: the planner's
+``tp_reads``), never by vLLM's descriptor path (``receive(planned=True)`` fails it).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def test_a_consumer_of_more_ranks_reads_each_replica_exactly(
             consumer, caches = rank_worker(kv_heads, f"decode-{rank}", consumer_tp, rank)
             receive(
                 consumer, port=port, local=[LOCAL_BLOCKS], remote=[REMOTE_BLOCKS],
-                remote_tp=producer_tp,
+                remote_tp=producer_tp, planned=True,
             )  # fmt: skip
             for layer in LAYERS:
                 want = torch.zeros_like(caches[layer])

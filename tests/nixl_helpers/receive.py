@@ -59,11 +59,20 @@ def receive(
     remote_tp: int = 1,
     timeout: float = 120,
     params: Mapping[str, Any] | None = None,
+    planned: bool = False,
 ) -> None:
     """One request (``"req"``) through vLLM's receive path: the prefill engine's blocks
     ``remote`` (per group) into ``local``; fails unless it finishes within ``timeout``
     seconds with no block in error. ``params``: more of the producer's
-    ``kv_transfer_params`` (``remote_num_tokens``, ...)."""
+    ``kv_transfer_params`` (``remote_num_tokens``, ...). ``planned``: the bytes must
+    be read by the connector's planned reads, never by vLLM's descriptor path
+    (``_read_blocks``, which then fails the read)."""
+    if planned:
+
+        def upstream_read(**kwargs: Any) -> bool:
+            raise AssertionError("vLLM's _read_blocks read a peer the connector plans")
+
+        consumer._read_blocks = upstream_read
     metadata = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
     metadata.add_new_req_to_recv(
         request_id="req",

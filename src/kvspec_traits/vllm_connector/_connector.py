@@ -84,6 +84,7 @@ from kvspec_traits.vllm_connector._stats import (
     TraitsStatsConnector,
     traits_stats,
 )
+from kvspec_traits.vllm_connector._tp_peer import TPPeer, read_tp_request, reads_tp_peer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -561,7 +562,15 @@ class TraitsWorkerBase(seam.SeamWorker):
         """vLLM's registration of a peer rank; a peer of another block size is kept for
         the connector's reads (and a push producer's writes, planned here) and handed
         to vLLM at this worker's block size (:func:`._ratio_peer.at_our_block_size`)."""
-        peer = self._ratio_peers().get(nixl_agent_meta.engine_id)
+        engine = nixl_agent_meta.engine_id
+        tp_peers = self._tp_peers()
+        peer = self._ratio_peers().get(engine)
+        if peer is None and reads_tp_peer(
+            self, nixl_agent_meta, remote_tp_size, remote_dcp_size, self.region_plan
+        ):
+            self._keep_tp_peer(nixl_agent_meta, remote_tp_rank, remote_tp_size)
+        else:
+            tp_peers.pop(engine, None)
         if peer is not None:
             writes = self.region_plan if self.transfer_mode == "push" else None
             peer.keep_rank(remote_tp_rank, nixl_agent_meta, writes)
@@ -575,6 +584,24 @@ class TraitsWorkerBase(seam.SeamWorker):
             nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size
         )
         return name
+
+    def _tp_peers(self) -> dict[str, TPPeer]:
+        # Lazily: vLLM's tests build workers with object.__new__.
+        peers: dict[str, TPPeer] = self.__dict__.setdefault("_kvspec_tp_peers", {})
+        return peers
+
+    def _keep_tp_peer(self, metadata: NixlAgentMetadata, rank: int, remote_tp: int) -> None:
+        """Keep remote rank ``rank`` of a peer of ``remote_tp`` ranks, whose reads the
+        connector plans (:mod:`._tp_peer`); a peer seen before at another TP size or
+        geometry is planned anew."""
+        plan = self.region_plan
+        if plan is None:
+            return
+        peers = self._tp_peers()
+        peer = peers.get(metadata.engine_id)
+        if peer is None or peer.remote_tp != remote_tp or peer.plan is not plan:
+            peer = peers[metadata.engine_id] = TPPeer.of(plan, remote_tp, metadata)
+        peer.keep_rank(rank, metadata)
 
     def _keep_region_offset(self, offset: int) -> None:
         """vLLM 0.32/0.33 slice a PP 1 peer's regions from this offset for a stage:
@@ -600,6 +627,10 @@ class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):
                 peer = self._ratio_peers().get(engine)
                 if peer is not None and any(request.local_physical_block_ids):
                     read_request(self, peer, req, request)  # another block size: ours
+                    return
+                tp_peer = self._tp_peers().get(engine)
+                if tp_peer is not None and any(request.local_physical_block_ids):
+                    read_tp_request(self, tp_peer, req, request)  # another TP size: ours
                     return
             upstream(req, request)
 

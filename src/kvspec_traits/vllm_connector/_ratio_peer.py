@@ -37,6 +37,7 @@ from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._fields import peer_regions_of
 from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
+from kvspec_traits.vllm_connector._reads import post_reads
 
 __all__ = [
     "RATIO_REGISTRATION_KEY",
@@ -225,29 +226,9 @@ def read_request(worker: Any, peer: RatioPeer, req_id: str, meta: Any) -> None:
         logger.error("%s: request %s not read: %s", CONNECTOR_NAME, req_id, err)
         worker.fail_read(req_id)
         return
-    consumers = worker.tp_mappings[engine].local_consumers
-    notif = f"{meta.remote.request_id}:{consumers}".encode()
-    agents = worker.remote_agents[engine]
-    agent = worker.nixl_wrapper
     remote_mem = {r.mem_type for regions in peer.ranks.values() for r in regions}
-    try:
-        for rank, rows in reads.items():
-            local, remote = rows.arrays()
-            handle = agent.initialize_xfer(
-                "READ",
-                agent.get_xfer_descs(local, worker.nixl_memory_type),
-                agent.get_xfer_descs(remote, next(iter(remote_mem))),
-                agents[(0, rank)],
-                notif,
-            )
-            agent.transfer(handle)
-            worker.recving_transfers[req_id].append(handle)
-        for (_, rank), name in agents.items():
-            if rank not in reads:
-                agent.send_notif(name, notif_msg=notif)
-    except Exception as err:  # NIXL's errors are untyped; vLLM's failed-read path follows
-        logger.error("%s: read of request %s failed: %r", CONNECTOR_NAME, req_id, err)
-        worker.fail_read(req_id)
+    rows = {rank: got.arrays() for rank, got in reads.items()}
+    post_reads(worker, req_id, meta, rows, next(iter(remote_mem)))
 
 
 def write_request(

@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 from vllm.v1.attention.backends import cpu_attn as vllm_cpu_attn
 
-from kvspec_traits.transfer import RegionPlan
+from kvspec_traits.transfer import BlockIdShapeError, RegionPlan
 from kvspec_traits.vllm_connector._errors import UnsupportedVllmVersionError
 from kvspec_traits.vllm_connector._facts import GroupKind, StateSplit
 from kvspec_traits.vllm_connector._fields import replicated_state_region
@@ -213,6 +213,13 @@ NAMES: tuple[VllmName, ...] = (
     VllmName(_PW, "_pop_done_transfers", _O, _ALL, "no hook after a read completes"),
     VllmName(_PW, "_get_new_notifs", _O, _ALL, "no hook where a producer's notifications arrive"),
     VllmName(_PW, "_handle_failed_transfer", _C, _ALL, "vLLM's failed-read path; no public one"),
+    VllmName(
+        _W,
+        "_apply_prefix_caching",
+        _C,
+        _ALL,
+        "which of a request's blocks pair with the peer's (the scheduler's contract); private",
+    ),
     VllmName(_PW, "_engine_clock_offset", _A, _ALL, "the handshake's clock offset; no getter"),
     VllmName(_PW, "_remote_agents", _A, _ALL, "which engines are handshaken; no getter"),
     VllmName(_PW, "_recving_transfers", _A, _ALL, "tells reads from writes; no getter"),
@@ -578,6 +585,27 @@ class SeamPullWorker(NixlPullConnectorWorker):
         """vLLM's handling of the NIXL notifications that arrived (``upstream``): the
         requests whose every reader is done."""
         return upstream()
+
+    def pair_uncomputed(self, local: Any, remote: Any, remote_per_logical: int) -> tuple[Any, Any]:
+        """vLLM's pairing of a request's kernel blocks to read (``local``: the suffix a
+        prefix-cache hit leaves; a state group's slots) with the peer's (``remote``, of
+        ``remote_per_logical`` kernel blocks a block): ``_apply_prefix_caching``. Lists
+        it cannot pair raise :class:`~kvspec_traits.transfer.BlockIdShapeError`."""
+        try:
+            return self._apply_prefix_caching(
+                decode_block_ids=local,
+                prefill_block_ids=remote,
+                decode_physical_per_logical=self._physical_blocks_per_logical_kv_block,
+                prefill_physical_per_logical=remote_per_logical,
+            )
+        except AssertionError as err:  # vLLM's check of the lists, as a named error
+            raise BlockIdShapeError(
+                "both",
+                sum(len(g) for g in local),
+                sum(len(g) for g in remote),
+                f"vLLM pairs no uncomputed blocks of these lists per group "
+                f"({[len(g) for g in local]} local, {[len(g) for g in remote]} remote): {err}",
+            ) from err
 
     def fail_read(self, req_id: str) -> None:
         """vLLM's failed read without a transport failure (as its expired readback)."""
