@@ -23,15 +23,19 @@ Every cell is read by the connector's planned reads (``_tp_peer``: the planner's
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import _families as families
+from kvspec_traits.vllm_connector import VllmHandshakeRefusalError
+from kvspec_traits.vllm_connector._connector import TraitsNixlAgentMetadata
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.receive import receive, serving
 from tests.test_connector_differential import distributed, llama_rank_worker
@@ -120,3 +124,28 @@ def test_a_consumer_of_more_ranks_reads_each_replica_exactly(
                     layer, rank,
                 )  # fmt: skip
             consumer.shutdown()
+
+
+def test_a_vllm_handshake_assert_on_a_peer_rank_is_a_named_refusal(
+    rank_worker: Callable[..., Any],
+) -> None:
+    """vLLM's handshake code past the connector's checks asserts bare (here: "TP workers
+    that handshake with same remote have same #blocks", a rank 1 whose block count
+    differs from rank 0's); the connector raises it as ``VllmHandshakeRefusalError``
+    naming the peer and rank, still an ``AssertionError`` for vLLM's callers."""
+    producers = [rank_worker(2, "prefill", 2, rank)[0] for rank in range(2)]
+    consumer, _ = rank_worker(2, "decode", 1, 0)
+    first, second = (
+        msgspec.msgpack.Decoder(TraitsNixlAgentMetadata).decode(
+            p.xfer_handshake_metadata.agent_metadata_bytes
+        )
+        for p in producers
+    )
+    consumer.add_remote_agent(first, remote_tp_rank=0, remote_tp_size=2)
+    bad = dataclasses.replace(second, num_blocks=second.num_blocks + 1)
+    with pytest.raises(VllmHandshakeRefusalError) as refused:
+        consumer.add_remote_agent(bad, remote_tp_rank=1, remote_tp_size=2)
+    assert isinstance(refused.value, AssertionError)
+    assert (refused.value.engine_id, refused.value.remote_rank) == ("prefill", 1)
+    assert "rank 1 of peer engine prefill" in str(refused.value)
+    consumer.shutdown()

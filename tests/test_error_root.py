@@ -31,6 +31,7 @@ KEPT_BUILTINS: dict[str, type[BaseException]] = {
     "kvspec_traits.vllm_connector._errors.PeerWithoutTraitsError": RuntimeError,
     "kvspec_traits.vllm_connector._errors.UnsupportedVllmVersionError": RuntimeError,
     "kvspec_traits.vllm_connector._errors.UnsupportedPipelineParallelError": NotImplementedError,
+    "kvspec_traits.vllm_connector._errors.VllmHandshakeRefusalError": AssertionError,
     "kvspec_traits.vllm_connector._errors.UnsupportedStagePairingError": NotImplementedError,
 }
 

@@ -28,6 +28,7 @@ from kvspec_traits.vllm_connector._errors import (
     UnsupportedStateTPError,
     UnsupportedTransferModeError,
     UnsupportedVllmVersionError,
+    VllmHandshakeRefusalError,
 )
 from kvspec_traits.vllm_connector._gate import check_vllm_version, register_with_vllm
 from kvspec_traits.vllm_connector._lease import LeaseMarginError
@@ -72,6 +73,7 @@ __all__ = [
     "UnsupportedStagePairingError",
     "UnsupportedStateLayoutError",
     "UnsupportedStateTPError",
+    "VllmHandshakeRefusalError",
     "UnsupportedTransferModeError",
     "UnsupportedVllmVersionError",
     "check_vllm_version",

@@ -51,7 +51,10 @@ from kvspec_traits.transfer import (
 from kvspec_traits.vllm_connector import _quirks as quirks
 from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._consumers import HELLO, ConsumerCensus, ReplayedNotifs
-from kvspec_traits.vllm_connector._errors import UnsupportedStateLayoutError
+from kvspec_traits.vllm_connector._errors import (
+    UnsupportedStateLayoutError,
+    VllmHandshakeRefusalError,
+)
 from kvspec_traits.vllm_connector._facts import GroupKind, LayoutFacts, layout_facts
 from kvspec_traits.vllm_connector._fields import packed_layouts
 from kvspec_traits.vllm_connector._gate import installed_vllm
@@ -580,9 +583,15 @@ class TraitsWorkerBase(seam.SeamWorker):
                 self.block_size,
                 self.physical_blocks_per_logical_kv_block,
             )
-        name: str = super().add_remote_agent(
-            nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size
-        )
+        try:
+            name: str = super().add_remote_agent(
+                nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size
+            )
+        except (AssertionError, StopIteration) as err:
+            if self.region_plan is None:  # not registered by us (vLLM's tests): vLLM's
+                raise
+            detail = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            raise VllmHandshakeRefusalError(engine, remote_tp_rank, detail) from err
         return name
 
     def _tp_peers(self) -> dict[str, TPPeer]:

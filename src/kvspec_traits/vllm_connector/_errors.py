@@ -23,6 +23,7 @@ __all__ = [
     "UnsupportedStateTPError",
     "UnsupportedTransferModeError",
     "UnsupportedVllmVersionError",
+    "VllmHandshakeRefusalError",
 ]
 
 
@@ -250,4 +251,23 @@ class UnsupportedStateTPError(KVSpecTraitsError, NotImplementedError):
             f"say how the state divides across TP ranks (PageComponent.tp_split). Run "
             f"prefill and decode with equal TP sizes, or give each state component a "
             f"tp_split in the spec's adapter"
+        )
+
+
+class VllmHandshakeRefusalError(KVSpecTraitsError, AssertionError):
+    """vLLM's own handshake code (its validation asserts, its descriptor builders'
+    ``next(...)``) refused a peer rank after the connector's checks accepted it: the
+    pair's layouts match by their traits, and vLLM's bookkeeping of the peer cannot
+    hold them. Kept an ``AssertionError`` (what vLLM raised, and what its callers
+    catch). ``.engine_id``, ``.remote_rank``, ``.detail`` (vLLM's error)."""
+
+    def __init__(self, engine_id: str, remote_rank: int, detail: str) -> None:
+        self.engine_id = engine_id
+        self.remote_rank = remote_rank
+        self.detail = detail
+        super().__init__(
+            f"{CONNECTOR_NAME}: vLLM's handshake code refused rank {remote_rank} of peer "
+            f"engine {engine_id} after the traits fingerprints matched ({detail}); no "
+            f"byte moved. vLLM's bookkeeping of the peer cannot hold this pair: run "
+            f"prefill and decode with the same TP and block sizes, and report the pair"
         )

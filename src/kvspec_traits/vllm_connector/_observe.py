@@ -30,6 +30,7 @@ from kvspec_traits.vllm_connector._errors import (
     UnsupportedRingTPError,
     UnsupportedStagePairingError,
     UnsupportedStateTPError,
+    VllmHandshakeRefusalError,
 )
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
 
@@ -55,6 +56,7 @@ _REASONS: Final[tuple[tuple[type[Exception], str], ...]] = (
     (UnsupportedPipelineParallelError, "pipeline_parallel"),
     (UnsupportedRingTPError, "tp_size"),
     (UnsupportedStateTPError, "tp_size"),
+    (VllmHandshakeRefusalError, "vllm_handshake"),
 )
 REFUSAL_REASONS: Final = tuple(dict.fromkeys(reason for _, reason in _REASONS))
 """Every reason a peer is refused for, in the order the docs list them."""
