@@ -566,14 +566,7 @@ class TraitsWorkerBase(seam.SeamWorker):
         the connector's reads (and a push producer's writes, planned here) and handed
         to vLLM at this worker's block size (:func:`._ratio_peer.at_our_block_size`)."""
         engine = nixl_agent_meta.engine_id
-        tp_peers = self._tp_peers()
         peer = self._ratio_peers().get(engine)
-        if peer is None and reads_tp_peer(
-            self, nixl_agent_meta, remote_tp_size, remote_dcp_size, self.region_plan
-        ):
-            self._keep_tp_peer(nixl_agent_meta, remote_tp_rank, remote_tp_size)
-        else:
-            tp_peers.pop(engine, None)
         if peer is not None:
             writes = self.region_plan if self.transfer_mode == "push" else None
             peer.keep_rank(remote_tp_rank, nixl_agent_meta, writes)
@@ -592,6 +585,12 @@ class TraitsWorkerBase(seam.SeamWorker):
                 raise
             detail = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             raise VllmHandshakeRefusalError(engine, remote_tp_rank, detail) from err
+        if peer is None and reads_tp_peer(
+            self, nixl_agent_meta, remote_tp_size, remote_dcp_size, self.region_plan
+        ):
+            self._keep_tp_peer(nixl_agent_meta, remote_tp_rank, remote_tp_size, name)
+        else:
+            self._forget_tp_peer(engine)
         return name
 
     def _tp_peers(self) -> dict[str, TPPeer]:
@@ -599,18 +598,32 @@ class TraitsWorkerBase(seam.SeamWorker):
         peers: dict[str, TPPeer] = self.__dict__.setdefault("_kvspec_tp_peers", {})
         return peers
 
-    def _keep_tp_peer(self, metadata: NixlAgentMetadata, rank: int, remote_tp: int) -> None:
-        """Keep remote rank ``rank`` of a peer of ``remote_tp`` ranks, whose reads the
-        connector plans (:mod:`._tp_peer`); a peer seen before at another TP size or
-        geometry is planned anew."""
+    def _keep_tp_peer(
+        self, metadata: NixlAgentMetadata, rank: int, remote_tp: int, agent_name: str
+    ) -> None:
+        """Keep remote rank ``rank`` (NIXL agent ``agent_name``) of a peer of
+        ``remote_tp`` ranks, whose reads the connector plans (:mod:`._tp_peer`); a peer
+        seen before at another TP size or geometry is planned anew."""
         plan = self.region_plan
         if plan is None:
             return
-        peers = self._tp_peers()
-        peer = peers.get(metadata.engine_id)
+        peer = self._tp_peers().get(metadata.engine_id)
         if peer is None or peer.remote_tp != remote_tp or peer.plan is not plan:
-            peer = peers[metadata.engine_id] = TPPeer.of(plan, remote_tp, metadata)
-        peer.keep_rank(rank, metadata)
+            self._forget_tp_peer(metadata.engine_id)
+            peer = self._tp_peers()[metadata.engine_id] = TPPeer.of(plan, remote_tp, metadata)
+        peer.keep_rank(self, rank, metadata, agent_name)
+
+    def _forget_tp_peer(self, engine_id: str) -> None:
+        peer = self._tp_peers().pop(engine_id, None)
+        if peer is not None:
+            peer.release(self)
+
+    def shutdown(self) -> None:
+        """vLLM's shutdown, after releasing the lists prepared for peers of another
+        TP size (:mod:`._tp_peer`)."""
+        for engine_id in list(self._tp_peers()):
+            self._forget_tp_peer(engine_id)
+        super().shutdown()
 
     def _keep_region_offset(self, offset: int) -> None:
         """vLLM 0.32/0.33 slice a PP 1 peer's regions from this offset for a stage:

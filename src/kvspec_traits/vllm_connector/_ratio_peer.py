@@ -37,7 +37,7 @@ from kvspec_traits.vllm_connector import _seam as seam
 from kvspec_traits.vllm_connector._fields import peer_regions_of
 from kvspec_traits.vllm_connector._log import logger
 from kvspec_traits.vllm_connector._names import CONNECTOR_NAME
-from kvspec_traits.vllm_connector._reads import post_reads
+from kvspec_traits.vllm_connector._reads import post_reads, row_reads
 
 __all__ = [
     "RATIO_REGISTRATION_KEY",
@@ -228,7 +228,7 @@ def read_request(worker: Any, peer: RatioPeer, req_id: str, meta: Any) -> None:
         return
     remote_mem = {r.mem_type for regions in peer.ranks.values() for r in regions}
     rows = {rank: got.arrays() for rank, got in reads.items()}
-    post_reads(worker, req_id, meta, rows, next(iter(remote_mem)))
+    post_reads(worker, req_id, meta, rows.keys(), row_reads(worker, rows, next(iter(remote_mem))))
 
 
 def write_request(
