@@ -12,13 +12,11 @@ rank ``r`` of TP ``t`` holds head ``r // (t / H)`` when ``H < t`` (vLLM's
 ``num_kv_head_replicas``), heads ``[r H/t, (r+1) H/t)`` otherwise; requested blocks hold
 that share of the producer's truth, every other byte stays zero.
 
-A producer of more ranks than the consumer whose ranks hold replicas moves too: vLLM's
-read path reads the first rank of each distinct head there (``compute_tp_mapping``), and
-only its handshake validation asserted the pair away; the connector's topology answers
-that the consumer gathers (``_seam.gathering_topology``).
-
-Every cell is read by the connector's planned reads (``_tp_peer``: the planner's
-``tp_reads``), never by vLLM's descriptor path (``receive(planned=True)`` fails it).
+A producer of more ranks than the consumer whose ranks hold replicas moves too (vLLM's
+handshake validation asserted the pair away; the connector's topology answers that the
+consumer gathers, ``_seam.gathering_topology``). Every cell is read by the connector's
+planned reads (``_tp_peer``: the planner's ``tp_reads``, each head from the first rank
+holding it), never by vLLM's descriptor path (``receive(planned=True)`` fails it).
 """
 
 from __future__ import annotations

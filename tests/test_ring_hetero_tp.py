@@ -288,7 +288,9 @@ def read_rings(consumer: Any, port: int, remote_tp: int, shared: bool = False) -
     ring is the second transfer group; the main attention group moves no block)."""
     local: tuple[list[int], ...] = ([], LOCAL_BLOCKS) if shared else (LOCAL_BLOCKS,)
     remote = [[], REMOTE_BLOCKS] if shared else [REMOTE_BLOCKS]
-    receive(consumer, port=port, local=local, remote=remote, remote_tp=remote_tp)
+    # Ours reads another TP size by its planned reads (the planner's tp_reads).
+    planned = isinstance(consumer, TraitsNixlConnectorWorker)
+    receive(consumer, port=port, local=local, remote=remote, remote_tp=remote_tp, planned=planned)
 
 
 def _worker_cls(which: str) -> type:

@@ -595,8 +595,9 @@ def test_the_nixl_shim_moves_the_gdn_hybrids_tp4_cells(
 # -- the same cells through TraitsNixlConnectorWorker (real NIXL, vLLM's request path) ---
 
 CONNECTOR_MOVED = [("gdn_state_gqa2", 4, 2), ("gdn_state_gqa2", 2, 4)]
-"""The padded state page between TP 4 and TP 2 through the connector: vLLM's state-aware
-reads (the conv split in the DS layout) with the replicated KV heads' topology."""
+"""The padded state page between TP 4 and TP 2 through the connector: its planned reads
+(``_tp_peer``: the planner's ``tp_reads``, the state run by run of its DS conv layout,
+the replicated KV heads from the first rank holding each), never vLLM's descriptors."""
 
 
 @pytest.mark.parametrize(
@@ -633,7 +634,11 @@ def test_the_connector_moves_the_gdn_hybrids_tp4_cells(
                 worker, caches = make(
                     LAYOUTS[name].groups(consumer_tp), "decode", consumer_tp, rank, 64, heads
                 )
-                receive(worker, port=port, local=block_ids, remote=block_ids, remote_tp=producer_tp)
+                # Read by the connector's planned reads (the planner's tp_reads).
+                receive(
+                    worker, port=port, local=block_ids, remote=block_ids,
+                    remote_tp=producer_tp, planned=True,
+                )  # fmt: skip
                 expected = _rank(name, consumer_tp, rank)
                 _fill(name, truth, expected, consumer_tp, rank, block_ids, only=True)
                 got = layouts.backing(caches)
