@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +36,6 @@ import msgspec
 import pytest
 import torch
 from vllm import SamplingParams
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.v1.attention.backends import cpu_attn
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -59,7 +57,7 @@ from kvspec_traits.vllm_connector._ratio_peer import RATIO_REGISTRATION_KEY
 from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorScheduler
 from tests.nixl_helpers import layouts
 from tests.nixl_helpers.layouts import LLAMA
-from tests.nixl_helpers.receive import receive, serving
+from tests.nixl_helpers.receive import push_request, receive, serving
 from tests.test_block_ratio import (
     LAYOUT,
     MODELS,
@@ -196,8 +194,10 @@ def push(
     with serving(producers) as p_port, serving(consumers) as d_port:
         _push_request(producers, consumers, (p_port, d_port), p_ids, d_ids)
     for worker in producers:
-        # Written by the connector's descriptors, as each decode rank's reads would be.
+        # Written by the connector's descriptors, as each decode rank's reads would be:
+        # between block sizes (block_reads), or between TP sizes at one (tp_reads).
         assert ("decode" in worker._ratio_peers()) is (p_block != d_block)
+        assert ("decode" in worker._tp_consumers()) is (p_block == d_block and p_tp != d_tp)
     for consumer in consumers:
         # vLLM's bookkeeping sees the producer at our block size, so it converts nothing.
         assert consumer.transfer_topo.get_engine_info("prefill").remote_block_size == d_block
@@ -219,66 +219,11 @@ def _push_request(
     ports: tuple[int, int],
     p_ids: list[list[int]],
     d_ids: list[list[int]],
-    timeout: float = 60,
 ) -> None:
-    """One request (``"req"``) as vLLM's push schedulers stage it: each prefill rank gets
-    its finished blocks, each decode rank the request to receive and the registration
-    (upstream's fields, and where the lists start: from the first block, 128 tokens);
-    fails unless every rank reports it done within ``timeout`` seconds."""
-    (p_port, d_port), req = ports, "req"
-    for producer in producers:
-        meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
-        meta.reqs_in_batch.add(req)
-        meta.reqs_to_send[req] = time.perf_counter() + 600
-        meta.push_finished_blocks[req] = tuple(list(b) for b in p_ids)
-        producer.start_load_kv(meta)
-    peer = {"host": "127.0.0.1", "p_port": p_port, "p_tp": len(producers)}
-    registration = {
-        "request_id": req,
-        "decode_engine_id": "decode",
-        "decode_host": peer["host"],
-        "decode_port": d_port,
-        "decode_tp_size": len(consumers),
-        "local_block_ids": tuple(list(b) for b in d_ids),
-        "remote_engine_id": "prefill",
-        "remote_host": peer["host"],
-        "remote_port": p_port,
-        "remote_tp_size": len(producers),
-        "remote_pp_size": 1,
-        RATIO_REGISTRATION_KEY: {"computed": [0] * len(d_ids), "tokens": TOKENS},
-    }
-    for consumer in consumers:
-        meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
-        meta.add_new_req_to_recv(
-            request_id=req,
-            local_block_ids=tuple(list(b) for b in d_ids),
-            kv_transfer_params={
-                "remote_block_ids": (),  # push: the decode side does not know them
-                "remote_engine_id": "prefill",
-                "remote_request_id": req,
-                "remote_host": "127.0.0.1",
-                "remote_port": p_port,
-                "tp_size": len(producers),
-                "pp_size": 1,
-            },
-        )
-        meta.push_registrations[req] = dict(registration)
-        consumer.start_load_kv(meta)
-    sent: list[set[str]] = [set() for _ in producers]
-    got: list[set[str]] = [set() for _ in consumers]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for done, worker in zip(sent, producers, strict=True):
-            done |= worker.get_finished()[0]
-        for done, worker in zip(got, consumers, strict=True):
-            done |= worker.get_finished()[1]
-        if all(req in d for d in sent + got):
-            break
-        time.sleep(0.02)
-    assert all(req in d for d in got), f"not received in {timeout:.0f} s: {got}"
-    assert all(req in d for d in sent), f"not sent in {timeout:.0f} s: {sent}"
-    for consumer in consumers:
-        assert consumer.get_block_ids_with_load_errors() == set()
+    """:func:`push_request` with where the lists start: from the first block, of the
+    request's TOKENS tokens."""
+    placement = {"computed": [0] * len(d_ids), "tokens": TOKENS}
+    push_request(producers, consumers, ports, p_ids, d_ids, {RATIO_REGISTRATION_KEY: placement})
 
 
 # -- the truth as vLLM-CPU's attention kernel writes it ---------------------------------
@@ -401,6 +346,30 @@ def test_push_between_block_sizes_writes_each_token_to_its_row(
     rank_worker: Callable[..., Any], name: str, p_tp: int, d_tp: int, p_block: int, d_block: int
 ) -> None:
     for rank, (got, want) in push(rank_worker, name, p_tp, d_tp, p_block, d_block).items():
+        assert torch.equal(got, want), (rank, int((got != want).sum()))
+
+
+PUSH_TP_CELLS = [
+    ("gqa", 1, 2),
+    ("gqa", 2, 1),
+    ("mla", 1, 2),
+    ("mla", 2, 1),
+    ("hybrid_full_swa", 1, 2),
+    ("hybrid_full_swa", 2, 1),
+]
+"""Push between TP sizes at one block size (issue 47): each producer rank writes what
+each decode rank's planned reads (the planner's ``tp_reads``, from the decode side)
+take from it, never vLLM's split descriptors (``push`` asserts the consumer is planned);
+every model in both directions."""
+
+
+@pytest.mark.parametrize(
+    ("name", "p_tp", "d_tp"), PUSH_TP_CELLS, ids=[f"{n}-P{p}D{d}" for n, p, d in PUSH_TP_CELLS]
+)
+def test_push_between_tp_sizes_writes_each_decode_ranks_share(
+    rank_worker: Callable[..., Any], name: str, p_tp: int, d_tp: int
+) -> None:
+    for rank, (got, want) in push(rank_worker, name, p_tp, d_tp, 32, 32).items():
         assert torch.equal(got, want), (rank, int((got != want).sum()))
 
 

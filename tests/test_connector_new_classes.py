@@ -411,6 +411,7 @@ def read_request(consumer: Any, model: Model, port: int, remote_tp: int) -> None
         remote_tp=remote_tp,
         # Another TP size: the connector's planned reads (the planner's tp_reads).
         planned=isinstance(consumer, TraitsNixlConnectorWorker)
+        and consumer.region_plan is not None
         and consumer.region_plan.tp_size != remote_tp,
     )
 

@@ -71,9 +71,10 @@ from kvspec_traits.transfer import (
     plan_regions,
 )
 from kvspec_traits.transfer._fingerprint import record_page
+from kvspec_traits.vllm_connector._push import TraitsNixlPushConnectorWorker
 from tests.mooncake_helpers.remote import Remote
 from tests.nixl_helpers import checks, layouts
-from tests.nixl_helpers.receive import receive, serving
+from tests.nixl_helpers.receive import push_request, receive, serving
 from tests.test_connector_differential import distributed, llama_rank_worker
 
 __all__ = ["distributed"]  # a fixture, imported for its name
@@ -643,6 +644,54 @@ def test_the_connector_moves_the_gdn_hybrids_tp4_cells(
                 _fill(name, truth, expected, consumer_tp, rank, block_ids, only=True)
                 got = layouts.backing(caches)
                 assert torch.equal(got, expected.raw), (rank, _first_diff(got, expected.raw))
+    finally:
+        for worker in made:
+            worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("name", "producer_tp", "consumer_tp"),
+    CONNECTOR_MOVED,
+    ids=[f"{n}-P{p}D{d}" for n, p, d in CONNECTOR_MOVED],
+)
+def test_the_push_connector_writes_the_gdn_hybrids_tp4_cells(
+    name: str,
+    producer_tp: int,
+    consumer_tp: int,
+    distributed: None,
+    tiny_models: pathlib.Path,
+) -> None:
+    """The same cells in push mode: each prefill rank writes what each decode rank's
+    planned reads take from it (its state runs, its heads), through vLLM's push path
+    (registration, WRITE, notifications); every decode rank's whole allocation is its
+    share, every other byte zero."""
+    made: list[Any] = []
+    make = llama_rank_worker(tiny_models, made, NB, LAYOUTS[name].layout)
+    truth = _truth(name)
+    block_ids = checks.request_blocks(_rank(name, 1, 0).config, per_group=2)
+    heads, push = LAYOUTS[name].kv_heads, TraitsNixlPushConnectorWorker
+    try:
+        producers, consumers = [], []
+        for rank in range(producer_tp):
+            groups = LAYOUTS[name].groups(producer_tp)
+            worker, caches = make(groups, "prefill", producer_tp, rank, 64, heads, push)
+            held = Rank(_rank(name, producer_tp, rank).config, caches, worker.region_plan)
+            _fill(name, truth, held, producer_tp, rank, block_ids, only=False)
+            producers.append(worker)
+        received = []
+        for rank in range(consumer_tp):
+            groups = LAYOUTS[name].groups(consumer_tp)
+            worker, caches = make(groups, "decode", consumer_tp, rank, 64, heads, push)
+            consumers.append(worker)
+            received.append(caches)
+        with serving(producers) as p_port, serving(consumers) as d_port:
+            push_request(producers, consumers, (p_port, d_port), block_ids, block_ids)
+        assert all("decode" in worker._tp_consumers() for worker in producers)
+        for rank, caches in enumerate(received):
+            expected = _rank(name, consumer_tp, rank)
+            _fill(name, truth, expected, consumer_tp, rank, block_ids, only=True)
+            got = layouts.backing(caches)
+            assert torch.equal(got, expected.raw), (rank, _first_diff(got, expected.raw))
     finally:
         for worker in made:
             worker.shutdown()

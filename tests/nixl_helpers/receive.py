@@ -99,3 +99,72 @@ def receive(
     else:
         raise AssertionError(f"the read did not finish in {timeout:.0f} s")
     assert consumer.get_block_ids_with_load_errors() == set()
+
+
+def push_request(
+    producers: list[Any],
+    consumers: list[Any],
+    ports: tuple[int, int],
+    p_ids: list[list[int]],
+    d_ids: list[list[int]],
+    extra: Mapping[str, Any] | None = None,
+    timeout: float = 60,
+) -> None:
+    """One request (``"req"``) as vLLM's push schedulers stage it: each prefill rank gets
+    its finished blocks ``p_ids``, each decode rank the request to receive into ``d_ids``
+    and the registration (upstream's fields, and ``extra``'s); fails unless every rank
+    reports it done within ``timeout`` seconds."""
+    (p_port, d_port), req = ports, "req"
+    for producer in producers:
+        meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
+        meta.reqs_in_batch.add(req)
+        meta.reqs_to_send[req] = time.perf_counter() + 600
+        meta.push_finished_blocks[req] = tuple(list(b) for b in p_ids)
+        producer.start_load_kv(meta)
+    peer = {"host": "127.0.0.1", "p_port": p_port, "p_tp": len(producers)}
+    registration = {
+        "request_id": req,
+        "decode_engine_id": "decode",
+        "decode_host": peer["host"],
+        "decode_port": d_port,
+        "decode_tp_size": len(consumers),
+        "local_block_ids": tuple(list(b) for b in d_ids),
+        "remote_engine_id": "prefill",
+        "remote_host": peer["host"],
+        "remote_port": p_port,
+        "remote_tp_size": len(producers),
+        "remote_pp_size": 1,
+        **(extra or {}),
+    }
+    for consumer in consumers:
+        meta = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
+        meta.add_new_req_to_recv(
+            request_id=req,
+            local_block_ids=tuple(list(b) for b in d_ids),
+            kv_transfer_params={
+                "remote_block_ids": (),  # push: the decode side does not know them
+                "remote_engine_id": "prefill",
+                "remote_request_id": req,
+                "remote_host": "127.0.0.1",
+                "remote_port": p_port,
+                "tp_size": len(producers),
+                "pp_size": 1,
+            },
+        )
+        meta.push_registrations[req] = dict(registration)
+        consumer.start_load_kv(meta)
+    sent: list[set[str]] = [set() for _ in producers]
+    got: list[set[str]] = [set() for _ in consumers]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for done, worker in zip(sent, producers, strict=True):
+            done |= worker.get_finished()[0]
+        for done, worker in zip(got, consumers, strict=True):
+            done |= worker.get_finished()[1]
+        if all(req in d for d in sent + got):
+            break
+        time.sleep(0.02)
+    assert all(req in d for d in got), f"not received in {timeout:.0f} s: {got}"
+    assert all(req in d for d in sent), f"not sent in {timeout:.0f} s: {sent}"
+    for consumer in consumers:
+        assert consumer.get_block_ids_with_load_errors() == set()

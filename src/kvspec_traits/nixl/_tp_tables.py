@@ -3,24 +3,33 @@
 cache group as :class:`~kvspec_traits.nixl._items.ReadTable` buckets them), one row per
 block on each side, prepared once per remote rank as vLLM prepares its split
 descriptors at the handshake; a request then names descriptor ids (NIXL's
-``make_prepped_xfer``) and builds no rows.
+``make_prepped_xfer``) and builds no rows. A push producer's writes are its consumer
+ranks' reads of it, planned from their side (:func:`tp_writes`), turned around.
 
 Pure: numpy only, no NIXL and no vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from kvspec_traits.nixl._descs import U64
-from kvspec_traits.nixl._items import Groups, ReadTable
-from kvspec_traits.transfer import PeerRegion, RegionPlan
+from kvspec_traits.nixl._checked import checked_request
+from kvspec_traits.nixl._descs import U64, BlockIds, Request
+from kvspec_traits.nixl._items import Groups, ReadCache, ReadTable
+from kvspec_traits.transfer import (
+    PeerRegion,
+    RegionPlan,
+    UnsupportedLayoutError,
+    peer_regions,
+    peer_view,
+)
 
-__all__ = ["TPTable", "tp_table", "tp_table_ids"]
+__all__ = ["TPTable", "TPWrites", "tp_table", "tp_table_ids", "tp_writes"]
 
 Ids = npt.NDArray[np.int64]
 
@@ -103,3 +112,71 @@ def tp_table_ids(tables: Sequence[TPTable], groups: Groups) -> dict[int, tuple[I
         if parts_l:
             out[table.rank] = (np.concatenate(parts_l), np.concatenate(parts_r))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class TPWrites:
+    """What this rank writes into one consumer rank of another TP size: that rank's
+    plan as it holds our regions (``reader``), its reads of them (``reads``, the
+    planner's, from every rank of ours: this rank's regions stand in for the others')
+    and its lists for the pieces this rank serves (``table``: ``local`` the reader's
+    rows, ``remote`` ours)."""
+
+    reader: RegionPlan
+    reads: ReadCache
+    stand_ins: dict[int, Sequence[PeerRegion]]
+    table: TPTable
+
+    def ids(self, reader_ids: BlockIds, our_ids: BlockIds) -> tuple[Ids, Ids] | None:
+        """A request's ids into ``table`` (the reader's blocks ``reader_ids``, ours
+        ``our_ids``, paired: one list per cache group of equal lengths), validated as
+        the reader's own read would be; ``None`` where this rank serves none of it."""
+        plan = self.reader
+        _, groups = checked_request(
+            plan,
+            self.stand_ins,
+            Request(reader_ids, plan.num_groups, "remote"),
+            Request(our_ids, plan.num_groups, "local"),
+            self.reads,
+        )
+        return tp_table_ids([self.table], groups).get(self.table.rank)
+
+
+def tp_writes(
+    plan: RegionPlan, reader_tp: int, reader_rank: int, reader_regions: Sequence[PeerRegion]
+) -> TPWrites:
+    """What this rank (``plan``) writes into rank ``reader_rank`` of a consumer of
+    ``reader_tp`` ranks (its regions ``reader_regions``): the reads that rank makes of
+    every region (:func:`~kvspec_traits.transfer.peer_view`, then
+    :func:`~kvspec_traits.transfer.tp_reads` from its side), the pieces this rank
+    serves. Raises :class:`~kvspec_traits.transfer.UnsupportedLayoutError` where a
+    region cannot move between the two TP sizes."""
+    if len(reader_regions) != len(plan.regions):
+        raise UnsupportedLayoutError(
+            plan.regions[0].name if plan.regions else "(none)",
+            f"the consumer registers {len(reader_regions)} regions, this rank {len(plan.regions)}",
+        )
+    regions = tuple(
+        dataclasses.replace(
+            peer_view(region, tp=plan.tp_size, peer_tp=reader_tp, peer_block_len=theirs.block_len),
+            base_addr=theirs.base_addr,
+            block_stride=theirs.block_stride,
+            num_blocks=theirs.num_blocks,
+            device_id=theirs.device_id,
+            mem_type=theirs.mem_type,
+        )
+        for region, theirs in zip(plan.regions, reader_regions, strict=True)
+    )
+    reader = RegionPlan(
+        regions=regions,
+        registrations=(),
+        num_blocks=plan.num_blocks,
+        tp_size=reader_tp,
+        tp_rank=reader_rank,
+        num_groups=plan.num_groups,
+    )
+    ours = peer_regions(plan)
+    reads = ReadCache(reader, plan.tp_size, ours)
+    stand_ins: dict[int, Sequence[PeerRegion]] = dict.fromkeys(range(plan.tp_size), ours)
+    table = tp_table(reader, ReadTable(reader, stand_ins, reads), plan.tp_rank, ours)
+    return TPWrites(reader, reads, stand_ins, table)

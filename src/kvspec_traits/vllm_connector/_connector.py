@@ -87,7 +87,12 @@ from kvspec_traits.vllm_connector._stats import (
     TraitsStatsConnector,
     traits_stats,
 )
-from kvspec_traits.vllm_connector._tp_peer import TPPeer, read_tp_request, reads_tp_peer
+from kvspec_traits.vllm_connector._tp_peer import (
+    TPConsumer,
+    TPPeer,
+    read_tp_request,
+    reads_tp_peer,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -598,31 +603,48 @@ class TraitsWorkerBase(seam.SeamWorker):
         peers: dict[str, TPPeer] = self.__dict__.setdefault("_kvspec_tp_peers", {})
         return peers
 
+    def _tp_consumers(self) -> dict[str, TPConsumer]:
+        consumers: dict[str, TPConsumer] = self.__dict__.setdefault("_kvspec_tp_consumers", {})
+        return consumers
+
     def _keep_tp_peer(
         self, metadata: NixlAgentMetadata, rank: int, remote_tp: int, agent_name: str
     ) -> None:
         """Keep remote rank ``rank`` (NIXL agent ``agent_name``) of a peer of
-        ``remote_tp`` ranks, whose reads the connector plans (:mod:`._tp_peer`); a peer
-        seen before at another TP size or geometry is planned anew."""
+        ``remote_tp`` ranks, which the connector reads (pull) or writes (push) itself
+        (:mod:`._tp_peer`); a peer seen before at another TP size or geometry is
+        planned anew."""
         plan = self.region_plan
         if plan is None:
             return
-        peer = self._tp_peers().get(metadata.engine_id)
-        if peer is None or peer.remote_tp != remote_tp or peer.plan is not plan:
-            self._forget_tp_peer(metadata.engine_id)
-            peer = self._tp_peers()[metadata.engine_id] = TPPeer.of(plan, remote_tp, metadata)
-        peer.keep_rank(self, rank, metadata, agent_name)
+        engine = metadata.engine_id
+        kept: TPPeer | TPConsumer | None
+        if self.transfer_mode == "push":
+            kept = self._tp_consumers().get(engine)
+            if kept is None or kept.remote_tp != remote_tp or kept.plan is not plan:
+                self._forget_tp_peer(engine)
+                kept = self._tp_consumers()[engine] = TPConsumer(plan, remote_tp)
+        else:
+            kept = self._tp_peers().get(engine)
+            if kept is None or kept.remote_tp != remote_tp or kept.plan is not plan:
+                self._forget_tp_peer(engine)
+                kept = self._tp_peers()[engine] = TPPeer.of(plan, remote_tp, metadata)
+        kept.keep_rank(self, rank, metadata, agent_name)
 
     def _forget_tp_peer(self, engine_id: str) -> None:
-        peer = self._tp_peers().pop(engine_id, None)
-        if peer is not None:
-            peer.release(self)
+        for peers in (self._tp_peers(), self._tp_consumers()):
+            peer = peers.pop(engine_id, None)
+            if peer is not None:
+                peer.release(self)
+
+    def release_tp_peers(self) -> None:
+        """Release the lists prepared for peers of another TP size (:mod:`._tp_peer`)."""
+        for engine_id in {*self._tp_peers(), *self._tp_consumers()}:
+            self._forget_tp_peer(engine_id)
 
     def shutdown(self) -> None:
-        """vLLM's shutdown, after releasing the lists prepared for peers of another
-        TP size (:mod:`._tp_peer`)."""
-        for engine_id in list(self._tp_peers()):
-            self._forget_tp_peer(engine_id)
+        """vLLM's shutdown, after :meth:`release_tp_peers`."""
+        self.release_tp_peers()
         super().shutdown()
 
     def _keep_region_offset(self, offset: int) -> None:

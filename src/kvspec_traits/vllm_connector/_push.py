@@ -17,7 +17,9 @@ block sizes (:func:`~._ratio_peer.write_request`, planned by
 :func:`~kvspec_traits.transfer.block_reads` from the consumer's side), where its
 scheduler's registration says its lists start
 (:data:`~._ratio_peer.RATIO_REGISTRATION_KEY`); vLLM's bookkeeping of the peer sees it
-at our block size, as in pull mode.
+at our block size, as in pull mode. A consumer of another TP size at our block size is
+written by the connector too: each consumer rank gets its reads of this rank, planned
+from its side (:func:`~._tp_peer.write_tp_request`, the planner's ``tp_reads``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from kvspec_traits.vllm_connector._scheduler import TraitsNixlPushConnectorSched
 from kvspec_traits.vllm_connector._seam import SeamPushWorker
 from kvspec_traits.vllm_connector._shm_wait import holding_shm_wait, release_shm_wait
 from kvspec_traits.vllm_connector._stats import TraitsStatsConnector
+from kvspec_traits.vllm_connector._tp_peer import write_tp_request
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -107,6 +110,12 @@ class TraitsNixlPushConnectorWorker(SeamPushWorker, TraitsWorkerBase):
         )
         return view
 
+    def shutdown(self) -> None:
+        """vLLM's push worker's shutdown, after releasing the lists prepared for
+        consumers of another TP size."""
+        self.release_tp_peers()
+        super().shutdown()
+
     def start_push(
         self,
         request_id: str,
@@ -124,12 +133,16 @@ class TraitsNixlPushConnectorWorker(SeamPushWorker, TraitsWorkerBase):
     ) -> None:
         peer = self._ratio_peers().get(meta.remote.engine_id)
         placement = self.__dict__.get("_kvspec_ratio_registrations", {}).pop(req_id, None)
-        if peer is None:
+        consumer = self._tp_consumers().get(meta.remote.engine_id)
+        if peer is None and consumer is None:
             upstream(req_id, meta)
             return
         handles: list[int] = []
         try:
-            write_request(self, peer, meta, placement, handles)
+            if peer is not None:
+                write_request(self, peer, meta, placement, handles)
+            elif consumer is not None:  # another TP size: its ranks' reads of us
+                write_tp_request(self, consumer, meta, handles)
         except Exception as err:  # ids that do not pair, or NIXL's untyped errors
             # vLLM's failed-WRITE bookkeeping: never reported sent; the lease frees it.
             logger.error("%s: request %s not written: %r", PUSH_CONNECTOR_NAME, req_id, err)

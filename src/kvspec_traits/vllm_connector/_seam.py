@@ -402,6 +402,32 @@ class SeamWorker(NixlBaseConnectorWorker):
     def check_remote_fingerprint(self, agent_metadata: NixlAgentMetadata) -> None:
         """Called with the peer's decoded metadata after vLLM's checks of it."""
 
+    def pair_uncomputed(
+        self, decode: Any, prefill: Any, decode_per_logical: int, prefill_per_logical: int
+    ) -> tuple[Any, Any]:
+        """vLLM's pairing of a request's decode kernel blocks (the suffix a prefix-cache
+        hit leaves; a state group's slots) with the prefill side's, each side of its
+        own kernel blocks a block: ``_apply_prefix_caching`` (both modes call it; pull
+        with our blocks as ``decode``, push with the consumer's). Lists it cannot pair
+        raise :class:`~kvspec_traits.transfer.BlockIdShapeError`."""
+        try:
+            paired: tuple[Any, Any] = self._apply_prefix_caching(
+                decode_block_ids=decode,
+                prefill_block_ids=prefill,
+                decode_physical_per_logical=decode_per_logical,
+                prefill_physical_per_logical=prefill_per_logical,
+            )
+        except AssertionError as err:  # vLLM's check of the lists, as a named error
+            raise BlockIdShapeError(
+                "both",
+                sum(len(g) for g in decode),
+                sum(len(g) for g in prefill),
+                f"vLLM pairs no uncomputed blocks of these lists per group "
+                f"({[len(g) for g in decode]} decode, {[len(g) for g in prefill]} "
+                f"prefill): {err}",
+            ) from err
+        return paired
+
     # -- vLLM's private methods and what each series keeps -------------------------------
 
     def set_region_layers(self, region_layers: list[list[str]]) -> None:
@@ -585,27 +611,6 @@ class SeamPullWorker(NixlPullConnectorWorker):
         """vLLM's handling of the NIXL notifications that arrived (``upstream``): the
         requests whose every reader is done."""
         return upstream()
-
-    def pair_uncomputed(self, local: Any, remote: Any, remote_per_logical: int) -> tuple[Any, Any]:
-        """vLLM's pairing of a request's kernel blocks to read (``local``: the suffix a
-        prefix-cache hit leaves; a state group's slots) with the peer's (``remote``, of
-        ``remote_per_logical`` kernel blocks a block): ``_apply_prefix_caching``. Lists
-        it cannot pair raise :class:`~kvspec_traits.transfer.BlockIdShapeError`."""
-        try:
-            return self._apply_prefix_caching(
-                decode_block_ids=local,
-                prefill_block_ids=remote,
-                decode_physical_per_logical=self._physical_blocks_per_logical_kv_block,
-                prefill_physical_per_logical=remote_per_logical,
-            )
-        except AssertionError as err:  # vLLM's check of the lists, as a named error
-            raise BlockIdShapeError(
-                "both",
-                sum(len(g) for g in local),
-                sum(len(g) for g in remote),
-                f"vLLM pairs no uncomputed blocks of these lists per group "
-                f"({[len(g) for g in local]} local, {[len(g) for g in remote]} remote): {err}",
-            ) from err
 
     def fail_read(self, req_id: str) -> None:
         """vLLM's failed read without a transport failure (as its expired readback)."""
