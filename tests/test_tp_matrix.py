@@ -71,6 +71,7 @@ from kvspec_traits.transfer import (
     plan_regions,
 )
 from kvspec_traits.transfer._fingerprint import record_page
+from kvspec_traits.vllm_connector import TraitsNixlConnectorWorker
 from kvspec_traits.vllm_connector._push import TraitsNixlPushConnectorWorker
 from tests.mooncake_helpers.remote import Remote
 from tests.nixl_helpers import checks, layouts
@@ -601,12 +602,14 @@ CONNECTOR_MOVED = [("gdn_state_gqa2", 4, 2), ("gdn_state_gqa2", 2, 4)]
 the replicated KV heads from the first rank holding each), never vLLM's descriptors."""
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize(
     ("name", "producer_tp", "consumer_tp"),
     CONNECTOR_MOVED,
     ids=[f"{n}-P{p}D{d}" for n, p, d in CONNECTOR_MOVED],
 )
 def test_the_connector_moves_the_gdn_hybrids_tp4_cells(
+    mode: str,
     name: str,
     producer_tp: int,
     consumer_tp: int,
@@ -614,87 +617,55 @@ def test_the_connector_moves_the_gdn_hybrids_tp4_cells(
     tiny_models: pathlib.Path,
 ) -> None:
     """Each decode rank (a worker of the tiny Llama's config, its model's two KV heads)
-    reads through vLLM's receive path and holds exactly its share afterwards: its whole
-    allocation is compared, every other byte zero."""
+    holds exactly its share afterwards, its whole allocation compared, every other byte
+    zero: read through vLLM's receive path (pull), or written by each prefill rank with
+    what the decode ranks' planned reads take from it through vLLM's push path
+    (registration, WRITE, notifications)."""
     made: list[Any] = []
     make = llama_rank_worker(tiny_models, made, NB, LAYOUTS[name].layout)
     truth = _truth(name)
     block_ids = checks.request_blocks(_rank(name, 1, 0).config, per_group=2)
     heads = LAYOUTS[name].kv_heads
+    cls = TraitsNixlPushConnectorWorker if mode == "push" else TraitsNixlConnectorWorker
+
+    def worker(engine: str, tp: int, rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
+        return make(LAYOUTS[name].groups(tp), engine, tp, rank, 64, heads, cls)
+
+    def check(rank: int, caches: dict[str, torch.Tensor]) -> None:
+        expected = _rank(name, consumer_tp, rank)
+        _fill(name, truth, expected, consumer_tp, rank, block_ids, only=True)
+        got = layouts.backing(caches)
+        assert torch.equal(got, expected.raw), (rank, _first_diff(got, expected.raw))
+
     try:
         producers = []
         for rank in range(producer_tp):
-            worker, caches = make(
-                LAYOUTS[name].groups(producer_tp), "prefill", producer_tp, rank, 64, heads
-            )
-            held = Rank(_rank(name, producer_tp, rank).config, caches, worker.region_plan)
+            producer, caches = worker("prefill", producer_tp, rank)
+            held = Rank(_rank(name, producer_tp, rank).config, caches, producer.region_plan)
             _fill(name, truth, held, producer_tp, rank, block_ids, only=False)
-            producers.append(worker)
+            producers.append(producer)
+        if mode == "push":
+            received = [worker("decode", consumer_tp, rank) for rank in range(consumer_tp)]
+            consumers = [consumer for consumer, _ in received]
+            with serving(producers) as p_port, serving(consumers) as d_port:
+                push_request(producers, consumers, (p_port, d_port), block_ids, block_ids)
+            # Written by the connector's planned writes (the decode ranks' tp_reads).
+            assert all("decode" in producer._tp_consumers() for producer in producers)
+            for rank, (_, caches) in enumerate(received):
+                check(rank, caches)
+            return
         with serving(producers) as port:
             for rank in range(consumer_tp):
-                worker, caches = make(
-                    LAYOUTS[name].groups(consumer_tp), "decode", consumer_tp, rank, 64, heads
-                )
+                consumer, caches = worker("decode", consumer_tp, rank)
                 # Read by the connector's planned reads (the planner's tp_reads).
                 receive(
-                    worker, port=port, local=block_ids, remote=block_ids,
+                    consumer, port=port, local=block_ids, remote=block_ids,
                     remote_tp=producer_tp, planned=True,
                 )  # fmt: skip
-                expected = _rank(name, consumer_tp, rank)
-                _fill(name, truth, expected, consumer_tp, rank, block_ids, only=True)
-                got = layouts.backing(caches)
-                assert torch.equal(got, expected.raw), (rank, _first_diff(got, expected.raw))
+                check(rank, caches)
     finally:
-        for worker in made:
-            worker.shutdown()
-
-
-@pytest.mark.parametrize(
-    ("name", "producer_tp", "consumer_tp"),
-    CONNECTOR_MOVED,
-    ids=[f"{n}-P{p}D{d}" for n, p, d in CONNECTOR_MOVED],
-)
-def test_the_push_connector_writes_the_gdn_hybrids_tp4_cells(
-    name: str,
-    producer_tp: int,
-    consumer_tp: int,
-    distributed: None,
-    tiny_models: pathlib.Path,
-) -> None:
-    """The same cells in push mode: each prefill rank writes what each decode rank's
-    planned reads take from it (its state runs, its heads), through vLLM's push path
-    (registration, WRITE, notifications); every decode rank's whole allocation is its
-    share, every other byte zero."""
-    made: list[Any] = []
-    make = llama_rank_worker(tiny_models, made, NB, LAYOUTS[name].layout)
-    truth = _truth(name)
-    block_ids = checks.request_blocks(_rank(name, 1, 0).config, per_group=2)
-    heads, push = LAYOUTS[name].kv_heads, TraitsNixlPushConnectorWorker
-    try:
-        producers, consumers = [], []
-        for rank in range(producer_tp):
-            groups = LAYOUTS[name].groups(producer_tp)
-            worker, caches = make(groups, "prefill", producer_tp, rank, 64, heads, push)
-            held = Rank(_rank(name, producer_tp, rank).config, caches, worker.region_plan)
-            _fill(name, truth, held, producer_tp, rank, block_ids, only=False)
-            producers.append(worker)
-        received = []
-        for rank in range(consumer_tp):
-            groups = LAYOUTS[name].groups(consumer_tp)
-            worker, caches = make(groups, "decode", consumer_tp, rank, 64, heads, push)
-            consumers.append(worker)
-            received.append(caches)
-        with serving(producers) as p_port, serving(consumers) as d_port:
-            push_request(producers, consumers, (p_port, d_port), block_ids, block_ids)
-        assert all("decode" in worker._tp_consumers() for worker in producers)
-        for rank, caches in enumerate(received):
-            expected = _rank(name, consumer_tp, rank)
-            _fill(name, truth, expected, consumer_tp, rank, block_ids, only=True)
-            got = layouts.backing(caches)
-            assert torch.equal(got, expected.raw), (rank, _first_diff(got, expected.raw))
-    finally:
-        for worker in made:
-            worker.shutdown()
+        for made_worker in made:
+            made_worker.shutdown()
 
 
 # -- the table docs/tp-pairs.md shows, generated from the planner ------------------------

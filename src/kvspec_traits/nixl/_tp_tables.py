@@ -12,7 +12,7 @@ Pure: numpy only, no NIXL and no vLLM.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +29,7 @@ from kvspec_traits.transfer import (
     peer_view,
 )
 
-__all__ = ["TPTable", "TPWrites", "tp_table", "tp_table_ids", "tp_writes"]
+__all__ = ["TPTable", "TPWrites", "request_ids", "tp_table", "tp_table_ids", "tp_writes"]
 
 Ids = npt.NDArray[np.int64]
 
@@ -94,6 +94,28 @@ def _rows(
     return rows
 
 
+def request_ids(
+    plan: RegionPlan,
+    remotes: Mapping[int, Sequence[PeerRegion]],
+    local_ids: BlockIds,
+    remote_ids: BlockIds,
+    reads: ReadCache,
+    tables: Sequence[TPTable],
+) -> dict[int, tuple[Ids, Ids]]:
+    """:func:`tp_table_ids` of a request of ``plan``'s blocks ``local_ids`` paired with
+    the remote ranks' ``remote_ids``, checked first as the shim checks a read
+    (:func:`~kvspec_traits.nixl._checked.checked_request`: one list per group, paired,
+    in bounds on both sides, distinct destinations, every region able to move)."""
+    _, groups = checked_request(
+        plan,
+        remotes,
+        Request(local_ids, plan.num_groups, "local"),
+        Request(remote_ids, plan.num_groups, "remote"),
+        reads,
+    )
+    return tp_table_ids(tables, groups)
+
+
 def tp_table_ids(tables: Sequence[TPTable], groups: Groups) -> dict[int, tuple[Ids, Ids]]:
     """Per remote rank with something to read, a request's descriptor ids into its
     local and remote lists (``groups``: the request's checked ids per cache-group key,
@@ -131,15 +153,10 @@ class TPWrites:
         """A request's ids into ``table`` (the reader's blocks ``reader_ids``, ours
         ``our_ids``, paired: one list per cache group of equal lengths), validated as
         the reader's own read would be; ``None`` where this rank serves none of it."""
-        plan = self.reader
-        _, groups = checked_request(
-            plan,
-            self.stand_ins,
-            Request(reader_ids, plan.num_groups, "remote"),
-            Request(our_ids, plan.num_groups, "local"),
-            self.reads,
+        got = request_ids(
+            self.reader, self.stand_ins, reader_ids, our_ids, self.reads, [self.table]
         )
-        return tp_table_ids([self.table], groups).get(self.table.rank)
+        return got.get(self.table.rank)
 
 
 def tp_writes(

@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvspec_traits._errors import KVSpecTraitsError
-from kvspec_traits.nixl._checked import checked_request
-from kvspec_traits.nixl._descs import Request
 from kvspec_traits.nixl._items import ReadCache, ReadTable
-from kvspec_traits.nixl._tp_tables import TPTable, TPWrites, tp_table, tp_table_ids, tp_writes
+from kvspec_traits.nixl._tp_tables import TPTable, TPWrites, request_ids, tp_table, tp_writes
 from kvspec_traits.transfer import PeerRegion, RegionPlan, UnsupportedLayoutError
 from kvspec_traits.vllm_connector._fields import peer_regions_of
 from kvspec_traits.vllm_connector._log import logger
@@ -210,18 +208,12 @@ def read_tp_request(worker: Any, peer: TPPeer, req_id: str, meta: Any) -> None:
             worker.physical_blocks_per_logical_kv_block,
             peer.remote_blocks_per_logical,
         )
-        _, groups = checked_request(
-            plan,
-            peer.ranks,
-            Request(local, plan.num_groups, "local"),
-            Request(remote, plan.num_groups, "remote"),
-            peer.reads,
-        )
+        tables = [table for table, _, _ in peer.tables.values()]
+        ids = request_ids(plan, peer.ranks, local, remote, peer.reads, tables)
     except KVSpecTraitsError as err:
         logger.error("%s: request %s not read: %s", CONNECTOR_NAME, req_id, err)
         worker.fail_read(req_id)
         return
-    ids = tp_table_ids([table for table, _, _ in peer.tables.values()], groups)
     agent = worker.nixl_wrapper
 
     def make(rank: int, name: str, notif: bytes) -> int:
