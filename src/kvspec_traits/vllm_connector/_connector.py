@@ -630,6 +630,16 @@ class TraitsWorkerBase(seam.SeamWorker):
                 self._forget_tp_peer(engine)
                 kept = self._tp_peers()[engine] = TPPeer.of(plan, remote_tp, metadata)
         kept.keep_rank(self, rank, metadata, agent_name)
+        logger.info(
+            "%s: peer engine %s rank %d of TP %d (ours: TP %d): its %s planned from layout "
+            "traits (transfer.tp_reads), not vLLM's split descriptors",
+            CONNECTOR_NAME,
+            engine,
+            rank,
+            remote_tp,
+            plan.tp_size,
+            "writes" if self.transfer_mode == "push" else "reads",
+        )
 
     def _forget_tp_peer(self, engine_id: str) -> None:
         for peers in (self._tp_peers(), self._tp_consumers()):
