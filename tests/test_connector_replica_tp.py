@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
 import pytest
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvspec_traits import _families as families
@@ -147,3 +149,39 @@ def test_a_vllm_handshake_assert_on_a_peer_rank_is_a_named_refusal(
     assert (refused.value.engine_id, refused.value.remote_rank) == ("prefill", 1)
     assert "rank 1 of peer engine prefill" in str(refused.value)
     consumer.shutdown()
+
+
+def test_a_planned_read_from_an_invalidated_peer_fails_as_vllm_fails_it(
+    rank_worker: Callable[..., Any],
+) -> None:
+    """vLLM declines a read from a peer it invalidated (its heartbeat or a read failed;
+    ``_invalid_remote_engines``) and fails the request; the connector's planned reads of
+    a peer of another TP size leave such a request to vLLM: it finishes failed, its
+    blocks reported as load errors, none of its bytes written."""
+    producer, caches = rank_worker(1, "prefill", 1, 0)
+    layouts.fill_pattern(caches, 5)
+    consumer, local = rank_worker(1, "decode-0", 2, 0)
+    with serving([producer]) as port:
+        receive(consumer, port=port, local=[[1]], remote=[[1]], remote_tp=1, planned=True)
+        consumer._invalid_remote_engines.add("prefill")
+        before = layouts.backing(local).clone()
+        metadata = NixlConnectorMetadata()  # type: ignore[no-untyped-call]
+        metadata.add_new_req_to_recv(
+            request_id="req2",
+            local_block_ids=([LOCAL_BLOCKS[0]],),
+            kv_transfer_params={
+                "remote_block_ids": [[REMOTE_BLOCKS[0]]],
+                "remote_engine_id": "prefill",
+                "remote_request_id": "prefill-req2",
+                "remote_host": "127.0.0.1",
+                "remote_port": port,
+                "tp_size": 1,
+            },
+        )
+        consumer.start_load_kv(metadata)
+        deadline = time.monotonic() + 30
+        while "req2" not in consumer.get_finished()[1]:
+            assert time.monotonic() < deadline, "the declined read was never reported"
+            time.sleep(0.05)
+    assert LOCAL_BLOCKS[0] in consumer.get_block_ids_with_load_errors()
+    assert torch.equal(layouts.backing(local), before)

@@ -674,7 +674,11 @@ class TraitsNixlConnectorWorker(TraitsWorkerBase, LeasedPullWorker):
             # comes back): the bytes this rank's plan moves for the request.
             plan = self.region_plan
             engine = request.remote.engine_id
-            if plan is not None and engine in self.remote_agents:
+            if (
+                plan is not None
+                and engine in self.remote_agents
+                and not self.upstream_declines(request)  # vLLM fails it, as its own
+            ):
                 nbytes = planned_bytes(plan, request.local_physical_block_ids)
                 if nbytes:
                     traits_stats(self).record_planned_bytes(nbytes)

@@ -213,6 +213,9 @@ NAMES: tuple[VllmName, ...] = (
     VllmName(_PW, "_pop_done_transfers", _O, _ALL, "no hook after a read completes"),
     VllmName(_PW, "_get_new_notifs", _O, _ALL, "no hook where a producer's notifications arrive"),
     VllmName(_PW, "_handle_failed_transfer", _C, _ALL, "vLLM's failed-read path; no public one"),
+    VllmName(_W, "_invalid_remote_engines", _A, _ALL, "peers vLLM's reads decline; no getter"),
+    VllmName(_W, "_bidirectional_kv_xfer_enabled", _A, _ALL, "whether reads may expire; no getter"),
+    VllmName(_PW, "_is_turn2_read_expired", _C, _ALL, "vLLM's expiry of a readback; private"),
     VllmName(
         _W,
         "_apply_prefix_caching",
@@ -611,6 +614,14 @@ class SeamPullWorker(NixlPullConnectorWorker):
         """vLLM's handling of the NIXL notifications that arrived (``upstream``): the
         requests whose every reader is done."""
         return upstream()
+
+    def upstream_declines(self, meta: Any) -> bool:
+        """Whether vLLM's read path declines request ``meta`` before reading (its peer
+        invalidated, or a readback whose blocks expire): the connector's own reads of
+        it leave it to vLLM, which fails it as it fails its own."""
+        if meta.remote.engine_id in self._invalid_remote_engines:
+            return True
+        return bool(self._bidirectional_kv_xfer_enabled) and bool(self._is_turn2_read_expired(meta))
 
     def fail_read(self, req_id: str) -> None:
         """vLLM's failed read without a transport failure (as its expired readback)."""
